@@ -1,0 +1,170 @@
+//! Allocation entry probes and the shared return probe.
+//!
+//! The entry probe saves what the call asked for, per thread; the return
+//! probe sees the result and takes the user stack, which at entry would
+//! miss the caller's frame.
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user, generated::bpf_ktime_get_ns},
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RetProbeContext},
+};
+use memleak_common::{Allocation, CallKind, Counter, PendingCall, OVERFLOWED_SIZE};
+
+use crate::{counters, free, maps::{ALLOCATIONS, PENDING}, stack, tunables};
+
+/// malloc(size), valloc(size), pvalloc(size).
+#[uprobe]
+pub fn malloc_enter(ctx: ProbeContext) -> u32 {
+    let size: u64 = ctx.arg(0).unwrap_or(0);
+    enter(size, 0, CallKind::Allocate);
+    0
+}
+
+/// calloc(count, size).
+#[uprobe]
+pub fn calloc_enter(ctx: ProbeContext) -> u32 {
+    let count: u64 = ctx.arg(0).unwrap_or(0);
+    let size: u64 = ctx.arg(1).unwrap_or(0);
+    enter(array_size(count, size), 0, CallKind::Allocate);
+    0
+}
+
+/// realloc(ptr, size).
+#[uprobe]
+pub fn realloc_enter(ctx: ProbeContext) -> u32 {
+    let old: u64 = ctx.arg(0).unwrap_or(0);
+    let size: u64 = ctx.arg(1).unwrap_or(0);
+    enter(size, old, CallKind::Reallocate);
+    0
+}
+
+/// reallocarray(ptr, count, size).
+#[uprobe]
+pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
+    let old: u64 = ctx.arg(0).unwrap_or(0);
+    let count: u64 = ctx.arg(1).unwrap_or(0);
+    let size: u64 = ctx.arg(2).unwrap_or(0);
+    enter(array_size(count, size), old, CallKind::Reallocate);
+    0
+}
+
+/// memalign(alignment, size), aligned_alloc(alignment, size).
+#[uprobe]
+pub fn memalign_enter(ctx: ProbeContext) -> u32 {
+    let size: u64 = ctx.arg(1).unwrap_or(0);
+    enter(size, 0, CallKind::Allocate);
+    0
+}
+
+/// posix_memalign(out, alignment, size).
+#[uprobe]
+pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
+    let out: u64 = ctx.arg(0).unwrap_or(0);
+    let size: u64 = ctx.arg(2).unwrap_or(0);
+    enter(size, out, CallKind::AllocateThroughPointer);
+    0
+}
+
+/// The return of every function above.
+#[uretprobe]
+pub fn allocation_return(ctx: RetProbeContext) -> u32 {
+    let returned: u64 = ctx.ret();
+    let Some(call) = leave() else { return 0 };
+    let address = match kind_of(call.kind) {
+        CallKind::Allocate => returned,
+        CallKind::Reallocate => {
+            // realloc(p, n) that fails leaves p allocated. One that succeeds,
+            // or realloc(p, 0), which glibc treats as free(p), releases it.
+            if returned != 0 || call.size == 0 {
+                free::release(call.argument);
+            }
+            returned
+        }
+        CallKind::AllocateThroughPointer => {
+            if returned as i32 != 0 || call.argument == 0 {
+                0
+            } else {
+                // SAFETY: reads the caller's out-pointer, which posix_memalign
+                // has just written; a fault only yields an error.
+                unsafe { bpf_probe_read_user(call.argument as *const u64) }.unwrap_or(0)
+            }
+        }
+    };
+    if address == 0 {
+        if call.size != 0 {
+            counters::increment(Counter::FailedAllocations);
+        }
+        return 0;
+    }
+    if call.size == OVERFLOWED_SIZE || call.size < tunables::min_size() || call.size > tunables::max_size() {
+        return 0;
+    }
+    record(&ctx, address, call.size);
+    0
+}
+
+/// `count * size`, or `OVERFLOWED_SIZE` when the product overflows (the
+/// call then fails and returns NULL). Division, because BPF has no
+/// overflow-checked multiply.
+fn array_size(count: u64, size: u64) -> u64 {
+    if count != 0 && size > (OVERFLOWED_SIZE - 1) / count {
+        OVERFLOWED_SIZE
+    } else {
+        count * size
+    }
+}
+
+fn thread_id() -> u32 {
+    bpf_get_current_pid_tgid() as u32
+}
+
+fn enter(size: u64, argument: u64, kind: CallKind) {
+    let tid = thread_id();
+    if let Some(pending) = PENDING.get_ptr_mut(tid) {
+        // An allocator entry point called from inside another one: only the
+        // outer call is the program's allocation.
+        // SAFETY: only this thread touches its own entry.
+        unsafe { (*pending).depth += 1 };
+        return;
+    }
+    let call = PendingCall { size, argument, kind: kind as u32, depth: 1 };
+    let _ = PENDING.insert(tid, call, 0);
+}
+
+/// Pops this thread's call; `None` while still inside a nested one.
+fn leave() -> Option<PendingCall> {
+    let tid = thread_id();
+    let pending = PENDING.get_ptr_mut(tid)?;
+    // SAFETY: only this thread touches its own entry.
+    let call = unsafe {
+        if (*pending).depth > 1 {
+            (*pending).depth -= 1;
+            return None;
+        }
+        *pending
+    };
+    let _ = PENDING.remove(tid);
+    Some(call)
+}
+
+fn kind_of(raw: u32) -> CallKind {
+    match raw {
+        1 => CallKind::Reallocate,
+        2 => CallKind::AllocateThroughPointer,
+        _ => CallKind::Allocate,
+    }
+}
+
+fn record(ctx: &RetProbeContext, address: u64, size: u64) {
+    counters::increment(Counter::Allocations);
+    let allocation = Allocation {
+        size,
+        // SAFETY: a helper without arguments.
+        timestamp_ns: unsafe { bpf_ktime_get_ns() },
+        stack_id: stack::current_stack_id(ctx),
+    };
+    if ALLOCATIONS.insert(address, allocation, 0).is_err() {
+        counters::increment(Counter::AllocationsNotTracked);
+    }
+}

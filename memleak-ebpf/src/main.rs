@@ -1,0 +1,25 @@
+//! memleak's BPF programs: uprobes on the target's allocator that keep one
+//! map entry per outstanding allocation and one per distinct user stack.
+//!
+//! The layout of every record and the name of every map and program come
+//! from `memleak-common`, the only contract with user space.
+#![no_std]
+#![no_main]
+
+mod allocation;
+mod counters;
+mod free;
+mod maps;
+mod stack;
+mod tunables;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any program that could reach this.
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,38 @@
+//! The maps, sized here for the verifier; user space resizes
+//! ALLOCATIONS and STACKS at load time from --max-allocs and --max-stacks.
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray},
+};
+use memleak_common::{Allocation, PendingCall, StackFrames, COUNTER_SLOTS};
+
+/// Address -> outstanding allocation. Not preallocated: kernel memory
+/// grows with what the target really holds, not with --max-allocs.
+#[map(name = "ALLOCATIONS")]
+pub static ALLOCATIONS: HashMap<u64, Allocation> =
+    HashMap::with_max_entries(1_000_000, BPF_F_NO_PREALLOC);
+
+/// Whole user stack -> stack id. Keyed by every frame so that distinct
+/// stacks can never collide (a kernel stack map would drop or merge them).
+#[map(name = "STACKS")]
+pub static STACKS: HashMap<StackFrames, u64> =
+    HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
+
+/// Thread id -> allocation call in flight. LRU so that a thread killed
+/// inside malloc cannot leak an entry forever.
+#[map(name = "PENDING")]
+pub static PENDING: LruHashMap<u32, PendingCall> = LruHashMap::with_max_entries(16_384, 0);
+
+/// Health counters, see `memleak_common::Counter`.
+#[map(name = "COUNTERS")]
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+
+/// Scratch space for one stack: too big for the 512-byte BPF stack.
+#[map(name = "STACK_SCRATCH")]
+pub static STACK_SCRATCH: PerCpuArray<StackFrames> = PerCpuArray::with_max_entries(1, 0);
+
+/// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
+#[map(name = "STACK_ID_COUNTERS")]
+pub static STACK_ID_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);

@@ -1,0 +1,245 @@
+//! The attach plan: which object serves the target's allocations, and at
+//! which file offsets each allocator function starts.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use memleak_common::programs;
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+/// The functions memleak probes and the entry program of each. Every one but
+/// `free` also gets the shared return probe.
+pub const ALLOCATOR_FUNCTIONS: &[(&str, &str)] = &[
+    ("malloc", programs::MALLOC_ENTER),
+    ("calloc", programs::CALLOC_ENTER),
+    ("realloc", programs::REALLOC_ENTER),
+    ("reallocarray", programs::REALLOCARRAY_ENTER),
+    ("posix_memalign", programs::POSIX_MEMALIGN_ENTER),
+    ("aligned_alloc", programs::MEMALIGN_ENTER),
+    ("memalign", programs::MEMALIGN_ENTER),
+    ("valloc", programs::MALLOC_ENTER),
+    ("pvalloc", programs::MALLOC_ENTER),
+    ("free", programs::FREE_ENTER),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum AllocatorError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{0} is not an ELF file: give -O the allocator library or binary")]
+    NotElf(PathBuf),
+    #[error("{0} has no malloc and free symbols: give -O the object that provides the allocator")]
+    NoAllocator(PathBuf),
+    #[error("process {pid} maps no libc and its binary {binary} has no malloc: give -O the object that provides the allocator")]
+    NoLibc { pid: u32, binary: String },
+    #[error("cannot find the libc that {program} will load: `{loader} --list` failed: {reason}")]
+    Loader { program: PathBuf, loader: String, reason: String },
+}
+
+/// A function of the allocator and where it starts in its file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeSite {
+    pub function: &'static str,
+    pub entry_program: &'static str,
+    pub file_offset: u64,
+}
+
+/// The object to probe and the probe sites in it.
+#[derive(Clone, Debug)]
+pub struct AttachPlan {
+    /// Path that opens the object from memleak's own mount namespace.
+    pub path: PathBuf,
+    /// The object as the target names it, for reports.
+    pub display_path: String,
+    pub sites: Vec<ProbeSite>,
+}
+
+/// Plans probes for a running process: `object` if given, else the libc it
+/// maps, else its own binary when that is statically linked.
+pub fn plan_for_process(pid: u32, object: Option<&Path>) -> Result<AttachPlan, AllocatorError> {
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    if let Some(object) = object {
+        let in_target = root.join(object.strip_prefix("/").unwrap_or(object));
+        let path = if object.exists() { object.to_path_buf() } else { in_target };
+        return plan_for_object(&path, &object.display().to_string());
+    }
+    let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let maps = fs::read_to_string(&maps_path)
+        .map_err(|source| AllocatorError::Read { path: maps_path, source })?;
+    let mapped: Vec<&str> = maps.lines().filter_map(mapped_file).collect();
+    let in_root = |file: &str| root.join(file.trim_start_matches('/'));
+    if let Some(libc) = mapped.iter().find(|file| is_libc(file)) {
+        return plan_for_object(&in_root(libc), libc);
+    }
+    let binary = mapped.first().copied().unwrap_or("");
+    match plan_for_object(&in_root(binary), binary) {
+        Err(AllocatorError::NoAllocator(_) | AllocatorError::NotElf(_) | AllocatorError::Read { .. }) => {
+            Err(AllocatorError::NoLibc { pid, binary: binary.to_owned() })
+        }
+        plan => plan,
+    }
+}
+
+/// Plans probes for a program about to be run: `object` if given, else the
+/// libc its dynamic loader resolves (asked of the loader itself, so
+/// LD_LIBRARY_PATH and the ld.so cache count), else the program itself.
+pub fn plan_for_program(program: &Path, object: Option<&Path>) -> Result<AttachPlan, AllocatorError> {
+    if let Some(object) = object {
+        return plan_for_object(object, &object.display().to_string());
+    }
+    let data = fs::read(program)
+        .map_err(|source| AllocatorError::Read { path: program.to_path_buf(), source })?;
+    let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotElf(program.to_path_buf()))?;
+    let Some(loader) = interpreter(&file) else {
+        return plan_for_object(program, &program.display().to_string());
+    };
+    let output = Command::new(&loader).arg("--list").arg(program).output();
+    let fail = |reason: String| AllocatorError::Loader {
+        program: program.to_path_buf(),
+        loader: loader.clone(),
+        reason,
+    };
+    let output = output.map_err(|error| fail(error.to_string()))?;
+    if !output.status.success() {
+        return Err(fail(String::from_utf8_lossy(&output.stderr).trim().to_owned()));
+    }
+    let listing = String::from_utf8_lossy(&output.stdout);
+    // Lines look like "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x7f...)".
+    let libc = listing
+        .lines()
+        .filter_map(|line| line.split_once("=> ").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .find(|path| is_libc(path));
+    match libc {
+        Some(libc) => plan_for_object(Path::new(libc), libc),
+        None => plan_for_object(program, &program.display().to_string()),
+    }
+}
+
+/// The PT_INTERP of an ELF file, if it is dynamically linked.
+fn interpreter(file: &object::File) -> Option<String> {
+    use object::read::elf::ProgramHeader as _;
+    let object::File::Elf64(elf) = file else { return None };
+    let endian = elf.endian();
+    let data = elf.data();
+    elf.elf_program_headers().iter().find_map(|header| {
+        let bytes = header.interpreter(endian, data).ok()??;
+        Some(String::from_utf8_lossy(bytes).into_owned())
+    })
+}
+
+/// The file of a /proc/PID/maps line, if it maps one.
+pub fn mapped_file(line: &str) -> Option<&str> {
+    let path = line.splitn(6, ' ').nth(5)?.trim_start();
+    path.starts_with('/').then(|| path.strip_suffix(" (deleted)").unwrap_or(path))
+}
+
+fn is_libc(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name.starts_with("libc.so") || name.starts_with("libc-") || name.starts_with("ld-musl-")
+}
+
+/// Finds the allocator functions in one ELF object.
+pub fn plan_for_object(path: &Path, display_path: &str) -> Result<AttachPlan, AllocatorError> {
+    let data = fs::read(path).map_err(|source| AllocatorError::Read { path: path.to_path_buf(), source })?;
+    let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotElf(path.to_path_buf()))?;
+    let addresses = function_addresses(&file);
+    let mut sites = Vec::new();
+    let mut missing = Vec::new();
+    // Aliases (glibc's aligned_alloc and memalign can share code) must be
+    // probed once, or every call would count twice.
+    let mut probed_offsets = BTreeMap::new();
+    for &(function, entry_program) in ALLOCATOR_FUNCTIONS {
+        let offset = addresses.get(function).and_then(|&address| file_offset(&file, address));
+        let Some(file_offset) = offset else {
+            missing.push(function);
+            continue;
+        };
+        if let Some(first) = probed_offsets.insert(file_offset, function) {
+            log::debug!("{function} is an alias of {first} in {display_path}: probed once");
+            probed_offsets.insert(file_offset, first);
+            continue;
+        }
+        sites.push(ProbeSite { function, entry_program, file_offset });
+    }
+    if missing.contains(&"malloc") || missing.contains(&"free") {
+        return Err(AllocatorError::NoAllocator(path.to_path_buf()));
+    }
+    for function in &missing {
+        log::debug!("{display_path} does not define {function}: not probed");
+    }
+    Ok(AttachPlan { path: path.to_path_buf(), display_path: display_path.to_owned(), sites })
+}
+
+/// Addresses of the defined functions we probe, from .dynsym first (what a
+/// stripped library still has), then .symtab.
+fn function_addresses(file: &object::File) -> BTreeMap<String, u64> {
+    let mut addresses = BTreeMap::new();
+    for symbol in file.dynamic_symbols().chain(file.symbols()) {
+        if symbol.is_undefined() || symbol.address() == 0 || symbol.kind() != object::SymbolKind::Text {
+            continue;
+        }
+        let Ok(name) = symbol.name() else { continue };
+        if ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name) {
+            addresses.entry(name.to_owned()).or_insert(symbol.address());
+        }
+    }
+    addresses
+}
+
+/// Converts a virtual address to the file offset uprobes are placed by.
+fn file_offset(file: &object::File, address: u64) -> Option<u64> {
+    file.segments().find_map(|segment| {
+        let (offset, size) = segment.file_range();
+        let start = segment.address();
+        (address >= start && address < start + size).then(|| address - start + offset)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_lines_name_their_files() {
+        let line = "7f1c2a000000-7f1c2a022000 r--p 00000000 fe:01 1312 /usr/lib/x86_64-linux-gnu/libc.so.6";
+        assert_eq!(mapped_file(line), Some("/usr/lib/x86_64-linux-gnu/libc.so.6"));
+        let deleted = "55d0-55d1 r-xp 00001000 fe:01 77 /tmp/app (deleted)";
+        assert_eq!(mapped_file(deleted), Some("/tmp/app"));
+        assert_eq!(mapped_file("7ffd-7ffe rw-p 00000000 00:00 0 [stack]"), None);
+        assert_eq!(mapped_file("7ffd-7ffe rw-p 00000000 00:00 0"), None);
+    }
+
+    #[test]
+    fn libc_is_recognised_by_file_name() {
+        assert!(is_libc("/usr/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(is_libc("/lib/libc-2.31.so"));
+        assert!(is_libc("/lib/ld-musl-x86_64.so.1"));
+        assert!(!is_libc("/usr/lib/libcap.so.2"));
+        assert!(!is_libc("/usr/lib/x86_64-linux-gnu/libcrypt.so.1"));
+    }
+
+    #[test]
+    fn glibc_plan_probes_every_function_once() {
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let plan = plan_for_object(libc, "libc.so.6").expect("the host libc has an allocator");
+        let functions: Vec<_> = plan.sites.iter().map(|site| site.function).collect();
+        for function in ["malloc", "calloc", "realloc", "free", "posix_memalign", "valloc"] {
+            assert!(functions.contains(&function), "{function} missing from {functions:?}");
+        }
+        let mut offsets: Vec<_> = plan.sites.iter().map(|site| site.file_offset).collect();
+        offsets.sort_unstable();
+        offsets.dedup();
+        assert_eq!(offsets.len(), plan.sites.len(), "an offset is probed twice: {:?}", plan.sites);
+    }
+
+    #[test]
+    fn a_file_that_is_not_elf_is_refused() {
+        let error = plan_for_object(Path::new("/etc/hostname"), "/etc/hostname").unwrap_err();
+        assert!(matches!(error, AllocatorError::NotElf(_)), "{error}");
+    }
+}

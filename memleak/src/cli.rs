@@ -1,0 +1,115 @@
+//! Command-line interface. Flags keep the meaning they have in bcc's
+//! memleak; where bcc's documentation and behaviour disagree (the `-o`
+//! default), the documentation wins.
+
+use std::{num::NonZeroU64, path::PathBuf, time::Duration};
+
+use clap::{Parser, ValueEnum};
+
+/// Trace outstanding allocations of a process and print the call stacks
+/// that hold the most memory.
+#[derive(Debug, Parser)]
+#[command(name = "memleak", version, about, after_help = EXAMPLES)]
+pub struct Args {
+    /// Trace this running process.
+    #[arg(short, long, value_name = "PID", conflicts_with = "command")]
+    pub pid: Option<u32>,
+
+    /// Run this command (with its arguments, split like a shell would) and
+    /// trace it from its first instruction.
+    #[arg(short, long, value_name = "\"CMD ARGS\"")]
+    pub command: Option<String>,
+
+    /// Seconds between reports.
+    #[arg(value_name = "INTERVAL", default_value = "5", value_parser = parse_interval)]
+    pub interval: Duration,
+
+    /// Number of reports to print before exiting (default: until the target
+    /// exits or memleak is interrupted).
+    #[arg(value_name = "COUNT")]
+    pub count: Option<NonZeroU64>,
+
+    /// Number of stacks to show in each report.
+    #[arg(short = 'T', long, value_name = "N", default_value_t = 10)]
+    pub top: usize,
+
+    /// Show the address, size and age of each outstanding allocation.
+    #[arg(short = 'a', long)]
+    pub show_allocs: bool,
+
+    /// Report only allocations older than this many milliseconds.
+    #[arg(short = 'o', long, value_name = "MS", default_value_t = 500)]
+    pub older: u64,
+
+    /// Ignore allocations smaller than this many bytes.
+    #[arg(short = 'z', long, value_name = "BYTES")]
+    pub min_size: Option<u64>,
+
+    /// Ignore allocations larger than this many bytes.
+    #[arg(short = 'Z', long, value_name = "BYTES")]
+    pub max_size: Option<u64>,
+
+    /// Allocator object to probe, instead of the libc the target maps.
+    #[arg(short = 'O', long = "obj", value_name = "PATH")]
+    pub object: Option<PathBuf>,
+
+    /// Outstanding allocations tracked at most; more are counted as not
+    /// tracked. Map memory grows with use, not with this limit.
+    #[arg(long, value_name = "N", default_value_t = 1_000_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_allocs: u32,
+
+    /// Distinct call stacks stored at most; allocations from further stacks
+    /// are counted as "stacks lost".
+    #[arg(long, value_name = "N", default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_stacks: u32,
+
+    /// Frames kept per stack (1 to 127).
+    #[arg(long, value_name = "N", default_value_t = 127, value_parser = clap::value_parser!(u32).range(1..=127))]
+    pub max_stack_depth: u32,
+
+    /// Report format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+
+    /// Print debug logs (probe placement, skipped symbols) to stderr.
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// bcc-style text.
+    Text,
+    /// One JSON object per report, one per line.
+    Json,
+}
+
+const EXAMPLES: &str = "\
+Examples:
+  memleak -p 1234              report every 5 s until interrupted
+  memleak -p 1234 -a 10 3      3 reports, 10 s apart, with each allocation
+  memleak -c './app --flag'    run ./app and trace it from its start
+  memleak -p 1234 --format json | jq .total_bytes";
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    match text.parse::<u64>() {
+        Ok(0) => Err("the interval must be at least 1 second".to_owned()),
+        Ok(seconds) => Ok(Duration::from_secs(seconds)),
+        Err(_) => Err(format!("`{text}` is not a whole number of seconds")),
+    }
+}
+
+impl Args {
+    /// Checks that clap's declarations cannot express.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.pid.is_none() && self.command.is_none() {
+            return Err("give a process to trace with -p PID or -c \"CMD ARGS\"".to_owned());
+        }
+        if let (Some(min), Some(max)) = (self.min_size, self.max_size) {
+            if min > max {
+                return Err(format!("--min-size {min} is larger than --max-size {max}"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,45 @@
+//! memleak: trace a process's outstanding allocations with eBPF uprobes
+//! and report the call stacks that hold the most memory.
+
+mod allocator;
+mod cli;
+mod collector;
+mod model;
+mod report;
+mod session;
+mod symbolize;
+mod target;
+mod tracer;
+
+use std::process::ExitCode;
+
+use clap::Parser as _;
+
+fn main() -> ExitCode {
+    let args = cli::Args::parse();
+    env_logger::Builder::new()
+        .filter_level(if args.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
+        .format(|out, record| {
+            use std::io::Write as _;
+            writeln!(out, "memleak: {}: {}", record.level().as_str().to_lowercase(), record.args())
+        })
+        .init();
+    if let Err(message) = args.validate() {
+        eprintln!("memleak: error: {message}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("memleak: error: cannot start the runtime: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(session::run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("memleak: error: {error:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! The domain model: what a report is made of, independent of BPF and of
+//! output formats.
+
+use serde::Serialize;
+
+/// Outstanding memory of one process at one moment, grouped by stack.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub pid: u32,
+    /// Wall-clock time the snapshot was taken, ms since the Unix epoch.
+    pub time_unix_ms: u64,
+    /// One entry per stack that holds memory, in no particular order.
+    pub stacks: Vec<StackUsage>,
+    pub counters: HealthCounters,
+}
+
+/// The outstanding allocations made from one call stack.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StackUsage {
+    /// Id of the stack in the BPF stack map, or `LOST_STACK_ID`.
+    pub stack_id: u64,
+    pub bytes: u64,
+    pub allocations: u64,
+    /// Each allocation; filled in only when the user asked for them.
+    pub outstanding: Vec<OutstandingAllocation>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OutstandingAllocation {
+    pub address: u64,
+    pub size: u64,
+    pub age_ms: u64,
+}
+
+/// How much the tracer saw and what it could not keep, since attach.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct HealthCounters {
+    /// Allocations recorded.
+    pub allocations: u64,
+    /// free() calls seen.
+    pub frees: u64,
+    /// Allocation calls that returned NULL (never counted as leaks).
+    pub failed_allocations: u64,
+    /// Allocations dropped because --max-allocs was reached.
+    pub allocations_not_tracked: u64,
+    /// Allocations whose stack could not be stored (--max-stacks reached).
+    pub stacks_lost: u64,
+}
+
+/// One frame of a symbolized stack. Unknown values are `None`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Frame {
+    /// The return address in the process, as the stack recorded it.
+    #[serde(serialize_with = "hex_address")]
+    pub address: u64,
+    pub function: Option<String>,
+    /// Bytes from the function's start to `address`; `None` for inlined
+    /// frames, which have no address of their own.
+    pub offset: Option<u64>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+    /// The function was inlined into the next frame of the stack.
+    pub inlined: bool,
+    /// The executable or library holding the code, as the target sees it.
+    pub module: Option<String>,
+}
+
+fn hex_address<S: serde::Serializer>(address: &u64, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format!("{address:#x}"))
+}

@@ -1,0 +1,38 @@
+//! One JSON object per report, one per line.
+
+use std::io::{self, Write};
+
+use super::Report;
+
+pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, report)?;
+    writeln!(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::sample_report;
+
+    #[test]
+    fn json_has_the_documented_keys() {
+        let mut out = Vec::new();
+        render(&sample_report(10), &mut out).unwrap();
+        assert!(out.ends_with(b"\n") && out.iter().filter(|&&b| b == b'\n').count() == 1);
+        let value: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(value["pid"], 4242);
+        assert_eq!(value["total_bytes"], 24_840);
+        assert_eq!(value["total_allocations"], 7);
+        let top = &value["stacks"][0];
+        assert_eq!((top["bytes"].as_u64(), top["allocations"].as_u64()), (Some(24_576), Some(3)));
+        let frame = &top["frames"][0];
+        assert_eq!(frame["function"], "fibonacci");
+        assert_eq!(frame["address"], "0x401009");
+        assert_eq!(frame["offset"], 31);
+        assert_eq!(frame["file"], "/src/leaker.c");
+        assert_eq!(frame["line"], 9);
+        assert_eq!(frame["inlined"], false);
+        assert_eq!(frame["module"], "/app/leaker");
+        assert_eq!(value["health"]["stacks_lost"], 1);
+    }
+}

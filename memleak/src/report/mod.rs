@@ -1,0 +1,179 @@
+//! Reports: a snapshot with symbolized stacks, sorted and cut to the top
+//! N, and the renderers that print it.
+
+pub mod json;
+pub mod text;
+
+use std::sync::Arc;
+
+use memleak_common::LOST_STACK_ID;
+use serde::Serialize;
+
+use crate::{
+    allocator::ALLOCATOR_FUNCTIONS,
+    model::{Frame, HealthCounters, OutstandingAllocation, Snapshot},
+};
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    pub pid: u32,
+    pub time_unix_ms: u64,
+    /// The object whose allocator was probed.
+    pub allocator: String,
+    /// Allocations younger than this were left out.
+    pub min_age_ms: u64,
+    /// Over all stacks, not only those shown.
+    pub total_bytes: u64,
+    pub total_allocations: u64,
+    /// Stacks that hold memory, before the cut to the top N.
+    pub total_stacks: usize,
+    /// Largest first.
+    pub stacks: Vec<ReportStack>,
+    pub health: HealthCounters,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReportStack {
+    pub bytes: u64,
+    pub allocations: u64,
+    /// Innermost first; `frames[0]` called the allocator. Empty when the
+    /// stack was lost.
+    pub frames: Vec<Frame>,
+    /// The stack could not be stored (--max-stacks reached).
+    pub stack_lost: bool,
+    /// Each allocation, with -a.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub outstanding: Vec<OutstandingAllocation>,
+}
+
+/// What a report is made with besides the snapshot.
+pub struct ReportContext<'a> {
+    pub allocator: &'a str,
+    pub min_age_ms: u64,
+    pub top: usize,
+}
+
+impl Report {
+    /// Sorts the snapshot's stacks, keeps the top N and attaches frames.
+    pub fn build(
+        snapshot: Snapshot,
+        context: &ReportContext,
+        mut frames_of: impl FnMut(u64) -> Arc<[Frame]>,
+    ) -> Self {
+        let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes).sum();
+        let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations).sum();
+        let total_stacks = snapshot.stacks.len();
+        let mut usages = snapshot.stacks;
+        // Ties broken by id so that equal reports print identically.
+        usages.sort_by(|a, b| {
+            (b.bytes, b.allocations, a.stack_id).cmp(&(a.bytes, a.allocations, b.stack_id))
+        });
+        usages.truncate(context.top);
+        let stacks = usages
+            .into_iter()
+            .map(|usage| {
+                let stack_lost = usage.stack_id == LOST_STACK_ID;
+                let frames = if stack_lost {
+                    Vec::new()
+                } else {
+                    without_allocator_frames(&frames_of(usage.stack_id), context.allocator)
+                };
+                ReportStack {
+                    bytes: usage.bytes,
+                    allocations: usage.allocations,
+                    frames,
+                    stack_lost,
+                    outstanding: usage.outstanding,
+                }
+            })
+            .collect();
+        Report {
+            pid: snapshot.pid,
+            time_unix_ms: snapshot.time_unix_ms,
+            allocator: context.allocator.to_owned(),
+            min_age_ms: context.min_age_ms,
+            total_bytes,
+            total_allocations,
+            total_stacks,
+            stacks,
+            health: snapshot.counters,
+        }
+    }
+}
+
+/// Drops leading frames inside the allocator's own entry points, so that
+/// `frames[0]` is the code that asked for memory.
+fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
+    let is_allocator_entry = |frame: &Frame| {
+        frame.module.as_deref() == Some(allocator)
+            && frame.function.as_deref().is_some_and(|name| {
+                ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name)
+            })
+    };
+    let skip = frames.iter().take_while(|frame| is_allocator_entry(frame)).count();
+    frames[skip..].to_vec()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::model::StackUsage;
+
+    pub fn frame(function: &str, file: &str, line: u32) -> Frame {
+        Frame {
+            address: 0x401000 + u64::from(line),
+            function: Some(function.to_owned()),
+            offset: Some(0x1f),
+            file: Some(file.to_owned()),
+            line: Some(line),
+            inlined: false,
+            module: Some("/app/leaker".to_owned()),
+        }
+    }
+
+    pub fn usage(stack_id: u64, bytes: u64, allocations: u64) -> StackUsage {
+        StackUsage { stack_id, bytes, allocations, outstanding: Vec::new() }
+    }
+
+    pub fn sample_report(top: usize) -> Report {
+        let snapshot = Snapshot {
+            pid: 4242,
+            time_unix_ms: 1_764_510_000_000,
+            stacks: vec![usage(1, 100, 1), usage(2, 24_576, 3), usage(3, 100, 2), usage(LOST_STACK_ID, 64, 1)],
+            counters: HealthCounters { allocations: 12, frees: 5, stacks_lost: 1, ..Default::default() },
+        };
+        let context = ReportContext { allocator: "/usr/lib/libc.so.6", min_age_ms: 500, top };
+        Report::build(snapshot, &context, |id| match id {
+            2 => vec![frame("fibonacci", "/src/leaker.c", 9), frame("child", "/src/leaker.c", 20)].into(),
+            _ => vec![frame("other", "/src/leaker.c", 30)].into(),
+        })
+    }
+
+    #[test]
+    fn stacks_are_sorted_by_bytes_then_count_and_cut_to_top() {
+        let report = sample_report(3);
+        let sizes: Vec<_> = report.stacks.iter().map(|s| (s.bytes, s.allocations)).collect();
+        assert_eq!(sizes, [(24_576, 3), (100, 2), (100, 1)]);
+        assert_eq!(report.total_bytes, 24_576 + 100 + 100 + 64);
+        assert_eq!(report.total_allocations, 7);
+        assert_eq!(report.total_stacks, 4);
+        assert_eq!(report.stacks[0].frames[0].function.as_deref(), Some("fibonacci"));
+    }
+
+    #[test]
+    fn a_lost_stack_keeps_its_bytes_without_frames() {
+        let report = sample_report(10);
+        let lost = report.stacks.iter().find(|s| s.stack_lost).expect("the lost stack is reported");
+        assert_eq!((lost.bytes, lost.frames.len()), (64, 0));
+    }
+
+    #[test]
+    fn allocator_entry_frames_are_dropped() {
+        let mut malloc = frame("malloc", "malloc.c", 1);
+        malloc.module = Some("/usr/lib/libc.so.6".to_owned());
+        let frames = [malloc, frame("main", "/src/leaker.c", 5)];
+        let kept = without_allocator_frames(&frames, "/usr/lib/libc.so.6");
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].function.as_deref(), Some("main"));
+    }
+}

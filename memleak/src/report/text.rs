@@ -1,0 +1,112 @@
+//! bcc-style text: a timestamped header, then for each stack
+//! `N bytes in M allocations from stack` and one frame per line.
+
+use std::io::{self, Write};
+
+use super::Report;
+use crate::model::Frame;
+
+pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
+    writeln!(
+        out,
+        "[{}] Top {} stacks with outstanding allocations in pid {} ({}):",
+        local_time(report.time_unix_ms),
+        report.stacks.len(),
+        report.pid,
+        report.allocator,
+    )?;
+    for stack in &report.stacks {
+        writeln!(out, "\t{} bytes in {} allocations from stack", stack.bytes, stack.allocations)?;
+        if stack.stack_lost {
+            writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
+        }
+        for frame in &stack.frames {
+            writeln!(out, "\t\t{}", describe(frame))?;
+        }
+        for allocation in &stack.outstanding {
+            writeln!(
+                out,
+                "\t\t\taddr = {:#x} size = {} age = {} ms",
+                allocation.address, allocation.size, allocation.age_ms
+            )?;
+        }
+    }
+    let health = &report.health;
+    let shown = if report.total_stacks > report.stacks.len() {
+        format!(", {} of {} stacks shown", report.stacks.len(), report.total_stacks)
+    } else {
+        String::new()
+    };
+    writeln!(
+        out,
+        "Outstanding: {} bytes in {} allocations older than {} ms{shown}",
+        report.total_bytes, report.total_allocations, report.min_age_ms,
+    )?;
+    writeln!(
+        out,
+        "Seen: {} allocations, {} frees, {} failed allocations; {} allocations not tracked, {} stacks lost",
+        health.allocations,
+        health.frees,
+        health.failed_allocations,
+        health.allocations_not_tracked,
+        health.stacks_lost,
+    )?;
+    if health.allocations_not_tracked > 0 {
+        writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;
+    }
+    if health.stacks_lost > 0 {
+        writeln!(out, "{} allocations without a stack: raise --max-stacks", health.stacks_lost)?;
+    }
+    Ok(())
+}
+
+/// `function+0xoff (file:line) [module]`, with `[inlined]` for frames
+/// inlined into the next one.
+fn describe(frame: &Frame) -> String {
+    let mut text = match (&frame.function, frame.offset) {
+        (Some(function), Some(offset)) => format!("{function}+{offset:#x}"),
+        (Some(function), None) => function.clone(),
+        (None, _) => format!("[unknown] {:#x}", frame.address),
+    };
+    if let Some(file) = &frame.file {
+        match frame.line {
+            Some(line) => text.push_str(&format!(" ({file}:{line})")),
+            None => text.push_str(&format!(" ({file})")),
+        }
+    }
+    if frame.inlined {
+        text.push_str(" [inlined]");
+    } else if let Some(module) = &frame.module {
+        text.push_str(&format!(" [{module}]"));
+    }
+    text
+}
+
+/// HH:MM:SS in the local time zone, as bcc prints it.
+fn local_time(unix_ms: u64) -> String {
+    let seconds = (unix_ms / 1000) as libc::time_t;
+    // SAFETY: `tm` is plain data that localtime_r fills in.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are valid for the call.
+    if unsafe { libc::localtime_r(&seconds, &mut tm) }.is_null() {
+        return "??:??:??".to_owned();
+    }
+    format!("{:02}:{:02}:{:02}", tm.tm_hour, tm.tm_min, tm.tm_sec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::sample_report;
+
+    /// The header's clock depends on the time zone: it is masked.
+    #[test]
+    fn text_matches_the_golden_file() {
+        let mut out = Vec::new();
+        render(&sample_report(3), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let masked = format!("[HH:MM:SS]{}", &text["[HH:MM:SS]".len()..]);
+        let expected = include_str!("../../tests/data/report.txt");
+        assert_eq!(masked, expected);
+    }
+}

@@ -1,0 +1,182 @@
+//! From return addresses to functions, files and lines.
+//!
+//! Each mapped file of the target is opened once, through
+//! /proc/PID/map_files, and kept open: the stacks can then be symbolized
+//! after the target has exited, after its binary was deleted, or when its
+//! files exist only inside its container. Every stack is symbolized once
+//! and cached by its id.
+
+use std::{
+    collections::HashMap,
+    fs::{self, File},
+    os::fd::AsRawFd as _,
+    path::PathBuf,
+    sync::Arc,
+};
+
+use blazesym::symbolize::{self, source::Elf, source::Source, Input, Symbolized};
+
+use crate::{allocator::mapped_file, model::Frame};
+
+/// One file-backed mapping of the target.
+#[derive(Clone, Debug)]
+struct Mapping {
+    start: u64,
+    end: u64,
+    /// File offset of `start`.
+    offset: u64,
+    /// The file as the target names it.
+    path: String,
+    file: Arc<File>,
+}
+
+/// The target's file-backed mappings, refreshed while it lives and kept
+/// after it exits.
+pub struct ProcessModules {
+    pid: u32,
+    mappings: Vec<Mapping>,
+    last_maps: String,
+    /// Open files by "device inode", so a library mapped five times is
+    /// opened once.
+    files: HashMap<String, Arc<File>>,
+}
+
+impl ProcessModules {
+    pub fn new(pid: u32) -> Self {
+        Self { pid, mappings: Vec::new(), last_maps: String::new(), files: HashMap::new() }
+    }
+
+    /// Re-reads /proc/PID/maps. Once the target is gone this keeps what it
+    /// last saw. Mappings that disappeared (a dlclose) are kept unless a
+    /// new mapping covers their addresses: old stacks may still point there.
+    pub fn refresh(&mut self) {
+        let Ok(maps) = fs::read_to_string(format!("/proc/{}/maps", self.pid)) else { return };
+        if maps.is_empty() || maps == self.last_maps {
+            return;
+        }
+        let mut fresh: Vec<Mapping> = maps.lines().filter_map(|line| self.mapping(line)).collect();
+        let overlaps = |old: &Mapping| fresh.iter().any(|new| new.start < old.end && old.start < new.end);
+        let kept: Vec<Mapping> = self.mappings.iter().filter(|old| !overlaps(old)).cloned().collect();
+        fresh.extend(kept);
+        fresh.sort_by_key(|mapping| mapping.start);
+        self.mappings = fresh;
+        self.last_maps = maps;
+    }
+
+    fn mapping(&mut self, line: &str) -> Option<Mapping> {
+        let path = mapped_file(line)?.to_owned();
+        let mut fields = line.split_whitespace();
+        let range = fields.next()?;
+        let (start, end) = range.split_once('-')?;
+        let start = u64::from_str_radix(start, 16).ok()?;
+        let end = u64::from_str_radix(end, 16).ok()?;
+        let _permissions = fields.next()?;
+        let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
+        let identity = format!("{} {}", fields.next()?, fields.next()?);
+        let file = match self.files.get(&identity) {
+            Some(file) => file.clone(),
+            None => {
+                let file = Arc::new(self.open(range, &path)?);
+                self.files.insert(identity, file.clone());
+                file
+            }
+        };
+        Some(Mapping { start, end, offset, path, file })
+    }
+
+    /// Opens a mapped file the way that works even for deleted files and
+    /// files inside another mount namespace.
+    fn open(&self, range: &str, path: &str) -> Option<File> {
+        let candidates = [
+            PathBuf::from(format!("/proc/{}/map_files/{range}", self.pid)),
+            PathBuf::from(format!("/proc/{}/root{path}", self.pid)),
+            PathBuf::from(path),
+        ];
+        candidates.iter().find_map(|candidate| File::open(candidate).ok())
+    }
+
+    fn find(&self, address: u64) -> Option<&Mapping> {
+        let index = self.mappings.partition_point(|mapping| mapping.start <= address);
+        let mapping = self.mappings.get(index.checked_sub(1)?)?;
+        (address < mapping.end).then_some(mapping)
+    }
+}
+
+/// Symbolizes stacks of one process, each once.
+pub struct StackSymbolizer {
+    pub modules: ProcessModules,
+    symbolizer: symbolize::Symbolizer,
+    cache: HashMap<u64, Arc<[Frame]>>,
+}
+
+impl StackSymbolizer {
+    pub fn new(pid: u32) -> Self {
+        let symbolizer = symbolize::Symbolizer::builder()
+            .enable_code_info(true)
+            .enable_inlined_fns(true)
+            .enable_demangling(true)
+            .build();
+        Self { modules: ProcessModules::new(pid), symbolizer, cache: HashMap::new() }
+    }
+
+    pub fn cached(&self, stack_id: u64) -> Option<Arc<[Frame]>> {
+        self.cache.get(&stack_id).cloned()
+    }
+
+    /// Symbolizes and caches a stack given as return addresses, innermost
+    /// first, zero-terminated.
+    pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64]) -> Arc<[Frame]> {
+        let frames: Vec<Frame> = addresses
+            .iter()
+            .take_while(|&&address| address != 0)
+            .flat_map(|&address| self.frames_at(address))
+            .collect();
+        let frames: Arc<[Frame]> = frames.into();
+        self.cache.insert(stack_id, frames.clone());
+        frames
+    }
+
+    /// The frames of one return address: the inlined ones innermost first,
+    /// then the function that holds them.
+    fn frames_at(&self, address: u64) -> Vec<Frame> {
+        let unknown = Frame { address, ..Frame::default() };
+        let Some(mapping) = self.modules.find(address) else { return vec![unknown] };
+        let module = Some(mapping.path.clone());
+        // A return address points after the call; the call itself, whose
+        // line we want, is the byte before.
+        let call_offset = address - 1 - mapping.start + mapping.offset;
+        let source = Source::Elf(Elf::new(format!("/proc/self/fd/{}", mapping.file.as_raw_fd())));
+        let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
+        let Ok(Symbolized::Sym(sym)) = symbolized else {
+            return vec![Frame { module, ..unknown }];
+        };
+        let location = |info: Option<&symbolize::CodeInfo>| match info {
+            Some(info) => (Some(info.to_path().display().to_string()), info.line),
+            None => (None, None),
+        };
+        let mut frames = Vec::with_capacity(sym.inlined.len() + 1);
+        for inlined in sym.inlined.iter().rev() {
+            let (file, line) = location(inlined.code_info.as_ref());
+            frames.push(Frame {
+                address,
+                function: Some(inlined.name.to_string()),
+                offset: None,
+                file,
+                line,
+                inlined: true,
+                module: module.clone(),
+            });
+        }
+        let (file, line) = location(sym.code_info.as_deref());
+        frames.push(Frame {
+            address,
+            function: Some(sym.name.to_string()),
+            offset: Some(sym.offset as u64 + 1),
+            file,
+            line,
+            inlined: false,
+            module,
+        });
+        frames
+    }
+}

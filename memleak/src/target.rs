@@ -1,0 +1,211 @@
+//! The process being traced: validating a PID, spawning a command held at
+//! the door until the probes are in, and noticing when the target exits.
+
+use std::{
+    ffi::CString,
+    fs::{self, File},
+    io::{self, Read as _},
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        unix::ffi::OsStrExt as _,
+    },
+    path::{Path, PathBuf},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("no process with pid {0}: check the pid with `ps -p {0}`")]
+    NoSuchProcess(u32),
+    #[error("pid {0} is a kernel thread: it has no user-space allocator to trace")]
+    KernelThread(u32),
+    #[error("the command to run is empty or has unbalanced quotes: {0:?}")]
+    BadCommandLine(String),
+    #[error("cannot run `{program}`: {source}")]
+    Spawn { program: String, source: io::Error },
+    #[error("cannot run `{0}`: not found in PATH")]
+    NotInPath(String),
+}
+
+/// PF_KTHREAD from include/linux/sched.h: set in /proc/PID/stat's flags.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// Checks that `pid` is a live user-space process.
+pub fn check_process(pid: u32) -> Result<(), TargetError> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|_| TargetError::NoSuchProcess(pid))?;
+    // Fields after the command name, which is in parentheses and may itself
+    // contain spaces or parentheses: state is field 3, flags field 9.
+    let after_name = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
+    let flags: u64 = after_name.split(' ').nth(6).and_then(|f| f.parse().ok()).unwrap_or(0);
+    if flags & PF_KTHREAD != 0 {
+        return Err(TargetError::KernelThread(pid));
+    }
+    if after_name.starts_with('Z') {
+        return Err(TargetError::NoSuchProcess(pid));
+    }
+    Ok(())
+}
+
+/// A command forked and held just before `execve` until `release`, so the
+/// probes are in place before its first instruction runs.
+///
+/// std's `Command::spawn` waits for the exec, so it cannot hold the child
+/// at the door; this forks by hand. Everything the child needs is built
+/// before the fork: between fork and exec it only makes system calls, and
+/// above all never allocates (that would be counted against the target).
+pub struct GatedCommand {
+    pub pid: u32,
+    pub program: PathBuf,
+    /// Closing this lets the child go on to `execve`.
+    gate: OwnedFd,
+    /// The child writes its exec error here; EOF means exec succeeded.
+    exec_error: OwnedFd,
+    name: String,
+}
+
+impl GatedCommand {
+    /// Splits `command_line` like a shell and forks it, held before exec.
+    pub fn spawn(command_line: &str) -> Result<Self, TargetError> {
+        let words = shlex::split(command_line)
+            .filter(|words| !words.is_empty())
+            .ok_or_else(|| TargetError::BadCommandLine(command_line.to_owned()))?;
+        let name = words[0].clone();
+        let program = find_program(&name)?;
+        let spawn_error = |source| TargetError::Spawn { program: name.clone(), source };
+        let to_c = |text: &[u8]| CString::new(text).map_err(|_| TargetError::BadCommandLine(command_line.to_owned()));
+        let program_c = to_c(program.as_os_str().as_bytes())?;
+        let argv_c: Vec<CString> = words.iter().map(|word| to_c(word.as_bytes())).collect::<Result<_, _>>()?;
+        let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|arg| arg.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let (gate_read, gate_write) = pipe().map_err(spawn_error)?;
+        let (error_read, error_write) = pipe().map_err(spawn_error)?;
+        // SAFETY: the child branch below only calls async-signal-safe
+        // functions on memory prepared before the fork.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(spawn_error(io::Error::last_os_error()));
+        }
+        if pid == 0 {
+            // SAFETY: see above; `environ` is the parent's environment.
+            unsafe {
+                libc::close(gate_write.as_raw_fd());
+                let mut byte = 0u8;
+                // EOF (the parent closed its end) means go.
+                libc::read(gate_read.as_raw_fd(), (&raw mut byte).cast(), 1);
+                libc::execv(program_c.as_ptr(), argv.as_ptr());
+                let errno = *libc::__errno_location();
+                libc::write(error_write.as_raw_fd(), (&raw const errno).cast(), 4);
+                libc::_exit(127);
+            }
+        }
+        drop((gate_read, error_write));
+        Ok(Self { pid: pid as u32, program, gate: gate_write, exec_error: error_read, name })
+    }
+
+    /// Lets the command exec and reports whether that worked.
+    pub fn release(self) -> Result<SpawnedCommand, TargetError> {
+        drop(self.gate);
+        let mut errno = [0u8; 4];
+        let mut exec_error = File::from(self.exec_error);
+        let command = SpawnedCommand { pid: self.pid };
+        match exec_error.read(&mut errno) {
+            Ok(4) => {
+                command.reap();
+                let source = io::Error::from_raw_os_error(i32::from_ne_bytes(errno));
+                Err(TargetError::Spawn { program: self.name, source })
+            }
+            _ => Ok(command),
+        }
+    }
+
+    /// Gives up on the command: it never gets to run.
+    pub fn abandon(self) {
+        let command = SpawnedCommand { pid: self.pid };
+        command.terminate(libc::SIGKILL);
+        command.reap();
+    }
+}
+
+/// A command memleak started; it does not outlive memleak.
+pub struct SpawnedCommand {
+    pub pid: u32,
+}
+
+impl SpawnedCommand {
+    pub fn terminate(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on our own child, not yet reaped, so the pid
+        // cannot have been reused.
+        unsafe { libc::kill(self.pid as libc::pid_t, signal) };
+    }
+
+    /// Waits for the child to exit and releases its process table entry.
+    pub fn reap(&self) {
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, 0) };
+    }
+
+    /// Whether it has exited (it stays a zombie until reaped).
+    pub fn has_exited(&self) -> bool {
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: WNOWAIT leaves the child reapable; `info` is plain data.
+        let ready = unsafe {
+            libc::waitid(libc::P_PID, self.pid, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT)
+        };
+        // SAFETY: si_pid is valid for a WEXITED result.
+        ready == 0 && unsafe { info.si_pid() } != 0
+    }
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors are fresh and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Resolves a program name the way execvp would.
+fn find_program(name: &str) -> Result<PathBuf, TargetError> {
+    if name.contains('/') {
+        return Ok(PathBuf::from(name));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+        .ok_or_else(|| TargetError::NotInPath(name.to_owned()))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt as _;
+    fs::metadata(path).is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+}
+
+/// Blocks until process `pid` exits. Uses a pidfd, so a recycled pid
+/// cannot be mistaken for the target.
+pub fn wait_for_exit(pid: u32) -> io::Result<()> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if fd < 0 {
+        let error = io::Error::last_os_error();
+        // ESRCH: it is already gone.
+        return if error.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(error) };
+    }
+    // SAFETY: a fresh descriptor that nobody else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut poll, 1, -1) };
+        if ready > 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}

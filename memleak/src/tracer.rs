@@ -1,0 +1,148 @@
+//! Loading memleak's BPF object, attaching it per the attach plan, and
+//! reading its maps. Dropping the tracer detaches every probe.
+
+use std::num::NonZeroU32;
+
+use aya::{
+    maps::{HashMap, MapData, PerCpuArray},
+    programs::{uprobe::UProbeScope, ProgramError, UProbe},
+    Ebpf, EbpfError, EbpfLoader,
+};
+use memleak_common::{
+    programs, tunables, Allocation, Counter, StackFrames, ALLOCATIONS_MAP, COUNTERS_MAP, STACKS_MAP,
+};
+
+use crate::{allocator::AttachPlan, model::HealthCounters};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TracerError {
+    #[error("permission denied loading BPF programs: run as root or with CAP_BPF and CAP_PERFMON")]
+    NotPermitted,
+    #[error("the kernel rejected memleak's BPF object: {0}")]
+    Load(#[source] EbpfError),
+    #[error("the kernel rejected BPF program `{program}`: {source}")]
+    Verifier { program: &'static str, source: ProgramError },
+    #[error("failed to attach uprobe to `{function}` in {object}: {source}")]
+    Attach { function: &'static str, object: String, source: ProgramError },
+    #[error("failed to read BPF map {map}: {source}")]
+    ReadMap { map: &'static str, source: aya::maps::MapError },
+    #[error("the BPF object lacks {0}: memleak was built wrongly")]
+    Missing(&'static str),
+}
+
+/// Load-time settings of the BPF side.
+#[derive(Clone, Copy, Debug)]
+pub struct TracerConfig {
+    pub min_size: u64,
+    pub max_size: u64,
+    pub stack_depth: u32,
+    pub max_allocations: u32,
+    pub max_stacks: u32,
+}
+
+pub struct Tracer {
+    ebpf: Ebpf,
+}
+
+static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
+
+const ENTRY_PROGRAMS: [&str; 7] = [
+    programs::MALLOC_ENTER,
+    programs::CALLOC_ENTER,
+    programs::REALLOC_ENTER,
+    programs::REALLOCARRAY_ENTER,
+    programs::MEMALIGN_ENTER,
+    programs::POSIX_MEMALIGN_ENTER,
+    programs::FREE_ENTER,
+];
+
+impl Tracer {
+    pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
+        let mut ebpf = EbpfLoader::new()
+            .override_global(tunables::MIN_SIZE, &config.min_size, true)
+            .override_global(tunables::MAX_SIZE, &config.max_size, true)
+            .override_global(tunables::STACK_DEPTH, &config.stack_depth, true)
+            .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
+            .map_max_entries(STACKS_MAP, config.max_stacks)
+            .load(BPF_OBJECT)
+            .map_err(|error| if is_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) })?;
+        for program in ENTRY_PROGRAMS.into_iter().chain([programs::ALLOCATION_RETURN]) {
+            let probe = uprobe(&mut ebpf, program)?;
+            probe.load().map_err(|source| match &source {
+                ProgramError::SyscallError(call) if call.io_error.raw_os_error() == Some(libc::EPERM) => {
+                    TracerError::NotPermitted
+                }
+                _ => TracerError::Verifier { program, source },
+            })?;
+        }
+        Ok(Self { ebpf })
+    }
+
+    /// Attaches the probes of `plan`, firing only for process `pid` and
+    /// its threads (the kernel filters uprobes by address space).
+    pub fn attach(&mut self, plan: &AttachPlan, pid: u32) -> Result<(), TracerError> {
+        let scope = NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
+        let fail = |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
+        for site in &plan.sites {
+            let probe = uprobe(&mut self.ebpf, site.entry_program)?;
+            probe.attach(site.file_offset, &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            log::debug!("uprobe on {} at {:#x} in {}", site.function, site.file_offset, plan.display_path);
+            if site.entry_program != programs::FREE_ENTER {
+                let ret = uprobe(&mut self.ebpf, programs::ALLOCATION_RETURN)?;
+                ret.attach(site.file_offset, &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every outstanding allocation: address and record.
+    pub fn allocations(&self) -> Result<Vec<(u64, Allocation)>, TracerError> {
+        let map: HashMap<&MapData, u64, Allocation> = self.map(ALLOCATIONS_MAP)?;
+        // Entries freed while we iterate vanish under us: skip those.
+        Ok(map.iter().filter_map(Result::ok).collect())
+    }
+
+    /// Every stored stack, with its id.
+    pub fn stacks(&self) -> Result<Vec<(u64, StackFrames)>, TracerError> {
+        let map: HashMap<&MapData, StackFrames, u64> = self.map(STACKS_MAP)?;
+        Ok(map.iter().filter_map(Result::ok).map(|(frames, id)| (id, frames)).collect())
+    }
+
+    pub fn counters(&self) -> Result<HealthCounters, TracerError> {
+        let map = self.ebpf.map(COUNTERS_MAP).ok_or(TracerError::Missing(COUNTERS_MAP))?;
+        let counters: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
+        let read = |counter: Counter| -> Result<u64, TracerError> {
+            let per_cpu = counters
+                .get(&(counter as u32), 0)
+                .map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
+            Ok(per_cpu.iter().sum())
+        };
+        Ok(HealthCounters {
+            allocations: read(Counter::Allocations)?,
+            frees: read(Counter::Frees)?,
+            failed_allocations: read(Counter::FailedAllocations)?,
+            allocations_not_tracked: read(Counter::AllocationsNotTracked)?,
+            stacks_lost: read(Counter::StacksLost)?,
+        })
+    }
+
+    fn map<'a, T>(&'a self, name: &'static str) -> Result<T, TracerError>
+    where
+        T: TryFrom<&'a aya::maps::Map, Error = aya::maps::MapError>,
+    {
+        let map = self.ebpf.map(name).ok_or(TracerError::Missing(name))?;
+        T::try_from(map).map_err(|source| TracerError::ReadMap { map: name, source })
+    }
+}
+
+fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, TracerError> {
+    ebpf.program_mut(name)
+        .and_then(|program| <&mut UProbe>::try_from(program).ok())
+        .ok_or(TracerError::Missing(name))
+}
+
+fn is_eperm(error: &EbpfError) -> bool {
+    let text = format!("{error:?}");
+    text.contains("Operation not permitted") || text.contains("EPERM")
+}
