@@ -36,6 +36,8 @@ pub enum AllocatorError {
     NoAllocator(PathBuf),
     #[error("process {pid} maps no libc and its binary {binary} has no malloc: give -O the object that provides the allocator")]
     NoLibc { pid: u32, binary: String },
+    #[error("cannot run `{0}`: it is neither an ELF executable nor a #! script")]
+    NotExecutable(PathBuf),
     #[error("cannot find the libc that {program} will load: `{loader} --list` failed: {reason}")]
     Loader { program: PathBuf, loader: String, reason: String },
 }
@@ -93,7 +95,11 @@ pub fn plan_for_program(program: &Path, object: Option<&Path>) -> Result<AttachP
     }
     let data = fs::read(program)
         .map_err(|source| AllocatorError::Read { path: program.to_path_buf(), source })?;
-    let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotElf(program.to_path_buf()))?;
+    if let Some(interpreter) = script_interpreter(&data) {
+        // A script: the allocator is its interpreter's.
+        return plan_for_program(&interpreter, None);
+    }
+    let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotExecutable(program.to_path_buf()))?;
     let Some(loader) = interpreter(&file) else {
         return plan_for_object(program, &program.display().to_string());
     };
@@ -118,6 +124,13 @@ pub fn plan_for_program(program: &Path, object: Option<&Path>) -> Result<AttachP
         Some(libc) => plan_for_object(Path::new(libc), libc),
         None => plan_for_object(program, &program.display().to_string()),
     }
+}
+
+/// The interpreter named on a script's `#!` line.
+fn script_interpreter(data: &[u8]) -> Option<PathBuf> {
+    let line = data.strip_prefix(b"#!")?.split(|&byte| byte == b'\n').next()?;
+    let line = std::str::from_utf8(line).ok()?;
+    line.split_whitespace().next().map(PathBuf::from)
 }
 
 /// The PT_INTERP of an ELF file, if it is dynamically linked.

@@ -15,8 +15,23 @@ use std::process::ExitCode;
 
 use clap::Parser as _;
 
+
 fn main() -> ExitCode {
-    let args = cli::Args::parse();
+    let args = match cli::Args::try_parse() {
+        Ok(args) => args,
+        Err(error) if !error.use_stderr() => {
+            // --help and --version: not errors.
+            let _ = error.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(error) => {
+            // clap's first line says what is wrong; its usage hint is noise.
+            let rendered = error.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            eprintln!("memleak: error: {}", first.trim_start_matches("error: ").replace("'", "`").trim());
+            return ExitCode::from(2);
+        }
+    };
     env_logger::Builder::new()
         .filter_level(if args.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
         .format(|out, record| {
@@ -38,7 +53,8 @@ fn main() -> ExitCode {
     match runtime.block_on(session::run(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("memleak: error: {error:#}");
+            // Every error names its own cause, so the chain is not repeated.
+            eprintln!("memleak: error: {error}");
             ExitCode::from(2)
         }
     }

@@ -170,7 +170,10 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Resolves a program name the way execvp would.
 fn find_program(name: &str) -> Result<PathBuf, TargetError> {
     if name.contains('/') {
-        return Ok(PathBuf::from(name));
+        return match fs::metadata(name) {
+            Ok(_) => Ok(PathBuf::from(name)),
+            Err(source) => Err(TargetError::Spawn { program: name.to_owned(), source }),
+        };
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)

@@ -1,1 +1,255 @@
+//! Helpers for the end-to-end tests: build the C fixtures, run memleak
+//! against them, and read its JSON reports.
 
+use std::{
+    fs,
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, ExitStatus, Stdio},
+    sync::mpsc,
+    thread,
+    time::Duration,
+};
+
+use serde_json::Value;
+
+/// How long any one wait may take before the test gives up. A guard
+/// against hangs, never an assertion about speed.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
+}
+
+/// The memleak binary under test (`cargo xtask test` builds it first).
+pub fn memleak_binary() -> PathBuf {
+    let binary = std::env::var_os("MEMLEAK_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/debug/memleak"));
+    assert!(binary.exists(), "{} is missing: run the tests with `cargo xtask test`", binary.display());
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the end-to-end tests load BPF programs: run them as root");
+    binary
+}
+
+/// Compiles tests/fixtures/NAME.c (unoptimised, with frame pointers, as a
+/// debug build would be) and returns the executable.
+pub fn fixture(name: &str) -> PathBuf {
+    let source = workspace_root().join(format!("tests/fixtures/{name}.c"));
+    let dir = workspace_root().join("target/fixtures");
+    fs::create_dir_all(&dir).expect("create target/fixtures");
+    let output = dir.join(name);
+    // Tests run in parallel: build under a private name, then rename, so no
+    // test ever runs a half-written file.
+    let private = dir.join(format!("{name}.{}.{:?}", std::process::id(), thread::current().id()));
+    let status = Command::new("gcc")
+        .args(["-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-o"])
+        .arg(&private)
+        .arg(&source)
+        .status()
+        .expect("run gcc");
+    assert!(status.success(), "gcc failed on {}", source.display());
+    fs::rename(&private, &output).expect("rename fixture");
+    output
+}
+
+/// The line of the fixture that carries `/* ALLOC(marker) */`.
+pub fn marker_line(name: &str, marker: &str) -> u64 {
+    let source = fs::read_to_string(workspace_root().join(format!("tests/fixtures/{name}.c"))).unwrap();
+    let needle = format!("ALLOC({marker})");
+    let index = source.lines().position(|line| line.contains(&needle));
+    index.unwrap_or_else(|| panic!("no {needle} in {name}.c")) as u64 + 1
+}
+
+/// Lines of a child's pipe, read on a thread so that waits can time out.
+pub struct Lines {
+    receiver: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+}
+
+impl Lines {
+    pub fn new(pipe: impl std::io::Read + Send + 'static) -> Self {
+        let (sender, receiver) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { receiver, seen: Vec::new() }
+    }
+
+    /// Waits for a line for which `predicate` holds and returns it.
+    pub fn wait_for(&mut self, what: &str, predicate: impl Fn(&str) -> bool) -> String {
+        loop {
+            match self.receiver.recv_timeout(PATIENCE) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if predicate(&line) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!("waited {PATIENCE:?} for {what}; saw instead: {:#?}", self.seen),
+            }
+        }
+    }
+
+    /// Every remaining line, until the pipe closes.
+    pub fn rest(&mut self) -> Vec<String> {
+        while let Ok(line) = self.receiver.recv_timeout(PATIENCE) {
+            self.seen.push(line);
+        }
+        self.seen.clone()
+    }
+}
+
+/// A running memleak with its output pipes.
+pub struct Memleak {
+    pub child: Child,
+    pub stdin: Option<ChildStdin>,
+    pub stdout: Lines,
+    pub stderr: Lines,
+}
+
+impl Memleak {
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(memleak_binary())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start memleak");
+        let stdin = child.stdin.take();
+        let stdout = Lines::new(child.stdout.take().unwrap());
+        let stderr = Lines::new(child.stderr.take().unwrap());
+        Self { child, stdin, stdout, stderr }
+    }
+
+    /// Waits until the probes are attached.
+    pub fn wait_attached(&mut self) {
+        self.stderr.wait_for("memleak to attach", |line| line.starts_with("memleak: tracing pid"));
+    }
+
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on our own, unreaped child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+    }
+
+    /// Closes memleak's stdin, which a `-c` command inherited.
+    pub fn close_stdin(&mut self) {
+        drop(self.stdin.take());
+    }
+
+    /// Waits for memleak to exit; returns its status and every JSON report.
+    pub fn finish(mut self) -> (ExitStatus, Vec<Value>) {
+        let lines = self.stdout.rest();
+        let status = self.child.wait().expect("wait for memleak");
+        let stderr = self.stderr.rest();
+        let reports = lines
+            .iter()
+            .map(|line| {
+                serde_json::from_str(line)
+                    .unwrap_or_else(|error| panic!("not JSON ({error}): {line}\nstderr: {stderr:#?}"))
+            })
+            .collect();
+        (status, reports)
+    }
+}
+
+/// Runs memleak on `leaker KIND ARGS` with -c: waits for the fixture's
+/// "done", lets it exit, and returns memleak's last report.
+pub fn trace_command(leaker_args: &str, memleak_args: &[&str]) -> Value {
+    let leaker = fixture("leaker");
+    let command = format!("{} {leaker_args}", leaker.display());
+    // All allocations, all stacks, one report at exit, unless told otherwise.
+    let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
+    if !memleak_args.contains(&"-o") {
+        args.extend(["-o", "0"]);
+    }
+    args.extend_from_slice(memleak_args);
+    let mut memleak = Memleak::start(&args);
+    memleak.stderr.wait_for("the fixture to finish", |line| line == "done");
+    memleak.close_stdin();
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    reports.last().cloned().expect("memleak printed a final report")
+}
+
+/// A process of the leaker fixture started by the test, for -p.
+pub struct Leaker {
+    pub child: Child,
+    pub stdin: Option<ChildStdin>,
+    pub stderr: Lines,
+}
+
+impl Leaker {
+    /// Starts `leaker KIND --wait`: it allocates once `go` is called.
+    pub fn start_waiting(kind: &[&str]) -> Self {
+        let mut child = Command::new(fixture("leaker"))
+            .args(kind)
+            .arg("--wait")
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start leaker");
+        let stdin = child.stdin.take();
+        let mut stderr = Lines::new(child.stderr.take().unwrap());
+        stderr.wait_for("the leaker to start", |line| line == "ready");
+        Self { child, stdin, stderr }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Lets it allocate and waits until it has.
+    pub fn go(&mut self) {
+        writeln!(self.stdin.as_mut().unwrap(), "go").unwrap();
+        self.stderr.wait_for("the leaker to allocate", |line| line == "done");
+    }
+
+    /// Lets it exit and reaps it.
+    pub fn exit(mut self) {
+        drop(self.stdin.take());
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Leaker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Stacks of a report whose first frame is `function` at `line`.
+pub fn stacks_at<'a>(report: &'a Value, function: &str, line: u64) -> Vec<&'a Value> {
+    report["stacks"]
+        .as_array()
+        .expect("stacks is an array")
+        .iter()
+        .filter(|stack| {
+            let frame = &stack["frames"][0];
+            frame["function"] == function && frame["line"] == line
+        })
+        .collect()
+}
+
+/// (bytes, allocations) summed over the stacks whose first frame is
+/// `function` at the line of `marker` in leaker.c.
+pub fn usage_at(report: &Value, function: &str, marker: &str) -> (u64, u64) {
+    let line = marker_line("leaker", marker);
+    stacks_at(report, function, line).iter().fold((0, 0), |(bytes, count), stack| {
+        (bytes + stack["bytes"].as_u64().unwrap(), count + stack["allocations"].as_u64().unwrap())
+    })
+}
+
+/// Runs memleak to completion with the given arguments; returns its exit
+/// code and stderr.
+pub fn run_to_end(args: &[&str]) -> (Option<i32>, String) {
+    let output = Command::new(memleak_binary()).args(args).stdin(Stdio::null()).output().expect("run memleak");
+    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}

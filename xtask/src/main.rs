@@ -1,1 +1,113 @@
-fn main() {}
+//! Everything besides cargo itself: toolchain setup, the README demo, the
+//! privileged test run and the benchmark.
+
+mod bench;
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what building the BPF programs needs: rust-src and a
+    /// bpf-linker built against the toolchain's own LLVM. Fast when done.
+    Setup,
+    /// Build memleak and run it on the bundled leaking example.
+    Demo,
+    /// Run every test: unit tests and, as root, the end-to-end tests.
+    Test {
+        /// Passed to the test binaries (a test name filter, --nocapture...).
+        #[arg(trailing_var_arg = true)]
+        test_args: Vec<String>,
+    },
+    /// Measure memleak's overhead on a malloc-heavy workload.
+    Bench {
+        /// Fewer and shorter runs (under 2 minutes).
+        #[arg(long)]
+        quick: bool,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::Setup => setup::run(),
+        Task::Demo => demo(),
+        Task::Test { test_args } => test(&test_args),
+        Task::Bench { quick } => bench::run(quick),
+    }
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+/// Runs a command, failing with its command line if it fails.
+pub fn run(command: &mut Command) -> Result<()> {
+    let status = command.status().with_context(|| format!("cannot run {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed with {status}");
+    }
+    Ok(())
+}
+
+pub fn cargo() -> Command {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    command.current_dir(root());
+    command
+}
+
+pub fn require_root(what: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{what} loads BPF programs: run it as root (sudo -E cargo xtask ...)");
+    }
+    Ok(())
+}
+
+/// Compiles a C fixture from tests/fixtures with debug info and frame
+/// pointers, as a developer's debug build would have them.
+pub fn build_fixture(name: &str) -> Result<PathBuf> {
+    let source = root().join("tests/fixtures").join(format!("{name}.c"));
+    let output_dir = root().join("target/fixtures");
+    std::fs::create_dir_all(&output_dir)?;
+    let output = output_dir.join(name);
+    run(Command::new("gcc")
+        .args(["-g", "-O1", "-fno-omit-frame-pointer", "-fno-inline", "-pthread", "-o"])
+        .arg(&output)
+        .arg(&source))?;
+    Ok(output)
+}
+
+fn demo() -> Result<()> {
+    setup::run()?;
+    require_root("the demo")?;
+    run(cargo().args(["build", "--release", "--package", "memleak"]))?;
+    let leaker = build_fixture("leaker")?;
+    let memleak = root().join("target/release/memleak");
+    let command = format!("{} demo --exit", leaker.display());
+    println!("$ sudo memleak -c '{command}' 1");
+    run(Command::new(memleak).args(["-c", &command, "1"]))
+}
+
+fn test(test_args: &[String]) -> Result<()> {
+    setup::run()?;
+    require_root("the end-to-end tests")?;
+    // The end-to-end tests run the memleak binary this builds.
+    run(cargo().args(["build", "--package", "memleak"]))?;
+    run(cargo()
+        .args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"])
+        .args(test_args))
+}

@@ -1,0 +1,151 @@
+//! Every allocation function of glibc, traced for real with exact numbers.
+
+use memleak_tests::{marker_line, stacks_at, trace_command, usage_at};
+use serde_json::Value;
+
+/// What `leaker all` leaves outstanding, per allocating line: function,
+/// marker, bytes, allocations.
+const ALL_LEAKS: &[(&str, &str, u64, u64)] = &[
+    ("leak_malloc", "malloc", 3000, 3),
+    ("leak_calloc", "calloc", 3000, 3),
+    ("leak_realloc", "realloc", 5000, 1),
+    ("leak_realloc", "realloc-null", 300, 1),
+    ("leak_reallocarray", "reallocarray", 700, 1),
+    ("leak_posix_memalign", "posix_memalign", 1234, 1),
+    ("leak_aligned_alloc", "aligned_alloc", 640, 1),
+    ("leak_memalign", "memalign", 1280, 1),
+    ("leak_valloc", "valloc", 2000, 1),
+    ("leak_pvalloc", "pvalloc", 100, 1),
+    ("fail_allocations", "after-failures", 10, 1),
+];
+
+fn total(report: &Value) -> (u64, u64) {
+    (report["total_bytes"].as_u64().unwrap(), report["total_allocations"].as_u64().unwrap())
+}
+
+#[test]
+fn every_allocation_function_is_recorded_exactly() {
+    let report = trace_command("all", &[]);
+    for &(function, marker, bytes, count) in ALL_LEAKS {
+        assert_eq!(usage_at(&report, function, marker), (bytes, count), "{function} at ALLOC({marker}) in {report:#}");
+    }
+    // Nothing else: realloc's old blocks, realloc(p, 0) and the failed
+    // calls leave no bytes behind.
+    assert_eq!(total(&report), (17_264, 15), "{report:#}");
+    assert_eq!(report["total_stacks"], ALL_LEAKS.len());
+    let health = &report["health"];
+    assert_eq!(health["allocations"], 17, "{health}");
+    assert_eq!(health["failed_allocations"], 3, "malloc(huge), overflowing calloc, bad posix_memalign: {health}");
+    assert_eq!((health["allocations_not_tracked"].as_u64(), health["stacks_lost"].as_u64()), (Some(0), Some(0)));
+}
+
+#[test]
+fn frames_name_function_file_line_and_module() {
+    let report = trace_command("all", &[]);
+    let line = marker_line("leaker", "malloc");
+    let stack = stacks_at(&report, "leak_malloc", line)[0];
+    let frames = stack["frames"].as_array().unwrap();
+    let first = &frames[0];
+    assert!(first["file"].as_str().unwrap().ends_with("tests/fixtures/leaker.c"), "{first}");
+    assert!(first["module"].as_str().unwrap().ends_with("target/fixtures/leaker"), "{first}");
+    assert_eq!(first["inlined"], false);
+    assert!(first["offset"].as_u64().unwrap() > 0, "{first}");
+    assert!(first["address"].as_str().unwrap().starts_with("0x"), "{first}");
+    let names: Vec<&str> = frames.iter().map(|frame| frame["function"].as_str().unwrap_or("?")).collect();
+    assert_eq!(&names[..3], ["leak_malloc", "all", "main"], "{names:?}");
+}
+
+#[test]
+fn churn_that_frees_everything_reports_nothing() {
+    let report = trace_command("churn", &[]);
+    assert_eq!(usage_at(&report, "churn", "churn"), (0, 0), "{report:#}");
+    assert_eq!(usage_at(&report, "churn", "churn-leak"), (77, 1), "{report:#}");
+    assert_eq!(total(&report), (77, 1));
+    assert_eq!(report["health"]["allocations"], 10_001);
+    assert_eq!(report["health"]["frees"], 10_000);
+}
+
+/// fibonacci(n) runs 1 + calls(n-1) + calls(n-2) times.
+fn calls(n: u64) -> u64 {
+    if n < 2 { 1 } else { 1 + calls(n - 1) + calls(n - 2) }
+}
+
+#[test]
+fn seed_case_fibonacci_in_a_thread() {
+    let report = trace_command("seed 10", &[]);
+    let (bytes, count) = usage_at(&report, "fibonacci", "fibonacci");
+    assert_eq!((bytes, count), (calls(10) * 8192, calls(10)), "{report:#}");
+    // The shallowest call's stack: fibonacci <- child <- start_thread.
+    let stacks = stacks_at(&report, "fibonacci", marker_line("leaker", "fibonacci"));
+    let shallowest = stacks.iter().min_by_key(|stack| stack["frames"].as_array().unwrap().len()).unwrap();
+    let names: Vec<&str> =
+        shallowest["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("?")).collect();
+    assert_eq!(&names[..3], ["fibonacci", "child", "start_thread"], "{names:?}");
+}
+
+#[test]
+fn command_arguments_reach_the_command() {
+    let report = trace_command("seed 4", &[]);
+    assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (calls(4) * 8192, calls(4)));
+}
+
+#[test]
+fn allocations_before_main_are_seen_with_c() {
+    let report = trace_command("early", &[]);
+    assert_eq!(usage_at(&report, "early", "early"), (4242, 1), "{report:#}");
+}
+
+#[test]
+fn size_filters_keep_only_the_range() {
+    let report = trace_command("all", &["-z", "1000", "-Z", "2000"]);
+    // malloc and calloc 3 x 1000, posix_memalign 1234, memalign 1280, valloc 2000.
+    assert_eq!(total(&report), (10_514, 9), "{report:#}");
+}
+
+#[test]
+fn show_allocs_lists_each_allocation() {
+    let report = trace_command("all", &["-a"]);
+    let stack = stacks_at(&report, "leak_malloc", marker_line("leaker", "malloc"))[0];
+    let outstanding = stack["outstanding"].as_array().expect("-a lists allocations");
+    assert_eq!(outstanding.len(), 3);
+    let mut addresses: Vec<u64> = outstanding.iter().map(|a| a["address"].as_u64().unwrap()).collect();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 3, "distinct addresses: {outstanding:?}");
+    assert!(outstanding.iter().all(|a| a["size"] == 1000 && a["age_ms"].is_u64()), "{outstanding:?}");
+}
+
+#[test]
+fn older_than_hides_young_allocations() {
+    let report = trace_command("all", &["-o", "3600000"]);
+    assert_eq!(total(&report), (0, 0), "{report:#}");
+    assert_eq!(report["stacks"].as_array().unwrap().len(), 0);
+    // The counters still saw them.
+    assert_eq!(report["health"]["allocations"], 17);
+}
+
+#[test]
+fn a_full_allocation_map_is_counted() {
+    let report = trace_command("all", &["--max-allocs", "5"]);
+    // The first five (malloc x3, calloc x2) fit and are never freed; the
+    // other twelve recorded allocations find the map full.
+    assert_eq!(total(&report), (5000, 5), "{report:#}");
+    assert_eq!(report["health"]["allocations_not_tracked"], 12);
+}
+
+#[test]
+fn a_full_stack_map_is_counted_and_keeps_the_bytes() {
+    let report = trace_command("all", &["--max-stacks", "2"]);
+    assert_eq!(total(&report), (17_264, 15), "bytes are never lost with their stack: {report:#}");
+    let lost: Vec<&Value> = report["stacks"].as_array().unwrap().iter().filter(|s| s["stack_lost"] == true).collect();
+    assert_eq!(lost.len(), 1, "{report:#}");
+    assert!(report["health"]["stacks_lost"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn stack_depth_is_limited() {
+    let report = trace_command("seed 6", &["--max-stack-depth", "2"]);
+    for stack in report["stacks"].as_array().unwrap() {
+        assert!(stack["frames"].as_array().unwrap().len() <= 2, "{stack}");
+    }
+    assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (calls(6) * 8192, calls(6)));
+}

@@ -1,0 +1,64 @@
+//! What a user who gets something wrong sees: one line, exit status 2.
+
+use memleak_tests::{fixture, run_to_end};
+
+fn assert_one_line_error(args: &[&str], expected: &str) {
+    let (code, stderr) = run_to_end(args);
+    assert_eq!(code, Some(2), "exit status for {args:?}; stderr: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line for {args:?}: {stderr}");
+    assert!(stderr.starts_with("memleak: error: "), "{stderr}");
+    assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in {stderr}");
+}
+
+#[test]
+fn a_pid_that_does_not_exist() {
+    assert_one_line_error(&["-p", "999999999"], "no process with pid 999999999");
+}
+
+#[test]
+fn a_kernel_thread() {
+    // pid 2 is kthreadd on Linux.
+    assert_one_line_error(&["-p", "2"], "kernel thread");
+}
+
+#[test]
+fn a_command_that_cannot_run() {
+    assert_one_line_error(&["-c", "/nonexistent/program --flag"], "cannot run `/nonexistent/program`");
+    assert_one_line_error(&["-c", "no-such-program-anywhere"], "not found in PATH");
+    assert_one_line_error(&["-c", "/etc/hostname"], "cannot run `/etc/hostname`");
+}
+
+#[test]
+fn a_bad_interval() {
+    assert_one_line_error(&["-p", "1", "0"], "at least 1 second");
+    assert_one_line_error(&["-p", "1", "soon"], "not a whole number");
+}
+
+#[test]
+fn an_object_that_is_not_an_allocator() {
+    let pid = std::process::id().to_string();
+    assert_one_line_error(&["-p", &pid, "-O", "/etc/hostname"], "is not an ELF file");
+    let no_allocator = fixture("noalloc");
+    let object = no_allocator.to_str().unwrap();
+    assert_one_line_error(&["-p", &pid, "-O", object], "has no malloc and free symbols");
+}
+
+#[test]
+fn no_target() {
+    assert_one_line_error(&[], "-p PID or -c");
+}
+
+#[test]
+fn missing_privileges() {
+    // Drop to nobody for this one run; stderr must say what is needed.
+    let output = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
+        .arg(memleak_tests::memleak_binary())
+        .args(["-p", "1"])
+        .output()
+        .expect("run setpriv");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("run as root or with CAP_BPF and CAP_PERFMON"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+}

@@ -1,0 +1,3 @@
+pub fn run(_quick: bool) -> anyhow::Result<()> {
+    anyhow::bail!("not yet")
+}
