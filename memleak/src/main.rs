@@ -33,7 +33,8 @@ fn main() -> ExitCode {
         }
     };
     env_logger::Builder::new()
-        .filter_level(if args.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
+        .filter_level(log::LevelFilter::Warn)
+        .filter_module("memleak", if args.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
         .format(|out, record| {
             use std::io::Write as _;
             writeln!(out, "memleak: {}: {}", record.level().as_str().to_lowercase(), record.args())

@@ -7,7 +7,10 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use tokio::{signal::unix::SignalKind, sync::oneshot};
+use tokio::{
+    signal::unix::{signal, Signal, SignalKind},
+    sync::mpsc::UnboundedReceiver,
+};
 
 use crate::{
     allocator::{self, AttachPlan},
@@ -15,7 +18,7 @@ use crate::{
     collector::{self, CollectOptions},
     report::{json, text, Report, ReportContext},
     symbolize::StackSymbolizer,
-    target::{self, GatedCommand},
+    target::{self, GatedCommand, TargetEvent},
     tracer::{Tracer, TracerConfig},
 };
 
@@ -31,13 +34,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         max_allocations: args.max_allocs,
         max_stacks: args.max_stacks,
     };
+    // Before anything is attached: a signal from now on ends the run
+    // cleanly instead of killing memleak with its probes half-placed.
+    let mut stop = StopSignals::new()?;
     let mut tracer = Tracer::load(&config)?;
+    let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
     let (pid, plan, child) = match (&args.pid, &args.command) {
         (Some(pid), _) => {
             let pid = *pid;
             target::check_process(pid)?;
             let plan = allocator::plan_for_process(pid, args.object.as_deref())?;
             tracer.attach(&plan, pid)?;
+            target::watch_process(pid, events);
             (pid, plan, None)
         }
         (None, Some(command_line)) => {
@@ -47,7 +55,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .map_err(anyhow::Error::from)
                 .and_then(|plan| tracer.attach(&plan, pid).map(|()| plan).map_err(Into::into));
             match attached {
-                Ok(plan) => (pid, plan, Some(gated.release()?)),
+                Ok(plan) => (pid, plan, Some(gated.release(events)?)),
                 Err(error) => {
                     gated.abandon();
                     return Err(error);
@@ -61,40 +69,49 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         plan.display_path,
         plan.sites.len()
     );
-    let result = trace(&args, &tracer, pid, &plan).await;
+    let result = trace(&args, &tracer, pid, &plan, &mut target_events, &mut stop).await;
+    drop(target_events);
     if let Some(command) = child {
         // A command memleak started does not outlive it.
-        if !command.has_exited() {
-            command.terminate(libc::SIGTERM);
-        }
-        command.reap();
+        command.finish();
     }
     drop(tracer);
     result
 }
 
-async fn trace(args: &Args, tracer: &Tracer, pid: u32, plan: &AttachPlan) -> anyhow::Result<()> {
+async fn trace(
+    args: &Args,
+    tracer: &Tracer,
+    pid: u32,
+    plan: &AttachPlan,
+    target_events: &mut UnboundedReceiver<TargetEvent>,
+    stop: &mut StopSignals,
+) -> anyhow::Result<()> {
     let mut symbolizer = StackSymbolizer::new(pid);
     symbolizer.modules.refresh();
-    let mut exited = target_exit(pid);
-    let mut interrupt = tokio::signal::unix::signal(SignalKind::interrupt())?;
-    let mut terminate = tokio::signal::unix::signal(SignalKind::terminate())?;
     let mut reports = tokio::time::interval_at(tokio::time::Instant::now() + args.interval, args.interval);
     let mut refresh = tokio::time::interval(MAPS_REFRESH);
     let mut printed = 0u64;
     loop {
+        // Held by a command at its exit stop until the final report is out.
+        let mut exit_ack = None;
         let last = tokio::select! {
             _ = refresh.tick() => { symbolizer.modules.refresh(); continue; }
             _ = reports.tick() => false,
-            Ok(()) = &mut exited => { eprintln!("memleak: pid {pid} exited"); true }
-            _ = interrupt.recv() => true,
-            _ = terminate.recv() => true,
+            Some(TargetEvent::Exiting { ack }) = target_events.recv() => {
+                eprintln!("memleak: pid {pid} exited");
+                exit_ack = ack;
+                true
+            }
+            _ = stop.interrupt.recv() => true,
+            _ = stop.terminate.recv() => true,
         };
         symbolizer.modules.refresh();
         let report = take_report(args, tracer, pid, plan, &mut symbolizer)?;
         if !print(&report, args.format)? {
             return Ok(()); // stdout closed: nobody is listening any more
         }
+        drop(exit_ack);
         printed += 1;
         if last || args.count.is_some_and(|count| printed >= count.get()) {
             return Ok(());
@@ -102,20 +119,16 @@ async fn trace(args: &Args, tracer: &Tracer, pid: u32, plan: &AttachPlan) -> any
     }
 }
 
-/// Resolves when the target exits; never, if it cannot be watched.
-fn target_exit(pid: u32) -> oneshot::Receiver<()> {
-    let (sender, receiver) = oneshot::channel();
-    std::thread::spawn(move || match target::wait_for_exit(pid) {
-        Ok(()) => {
-            let _ = sender.send(());
-        }
-        Err(error) => {
-            log::warn!("cannot watch pid {pid} for exit, stop memleak with Ctrl-C: {error}");
-            // Keep the channel open: a dropped sender would read as an exit.
-            std::mem::forget(sender);
-        }
-    });
-    receiver
+/// SIGINT and SIGTERM, which end the run with a final report.
+struct StopSignals {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<Self> {
+        Ok(Self { interrupt: signal(SignalKind::interrupt())?, terminate: signal(SignalKind::terminate())? })
+    }
 }
 
 fn take_report(

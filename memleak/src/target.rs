@@ -102,17 +102,31 @@ impl GatedCommand {
         Ok(Self { pid: pid as u32, program, gate: gate_write, exec_error: error_read, name })
     }
 
-    /// Lets the command exec and reports whether that worked.
-    pub fn release(self) -> Result<SpawnedCommand, TargetError> {
+    /// Lets the command exec, watched for its exit, and reports whether
+    /// the exec worked.
+    pub fn release(
+        self,
+        events: tokio::sync::mpsc::UnboundedSender<TargetEvent>,
+    ) -> Result<SpawnedCommand, TargetError> {
+        let spawn_error = |source| TargetError::Spawn { program: self.name.clone(), source };
+        let watcher = match watch_command(self.pid, events) {
+            Ok(watcher) => watcher,
+            Err(source) => {
+                let error = spawn_error(source);
+                self.abandon();
+                return Err(error);
+            }
+        };
+        let command = SpawnedCommand { pid: self.pid, watcher };
         drop(self.gate);
         let mut errno = [0u8; 4];
         let mut exec_error = File::from(self.exec_error);
-        let command = SpawnedCommand { pid: self.pid };
+        // EOF: the close-on-exec pipe closed, so the exec happened.
         match exec_error.read(&mut errno) {
             Ok(4) => {
-                command.reap();
-                let source = io::Error::from_raw_os_error(i32::from_ne_bytes(errno));
-                Err(TargetError::Spawn { program: self.name, source })
+                let error = spawn_error(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)));
+                command.finish();
+                Err(error)
             }
             _ => Ok(command),
         }
@@ -120,41 +134,130 @@ impl GatedCommand {
 
     /// Gives up on the command: it never gets to run.
     pub fn abandon(self) {
-        let command = SpawnedCommand { pid: self.pid };
-        command.terminate(libc::SIGKILL);
-        command.reap();
+        signal(self.pid, libc::SIGKILL);
+        let mut status = 0;
+        // SAFETY: reaps our own child.
+        unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, 0) };
     }
 }
 
-/// A command memleak started; it does not outlive memleak.
+/// Something that happened to the target.
+#[derive(Debug)]
+pub enum TargetEvent {
+    /// The target is exiting. A command memleak started is held at its
+    /// last breath, mappings intact, until `ack` is dropped or sent to, so
+    /// that its stacks can still be symbolized; a `-p` target is already
+    /// gone (`ack` is `None`).
+    Exiting { ack: Option<std::sync::mpsc::Sender<()>> },
+}
+
+/// A command memleak started, watched through ptrace for its exit; it does
+/// not outlive memleak.
 pub struct SpawnedCommand {
     pub pid: u32,
+    watcher: std::thread::JoinHandle<()>,
 }
 
 impl SpawnedCommand {
-    pub fn terminate(&self, signal: libc::c_int) {
-        // SAFETY: kill(2) on our own child, not yet reaped, so the pid
-        // cannot have been reused.
-        unsafe { libc::kill(self.pid as libc::pid_t, signal) };
+    /// Ends the command if it still runs, and waits until it is reaped.
+    pub fn finish(self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        if !self.watcher.is_finished() {
+            signal(self.pid, libc::SIGTERM);
+        }
+        while !self.watcher.is_finished() {
+            if std::time::Instant::now() > deadline {
+                signal(self.pid, libc::SIGKILL);
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = self.watcher.join();
     }
+}
 
-    /// Waits for the child to exit and releases its process table entry.
-    pub fn reap(&self) {
+fn signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) on our own child, which only our watcher reaps, so the
+    // pid cannot have been reused while the watcher runs.
+    unsafe { libc::kill(pid as libc::pid_t, signal) };
+}
+
+/// Watches the forked command from a thread of its own: ptrace makes the
+/// calling thread the tracer, and only the tracer may wait for and resume
+/// the tracee. Returns once the command is seized.
+fn watch_command(
+    pid: u32,
+    events: tokio::sync::mpsc::UnboundedSender<TargetEvent>,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    let (seized_sender, seized) = std::sync::mpsc::channel();
+    let watcher = std::thread::spawn(move || {
+        let pid = pid as libc::pid_t;
+        // PTRACE_O_TRACEEXIT: stop at exit with the mappings still there.
+        // TRACEEXEC: a plain SIGTRAP would otherwise follow the exec.
+        // EXITKILL: the command dies with memleak, even if memleak crashes.
+        let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_EXITKILL;
+        // SAFETY: seizes our own child; SEIZE does not stop it.
+        let seized_ok = unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, options as libc::c_long) } == 0;
+        let _ = seized_sender.send(if seized_ok { Ok(()) } else { Err(io::Error::last_os_error()) });
+        if seized_ok {
+            follow_tracee(pid, &events);
+        }
+    });
+    match seized.recv() {
+        Ok(Ok(())) => Ok(watcher),
+        Ok(Err(error)) => Err(error),
+        Err(_) => Err(io::Error::other("the ptrace watcher died")),
+    }
+}
+
+/// Resumes the tracee after each stop until it is gone, and reaps it.
+fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<TargetEvent>) {
+    let resume = |request, signal: libc::c_int| {
+        // SAFETY: the tracee is in a ptrace stop, as waitpid just told us.
+        unsafe { libc::ptrace(request, pid, 0, signal as libc::c_long) };
+    };
+    loop {
         let mut status = 0;
-        // SAFETY: waits for our own child.
-        unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, 0) };
+        // SAFETY: waits for our own tracee.
+        if unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+            return;
+        }
+        let stop_signal = libc::WSTOPSIG(status);
+        match status >> 16 {
+            libc::PTRACE_EVENT_EXIT => {
+                let (ack, acked) = std::sync::mpsc::channel();
+                if events.send(TargetEvent::Exiting { ack: Some(ack) }).is_ok() {
+                    // Returns once the report is taken, or memleak moved on.
+                    let _ = acked.recv();
+                }
+                resume(libc::PTRACE_CONT, 0);
+            }
+            libc::PTRACE_EVENT_STOP => {
+                // A group stop (SIGSTOP and friends): stay stopped, but keep
+                // listening so that SIGCONT works as usual.
+                let stopping = matches!(stop_signal, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU);
+                resume(if stopping { libc::PTRACE_LISTEN } else { libc::PTRACE_CONT }, 0);
+            }
+            0 => resume(libc::PTRACE_CONT, stop_signal), // deliver the signal as if untraced
+            _ => resume(libc::PTRACE_CONT, 0),           // the exec stop
+        }
     }
+}
 
-    /// Whether it has exited (it stays a zombie until reaped).
-    pub fn has_exited(&self) -> bool {
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: WNOWAIT leaves the child reapable; `info` is plain data.
-        let ready = unsafe {
-            libc::waitid(libc::P_PID, self.pid, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT)
-        };
-        // SAFETY: si_pid is valid for a WEXITED result.
-        ready == 0 && unsafe { info.si_pid() } != 0
-    }
+/// Notices the exit of a process memleak did not start.
+pub fn watch_process(pid: u32, events: tokio::sync::mpsc::UnboundedSender<TargetEvent>) {
+    std::thread::spawn(move || match wait_for_exit(pid) {
+        Ok(()) => {
+            let _ = events.send(TargetEvent::Exiting { ack: None });
+        }
+        Err(error) => log::warn!("cannot watch pid {pid} for exit, stop memleak with Ctrl-C: {error}"),
+    });
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
