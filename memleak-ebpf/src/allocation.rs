@@ -11,7 +11,11 @@ use aya_ebpf::{
 };
 use memleak_common::{Allocation, CallKind, Counter, PendingCall, OVERFLOWED_SIZE};
 
-use crate::{counters, free, maps::{ALLOCATIONS, PENDING}, stack, tunables};
+use crate::{
+    counters, free,
+    maps::{ALLOCATIONS, PENDING},
+    stack, tunables,
+};
 
 /// malloc(size), valloc(size), pvalloc(size).
 #[uprobe]

@@ -11,14 +11,12 @@ use memleak_common::{Allocation, PendingCall, StackFrames, COUNTER_SLOTS};
 /// Address -> outstanding allocation. Not preallocated: kernel memory
 /// grows with what the target really holds, not with --max-allocs.
 #[map(name = "ALLOCATIONS")]
-pub static ALLOCATIONS: HashMap<u64, Allocation> =
-    HashMap::with_max_entries(1_000_000, BPF_F_NO_PREALLOC);
+pub static ALLOCATIONS: HashMap<u64, Allocation> = HashMap::with_max_entries(1_000_000, BPF_F_NO_PREALLOC);
 
 /// Whole user stack -> stack id. Keyed by every frame so that distinct
 /// stacks can never collide (a kernel stack map would drop or merge them).
 #[map(name = "STACKS")]
-pub static STACKS: HashMap<StackFrames, u64> =
-    HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
+pub static STACKS: HashMap<StackFrames, u64> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
 
 /// Thread id -> allocation call in flight. LRU so that a thread killed
 /// inside malloc cannot leak an entry forever.

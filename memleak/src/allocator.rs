@@ -70,8 +70,8 @@ pub fn plan_for_process(pid: u32, object: Option<&Path>) -> Result<AttachPlan, A
         return plan_for_object(&path, &object.display().to_string());
     }
     let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
-    let maps = fs::read_to_string(&maps_path)
-        .map_err(|source| AllocatorError::Read { path: maps_path, source })?;
+    let maps =
+        fs::read_to_string(&maps_path).map_err(|source| AllocatorError::Read { path: maps_path, source })?;
     let mapped: Vec<&str> = maps.lines().filter_map(mapped_file).collect();
     let in_root = |file: &str| root.join(file.trim_start_matches('/'));
     if let Some(libc) = mapped.iter().find(|file| is_libc(file)) {
@@ -93,13 +93,14 @@ pub fn plan_for_program(program: &Path, object: Option<&Path>) -> Result<AttachP
     if let Some(object) = object {
         return plan_for_object(object, &object.display().to_string());
     }
-    let data = fs::read(program)
-        .map_err(|source| AllocatorError::Read { path: program.to_path_buf(), source })?;
+    let data =
+        fs::read(program).map_err(|source| AllocatorError::Read { path: program.to_path_buf(), source })?;
     if let Some(interpreter) = script_interpreter(&data) {
         // A script: the allocator is its interpreter's.
         return plan_for_program(&interpreter, None);
     }
-    let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotExecutable(program.to_path_buf()))?;
+    let file =
+        object::File::parse(&*data).map_err(|_| AllocatorError::NotExecutable(program.to_path_buf()))?;
     let Some(loader) = interpreter(&file) else {
         return plan_for_object(program, &program.display().to_string());
     };

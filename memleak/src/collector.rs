@@ -31,10 +31,9 @@ pub fn aggregate(
         if age_ns < options.min_age_ns {
             continue;
         }
-        let usage = by_stack.entry(allocation.stack_id).or_insert_with(|| StackUsage {
-            stack_id: allocation.stack_id,
-            ..StackUsage::default()
-        });
+        let usage = by_stack
+            .entry(allocation.stack_id)
+            .or_insert_with(|| StackUsage { stack_id: allocation.stack_id, ..StackUsage::default() });
         usage.bytes += allocation.size;
         usage.allocations += 1;
         if options.keep_allocations {

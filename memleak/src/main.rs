@@ -7,6 +7,7 @@ mod collector;
 mod model;
 mod report;
 mod session;
+mod status;
 mod symbolize;
 mod target;
 mod tracer;
@@ -14,7 +15,6 @@ mod tracer;
 use std::process::ExitCode;
 
 use clap::Parser as _;
-
 
 fn main() -> ExitCode {
     let args = match cli::Args::try_parse() {
@@ -28,7 +28,7 @@ fn main() -> ExitCode {
             // clap's first line says what is wrong; its usage hint is noise.
             let rendered = error.render().to_string();
             let first = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!("memleak: error: {}", first.trim_start_matches("error: ").replace("'", "`").trim());
+            status::error(&first.trim_start_matches("error: ").replace('\'', "`"));
             return ExitCode::from(2);
         }
     };
@@ -37,17 +37,18 @@ fn main() -> ExitCode {
         .filter_module("memleak", if args.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
         .format(|out, record| {
             use std::io::Write as _;
-            writeln!(out, "memleak: {}: {}", record.level().as_str().to_lowercase(), record.args())
+            let line = format!("memleak: {}: {}\n", record.level().as_str().to_lowercase(), record.args());
+            out.write_all(line.as_bytes())
         })
         .init();
     if let Err(message) = args.validate() {
-        eprintln!("memleak: error: {message}");
+        status::error(&message);
         return ExitCode::from(2);
     }
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("memleak: error: cannot start the runtime: {error}");
+            status::error(&format!("cannot start the runtime: {error}"));
             return ExitCode::from(2);
         }
     };
@@ -55,7 +56,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // Every error names its own cause, so the chain is not repeated.
-            eprintln!("memleak: error: {error}");
+            status::error(&error.to_string());
             ExitCode::from(2)
         }
     }

@@ -17,6 +17,7 @@ use crate::{
     cli::{Args, Format},
     collector::{self, CollectOptions},
     report::{json, text, Report, ReportContext},
+    status,
     symbolize::StackSymbolizer,
     target::{self, GatedCommand, TargetEvent},
     tracer::{Tracer, TracerConfig},
@@ -64,11 +65,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         (None, None) => unreachable!("Args::validate requires -p or -c"),
     };
-    eprintln!(
-        "memleak: tracing pid {pid} through {} ({} functions probed); Ctrl-C to stop",
+    status::say(&format!(
+        "tracing pid {pid} through {} ({} functions probed); Ctrl-C to stop",
         plan.display_path,
         plan.sites.len()
-    );
+    ));
     let result = trace(&args, &tracer, pid, &plan, &mut target_events, &mut stop).await;
     drop(target_events);
     if let Some(command) = child {
@@ -99,7 +100,7 @@ async fn trace(
             _ = refresh.tick() => { symbolizer.modules.refresh(); continue; }
             _ = reports.tick() => false,
             Some(TargetEvent::Exiting { ack }) = target_events.recv() => {
-                eprintln!("memleak: pid {pid} exited");
+                status::say(&format!("pid {pid} exited"));
                 exit_ack = ack;
                 true
             }
@@ -157,7 +158,8 @@ fn take_report(
         if let Some(frames) = symbolizer.cached(stack_id) {
             return frames;
         }
-        let addresses = stored.iter().find(|(id, _)| *id == stack_id).map_or(&[][..], |(_, frames)| &frames[..]);
+        let addresses =
+            stored.iter().find(|(id, _)| *id == stack_id).map_or(&[][..], |(_, frames)| &frames[..]);
         symbolizer.symbolize(stack_id, addresses)
     }))
 }

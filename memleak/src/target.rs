@@ -31,8 +31,8 @@ const PF_KTHREAD: u64 = 0x0020_0000;
 
 /// Checks that `pid` is a live user-space process.
 pub fn check_process(pid: u32) -> Result<(), TargetError> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map_err(|_| TargetError::NoSuchProcess(pid))?;
+    let stat =
+        fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| TargetError::NoSuchProcess(pid))?;
     // Fields after the command name, which is in parentheses and may itself
     // contain spaces or parentheses: state is field 3, flags field 9.
     let after_name = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
@@ -72,9 +72,12 @@ impl GatedCommand {
         let name = words[0].clone();
         let program = find_program(&name)?;
         let spawn_error = |source| TargetError::Spawn { program: name.clone(), source };
-        let to_c = |text: &[u8]| CString::new(text).map_err(|_| TargetError::BadCommandLine(command_line.to_owned()));
+        let to_c = |text: &[u8]| {
+            CString::new(text).map_err(|_| TargetError::BadCommandLine(command_line.to_owned()))
+        };
         let program_c = to_c(program.as_os_str().as_bytes())?;
-        let argv_c: Vec<CString> = words.iter().map(|word| to_c(word.as_bytes())).collect::<Result<_, _>>()?;
+        let argv_c: Vec<CString> =
+            words.iter().map(|word| to_c(word.as_bytes())).collect::<Result<_, _>>()?;
         let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|arg| arg.as_ptr()).collect();
         argv.push(std::ptr::null());
         let (gate_read, gate_write) = pipe().map_err(spawn_error)?;
@@ -241,7 +244,8 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
             libc::PTRACE_EVENT_STOP => {
                 // A group stop (SIGSTOP and friends): stay stopped, but keep
                 // listening so that SIGCONT works as usual.
-                let stopping = matches!(stop_signal, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU);
+                let stopping =
+                    matches!(stop_signal, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU);
                 resume(if stopping { libc::PTRACE_LISTEN } else { libc::PTRACE_CONT }, 0);
             }
             0 => resume(libc::PTRACE_CONT, stop_signal), // deliver the signal as if untraced

@@ -65,7 +65,9 @@ impl Tracer {
             .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
             .map_max_entries(STACKS_MAP, config.max_stacks)
             .load(BPF_OBJECT)
-            .map_err(|error| if is_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) })?;
+            .map_err(
+                |error| if is_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) },
+            )?;
         for program in ENTRY_PROGRAMS.into_iter().chain([programs::ALLOCATION_RETURN]) {
             let probe = uprobe(&mut ebpf, program)?;
             probe.load().map_err(|source| match &source {
@@ -82,14 +84,18 @@ impl Tracer {
     /// its threads (the kernel filters uprobes by address space).
     pub fn attach(&mut self, plan: &AttachPlan, pid: u32) -> Result<(), TracerError> {
         let scope = NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
-        let fail = |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
+        let fail =
+            |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
         for site in &plan.sites {
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
-            probe.attach(site.file_offset, &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            probe
+                .attach(site.file_offset, &plan.path, scope)
+                .map_err(|source| fail(site.function, source))?;
             log::debug!("uprobe on {} at {:#x} in {}", site.function, site.file_offset, plan.display_path);
             if site.entry_program != programs::FREE_ENTER {
                 let ret = uprobe(&mut self.ebpf, programs::ALLOCATION_RETURN)?;
-                ret.attach(site.file_offset, &plan.path, scope).map_err(|source| fail(site.function, source))?;
+                ret.attach(site.file_offset, &plan.path, scope)
+                    .map_err(|source| fail(site.function, source))?;
             }
         }
         Ok(())
@@ -110,8 +116,8 @@ impl Tracer {
 
     pub fn counters(&self) -> Result<HealthCounters, TracerError> {
         let map = self.ebpf.map(COUNTERS_MAP).ok_or(TracerError::Missing(COUNTERS_MAP))?;
-        let counters: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
+        let counters: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(map)
+            .map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
         let read = |counter: Counter| -> Result<u64, TracerError> {
             let per_cpu = counters
                 .get(&(counter as u32), 0)

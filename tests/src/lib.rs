@@ -250,6 +250,7 @@ pub fn usage_at(report: &Value, function: &str, marker: &str) -> (u64, u64) {
 /// Runs memleak to completion with the given arguments; returns its exit
 /// code and stderr.
 pub fn run_to_end(args: &[&str]) -> (Option<i32>, String) {
-    let output = Command::new(memleak_binary()).args(args).stdin(Stdio::null()).output().expect("run memleak");
+    let output =
+        Command::new(memleak_binary()).args(args).stdin(Stdio::null()).output().expect("run memleak");
     (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
 }

@@ -27,7 +27,11 @@ fn total(report: &Value) -> (u64, u64) {
 fn every_allocation_function_is_recorded_exactly() {
     let report = trace_command("all", &[]);
     for &(function, marker, bytes, count) in ALL_LEAKS {
-        assert_eq!(usage_at(&report, function, marker), (bytes, count), "{function} at ALLOC({marker}) in {report:#}");
+        assert_eq!(
+            usage_at(&report, function, marker),
+            (bytes, count),
+            "{function} at ALLOC({marker}) in {report:#}"
+        );
     }
     // Nothing else: realloc's old blocks, realloc(p, 0) and the failed
     // calls leave no bytes behind.
@@ -35,8 +39,14 @@ fn every_allocation_function_is_recorded_exactly() {
     assert_eq!(report["total_stacks"], ALL_LEAKS.len());
     let health = &report["health"];
     assert_eq!(health["allocations"], 17, "{health}");
-    assert_eq!(health["failed_allocations"], 3, "malloc(huge), overflowing calloc, bad posix_memalign: {health}");
-    assert_eq!((health["allocations_not_tracked"].as_u64(), health["stacks_lost"].as_u64()), (Some(0), Some(0)));
+    assert_eq!(
+        health["failed_allocations"], 3,
+        "malloc(huge), overflowing calloc, bad posix_memalign: {health}"
+    );
+    assert_eq!(
+        (health["allocations_not_tracked"].as_u64(), health["stacks_lost"].as_u64()),
+        (Some(0), Some(0))
+    );
 }
 
 #[test]
@@ -67,7 +77,11 @@ fn churn_that_frees_everything_reports_nothing() {
 
 /// fibonacci(n) runs 1 + calls(n-1) + calls(n-2) times.
 fn calls(n: u64) -> u64 {
-    if n < 2 { 1 } else { 1 + calls(n - 1) + calls(n - 2) }
+    if n < 2 {
+        1
+    } else {
+        1 + calls(n - 1) + calls(n - 2)
+    }
 }
 
 #[test]
@@ -78,8 +92,12 @@ fn seed_case_fibonacci_in_a_thread() {
     // The shallowest call's stack: fibonacci <- child <- start_thread.
     let stacks = stacks_at(&report, "fibonacci", marker_line("leaker", "fibonacci"));
     let shallowest = stacks.iter().min_by_key(|stack| stack["frames"].as_array().unwrap().len()).unwrap();
-    let names: Vec<&str> =
-        shallowest["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("?")).collect();
+    let names: Vec<&str> = shallowest["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["function"].as_str().unwrap_or("?"))
+        .collect();
     assert_eq!(&names[..3], ["fibonacci", "child", "start_thread"], "{names:?}");
 }
 
@@ -136,7 +154,8 @@ fn a_full_allocation_map_is_counted() {
 fn a_full_stack_map_is_counted_and_keeps_the_bytes() {
     let report = trace_command("all", &["--max-stacks", "2"]);
     assert_eq!(total(&report), (17_264, 15), "bytes are never lost with their stack: {report:#}");
-    let lost: Vec<&Value> = report["stacks"].as_array().unwrap().iter().filter(|s| s["stack_lost"] == true).collect();
+    let lost: Vec<&Value> =
+        report["stacks"].as_array().unwrap().iter().filter(|s| s["stack_lost"] == true).collect();
     assert_eq!(lost.len(), 1, "{report:#}");
     assert!(report["health"]["stacks_lost"].as_u64().unwrap() > 0);
 }

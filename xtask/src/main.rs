@@ -107,7 +107,5 @@ fn test(test_args: &[String]) -> Result<()> {
     require_root("the end-to-end tests")?;
     // The end-to-end tests run the memleak binary this builds.
     run(cargo().args(["build", "--package", "memleak"]))?;
-    run(cargo()
-        .args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"])
-        .args(test_args))
+    run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))
 }

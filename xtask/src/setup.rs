@@ -50,11 +50,13 @@ impl Toolchain {
     fn libllvm(&self) -> Result<std::path::PathBuf> {
         let lib = self.sysroot.join("lib");
         let prefix = format!("libLLVM.so.{}.", self.llvm_major());
-        let found = std::fs::read_dir(&lib)?
-            .filter_map(|entry| entry.ok())
-            .map(|entry| entry.path())
-            .find(|path| path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with(&prefix)));
-        found.with_context(|| format!("no {prefix}* in {}: this toolchain ships no shared LLVM", lib.display()))
+        let found =
+            std::fs::read_dir(&lib)?.filter_map(|entry| entry.ok()).map(|entry| entry.path()).find(|path| {
+                path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with(&prefix))
+            });
+        found.with_context(|| {
+            format!("no {prefix}* in {}: this toolchain ships no shared LLVM", lib.display())
+        })
     }
 }
 
@@ -98,7 +100,9 @@ fn install_bpf_linker(toolchain: &Toolchain) -> Result<()> {
     }
     let feature = format!("llvm-{}", toolchain.llvm_major());
     eprintln!("xtask: building bpf-linker against {} (about a minute)", libllvm.display());
-    run_command(Command::new("cargo")
-        .args(["install", "--locked", "bpf-linker", "--no-default-features", "--features", &feature])
-        .env("LLVM_PREFIX", &prefix))
+    run_command(
+        Command::new("cargo")
+            .args(["install", "--locked", "bpf-linker", "--no-default-features", "--features", &feature])
+            .env("LLVM_PREFIX", &prefix),
+    )
 }

@@ -65,9 +65,8 @@ impl Report {
         let total_stacks = snapshot.stacks.len();
         let mut usages = snapshot.stacks;
         // Ties broken by id so that equal reports print identically.
-        usages.sort_by(|a, b| {
-            (b.bytes, b.allocations, a.stack_id).cmp(&(a.bytes, a.allocations, b.stack_id))
-        });
+        usages
+            .sort_by(|a, b| (b.bytes, b.allocations, a.stack_id).cmp(&(a.bytes, a.allocations, b.stack_id)));
         usages.truncate(context.top);
         let stacks = usages
             .into_iter()
@@ -106,9 +105,10 @@ impl Report {
 fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
     let is_allocator_entry = |frame: &Frame| {
         frame.module.as_deref() == Some(allocator)
-            && frame.function.as_deref().is_some_and(|name| {
-                ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name)
-            })
+            && frame
+                .function
+                .as_deref()
+                .is_some_and(|name| ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name))
     };
     let skip = frames.iter().take_while(|frame| is_allocator_entry(frame)).count();
     frames[skip..].to_vec()
@@ -139,7 +139,12 @@ pub(crate) mod tests {
         let snapshot = Snapshot {
             pid: 4242,
             time_unix_ms: 1_764_510_000_000,
-            stacks: vec![usage(1, 100, 1), usage(2, 24_576, 3), usage(3, 100, 2), usage(LOST_STACK_ID, 64, 1)],
+            stacks: vec![
+                usage(1, 100, 1),
+                usage(2, 24_576, 3),
+                usage(3, 100, 2),
+                usage(LOST_STACK_ID, 64, 1),
+            ],
             counters: HealthCounters { allocations: 12, frees: 5, stacks_lost: 1, ..Default::default() },
         };
         let context = ReportContext { allocator: "/usr/lib/libc.so.6", min_age_ms: 500, top };

@@ -1,0 +1,20 @@
+//! Status lines on stderr. Each goes out in one write: stderr is shared
+//! with a -c command, and a line written piecemeal (as `eprintln!` does)
+//! can be cut in two by the command's own output.
+
+use std::io::Write as _;
+
+/// `memleak: MESSAGE`
+pub fn say(message: &str) {
+    write_line(&format!("memleak: {message}\n"));
+}
+
+/// `memleak: error: MESSAGE`
+pub fn error(message: &str) {
+    write_line(&format!("memleak: error: {}\n", message.trim()));
+}
+
+fn write_line(line: &str) {
+    // Nothing sensible is left to do if stderr is gone.
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
