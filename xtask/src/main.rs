@@ -80,12 +80,19 @@ pub fn require_root(what: &str) -> Result<()> {
 /// Compiles a C fixture from tests/fixtures with debug info and frame
 /// pointers, as a developer's debug build would have them.
 pub fn build_fixture(name: &str) -> Result<PathBuf> {
+    build_fixture_with(name, &["-O0"])
+}
+
+/// Compiles a C fixture with extra compiler flags.
+pub fn build_fixture_with(name: &str, flags: &[&str]) -> Result<PathBuf> {
     let source = root().join("tests/fixtures").join(format!("{name}.c"));
     let output_dir = root().join("target/fixtures");
     std::fs::create_dir_all(&output_dir)?;
     let output = output_dir.join(name);
     run(Command::new("gcc")
-        .args(["-g", "-O1", "-fno-omit-frame-pointer", "-fno-inline", "-pthread", "-o"])
+        .args(["-g", "-fno-omit-frame-pointer", "-pthread"])
+        .args(flags)
+        .arg("-o")
         .arg(&output)
         .arg(&source))?;
     Ok(output)
