@@ -25,7 +25,8 @@ fn main() -> anyhow::Result<()> {
         _ => "bpfel-unknown-none",
     };
     let arch = env::var("CARGO_CFG_TARGET_ARCH")?;
-    let rustflags = [&format!("--cfg=bpf_target_arch=\"{arch}\""), "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    let rustflags =
+        [&format!("--cfg=bpf_target_arch=\"{arch}\""), "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
     let output = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
         .current_dir(workspace)
         .args(["build", "--package", "memleak-ebpf", "--bins", "--release", "--target", target])

@@ -3,10 +3,12 @@
 //! target exits, or memleak is told to stop.
 
 use std::{
+    collections::HashMap,
     io::{self, Write},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use memleak_common::{StackFrames, LOST_STACK_ID};
 use tokio::{
     signal::unix::{signal, Signal, SignalKind},
     sync::mpsc::UnboundedReceiver,
@@ -38,25 +40,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // Before anything is attached: a signal from now on ends the run
     // cleanly instead of killing memleak with its probes half-placed.
     let mut stop = StopSignals::new()?;
-    let mut tracer = Tracer::load(&config)?;
     let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
-    let (pid, plan, child) = match (&args.pid, &args.command) {
+    // The target is checked before the BPF object is loaded, so a wrong pid
+    // is reported as such even without privileges.
+    let (pid, plan, tracer, child) = match (args.pid, &args.command) {
         (Some(pid), _) => {
-            let pid = *pid;
             target::check_process(pid)?;
             let plan = allocator::plan_for_process(pid, args.object.as_deref())?;
+            let mut tracer = Tracer::load(&config)?;
             tracer.attach(&plan, pid)?;
             target::watch_process(pid, events);
-            (pid, plan, None)
+            (pid, plan, tracer, None)
         }
         (None, Some(command_line)) => {
             let gated = GatedCommand::spawn(command_line)?;
-            let pid = gated.pid;
-            let attached = allocator::plan_for_program(&gated.program, args.object.as_deref())
+            let prepared = allocator::plan_for_program(&gated.program, args.object.as_deref())
                 .map_err(anyhow::Error::from)
-                .and_then(|plan| tracer.attach(&plan, pid).map(|()| plan).map_err(Into::into));
-            match attached {
-                Ok(plan) => (pid, plan, Some(gated.release(events)?)),
+                .and_then(|plan| {
+                    let mut tracer = Tracer::load(&config)?;
+                    tracer.attach(&plan, gated.pid)?;
+                    Ok((plan, tracer))
+                });
+            match prepared {
+                Ok((plan, tracer)) => (gated.pid, plan, tracer, Some(gated.release(events)?)),
                 Err(error) => {
                     gated.abandon();
                     return Err(error);
@@ -76,6 +82,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         // A command memleak started does not outlive it.
         command.finish();
     }
+    // Detaches every probe.
     drop(tracer);
     result
 }
@@ -149,17 +156,18 @@ fn take_report(
     };
     let snapshot = collector::aggregate(pid, time_unix_ms, now_ns, &allocations, counters, options);
     // Stacks are read from the map only when a report needs one not seen yet.
-    let unseen = snapshot.stacks.iter().any(|stack| {
-        stack.stack_id != memleak_common::LOST_STACK_ID && symbolizer.cached(stack.stack_id).is_none()
-    });
-    let stored = if unseen { tracer.stacks()? } else { Vec::new() };
+    let unseen = snapshot
+        .stacks
+        .iter()
+        .any(|stack| stack.stack_id != LOST_STACK_ID && symbolizer.cached(stack.stack_id).is_none());
+    let stored: HashMap<u64, StackFrames> =
+        if unseen { tracer.stacks()?.into_iter().collect() } else { HashMap::new() };
     let context = ReportContext { allocator: &plan.display_path, min_age_ms: args.older, top: args.top };
     Ok(Report::build(snapshot, &context, |stack_id| {
         if let Some(frames) = symbolizer.cached(stack_id) {
             return frames;
         }
-        let addresses =
-            stored.iter().find(|(id, _)| *id == stack_id).map_or(&[][..], |(_, frames)| &frames[..]);
+        let addresses = stored.get(&stack_id).map_or(&[][..], |frames| &frames[..]);
         symbolizer.symbolize(stack_id, addresses)
     }))
 }

@@ -32,17 +32,19 @@ pub fn memleak_binary() -> PathBuf {
     binary
 }
 
-/// Compiles tests/fixtures/NAME.c (unoptimised, with frame pointers, as a
-/// debug build would be) and returns the executable.
+/// Compiles tests/fixtures/NAME.c or NAME.cpp (unoptimised, with frame
+/// pointers, as a debug build would be) and returns the executable.
 pub fn fixture(name: &str) -> PathBuf {
-    let source = workspace_root().join(format!("tests/fixtures/{name}.c"));
+    let c_source = workspace_root().join(format!("tests/fixtures/{name}.c"));
+    let (source, compiler) =
+        if c_source.exists() { (c_source, "gcc") } else { (c_source.with_extension("cpp"), "g++") };
     let dir = workspace_root().join("target/fixtures");
     fs::create_dir_all(&dir).expect("create target/fixtures");
     let output = dir.join(name);
     // Tests run in parallel: build under a private name, then rename, so no
     // test ever runs a half-written file.
     let private = dir.join(format!("{name}.{}.{:?}", std::process::id(), thread::current().id()));
-    let status = Command::new("gcc")
+    let status = Command::new(compiler)
         .args(["-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-o"])
         .arg(&private)
         .arg(&source)
@@ -162,8 +164,12 @@ impl Memleak {
 /// Runs memleak on `leaker KIND ARGS` with -c: waits for the fixture's
 /// "done", lets it exit, and returns memleak's last report.
 pub fn trace_command(leaker_args: &str, memleak_args: &[&str]) -> Value {
-    let leaker = fixture("leaker");
-    let command = format!("{} {leaker_args}", leaker.display());
+    trace_fixture("leaker", leaker_args, memleak_args)
+}
+
+/// Runs memleak on fixture NAME with -c, as `trace_command` does.
+pub fn trace_fixture(name: &str, fixture_args: &str, memleak_args: &[&str]) -> Value {
+    let command = format!("{} {fixture_args}", fixture(name).display());
     // All allocations, all stacks, one report at exit, unless told otherwise.
     let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
     if !memleak_args.contains(&"-o") {

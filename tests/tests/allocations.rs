@@ -168,3 +168,54 @@ fn stack_depth_is_limited() {
     }
     assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (calls(6) * 8192, calls(6)));
 }
+
+#[test]
+fn a_realloc_chain_leaves_only_its_last_size() {
+    let report = trace_command("realloc-chain", &[]);
+    assert_eq!(usage_at(&report, "realloc_chain", "realloc-chain"), (1000, 1), "{report:#}");
+    assert_eq!(total(&report), (1000, 1));
+    // malloc(10) and 99 reallocs, each releasing the block before it.
+    assert_eq!(report["health"]["allocations"], 100);
+}
+
+#[test]
+fn inlined_functions_get_frames_of_their_own() {
+    let report = trace_command("inlined", &[]);
+    let stack = &stacks_at(&report, "leak_inlined", marker_line("leaker", "inlined"))[0];
+    let frames = stack["frames"].as_array().unwrap();
+    assert_eq!(frames[0]["inlined"], true, "{stack}");
+    assert_eq!(frames[0]["offset"], Value::Null, "an inlined frame has no offset of its own");
+    assert_eq!(frames[1]["function"], "calls_inlined", "{stack}");
+    assert_eq!(frames[1]["inlined"], false);
+    assert_eq!(frames[1]["line"], marker_line("leaker", "inlined-call"), "{stack}");
+    assert_eq!(stack["bytes"], 512);
+}
+
+#[test]
+fn cxx_names_are_demangled() {
+    let report = memleak_tests::trace_fixture("cxx_leaker", "", &[]);
+    let stacks = report["stacks"].as_array().unwrap();
+    let names_of = |stack: &Value| -> Vec<String> {
+        stack["frames"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["function"].as_str().unwrap_or("?").to_owned())
+            .collect()
+    };
+    let all_names: Vec<String> = stacks.iter().flat_map(names_of).collect();
+    assert!(!all_names.iter().any(|name| name.starts_with("_Z")), "mangled names left: {all_names:?}");
+    // The five `new char[100]`: operator new[] tail-calls operator new.
+    let news: Vec<&Value> = stacks.iter().filter(|s| s["bytes"] == 500).collect();
+    assert_eq!(news.len(), 1, "{report:#}");
+    assert_eq!(news[0]["allocations"], 5);
+    assert_eq!(names_of(news[0])[0], "operator new(unsigned long)");
+    // The vector's storage, allocated deep inside inlined-at-O0 templates.
+    let vector = stacks.iter().find(|s| s["bytes"] == 64).expect("the vector's final storage");
+    let names = names_of(vector);
+    assert!(names.contains(&"app::Cache::grow(int)".to_owned()), "{names:?}");
+    assert!(
+        names.contains(&"std::vector<char*, std::allocator<char*> >::push_back(char*&&)".to_owned()),
+        "{names:?}"
+    );
+}

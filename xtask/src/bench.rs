@@ -93,7 +93,8 @@ fn run_traced(memleak: &Path, workload: &Path, args: &[String]) -> Result<Measur
 /// Reads "elapsed_ns N leaked_bytes N leaked_allocations N".
 fn parse_workload(stderr: &str) -> Result<Measurement> {
     let line = stderr.lines().find(|line| line.starts_with("elapsed_ns ")).context("no workload summary")?;
-    let numbers: Vec<u64> = line.split_whitespace().skip(1).step_by(2).filter_map(|n| n.parse().ok()).collect();
+    let numbers: Vec<u64> =
+        line.split_whitespace().skip(1).step_by(2).filter_map(|n| n.parse().ok()).collect();
     let [elapsed_ns, leaked_bytes, _] = numbers[..] else { bail!("cannot read {line:?}") };
     Ok(Measurement { elapsed_ns, leaked_bytes, reported_bytes: None })
 }
