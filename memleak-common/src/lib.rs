@@ -11,14 +11,59 @@
 pub const MAX_STACK_DEPTH: usize = 127;
 
 /// A user stack as `bpf_get_stack` wrote it: return addresses, innermost
-/// first, the unused tail zeroed. The whole array is the key of
-/// [`STACKS_MAP`], so two different stacks can never share an id.
+/// first, the unused tail zeroed.
 pub type StackFrames = [u64; MAX_STACK_DEPTH];
 
-/// Stack id recorded when a stack could not be stored (the stack map was
-/// full or the unwinder failed). Allocations keep their bytes under it and
-/// [`Counter::StacksLost`] counts them, so nothing is dropped silently.
-pub const LOST_STACK_ID: u64 = u64::MAX;
+/// Key of [`STACKS_MAP`]: the whole stack, so two different stacks can
+/// never share an id, and its process, since equal addresses in two
+/// processes need not mean the same code.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackKey {
+    pub tgid: u32,
+    pub _padding: u32,
+    pub frames: StackFrames,
+}
+
+/// Key of [`ALLOCATIONS_MAP`]: equal addresses in two traced processes are
+/// two allocations.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AllocationKey {
+    pub tgid: u32,
+    pub _padding: u32,
+    pub address: u64,
+}
+
+/// Outstanding memory of one stack, the value of [`STACK_TOTALS_MAP`],
+/// kept up to date in BPF with atomic adds so that a report need not walk
+/// every allocation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackTotals {
+    /// Bytes outstanding (wrapping: a free is added as a negative amount).
+    pub bytes: u64,
+    /// Allocations outstanding, likewise.
+    pub allocations: u64,
+}
+
+/// Stack id recorded when a stack of process `tgid` could not be stored
+/// (the stack map was full or the unwinder failed). Allocations keep their
+/// bytes under it and [`Counter::StacksLost`] counts them, so nothing is
+/// dropped silently. Ordinary ids never reach the top 32 bits being all
+/// ones (that would take 2^48 stacks).
+pub const fn lost_stack_id(tgid: u32) -> u64 {
+    (0xffff_ffff << 32) | tgid as u64
+}
+
+/// The process of a [`lost_stack_id`], or `None` for an ordinary id.
+pub const fn lost_stack_owner(stack_id: u64) -> Option<u32> {
+    if stack_id >> 32 == 0xffff_ffff {
+        Some(stack_id as u32)
+    } else {
+        None
+    }
+}
 
 /// One outstanding allocation, the value of [`ALLOCATIONS_MAP`] keyed by
 /// its address.
@@ -29,7 +74,7 @@ pub struct Allocation {
     pub size: u64,
     /// When the allocation returned, in CLOCK_MONOTONIC nanoseconds.
     pub timestamp_ns: u64,
-    /// Value of the stack in [`STACKS_MAP`], or [`LOST_STACK_ID`].
+    /// Value of the stack in [`STACKS_MAP`], or a [`lost_stack_id`].
     pub stack_id: u64,
 }
 
@@ -63,6 +108,9 @@ pub struct PendingCall {
     /// call each other (glibc's reallocarray calls realloc); only the
     /// outermost call is recorded.
     pub depth: u32,
+    /// 1 if sampling (--sample-rate) picked this call for recording.
+    pub sampled: u32,
+    pub _padding: u32,
 }
 
 /// Size recorded for a calloc/reallocarray whose `n * size` overflows; the
@@ -81,7 +129,7 @@ pub enum Counter {
     FailedAllocations = 2,
     /// Allocations not recorded because [`ALLOCATIONS_MAP`] was full.
     AllocationsNotTracked = 3,
-    /// Allocations recorded under [`LOST_STACK_ID`].
+    /// Allocations recorded under a [`lost_stack_id`].
     StacksLost = 4,
 }
 
@@ -98,10 +146,12 @@ impl Counter {
     ];
 }
 
-/// Address -> [`Allocation`].
+/// [`AllocationKey`] -> [`Allocation`].
 pub const ALLOCATIONS_MAP: &str = "ALLOCATIONS";
-/// [`StackFrames`] -> stack id (u64).
+/// [`StackKey`] -> stack id (u64).
 pub const STACKS_MAP: &str = "STACKS";
+/// Stack id (u64) -> [`StackTotals`].
+pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
 /// Thread id (u32) -> [`PendingCall`].
 pub const PENDING_MAP: &str = "PENDING";
 /// Per-CPU u64 array indexed by [`Counter`].
@@ -116,6 +166,8 @@ pub mod tunables {
     pub const MAX_SIZE: &str = "MAX_SIZE";
     /// u32: frames kept per stack, at most [`super::MAX_STACK_DEPTH`].
     pub const STACK_DEPTH: &str = "STACK_DEPTH";
+    /// u32: record about one allocation in this many (1: all).
+    pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
 }
 
 /// The BPF programs and the allocator functions each one is attached to.
@@ -138,8 +190,17 @@ mod pod {
     unsafe impl aya::Pod for super::Allocation {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::PendingCall {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::StackKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::AllocationKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::StackTotals {}
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 24);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 32);
+const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
+const _: () = assert!(core::mem::size_of::<StackTotals>() == 16);
 const _: () = assert!(core::mem::size_of::<StackFrames>() == 8 * MAX_STACK_DEPTH);

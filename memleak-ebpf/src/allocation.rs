@@ -9,12 +9,12 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
-use memleak_common::{Allocation, CallKind, Counter, PendingCall, OVERFLOWED_SIZE};
+use memleak_common::{Allocation, AllocationKey, CallKind, Counter, PendingCall, OVERFLOWED_SIZE};
 
 use crate::{
     counters, free,
     maps::{ALLOCATIONS, PENDING},
-    stack, tunables,
+    stack, totals, tunables,
 };
 
 /// malloc(size), valloc(size), pvalloc(size).
@@ -101,7 +101,11 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
         }
         return 0;
     }
-    if call.size == OVERFLOWED_SIZE || call.size < tunables::min_size() || call.size > tunables::max_size() {
+    if call.sampled == 0
+        || call.size == OVERFLOWED_SIZE
+        || call.size < tunables::min_size()
+        || call.size > tunables::max_size()
+    {
         return 0;
     }
     record(&ctx, address, call.size);
@@ -132,7 +136,8 @@ fn enter(size: u64, argument: u64, kind: CallKind) {
         unsafe { (*pending).depth += 1 };
         return;
     }
-    let call = PendingCall { size, argument, kind: kind as u32, depth: 1 };
+    let sampled = tunables::sample() as u32;
+    let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, _padding: 0 };
     let _ = PENDING.insert(tid, call, 0);
 }
 
@@ -162,13 +167,20 @@ fn kind_of(raw: u32) -> CallKind {
 
 fn record(ctx: &RetProbeContext, address: u64, size: u64) {
     counters::increment(Counter::Allocations);
+    let tgid = free::current_tgid();
+    let key = AllocationKey { tgid, _padding: 0, address };
+    // The allocator handed out an address we still hold: its free was not
+    // seen (bcc's --wa-missing-free case). The old block is gone.
+    free::forget(&key);
     let allocation = Allocation {
         size,
         // SAFETY: a helper without arguments.
         timestamp_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: stack::current_stack_id(ctx),
+        stack_id: stack::current_stack_id(ctx, tgid),
     };
-    if ALLOCATIONS.insert(address, allocation, 0).is_err() {
+    if ALLOCATIONS.insert(key, allocation, 0).is_err() {
         counters::increment(Counter::AllocationsNotTracked);
+        return;
     }
+    totals::add(allocation.stack_id, size);
 }

@@ -5,12 +5,17 @@
 //! from `memleak-common`, the only contract with user space.
 #![no_std]
 #![no_main]
+// Inline assembly for the atomic add in totals.rs: core's atomics offer no
+// fetch_add on the BPF target. The build already enables unstable features
+// (RUSTC_BOOTSTRAP) for -Z build-std, and aya-ebpf uses this one too.
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 mod allocation;
 mod counters;
 mod free;
 mod maps;
 mod stack;
+mod totals;
 mod tunables;
 
 #[cfg(not(test))]

@@ -6,17 +6,24 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
-use memleak_common::{Allocation, PendingCall, StackFrames, COUNTER_SLOTS};
+use memleak_common::{Allocation, AllocationKey, PendingCall, StackKey, StackTotals, COUNTER_SLOTS};
 
-/// Address -> outstanding allocation. Not preallocated: kernel memory
-/// grows with what the target really holds, not with --max-allocs.
+/// (process, address) -> outstanding allocation. Not preallocated: kernel
+/// memory grows with what the targets really hold, not with --max-allocs.
 #[map(name = "ALLOCATIONS")]
-pub static ALLOCATIONS: HashMap<u64, Allocation> = HashMap::with_max_entries(1_000_000, BPF_F_NO_PREALLOC);
+pub static ALLOCATIONS: HashMap<AllocationKey, Allocation> =
+    HashMap::with_max_entries(1_000_000, BPF_F_NO_PREALLOC);
 
-/// Whole user stack -> stack id. Keyed by every frame so that distinct
-/// stacks can never collide (a kernel stack map would drop or merge them).
+/// (process, whole user stack) -> stack id. Keyed by every frame so that
+/// distinct stacks can never collide (a kernel stack map would drop or
+/// merge them).
 #[map(name = "STACKS")]
-pub static STACKS: HashMap<StackFrames, u64> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
+pub static STACKS: HashMap<StackKey, u64> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
+
+/// Stack id -> outstanding bytes and allocations. User space sizes it as
+/// STACKS plus room for each traced process's lost-stack entry.
+#[map(name = "STACK_TOTALS")]
+pub static STACK_TOTALS: HashMap<u64, StackTotals> = HashMap::with_max_entries(65_537, BPF_F_NO_PREALLOC);
 
 /// Thread id -> allocation call in flight. LRU so that a thread killed
 /// inside malloc cannot leak an entry forever.
@@ -27,9 +34,9 @@ pub static PENDING: LruHashMap<u32, PendingCall> = LruHashMap::with_max_entries(
 #[map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
-/// Scratch space for one stack: too big for the 512-byte BPF stack.
+/// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]
-pub static STACK_SCRATCH: PerCpuArray<StackFrames> = PerCpuArray::with_max_entries(1, 0);
+pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
 #[map(name = "STACK_ID_COUNTERS")]

@@ -12,7 +12,7 @@ use aya_ebpf::{
     helpers::generated::{bpf_get_smp_processor_id, bpf_get_stack},
     EbpfContext,
 };
-use memleak_common::{Counter, StackFrames, LOST_STACK_ID};
+use memleak_common::{lost_stack_id, Counter, StackKey};
 
 use crate::{
     counters,
@@ -20,41 +20,45 @@ use crate::{
     tunables,
 };
 
-/// Returns the id of the current user stack, storing the stack if it is
-/// new, or `LOST_STACK_ID` (counted) if it cannot be stored.
-pub fn current_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
-    match store_current_stack(ctx) {
+/// Returns the id of the current user stack of process `tgid`, storing
+/// the stack if it is new, or its process's `lost_stack_id` (counted) if
+/// it cannot be stored.
+pub fn current_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
+    match store_current_stack(ctx, tgid) {
         Some(id) => id,
         None => {
             counters::increment(Counter::StacksLost);
-            LOST_STACK_ID
+            lost_stack_id(tgid)
         }
     }
 }
 
-fn store_current_stack<C: EbpfContext>(ctx: &C) -> Option<u64> {
-    let frames: *mut StackFrames = STACK_SCRATCH.get_ptr_mut(0)?;
+fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<u64> {
+    let key: *mut StackKey = STACK_SCRATCH.get_ptr_mut(0)?;
     let size = tunables::stack_depth() * 8;
-    // SAFETY: `frames` points at this CPU's scratch slot, which holds at
-    // least `size` bytes. The kernel zeroes what it does not fill up to
+    // SAFETY: `key` points at this CPU's scratch slot, whose frames hold
+    // at least `size` bytes. The kernel zeroes what it does not fill up to
     // `size`, and nothing ever writes past `size`, so the tail stays zero
     // and equal stacks give equal keys.
-    let copied = unsafe { bpf_get_stack(ctx.as_ptr(), frames.cast(), size, BPF_F_USER_STACK as u64) };
+    let copied = unsafe {
+        (*key).tgid = tgid;
+        bpf_get_stack(ctx.as_ptr(), (&raw mut (*key).frames).cast(), size, BPF_F_USER_STACK as u64)
+    };
     if copied < 0 {
         return None;
     }
     // SAFETY: as above; the map copies the key before returning.
-    let frames: &StackFrames = unsafe { &*frames };
-    if let Some(id) = STACKS.get_ptr(frames) {
+    let key: &StackKey = unsafe { &*key };
+    if let Some(id) = STACKS.get_ptr(key) {
         // SAFETY: the value of a live entry; stack ids are never rewritten.
         return Some(unsafe { *id });
     }
     let id = new_stack_id()?;
-    match STACKS.insert(frames, id, BPF_NOEXIST as u64) {
+    match STACKS.insert(key, id, BPF_NOEXIST as u64) {
         Ok(()) => Some(id),
         // Another CPU stored the same stack first: use its id.
         // SAFETY: as above.
-        Err(_) => STACKS.get_ptr(frames).map(|id| unsafe { *id }),
+        Err(_) => STACKS.get_ptr(key).map(|id| unsafe { *id }),
     }
 }
 

@@ -8,6 +8,8 @@ static MIN_SIZE: u64 = 0;
 static MAX_SIZE: u64 = u64::MAX;
 #[unsafe(no_mangle)]
 static STACK_DEPTH: u32 = MAX_STACK_DEPTH as u32;
+#[unsafe(no_mangle)]
+static SAMPLE_RATE: u32 = 1;
 
 // Volatile reads: without them the compiler folds in the defaults above
 // and the values the loader writes would never be seen.
@@ -31,4 +33,13 @@ pub fn stack_depth() -> u32 {
     } else {
         depth
     }
+}
+
+/// Whether to record the allocation call starting now: about one in
+/// SAMPLE_RATE, chosen at random so that no call site is favoured.
+pub fn sample() -> bool {
+    // SAFETY: as above.
+    let rate = unsafe { core::ptr::read_volatile(&SAMPLE_RATE) };
+    // SAFETY: a helper without arguments.
+    rate <= 1 || unsafe { aya_ebpf::helpers::generated::bpf_get_prandom_u32() } % rate == 0
 }

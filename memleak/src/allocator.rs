@@ -36,6 +36,10 @@ pub enum AllocatorError {
     NoAllocator(PathBuf),
     #[error("process {pid} maps no libc and its binary {binary} has no malloc: give -O the object that provides the allocator")]
     NoLibc { pid: u32, binary: String },
+    #[error(
+        "no {prefix}malloc and {prefix}free in {searched}: check --symbols-prefix, or give -O the object"
+    )]
+    NoPrefixedAllocator { prefix: String, searched: String },
     #[error("cannot run `{0}`: it is neither an ELF executable nor a #! script")]
     NotExecutable(PathBuf),
     #[error("cannot find the libc that {program} will load: `{loader} --list` failed: {reason}")]
@@ -60,25 +64,36 @@ pub struct AttachPlan {
     pub sites: Vec<ProbeSite>,
 }
 
-/// Plans probes for a running process: `object` if given, else the libc it
-/// maps, else its own binary when that is statically linked.
-pub fn plan_for_process(pid: u32, object: Option<&Path>) -> Result<AttachPlan, AllocatorError> {
+/// Plans probes for a running process: `object` if given; else, with a
+/// symbol prefix, the first mapped object that defines PREFIXmalloc; else
+/// the libc it maps, or its own binary when that is statically linked.
+pub fn plan_for_process(pid: u32, object: Option<&Path>, prefix: &str) -> Result<AttachPlan, AllocatorError> {
     let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let in_root = |file: &Path| root.join(file.strip_prefix("/").unwrap_or(file));
     if let Some(object) = object {
-        let in_target = root.join(object.strip_prefix("/").unwrap_or(object));
-        let path = if object.exists() { object.to_path_buf() } else { in_target };
-        return plan_for_object(&path, &object.display().to_string());
+        // A path on the host, or else inside the target's mount namespace.
+        let path = if object.exists() { object.to_path_buf() } else { in_root(object) };
+        return plan_for_object(&path, &object.display().to_string(), prefix);
     }
     let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
     let maps =
         fs::read_to_string(&maps_path).map_err(|source| AllocatorError::Read { path: maps_path, source })?;
-    let mapped: Vec<&str> = maps.lines().filter_map(mapped_file).collect();
-    let in_root = |file: &str| root.join(file.trim_start_matches('/'));
-    if let Some(libc) = mapped.iter().find(|file| is_libc(file)) {
-        return plan_for_object(&in_root(libc), libc);
+    let mut mapped: Vec<&str> = Vec::new();
+    for file in maps.lines().filter_map(mapped_file) {
+        if !mapped.contains(&file) {
+            mapped.push(file);
+        }
+    }
+    let candidates: Vec<(PathBuf, String)> =
+        mapped.iter().map(|file| (in_root(Path::new(file)), (*file).to_owned())).collect();
+    if !prefix.is_empty() {
+        return first_with_prefix(&candidates, prefix);
+    }
+    if let Some((path, display)) = candidates.iter().find(|(_, display)| is_libc(display)) {
+        return plan_for_object(path, display, prefix);
     }
     let binary = mapped.first().copied().unwrap_or("");
-    match plan_for_object(&in_root(binary), binary) {
+    match plan_for_object(&in_root(Path::new(binary)), binary, prefix) {
         Err(AllocatorError::NoAllocator(_) | AllocatorError::NotElf(_) | AllocatorError::Read { .. }) => {
             Err(AllocatorError::NoLibc { pid, binary: binary.to_owned() })
         }
@@ -86,45 +101,71 @@ pub fn plan_for_process(pid: u32, object: Option<&Path>) -> Result<AttachPlan, A
     }
 }
 
-/// Plans probes for a program about to be run: `object` if given, else the
-/// libc its dynamic loader resolves (asked of the loader itself, so
-/// LD_LIBRARY_PATH and the ld.so cache count), else the program itself.
-pub fn plan_for_program(program: &Path, object: Option<&Path>) -> Result<AttachPlan, AllocatorError> {
+/// Plans probes for a program about to be run: `object` if given; else,
+/// with a symbol prefix, the first of the program and its libraries that
+/// defines PREFIXmalloc; else the libc its dynamic loader resolves (asked
+/// of the loader itself, so LD_LIBRARY_PATH and the ld.so cache count),
+/// else the program itself.
+pub fn plan_for_program(
+    program: &Path,
+    object: Option<&Path>,
+    prefix: &str,
+) -> Result<AttachPlan, AllocatorError> {
     if let Some(object) = object {
-        return plan_for_object(object, &object.display().to_string());
+        return plan_for_object(object, &object.display().to_string(), prefix);
     }
     let data =
         fs::read(program).map_err(|source| AllocatorError::Read { path: program.to_path_buf(), source })?;
     if let Some(interpreter) = script_interpreter(&data) {
         // A script: the allocator is its interpreter's.
-        return plan_for_program(&interpreter, None);
+        return plan_for_program(&interpreter, None, prefix);
     }
     let file =
         object::File::parse(&*data).map_err(|_| AllocatorError::NotExecutable(program.to_path_buf()))?;
-    let Some(loader) = interpreter(&file) else {
-        return plan_for_object(program, &program.display().to_string());
-    };
-    let output = Command::new(&loader).arg("--list").arg(program).output();
+    let mut candidates = vec![(program.to_path_buf(), program.display().to_string())];
+    if let Some(loader) = interpreter(&file) {
+        for library in loaded_libraries(program, &loader)? {
+            candidates.push((PathBuf::from(&library), library));
+        }
+    }
+    if !prefix.is_empty() {
+        return first_with_prefix(&candidates, prefix);
+    }
+    let (path, display) = candidates.iter().find(|(_, display)| is_libc(display)).unwrap_or(&candidates[0]);
+    plan_for_object(path, display, prefix)
+}
+
+/// The libraries `program` will load, in load order, as its dynamic loader
+/// resolves them (`ld.so --list` loads them but runs none of their code).
+fn loaded_libraries(program: &Path, loader: &str) -> Result<Vec<String>, AllocatorError> {
     let fail = |reason: String| AllocatorError::Loader {
         program: program.to_path_buf(),
-        loader: loader.clone(),
+        loader: loader.to_owned(),
         reason,
     };
+    let output = Command::new(loader).arg("--list").arg(program).output();
     let output = output.map_err(|error| fail(error.to_string()))?;
     if !output.status.success() {
         return Err(fail(String::from_utf8_lossy(&output.stderr).trim().to_owned()));
     }
-    let listing = String::from_utf8_lossy(&output.stdout);
     // Lines look like "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x7f...)".
-    let libc = listing
+    Ok(String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|line| line.split_once("=> ").map(|(_, rest)| rest))
         .filter_map(|rest| rest.split_whitespace().next())
-        .find(|path| is_libc(path));
-    match libc {
-        Some(libc) => plan_for_object(Path::new(libc), libc),
-        None => plan_for_object(program, &program.display().to_string()),
-    }
+        .filter(|path| path.starts_with('/'))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// The first candidate that defines PREFIXmalloc and PREFIXfree.
+fn first_with_prefix(candidates: &[(PathBuf, String)], prefix: &str) -> Result<AttachPlan, AllocatorError> {
+    candidates.iter().find_map(|(path, display)| plan_for_object(path, display, prefix).ok()).ok_or_else(
+        || AllocatorError::NoPrefixedAllocator {
+            prefix: prefix.to_owned(),
+            searched: candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", "),
+        },
+    )
 }
 
 /// The interpreter named on a script's `#!` line.
@@ -157,11 +198,12 @@ fn is_libc(path: &str) -> bool {
     name.starts_with("libc.so") || name.starts_with("libc-") || name.starts_with("ld-musl-")
 }
 
-/// Finds the allocator functions in one ELF object.
-pub fn plan_for_object(path: &Path, display_path: &str) -> Result<AttachPlan, AllocatorError> {
+/// Finds the allocator functions, named PREFIXmalloc and so on, in one ELF
+/// object.
+pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<AttachPlan, AllocatorError> {
     let data = fs::read(path).map_err(|source| AllocatorError::Read { path: path.to_path_buf(), source })?;
     let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotElf(path.to_path_buf()))?;
-    let addresses = function_addresses(&file);
+    let addresses = function_addresses(&file, prefix);
     let mut sites = Vec::new();
     let mut missing = Vec::new();
     // Aliases (glibc's aligned_alloc and memalign can share code) must be
@@ -181,7 +223,14 @@ pub fn plan_for_object(path: &Path, display_path: &str) -> Result<AttachPlan, Al
         sites.push(ProbeSite { function, entry_program, file_offset });
     }
     if missing.contains(&"malloc") || missing.contains(&"free") {
-        return Err(AllocatorError::NoAllocator(path.to_path_buf()));
+        return Err(if prefix.is_empty() {
+            AllocatorError::NoAllocator(path.to_path_buf())
+        } else {
+            AllocatorError::NoPrefixedAllocator {
+                prefix: prefix.to_owned(),
+                searched: display_path.to_owned(),
+            }
+        });
     }
     for function in &missing {
         log::debug!("{display_path} does not define {function}: not probed");
@@ -189,15 +238,15 @@ pub fn plan_for_object(path: &Path, display_path: &str) -> Result<AttachPlan, Al
     Ok(AttachPlan { path: path.to_path_buf(), display_path: display_path.to_owned(), sites })
 }
 
-/// Addresses of the defined functions we probe, from .dynsym first (what a
-/// stripped library still has), then .symtab.
-fn function_addresses(file: &object::File) -> BTreeMap<String, u64> {
+/// Addresses of the defined functions we probe, by unprefixed name, from
+/// .dynsym first (what a stripped library still has), then .symtab.
+fn function_addresses(file: &object::File, prefix: &str) -> BTreeMap<String, u64> {
     let mut addresses = BTreeMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.address() == 0 || symbol.kind() != object::SymbolKind::Text {
             continue;
         }
-        let Ok(name) = symbol.name() else { continue };
+        let Some(name) = symbol.name().ok().and_then(|name| name.strip_prefix(prefix)) else { continue };
         if ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name) {
             addresses.entry(name.to_owned()).or_insert(symbol.address());
         }
@@ -240,7 +289,7 @@ mod tests {
     #[test]
     fn glibc_plan_probes_every_function_once() {
         let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
-        let plan = plan_for_object(libc, "libc.so.6").expect("the host libc has an allocator");
+        let plan = plan_for_object(libc, "libc.so.6", "").expect("the host libc has an allocator");
         let functions: Vec<_> = plan.sites.iter().map(|site| site.function).collect();
         for function in ["malloc", "calloc", "realloc", "free", "posix_memalign", "valloc"] {
             assert!(functions.contains(&function), "{function} missing from {functions:?}");
@@ -253,7 +302,31 @@ mod tests {
 
     #[test]
     fn a_file_that_is_not_elf_is_refused() {
-        let error = plan_for_object(Path::new("/etc/hostname"), "/etc/hostname").unwrap_err();
+        let error = plan_for_object(Path::new("/etc/hostname"), "/etc/hostname", "").unwrap_err();
         assert!(matches!(error, AllocatorError::NotElf(_)), "{error}");
+    }
+}
+
+#[cfg(test)]
+mod prefix_tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_that_matches_nothing_names_the_object() {
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let error = plan_for_object(libc, "/lib/x86_64-linux-gnu/libc.so.6", "je_").unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "no je_malloc and je_free in /lib/x86_64-linux-gnu/libc.so.6: check --symbols-prefix, or give -O the object"
+        );
+    }
+
+    #[test]
+    fn a_prefix_is_stripped_before_matching() {
+        // glibc exports __libc_malloc and __libc_free beside malloc and free.
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let plan = plan_for_object(libc, "libc.so.6", "__libc_").expect("glibc has __libc_malloc");
+        let functions: Vec<_> = plan.sites.iter().map(|site| site.function).collect();
+        assert!(functions.contains(&"malloc") && functions.contains(&"free"), "{functions:?}");
     }
 }

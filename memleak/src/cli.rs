@@ -11,9 +11,10 @@ use clap::{Parser, ValueEnum};
 #[derive(Debug, Parser)]
 #[command(name = "memleak", version, about, after_help = EXAMPLES)]
 pub struct Args {
-    /// Trace this running process.
-    #[arg(short, long, value_name = "PID", conflicts_with = "command")]
-    pub pid: Option<u32>,
+    /// Trace these running processes (-p 12,34 or -p 12 -p 34); each gets
+    /// reports of its own.
+    #[arg(short, long, value_name = "PID", value_delimiter = ',', conflicts_with = "command")]
+    pub pid: Vec<u32>,
 
     /// Run this command (with its arguments, split like a shell would) and
     /// trace it from its first instruction.
@@ -40,6 +41,30 @@ pub struct Args {
     /// Report only allocations older than this many milliseconds.
     #[arg(short = 'o', long, value_name = "MS", default_value_t = 500)]
     pub older: u64,
+
+    /// Order of the stacks in a report.
+    #[arg(long, value_enum, default_value_t = SortKey::Size)]
+    pub sort: SortKey,
+
+    /// Record about one allocation in N, picked at random; reported figures
+    /// are scaled up by N. Frees of recorded allocations stay exact.
+    #[arg(short = 's', long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub sample_rate: u32,
+
+    /// Report the per-stack totals kept in BPF, without reading each
+    /// allocation: cheapest for processes with millions of them.
+    #[arg(long, conflicts_with_all = ["show_allocs", "older"])]
+    pub combined_only: bool,
+
+    /// bcc's workaround for allocators whose free is not seen: an address
+    /// handed out again counts as freed first. memleak always does this.
+    #[arg(long)]
+    pub wa_missing_free: bool,
+
+    /// Probe PREFIXmalloc, PREFIXfree and so on, for allocators built with
+    /// a symbol prefix (jemalloc's je_).
+    #[arg(long, value_name = "PREFIX")]
+    pub symbols_prefix: Option<String>,
 
     /// Ignore allocations smaller than this many bytes.
     #[arg(short = 'z', long, value_name = "BYTES")]
@@ -77,6 +102,14 @@ pub struct Args {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SortKey {
+    /// Outstanding bytes, largest first.
+    Size,
+    /// Outstanding allocations, most first.
+    Count,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// bcc-style text.
     Text,
@@ -102,13 +135,21 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
 impl Args {
     /// Checks that clap's declarations cannot express.
     pub fn validate(&self) -> Result<(), String> {
-        if self.pid.is_none() && self.command.is_none() {
+        if self.pid.is_empty() && self.command.is_none() {
             return Err("give a process to trace with -p PID or -c \"CMD ARGS\"".to_owned());
         }
         if let (Some(min), Some(max)) = (self.min_size, self.max_size) {
             if min > max {
                 return Err(format!("--min-size {min} is larger than --max-size {max}"));
             }
+        }
+        let mut pids = self.pid.clone();
+        pids.sort_unstable();
+        if let Some(pair) = pids.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(format!("pid {} is given twice", pair[0]));
+        }
+        if self.symbols_prefix.as_deref() == Some("") {
+            return Err("--symbols-prefix needs a prefix, such as je_".to_owned());
         }
         Ok(())
     }

@@ -1,8 +1,8 @@
-//! Turns the raw BPF maps into a `Snapshot`.
+//! Turns the raw BPF maps into one `Snapshot` per traced process.
 
 use std::collections::HashMap;
 
-use memleak_common::Allocation;
+use memleak_common::{Allocation, AllocationKey, StackTotals};
 
 use crate::model::{HealthCounters, OutstandingAllocation, Snapshot, StackUsage};
 
@@ -15,18 +15,18 @@ pub struct CollectOptions {
     pub keep_allocations: bool,
 }
 
-/// Groups allocations by stack. `now_ns` is CLOCK_MONOTONIC, the clock of
-/// the BPF timestamps.
+/// Groups the allocations of process `pid` by stack. `now_ns` is
+/// CLOCK_MONOTONIC, the clock of the BPF timestamps.
 pub fn aggregate(
     pid: u32,
     time_unix_ms: u64,
     now_ns: u64,
-    allocations: &[(u64, Allocation)],
+    allocations: &[(AllocationKey, Allocation)],
     counters: HealthCounters,
     options: CollectOptions,
 ) -> Snapshot {
     let mut by_stack: HashMap<u64, StackUsage> = HashMap::new();
-    for &(address, allocation) in allocations {
+    for (key, allocation) in allocations.iter().filter(|(key, _)| key.tgid == pid) {
         let age_ns = now_ns.saturating_sub(allocation.timestamp_ns);
         if age_ns < options.min_age_ns {
             continue;
@@ -38,7 +38,7 @@ pub fn aggregate(
         usage.allocations += 1;
         if options.keep_allocations {
             usage.outstanding.push(OutstandingAllocation {
-                address,
+                address: key.address,
                 size: allocation.size,
                 age_ms: age_ns / 1_000_000,
             });
@@ -51,6 +51,32 @@ pub fn aggregate(
     Snapshot { pid, time_unix_ms, stacks, counters }
 }
 
+/// Builds the snapshot of process `pid` from the per-stack totals kept in
+/// BPF (--combined-only): one map entry per stack, none per allocation.
+/// `owner` tells which process a stack id belongs to.
+pub fn from_totals(
+    pid: u32,
+    time_unix_ms: u64,
+    totals: &[(u64, StackTotals)],
+    owner: impl Fn(u64) -> Option<u32>,
+    counters: HealthCounters,
+) -> Snapshot {
+    let stacks = totals
+        .iter()
+        // The BPF side adds frees as negative amounts: a stack whose every
+        // allocation was freed sits at zero.
+        .filter(|(_, totals)| (totals.allocations as i64) > 0)
+        .filter(|(stack_id, _)| owner(*stack_id) == Some(pid))
+        .map(|&(stack_id, totals)| StackUsage {
+            stack_id,
+            bytes: totals.bytes,
+            allocations: totals.allocations,
+            outstanding: Vec::new(),
+        })
+        .collect();
+    Snapshot { pid, time_unix_ms, stacks, counters }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,13 +85,18 @@ mod tests {
         Allocation { size, timestamp_ns, stack_id }
     }
 
+    fn key(tgid: u32, address: u64) -> AllocationKey {
+        AllocationKey { tgid, _padding: 0, address }
+    }
+
     #[test]
     fn allocations_are_summed_per_stack_and_young_ones_left_out() {
         let allocations = [
-            (0x1000, allocation(100, 1_000, 7)),
-            (0x2000, allocation(50, 2_000, 7)),
-            (0x3000, allocation(8, 3_000, 9)),
-            (0x4000, allocation(1_000, 9_500, 9)), // 500 ns old: too young
+            (key(42, 0x1000), allocation(100, 1_000, 7)),
+            (key(42, 0x2000), allocation(50, 2_000, 7)),
+            (key(42, 0x3000), allocation(8, 3_000, 9)),
+            (key(42, 0x4000), allocation(1_000, 9_500, 9)), // 500 ns old: too young
+            (key(43, 0x1000), allocation(64, 0, 11)),       // another process
         ];
         let options = CollectOptions { min_age_ns: 1_000, keep_allocations: true };
         let snapshot = aggregate(42, 0, 10_000, &allocations, HealthCounters::default(), options);
@@ -79,9 +110,22 @@ mod tests {
 
     #[test]
     fn per_allocation_detail_is_kept_only_on_request() {
-        let allocations = [(0x1000, allocation(100, 0, 1))];
+        let allocations = [(key(1, 0x1000), allocation(100, 0, 1))];
         let options = CollectOptions { min_age_ns: 0, keep_allocations: false };
         let snapshot = aggregate(1, 0, 5, &allocations, HealthCounters::default(), options);
         assert!(snapshot.stacks[0].outstanding.is_empty());
+    }
+
+    #[test]
+    fn totals_keep_the_process_stacks_that_hold_memory() {
+        let totals = [
+            (1, StackTotals { bytes: 300, allocations: 3 }),
+            (2, StackTotals { bytes: 0, allocations: 0 }), // all freed
+            (3, StackTotals { bytes: 64, allocations: 1 }), // another process
+        ];
+        let owner = |id| Some(if id == 3 { 8 } else { 7 });
+        let snapshot = from_totals(7, 0, &totals, owner, HealthCounters::default());
+        assert_eq!(snapshot.stacks.len(), 1);
+        assert_eq!((snapshot.stacks[0].stack_id, snapshot.stacks[0].bytes), (1, 300));
     }
 }

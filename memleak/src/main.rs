@@ -11,6 +11,7 @@ mod status;
 mod symbolize;
 mod target;
 mod tracer;
+mod trend;
 
 use std::process::ExitCode;
 

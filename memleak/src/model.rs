@@ -17,7 +17,7 @@ pub struct Snapshot {
 /// The outstanding allocations made from one call stack.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StackUsage {
-    /// Id of the stack in the BPF stack map, or `LOST_STACK_ID`.
+    /// Id of the stack in the BPF stack map, or a `lost_stack_id`.
     pub stack_id: u64,
     pub bytes: u64,
     pub allocations: u64,

@@ -1,6 +1,6 @@
-//! One tracing session: resolve the target, plan and attach the probes,
-//! then print a report every interval until the count is reached, the
-//! target exits, or memleak is told to stop.
+//! One tracing session: resolve the targets, plan and attach the probes,
+//! then print reports every interval until the count is reached, the
+//! targets exit, or memleak is told to stop.
 
 use std::{
     collections::HashMap,
@@ -8,10 +8,10 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use memleak_common::{StackFrames, LOST_STACK_ID};
+use memleak_common::{lost_stack_owner, StackKey};
 use tokio::{
     signal::unix::{signal, Signal, SignalKind},
-    sync::mpsc::UnboundedReceiver,
+    sync::mpsc::{UnboundedReceiver, UnboundedSender},
 };
 
 use crate::{
@@ -21,64 +21,55 @@ use crate::{
     report::{json, text, Report, ReportContext},
     status,
     symbolize::StackSymbolizer,
-    target::{self, GatedCommand, TargetEvent},
+    target::{self, GatedCommand, SpawnedCommand, TargetEvent},
     tracer::{Tracer, TracerConfig},
+    trend::TrendTracker,
 };
 
-/// How often the target's mappings are re-read, so that libraries it loads
-/// later can be symbolized even if it exits before the next report.
+/// How often the targets' mappings are re-read, so that libraries loaded
+/// later can be symbolized even if a target exits before the next report.
 const MAPS_REFRESH: Duration = Duration::from_millis(250);
 
+/// A traced process and what its reports need.
+struct Target {
+    pid: u32,
+    plan: AttachPlan,
+    symbolizer: StackSymbolizer,
+    trends: TrendTracker,
+}
+
+impl Target {
+    fn new(pid: u32, plan: AttachPlan) -> Self {
+        let mut symbolizer = StackSymbolizer::new(pid);
+        symbolizer.modules.refresh();
+        Self { pid, plan, symbolizer, trends: TrendTracker::default() }
+    }
+}
+
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let config = TracerConfig {
-        min_size: args.min_size.unwrap_or(0),
-        max_size: args.max_size.unwrap_or(u64::MAX),
-        stack_depth: args.max_stack_depth,
-        max_allocations: args.max_allocs,
-        max_stacks: args.max_stacks,
-    };
     // Before anything is attached: a signal from now on ends the run
     // cleanly instead of killing memleak with its probes half-placed.
     let mut stop = StopSignals::new()?;
+    Tracer::check_privileges()?;
     let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
-    // The target is checked before the BPF object is loaded, so a wrong pid
-    // is reported as such even without privileges.
-    let (pid, plan, tracer, child) = match (args.pid, &args.command) {
-        (Some(pid), _) => {
-            target::check_process(pid)?;
-            let plan = allocator::plan_for_process(pid, args.object.as_deref())?;
-            let mut tracer = Tracer::load(&config)?;
-            tracer.attach(&plan, pid)?;
-            target::watch_process(pid, events);
-            (pid, plan, tracer, None)
+    let (tracer, targets, command) = match &args.command {
+        None => attach_processes(&args, events)?,
+        Some(command_line) => {
+            let (tracer, target, command) = start_command(&args, command_line, events)?;
+            (tracer, vec![target], Some(command))
         }
-        (None, Some(command_line)) => {
-            let gated = GatedCommand::spawn(command_line)?;
-            let prepared = allocator::plan_for_program(&gated.program, args.object.as_deref())
-                .map_err(anyhow::Error::from)
-                .and_then(|plan| {
-                    let mut tracer = Tracer::load(&config)?;
-                    tracer.attach(&plan, gated.pid)?;
-                    Ok((plan, tracer))
-                });
-            match prepared {
-                Ok((plan, tracer)) => (gated.pid, plan, tracer, Some(gated.release(events)?)),
-                Err(error) => {
-                    gated.abandon();
-                    return Err(error);
-                }
-            }
-        }
-        (None, None) => unreachable!("Args::validate requires -p or -c"),
     };
-    status::say(&format!(
-        "tracing pid {pid} through {} ({} functions probed); Ctrl-C to stop",
-        plan.display_path,
-        plan.sites.len()
-    ));
-    let result = trace(&args, &tracer, pid, &plan, &mut target_events, &mut stop).await;
+    for target in &targets {
+        status::say(&format!(
+            "tracing pid {} through {} ({} functions probed); Ctrl-C to stop",
+            target.pid,
+            target.plan.display_path,
+            target.plan.sites.len()
+        ));
+    }
+    let result = trace(&args, &tracer, targets, &mut target_events, &mut stop).await;
     drop(target_events);
-    if let Some(command) = child {
+    if let Some(command) = command {
         // A command memleak started does not outlive it.
         command.finish();
     }
@@ -87,39 +78,111 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     result
 }
 
+fn tracer_config(args: &Args, processes: usize) -> TracerConfig {
+    TracerConfig {
+        min_size: args.min_size.unwrap_or(0),
+        max_size: args.max_size.unwrap_or(u64::MAX),
+        stack_depth: args.max_stack_depth,
+        max_allocations: args.max_allocs,
+        max_stacks: args.max_stacks,
+        sample_rate: args.sample_rate,
+        processes: processes as u32,
+    }
+}
+
+/// `-p`: checks every pid and plans its probes before the BPF object is
+/// loaded, so a wrong pid is reported as such even without privileges.
+fn attach_processes(
+    args: &Args,
+    events: UnboundedSender<TargetEvent>,
+) -> anyhow::Result<(Tracer, Vec<Target>, Option<SpawnedCommand>)> {
+    let prefix = args.symbols_prefix.as_deref().unwrap_or("");
+    let mut plans = Vec::new();
+    for &pid in &args.pid {
+        target::check_process(pid)?;
+        plans.push((pid, allocator::plan_for_process(pid, args.object.as_deref(), prefix)?));
+    }
+    let mut tracer = Tracer::load(&tracer_config(args, plans.len()))?;
+    let mut targets = Vec::new();
+    for (pid, plan) in plans {
+        tracer.attach(&plan, pid)?;
+        target::watch_process(pid, events.clone());
+        targets.push(Target::new(pid, plan));
+    }
+    Ok((tracer, targets, None))
+}
+
+/// `-c`: forks the command held before exec, attaches, then lets it run.
+fn start_command(
+    args: &Args,
+    command_line: &str,
+    events: UnboundedSender<TargetEvent>,
+) -> anyhow::Result<(Tracer, Target, SpawnedCommand)> {
+    let prefix = args.symbols_prefix.as_deref().unwrap_or("");
+    let gated = GatedCommand::spawn(command_line)?;
+    let prepared = allocator::plan_for_program(&gated.program, args.object.as_deref(), prefix)
+        .map_err(anyhow::Error::from)
+        .and_then(|plan| {
+            let mut tracer = Tracer::load(&tracer_config(args, 1))?;
+            tracer.attach(&plan, gated.pid)?;
+            Ok((plan, tracer))
+        });
+    match prepared {
+        Ok((plan, tracer)) => {
+            let pid = gated.pid;
+            let command = gated.release(events)?;
+            Ok((tracer, Target::new(pid, plan), command))
+        }
+        Err(error) => {
+            gated.abandon();
+            Err(error)
+        }
+    }
+}
+
 async fn trace(
     args: &Args,
     tracer: &Tracer,
-    pid: u32,
-    plan: &AttachPlan,
+    mut targets: Vec<Target>,
     target_events: &mut UnboundedReceiver<TargetEvent>,
     stop: &mut StopSignals,
 ) -> anyhow::Result<()> {
-    let mut symbolizer = StackSymbolizer::new(pid);
-    symbolizer.modules.refresh();
     let mut reports = tokio::time::interval_at(tokio::time::Instant::now() + args.interval, args.interval);
     let mut refresh = tokio::time::interval(MAPS_REFRESH);
+    let mut stacks = StackCatalog::default();
     let mut printed = 0u64;
     loop {
-        // Held by a command at its exit stop until the final report is out.
-        let mut exit_ack = None;
-        let last = tokio::select! {
-            _ = refresh.tick() => { symbolizer.modules.refresh(); continue; }
-            _ = reports.tick() => false,
-            Some(TargetEvent::Exiting { ack }) = target_events.recv() => {
-                status::say(&format!("pid {pid} exited"));
-                exit_ack = ack;
-                true
+        // Which targets to report on now, and whether this is the end.
+        let (due, last, exit_ack) = tokio::select! {
+            _ = refresh.tick() => {
+                targets.iter_mut().for_each(|target| target.symbolizer.modules.refresh());
+                continue;
             }
-            _ = stop.interrupt.recv() => true,
-            _ = stop.terminate.recv() => true,
+            _ = reports.tick() => (None, false, None),
+            Some(TargetEvent::Exiting { pid, ack }) = target_events.recv() => {
+                status::say(&format!("pid {pid} exited"));
+                (Some(pid), false, ack)
+            }
+            _ = stop.interrupt.recv() => (None, true, None),
+            _ = stop.terminate.recv() => (None, true, None),
         };
-        symbolizer.modules.refresh();
-        let report = take_report(args, tracer, pid, plan, &mut symbolizer)?;
-        if !print(&report, args.format)? {
-            return Ok(()); // stdout closed: nobody is listening any more
+        // The command stays at its exit stop until `exit_ack` is dropped.
+        for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
+            target.symbolizer.modules.refresh();
+            let report = take_report(args, tracer, target, &mut stacks)?;
+            if !print(&report, args.format)? {
+                return Ok(()); // stdout closed: nobody is listening any more
+            }
         }
         drop(exit_ack);
+        if let Some(pid) = due {
+            // Its final report is out; the others go on.
+            targets.retain(|target| target.pid != pid);
+            if targets.is_empty() {
+                return Ok(());
+            }
+            continue;
+        }
         printed += 1;
         if last || args.count.is_some_and(|count| printed >= count.get()) {
             return Ok(());
@@ -139,35 +202,63 @@ impl StopSignals {
     }
 }
 
+/// The stacks read from the BPF stack map so far, by id. The map is read
+/// again only when a report meets an id not seen yet.
+#[derive(Default)]
+struct StackCatalog {
+    stacks: HashMap<u64, StackKey>,
+}
+
+impl StackCatalog {
+    fn ensure(&mut self, tracer: &Tracer, stack_ids: impl IntoIterator<Item = u64>) -> anyhow::Result<()> {
+        let mut ids = stack_ids.into_iter().filter(|id| lost_stack_owner(*id).is_none());
+        if ids.any(|id| !self.stacks.contains_key(&id)) {
+            self.stacks.extend(tracer.stacks()?);
+        }
+        Ok(())
+    }
+
+    /// The process a stack id belongs to.
+    fn owner(&self, stack_id: u64) -> Option<u32> {
+        lost_stack_owner(stack_id).or_else(|| self.stacks.get(&stack_id).map(|key| key.tgid))
+    }
+}
+
 fn take_report(
     args: &Args,
     tracer: &Tracer,
-    pid: u32,
-    plan: &AttachPlan,
-    symbolizer: &mut StackSymbolizer,
+    target: &mut Target,
+    stacks: &mut StackCatalog,
 ) -> anyhow::Result<Report> {
-    let now_ns = monotonic_ns();
     let time_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    let allocations = tracer.allocations()?;
     let counters = tracer.counters()?;
-    let options = CollectOptions {
-        min_age_ns: args.older.saturating_mul(1_000_000),
-        keep_allocations: args.show_allocs,
+    let snapshot = if args.combined_only {
+        let totals = tracer.stack_totals()?;
+        stacks.ensure(tracer, totals.iter().map(|(id, _)| *id))?;
+        collector::from_totals(target.pid, time_unix_ms, &totals, |id| stacks.owner(id), counters)
+    } else {
+        let options = CollectOptions {
+            min_age_ns: args.older.saturating_mul(1_000_000),
+            keep_allocations: args.show_allocs,
+        };
+        let allocations = tracer.allocations()?;
+        collector::aggregate(target.pid, time_unix_ms, monotonic_ns(), &allocations, counters, options)
     };
-    let snapshot = collector::aggregate(pid, time_unix_ms, now_ns, &allocations, counters, options);
-    // Stacks are read from the map only when a report needs one not seen yet.
-    let unseen = snapshot
-        .stacks
-        .iter()
-        .any(|stack| stack.stack_id != LOST_STACK_ID && symbolizer.cached(stack.stack_id).is_none());
-    let stored: HashMap<u64, StackFrames> =
-        if unseen { tracer.stacks()?.into_iter().collect() } else { HashMap::new() };
-    let context = ReportContext { allocator: &plan.display_path, min_age_ms: args.older, top: args.top };
-    Ok(Report::build(snapshot, &context, |stack_id| {
+    stacks.ensure(tracer, snapshot.stacks.iter().map(|stack| stack.stack_id))?;
+    let trends = target.trends.observe(&snapshot);
+    let context = ReportContext {
+        allocator: &target.plan.display_path,
+        min_age_ms: if args.combined_only { 0 } else { args.older },
+        top: args.top,
+        sort: args.sort,
+        sample_rate: args.sample_rate,
+    };
+    let symbolizer = &mut target.symbolizer;
+    Ok(Report::build(snapshot, &context, &trends, |stack_id| {
         if let Some(frames) = symbolizer.cached(stack_id) {
             return frames;
         }
-        let addresses = stored.get(&stack_id).map_or(&[][..], |frames| &frames[..]);
+        let addresses = stacks.stacks.get(&stack_id).map_or(&[][..], |key| &key.frames[..]);
         symbolizer.symbolize(stack_id, addresses)
     }))
 }

@@ -151,7 +151,7 @@ pub enum TargetEvent {
     /// last breath, mappings intact, until `ack` is dropped or sent to, so
     /// that its stacks can still be symbolized; a `-p` target is already
     /// gone (`ack` is `None`).
-    Exiting { ack: Option<std::sync::mpsc::Sender<()>> },
+    Exiting { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
 }
 
 /// A command memleak started, watched through ptrace for its exit; it does
@@ -235,7 +235,7 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
         match status >> 16 {
             libc::PTRACE_EVENT_EXIT => {
                 let (ack, acked) = std::sync::mpsc::channel();
-                if events.send(TargetEvent::Exiting { ack: Some(ack) }).is_ok() {
+                if events.send(TargetEvent::Exiting { pid: pid as u32, ack: Some(ack) }).is_ok() {
                     // Returns once the report is taken, or memleak moved on.
                     let _ = acked.recv();
                 }
@@ -258,7 +258,7 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
 pub fn watch_process(pid: u32, events: tokio::sync::mpsc::UnboundedSender<TargetEvent>) {
     std::thread::spawn(move || match wait_for_exit(pid) {
         Ok(()) => {
-            let _ = events.send(TargetEvent::Exiting { ack: None });
+            let _ = events.send(TargetEvent::Exiting { pid, ack: None });
         }
         Err(error) => log::warn!("cannot watch pid {pid} for exit, stop memleak with Ctrl-C: {error}"),
     });

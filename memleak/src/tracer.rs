@@ -9,7 +9,8 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader,
 };
 use memleak_common::{
-    programs, tunables, Allocation, Counter, StackFrames, ALLOCATIONS_MAP, COUNTERS_MAP, STACKS_MAP,
+    programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackTotals, ALLOCATIONS_MAP,
+    COUNTERS_MAP, STACKS_MAP, STACK_TOTALS_MAP,
 };
 
 use crate::{allocator::AttachPlan, model::HealthCounters};
@@ -38,6 +39,10 @@ pub struct TracerConfig {
     pub stack_depth: u32,
     pub max_allocations: u32,
     pub max_stacks: u32,
+    pub sample_rate: u32,
+    /// How many processes will be traced: each may need a lost-stack
+    /// entry in the totals map.
+    pub processes: u32,
 }
 
 pub struct Tracer {
@@ -57,13 +62,35 @@ const ENTRY_PROGRAMS: [&str; 7] = [
 ];
 
 impl Tracer {
+    /// Fails early, before any work, when memleak cannot load BPF programs:
+    /// it needs CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN (root has all).
+    pub fn check_privileges() -> Result<(), TracerError> {
+        const CAP_SYS_ADMIN: u32 = 21;
+        const CAP_PERFMON: u32 = 38;
+        const CAP_BPF: u32 = 39;
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let effective = status
+            .lines()
+            .find_map(|line| line.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .unwrap_or(0);
+        let has = |capability: u32| effective & (1 << capability) != 0;
+        if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
+            Ok(())
+        } else {
+            Err(TracerError::NotPermitted)
+        }
+    }
+
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
         let mut ebpf = EbpfLoader::new()
             .override_global(tunables::MIN_SIZE, &config.min_size, true)
             .override_global(tunables::MAX_SIZE, &config.max_size, true)
             .override_global(tunables::STACK_DEPTH, &config.stack_depth, true)
+            .override_global(tunables::SAMPLE_RATE, &config.sample_rate, true)
             .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
             .map_max_entries(STACKS_MAP, config.max_stacks)
+            .map_max_entries(STACK_TOTALS_MAP, config.max_stacks.saturating_add(config.processes))
             .load(BPF_OBJECT)
             .map_err(
                 |error| if is_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) },
@@ -101,23 +128,28 @@ impl Tracer {
         Ok(())
     }
 
-    /// Every outstanding allocation: address and record.
-    pub fn allocations(&self) -> Result<Vec<(u64, Allocation)>, TracerError> {
-        let map: HashMap<&MapData, u64, Allocation> = self.map(ALLOCATIONS_MAP)?;
+    /// Every outstanding allocation of every traced process.
+    pub fn allocations(&self) -> Result<Vec<(AllocationKey, Allocation)>, TracerError> {
+        let map: HashMap<&MapData, AllocationKey, Allocation> = self.map(ALLOCATIONS_MAP)?;
         // Entries freed while we iterate vanish under us: skip those.
         Ok(map.iter().filter_map(Result::ok).collect())
     }
 
     /// Every stored stack, with its id.
-    pub fn stacks(&self) -> Result<Vec<(u64, StackFrames)>, TracerError> {
-        let map: HashMap<&MapData, StackFrames, u64> = self.map(STACKS_MAP)?;
-        Ok(map.iter().filter_map(Result::ok).map(|(frames, id)| (id, frames)).collect())
+    pub fn stacks(&self) -> Result<Vec<(u64, StackKey)>, TracerError> {
+        let map: HashMap<&MapData, StackKey, u64> = self.map(STACKS_MAP)?;
+        Ok(map.iter().filter_map(Result::ok).map(|(key, id)| (id, key)).collect())
     }
 
+    /// Outstanding totals of every stack, as the BPF side keeps them.
+    pub fn stack_totals(&self) -> Result<Vec<(u64, StackTotals)>, TracerError> {
+        let map: HashMap<&MapData, u64, StackTotals> = self.map(STACK_TOTALS_MAP)?;
+        Ok(map.iter().filter_map(Result::ok).collect())
+    }
+
+    /// Health counters, summed over CPUs and over every traced process.
     pub fn counters(&self) -> Result<HealthCounters, TracerError> {
-        let map = self.ebpf.map(COUNTERS_MAP).ok_or(TracerError::Missing(COUNTERS_MAP))?;
-        let counters: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(map)
-            .map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
+        let counters: PerCpuArray<&MapData, u64> = self.map(COUNTERS_MAP)?;
         let read = |counter: Counter| -> Result<u64, TracerError> {
             let per_cpu = counters
                 .get(&(counter as u32), 0)

@@ -34,5 +34,8 @@ mod tests {
         assert_eq!(frame["inlined"], false);
         assert_eq!(frame["module"], "/app/leaker");
         assert_eq!(value["health"]["stacks_lost"], 1);
+        assert_eq!(value["sample_rate"], 1);
+        assert_eq!((top["delta_bytes"].as_i64(), top["growing_reports"].as_u64()), (Some(8192), Some(3)));
+        assert_eq!(value["stacks"][1]["delta_bytes"], serde_json::Value::Null);
     }
 }

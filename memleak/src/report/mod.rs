@@ -4,14 +4,16 @@
 pub mod json;
 pub mod text;
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
-use memleak_common::LOST_STACK_ID;
+use memleak_common::lost_stack_owner;
 use serde::Serialize;
 
 use crate::{
     allocator::ALLOCATOR_FUNCTIONS,
+    cli::SortKey,
     model::{Frame, HealthCounters, OutstandingAllocation, Snapshot},
+    trend::Trend,
 };
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -22,13 +24,17 @@ pub struct Report {
     pub allocator: String,
     /// Allocations younger than this were left out.
     pub min_age_ms: u64,
+    /// One allocation in this many was recorded; every figure below is
+    /// already scaled up by it.
+    pub sample_rate: u32,
     /// Over all stacks, not only those shown.
     pub total_bytes: u64,
     pub total_allocations: u64,
     /// Stacks that hold memory, before the cut to the top N.
     pub total_stacks: usize,
-    /// Largest first.
+    /// Largest first (most allocations first with --sort count).
     pub stacks: Vec<ReportStack>,
+    /// For all traced processes together.
     pub health: HealthCounters,
 }
 
@@ -41,6 +47,9 @@ pub struct ReportStack {
     pub frames: Vec<Frame>,
     /// The stack could not be stored (--max-stacks reached).
     pub stack_lost: bool,
+    /// How the stack moved since the previous report.
+    #[serde(flatten)]
+    pub trend: Trend,
     /// Each allocation, with -a.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub outstanding: Vec<OutstandingAllocation>,
@@ -51,6 +60,8 @@ pub struct ReportContext<'a> {
     pub allocator: &'a str,
     pub min_age_ms: u64,
     pub top: usize,
+    pub sort: SortKey,
+    pub sample_rate: u32,
 }
 
 impl Report {
@@ -58,30 +69,41 @@ impl Report {
     pub fn build(
         snapshot: Snapshot,
         context: &ReportContext,
+        trends: &HashMap<u64, Trend>,
         mut frames_of: impl FnMut(u64) -> Arc<[Frame]>,
     ) -> Self {
-        let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes).sum();
-        let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations).sum();
+        let scale = u64::from(context.sample_rate.max(1));
+        let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes).sum::<u64>() * scale;
+        let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations).sum::<u64>() * scale;
         let total_stacks = snapshot.stacks.len();
         let mut usages = snapshot.stacks;
         // Ties broken by id so that equal reports print identically.
-        usages
-            .sort_by(|a, b| (b.bytes, b.allocations, a.stack_id).cmp(&(a.bytes, a.allocations, b.stack_id)));
+        match context.sort {
+            SortKey::Size => usages.sort_by(|a, b| {
+                (b.bytes, b.allocations, a.stack_id).cmp(&(a.bytes, a.allocations, b.stack_id))
+            }),
+            SortKey::Count => usages.sort_by(|a, b| {
+                (b.allocations, b.bytes, a.stack_id).cmp(&(a.allocations, a.bytes, b.stack_id))
+            }),
+        }
         usages.truncate(context.top);
         let stacks = usages
             .into_iter()
             .map(|usage| {
-                let stack_lost = usage.stack_id == LOST_STACK_ID;
+                let stack_lost = lost_stack_owner(usage.stack_id).is_some();
+                let mut trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
+                trend.delta_bytes = trend.delta_bytes.map(|delta| delta * scale as i64);
                 let frames = if stack_lost {
                     Vec::new()
                 } else {
                     without_allocator_frames(&frames_of(usage.stack_id), context.allocator)
                 };
                 ReportStack {
-                    bytes: usage.bytes,
-                    allocations: usage.allocations,
+                    bytes: usage.bytes * scale,
+                    allocations: usage.allocations * scale,
                     frames,
                     stack_lost,
+                    trend,
                     outstanding: usage.outstanding,
                 }
             })
@@ -91,6 +113,7 @@ impl Report {
             time_unix_ms: snapshot.time_unix_ms,
             allocator: context.allocator.to_owned(),
             min_age_ms: context.min_age_ms,
+            sample_rate: context.sample_rate,
             total_bytes,
             total_allocations,
             total_stacks,
@@ -136,6 +159,10 @@ pub(crate) mod tests {
     }
 
     pub fn sample_report(top: usize) -> Report {
+        sample_report_with(top, SortKey::Size, 1)
+    }
+
+    pub fn sample_report_with(top: usize, sort: SortKey, sample_rate: u32) -> Report {
         let snapshot = Snapshot {
             pid: 4242,
             time_unix_ms: 1_764_510_000_000,
@@ -143,12 +170,14 @@ pub(crate) mod tests {
                 usage(1, 100, 1),
                 usage(2, 24_576, 3),
                 usage(3, 100, 2),
-                usage(LOST_STACK_ID, 64, 1),
+                usage(memleak_common::lost_stack_id(4242), 64, 1),
             ],
             counters: HealthCounters { allocations: 12, frees: 5, stacks_lost: 1, ..Default::default() },
         };
-        let context = ReportContext { allocator: "/usr/lib/libc.so.6", min_age_ms: 500, top };
-        Report::build(snapshot, &context, |id| match id {
+        let context =
+            ReportContext { allocator: "/usr/lib/libc.so.6", min_age_ms: 500, top, sort, sample_rate };
+        let trends = HashMap::from([(2, Trend { delta_bytes: Some(8192), growing_reports: 3 })]);
+        Report::build(snapshot, &context, &trends, |id| match id {
             2 => vec![frame("fibonacci", "/src/leaker.c", 9), frame("child", "/src/leaker.c", 20)].into(),
             _ => vec![frame("other", "/src/leaker.c", 30)].into(),
         })
@@ -163,6 +192,21 @@ pub(crate) mod tests {
         assert_eq!(report.total_allocations, 7);
         assert_eq!(report.total_stacks, 4);
         assert_eq!(report.stacks[0].frames[0].function.as_deref(), Some("fibonacci"));
+    }
+
+    #[test]
+    fn count_order_puts_the_most_allocations_first() {
+        let report = sample_report_with(2, SortKey::Count, 1);
+        let order: Vec<_> = report.stacks.iter().map(|s| (s.allocations, s.bytes)).collect();
+        assert_eq!(order, [(3, 24_576), (2, 100)]);
+    }
+
+    #[test]
+    fn sampled_figures_are_scaled_up() {
+        let report = sample_report_with(1, SortKey::Size, 10);
+        assert_eq!((report.total_bytes, report.total_allocations), (248_400, 70));
+        assert_eq!((report.stacks[0].bytes, report.stacks[0].allocations), (245_760, 30));
+        assert_eq!(report.stacks[0].trend.delta_bytes, Some(81_920));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::io::{self, Write};
 
 use super::Report;
-use crate::model::Frame;
+use crate::{model::Frame, trend::Trend};
 
 pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
     writeln!(
@@ -15,8 +15,21 @@ pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
         report.pid,
         report.allocator,
     )?;
+    if report.sample_rate > 1 {
+        writeln!(
+            out,
+            "\t(sampled: about 1 in {} allocations recorded, figures scaled up by {})",
+            report.sample_rate, report.sample_rate
+        )?;
+    }
     for stack in &report.stacks {
-        writeln!(out, "\t{} bytes in {} allocations from stack", stack.bytes, stack.allocations)?;
+        writeln!(
+            out,
+            "\t{} bytes in {} allocations from stack{}",
+            stack.bytes,
+            stack.allocations,
+            describe_trend(&stack.trend)
+        )?;
         if stack.stack_lost {
             writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
         }
@@ -58,6 +71,20 @@ pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
         writeln!(out, "{} allocations without a stack: raise --max-stacks", health.stacks_lost)?;
     }
     Ok(())
+}
+
+/// ` (+8192 bytes since last report, growing for 3 reports)`; nothing in
+/// the first report.
+fn describe_trend(trend: &Trend) -> String {
+    let Some(delta) = trend.delta_bytes else { return String::new() };
+    let change = match delta {
+        0 => "unchanged since last report".to_owned(),
+        _ => format!("{delta:+} bytes since last report"),
+    };
+    match trend.growing_reports {
+        0 | 1 => format!(" ({change})"),
+        reports => format!(" ({change}, growing for {reports} reports)"),
+    }
 }
 
 /// `function+0xoff (file:line) [module]`, with `[inlined]` for frames

@@ -1,0 +1,51 @@
+//! Per-stack outstanding totals, kept in BPF so that a report (and
+//! --combined-only) reads one entry per stack instead of one per
+//! allocation. Updated with atomic adds: many threads of the target
+//! allocate from the same stack at once.
+
+use aya_ebpf::bindings::BPF_NOEXIST;
+use memleak_common::StackTotals;
+
+use crate::maps::STACK_TOTALS;
+
+/// Adds an allocation of `size` bytes to its stack.
+pub fn add(stack_id: u64, size: u64) {
+    update(stack_id, size, 1);
+}
+
+/// Takes an allocation of `size` bytes off its stack.
+pub fn subtract(stack_id: u64, size: u64) {
+    update(stack_id, size.wrapping_neg(), 1u64.wrapping_neg());
+}
+
+fn update(stack_id: u64, bytes: u64, allocations: u64) {
+    let totals = match STACK_TOTALS.get_ptr_mut(stack_id) {
+        Some(totals) => totals,
+        None => {
+            // First allocation from this stack. Another CPU may insert it at
+            // the same moment; NOEXIST keeps whichever came first.
+            let _ = STACK_TOTALS.insert(stack_id, StackTotals::default(), BPF_NOEXIST as u64);
+            match STACK_TOTALS.get_ptr_mut(stack_id) {
+                Some(totals) => totals,
+                None => return,
+            }
+        }
+    };
+    // SAFETY: `totals` points at a live map value, 8-byte aligned, and
+    // atomic adds are the only writes to it.
+    unsafe {
+        atomic_add(&raw mut (*totals).bytes, bytes);
+        atomic_add(&raw mut (*totals).allocations, allocations);
+    }
+}
+
+/// `*target += value`, atomically (BPF_ATOMIC | BPF_ADD, which every
+/// kernel with BPF supports). Wrapping, so that adding `x.wrapping_neg()`
+/// subtracts `x`.
+///
+/// # Safety
+/// `target` must be valid for writes and 8-byte aligned.
+unsafe fn atomic_add(target: *mut u64, value: u64) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { core::arch::asm!("lock *(u64 *)({0} + 0) += {1}", in(reg) target, in(reg) value) };
+}
