@@ -85,8 +85,10 @@ impl Lines {
 
     /// Waits for a line for which `predicate` holds and returns it.
     pub fn wait_for(&mut self, what: &str, predicate: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + PATIENCE;
         loop {
-            match self.receiver.recv_timeout(PATIENCE) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.receiver.recv_timeout(left) {
                 Ok(line) => {
                     self.seen.push(line.clone());
                     if predicate(&line) {
@@ -172,7 +174,7 @@ pub fn trace_fixture(name: &str, fixture_args: &str, memleak_args: &[&str]) -> V
     let command = format!("{} {fixture_args}", fixture(name).display());
     // All allocations, all stacks, one report at exit, unless told otherwise.
     let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
-    if !memleak_args.contains(&"-o") {
+    if !memleak_args.contains(&"-o") && !memleak_args.contains(&"--combined-only") {
         args.extend(["-o", "0"]);
     }
     args.extend_from_slice(memleak_args);
@@ -213,8 +215,15 @@ impl Leaker {
 
     /// Lets it allocate and waits until it has.
     pub fn go(&mut self) {
-        writeln!(self.stdin.as_mut().unwrap(), "go").unwrap();
+        self.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
         self.stderr.wait_for("the leaker to allocate", |line| line == "done");
+    }
+
+    /// Sends one line to its stdin and waits for the line it answers with.
+    pub fn send(&mut self, line: &str, answer: &str) {
+        // One write: the fixture may act on each read.
+        self.stdin.as_mut().unwrap().write_all(format!("{line}\n").as_bytes()).unwrap();
+        self.stderr.wait_for(answer, |seen| seen == answer);
     }
 
     /// Lets it exit and reaps it.

@@ -1,0 +1,160 @@
+//! bcc memleak's other flags: sampling, combined totals, ordering, symbol
+//! prefixes, several processes, and growth between reports.
+
+use memleak_tests::{run_to_end, trace_command, usage_at, Leaker, Memleak};
+use serde_json::Value;
+
+#[test]
+fn sampled_totals_are_scaled_and_within_the_statistical_bound() {
+    let report = trace_command("many", &["-s", "10"]);
+    assert_eq!(report["sample_rate"], 10);
+    let (bytes, count) = usage_at(&report, "many", "many");
+    // 20000 allocations, each recorded with probability 1/10: the recorded
+    // count is Binomial(20000, 0.1), mean 2000, sd 42.4. Six sd either side
+    // (a false failure about once in 10^9 runs), times 10 for the scaling.
+    assert!((17_450..=22_550).contains(&count), "scaled count {count} is off: {report:#}");
+    assert_eq!(bytes, count * 100, "every recorded block is 100 bytes");
+    // Frees stay exact: nothing of the freed blocks is outstanding.
+    assert_eq!(usage_at(&report, "many", "many-freed"), (0, 0), "{report:#}");
+}
+
+#[test]
+fn a_sample_rate_of_zero_is_a_usage_error() {
+    let (code, stderr) = run_to_end(&["-p", "1", "-s", "0"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.starts_with("memleak: error: invalid value `0` for `--sample-rate"), "{stderr}");
+}
+
+#[test]
+fn combined_totals_are_exact_under_four_threads() {
+    let report = trace_command("threaded", &["--combined-only"]);
+    assert_eq!(usage_at(&report, "threaded_worker", "threaded"), (4 * 1000 * 64, 4000), "{report:#}");
+    assert_eq!(report["min_age_ms"], 0);
+}
+
+#[test]
+fn combined_only_refuses_per_allocation_flags() {
+    for flag in [&["-a"][..], &["-o", "100"][..]] {
+        let mut args = vec!["-p", "1", "--combined-only"];
+        args.extend_from_slice(flag);
+        let (code, stderr) = run_to_end(&args);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("cannot be used with"), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    }
+}
+
+#[test]
+fn sort_by_count_orders_by_allocations() {
+    let report = trace_command("all", &["--sort", "count"]);
+    let counts: Vec<u64> =
+        report["stacks"].as_array().unwrap().iter().map(|s| s["allocations"].as_u64().unwrap()).collect();
+    assert_eq!(&counts[..2], [3, 3], "{counts:?}");
+    assert!(counts.windows(2).all(|pair| pair[0] >= pair[1]), "{counts:?}");
+    let (code, stderr) = run_to_end(&["-p", "1", "--sort", "age"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("invalid value `age` for `--sort"), "{stderr}");
+}
+
+#[test]
+fn a_symbol_prefix_selects_prefixed_functions() {
+    // glibc exports most of its allocator a second time as __libc_malloc
+    // and so on, but has no __libc_posix_memalign: that call goes unseen.
+    let report = trace_command("all", &["--symbols-prefix", "__libc_"]);
+    assert_eq!(usage_at(&report, "leak_posix_memalign", "posix_memalign"), (0, 0), "{report:#}");
+    assert_eq!(usage_at(&report, "leak_malloc", "malloc"), (3000, 3), "{report:#}");
+    let totals = (report["total_bytes"].as_u64(), report["total_allocations"].as_u64());
+    assert_eq!(totals, (Some(17_264 - 1234), Some(14)));
+}
+
+#[test]
+fn a_symbol_prefix_that_matches_nothing_names_what_was_searched() {
+    let leaker = Leaker::start_waiting(&["none"]);
+    let pid = leaker.pid().to_string();
+    let (code, stderr) = run_to_end(&["-p", &pid, "--symbols-prefix", "nosuch_"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.starts_with("memleak: error: no nosuch_malloc and nosuch_free in "), "{stderr}");
+    assert!(stderr.contains("target/fixtures/leaker") && stderr.contains("libc.so.6"), "{stderr}");
+}
+
+#[test]
+fn several_processes_get_reports_of_their_own() {
+    let mut first = Leaker::start_waiting(&["all"]);
+    let mut second = Leaker::start_waiting(&["churn"]);
+    let pids = format!("{},{}", first.pid(), second.pid());
+    let mut memleak = Memleak::start(&["-p", &pids, "--format", "json", "-o", "0", "-T", "100", "3600"]);
+    memleak.wait_attached();
+    memleak.wait_attached();
+    first.go();
+    second.go();
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    assert_eq!(reports.len(), 2, "one final report per process");
+    let of =
+        |pid: u32| reports.iter().find(|r| r["pid"] == pid).unwrap_or_else(|| panic!("no report for {pid}"));
+    let first_report = of(first.pid());
+    assert_eq!(first_report["total_bytes"], 17_264, "{first_report:#}");
+    assert_eq!(usage_at(first_report, "leak_malloc", "malloc"), (3000, 3));
+    let second_report = of(second.pid());
+    assert_eq!(
+        (second_report["total_bytes"].as_u64(), second_report["total_allocations"].as_u64()),
+        (Some(77), Some(1))
+    );
+    assert_eq!(usage_at(second_report, "churn", "churn-leak"), (77, 1));
+    first.exit();
+    second.exit();
+}
+
+#[test]
+fn each_report_shows_how_a_stack_moved_since_the_last() {
+    let mut leaker = Leaker::start_waiting(&["steps"]);
+    let pid = leaker.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-o", "0", "1"]);
+    memleak.wait_attached();
+    leaker.go();
+    let step_bytes = |line: &str| -> u64 {
+        let report: Value = serde_json::from_str(line).unwrap();
+        usage_at(&report, "step_leak", "step").0
+    };
+    // Three steps, each after a report; then two reports in which it holds.
+    for step in 1..=3u64 {
+        leaker.send("step", "stepped");
+        memleak
+            .stdout
+            .wait_for(&format!("a report with step {step}"), |line| step_bytes(line) == step * 8192);
+    }
+    let seen_so_far = memleak.stdout.seen.len();
+    memleak.stdout.wait_for("another report", |_| true);
+    memleak.stdout.wait_for("another report", |_| true);
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    assert!(reports.len() > seen_so_far, "{reports:#?}");
+    // Every report's delta is exactly the change since the report before.
+    let stack_of = |report: &Value| -> Option<Value> {
+        let line = memleak_tests::marker_line("leaker", "step");
+        memleak_tests::stacks_at(report, "step_leak", line).first().map(|s| (*s).clone())
+    };
+    let mut previous_bytes: Option<u64> = None;
+    let mut streak = 0;
+    for (index, report) in reports.iter().enumerate() {
+        let Some(stack) = stack_of(report) else {
+            previous_bytes = Some(0);
+            continue;
+        };
+        let bytes = stack["bytes"].as_u64().unwrap();
+        if index == 0 {
+            assert_eq!(stack["delta_bytes"], Value::Null, "the first report has nothing to compare with");
+        } else {
+            let delta = bytes as i64 - previous_bytes.unwrap_or(0) as i64;
+            assert_eq!(stack["delta_bytes"].as_i64(), Some(delta), "report {index}: {stack}");
+            streak = if delta > 0 { streak + 1 } else { 0 };
+            assert_eq!(stack["growing_reports"].as_u64(), Some(streak), "report {index}: {stack}");
+        }
+        previous_bytes = Some(bytes);
+    }
+    let last = stack_of(reports.last().unwrap()).unwrap();
+    assert_eq!((last["bytes"].as_u64(), last["delta_bytes"].as_i64()), (Some(3 * 8192), Some(0)));
+    leaker.exit();
+}
