@@ -110,8 +110,47 @@ pub struct PendingCall {
     pub depth: u32,
     /// 1 if sampling (--sample-rate) picked this call for recording.
     pub sampled: u32,
+    /// The function called, as a bit set over [`ALLOCATOR_FUNCTIONS`]:
+    /// aliases share one probe, so this names them all.
+    pub function: u32,
+}
+
+/// The allocator functions memleak probes. Bit i of a probe's attach
+/// cookie stands for function i, so one BPF program can serve several
+/// functions and still say which was called.
+pub const ALLOCATOR_FUNCTIONS: [&str; 10] = [
+    "malloc",
+    "calloc",
+    "realloc",
+    "reallocarray",
+    "posix_memalign",
+    "aligned_alloc",
+    "memalign",
+    "valloc",
+    "pvalloc",
+    "free",
+];
+
+/// One allocation or free, sent through [`EVENTS_MAP`] with --trace.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceEvent {
+    /// CLOCK_MONOTONIC nanoseconds.
+    pub timestamp_ns: u64,
+    /// The block returned, or the one freed.
+    pub address: u64,
+    /// Bytes requested; for a free, the size recorded at allocation or 0
+    /// if it was not recorded.
+    pub size: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    /// Bit set over [`ALLOCATOR_FUNCTIONS`], as in [`PendingCall`].
+    pub function: u32,
     pub _padding: u32,
 }
+
+/// The cookie bit of `free` in [`ALLOCATOR_FUNCTIONS`].
+pub const FREE_FUNCTION: u32 = 1 << 9;
 
 /// Size recorded for a calloc/reallocarray whose `n * size` overflows; the
 /// call fails, so it is never recorded as an allocation.
@@ -131,10 +170,12 @@ pub enum Counter {
     AllocationsNotTracked = 3,
     /// Allocations recorded under a [`lost_stack_id`].
     StacksLost = 4,
+    /// --trace events dropped because the ring buffer was full.
+    EventsLost = 5,
 }
 
 /// Number of slots in [`COUNTERS_MAP`].
-pub const COUNTER_SLOTS: u32 = 5;
+pub const COUNTER_SLOTS: u32 = 6;
 
 impl Counter {
     pub const ALL: [Counter; COUNTER_SLOTS as usize] = [
@@ -143,6 +184,7 @@ impl Counter {
         Counter::FailedAllocations,
         Counter::AllocationsNotTracked,
         Counter::StacksLost,
+        Counter::EventsLost,
     ];
 }
 
@@ -156,6 +198,8 @@ pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
 pub const PENDING_MAP: &str = "PENDING";
 /// Per-CPU u64 array indexed by [`Counter`].
 pub const COUNTERS_MAP: &str = "COUNTERS";
+/// Ring buffer of [`TraceEvent`]s, written only with --trace.
+pub const EVENTS_MAP: &str = "EVENTS";
 
 /// Load-time tunables: read-only globals in the BPF object, set by the
 /// loader (libbpf-tools' `const volatile` pattern).
@@ -168,6 +212,8 @@ pub mod tunables {
     pub const STACK_DEPTH: &str = "STACK_DEPTH";
     /// u32: record about one allocation in this many (1: all).
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
+    /// u32: 1 to send a [`super::TraceEvent`] per allocation and free.
+    pub const TRACE: &str = "TRACE";
 }
 
 /// The BPF programs and the allocator functions each one is attached to.
@@ -196,6 +242,8 @@ mod pod {
     unsafe impl aya::Pod for super::AllocationKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::StackTotals {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::TraceEvent {}
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
@@ -203,4 +251,5 @@ const _: () = assert!(core::mem::size_of::<PendingCall>() == 32);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackTotals>() == 16);
+const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<StackFrames>() == 8 * MAX_STACK_DEPTH);

@@ -5,14 +5,18 @@
 //! miss the caller's frame.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user, generated::bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_probe_read_user,
+        generated::{bpf_get_attach_cookie, bpf_ktime_get_ns},
+    },
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
+    EbpfContext as _,
 };
 use memleak_common::{Allocation, AllocationKey, CallKind, Counter, PendingCall, OVERFLOWED_SIZE};
 
 use crate::{
-    counters, free,
+    counters, events, free,
     maps::{ALLOCATIONS, PENDING},
     stack, totals, tunables,
 };
@@ -21,7 +25,7 @@ use crate::{
 #[uprobe]
 pub fn malloc_enter(ctx: ProbeContext) -> u32 {
     let size: u64 = ctx.arg(0).unwrap_or(0);
-    enter(size, 0, CallKind::Allocate);
+    enter(&ctx, size, 0, CallKind::Allocate);
     0
 }
 
@@ -30,7 +34,7 @@ pub fn malloc_enter(ctx: ProbeContext) -> u32 {
 pub fn calloc_enter(ctx: ProbeContext) -> u32 {
     let count: u64 = ctx.arg(0).unwrap_or(0);
     let size: u64 = ctx.arg(1).unwrap_or(0);
-    enter(array_size(count, size), 0, CallKind::Allocate);
+    enter(&ctx, array_size(count, size), 0, CallKind::Allocate);
     0
 }
 
@@ -39,7 +43,7 @@ pub fn calloc_enter(ctx: ProbeContext) -> u32 {
 pub fn realloc_enter(ctx: ProbeContext) -> u32 {
     let old: u64 = ctx.arg(0).unwrap_or(0);
     let size: u64 = ctx.arg(1).unwrap_or(0);
-    enter(size, old, CallKind::Reallocate);
+    enter(&ctx, size, old, CallKind::Reallocate);
     0
 }
 
@@ -49,7 +53,7 @@ pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
     let old: u64 = ctx.arg(0).unwrap_or(0);
     let count: u64 = ctx.arg(1).unwrap_or(0);
     let size: u64 = ctx.arg(2).unwrap_or(0);
-    enter(array_size(count, size), old, CallKind::Reallocate);
+    enter(&ctx, array_size(count, size), old, CallKind::Reallocate);
     0
 }
 
@@ -57,7 +61,7 @@ pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn memalign_enter(ctx: ProbeContext) -> u32 {
     let size: u64 = ctx.arg(1).unwrap_or(0);
-    enter(size, 0, CallKind::Allocate);
+    enter(&ctx, size, 0, CallKind::Allocate);
     0
 }
 
@@ -66,7 +70,7 @@ pub fn memalign_enter(ctx: ProbeContext) -> u32 {
 pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
     let out: u64 = ctx.arg(0).unwrap_or(0);
     let size: u64 = ctx.arg(2).unwrap_or(0);
-    enter(size, out, CallKind::AllocateThroughPointer);
+    enter(&ctx, size, out, CallKind::AllocateThroughPointer);
     0
 }
 
@@ -81,7 +85,7 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
             // realloc(p, n) that fails leaves p allocated. One that succeeds,
             // or realloc(p, 0), which glibc treats as free(p), releases it.
             if returned != 0 || call.size == 0 {
-                free::release(call.argument);
+                let _ = free::release(call.argument);
             }
             returned
         }
@@ -95,6 +99,7 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
             }
         }
     };
+    events::send(call.function, address, call.size);
     if address == 0 {
         if call.size != 0 {
             counters::increment(Counter::FailedAllocations);
@@ -127,7 +132,7 @@ fn thread_id() -> u32 {
     bpf_get_current_pid_tgid() as u32
 }
 
-fn enter(size: u64, argument: u64, kind: CallKind) {
+fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
     let tid = thread_id();
     if let Some(pending) = PENDING.get_ptr_mut(tid) {
         // An allocator entry point called from inside another one: only the
@@ -137,7 +142,9 @@ fn enter(size: u64, argument: u64, kind: CallKind) {
         return;
     }
     let sampled = tunables::sample() as u32;
-    let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, _padding: 0 };
+    // SAFETY: reads this attachment's cookie: which function was called.
+    let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function };
     let _ = PENDING.insert(tid, call, 0);
 }
 
@@ -171,7 +178,7 @@ fn record(ctx: &RetProbeContext, address: u64, size: u64) {
     let key = AllocationKey { tgid, _padding: 0, address };
     // The allocator handed out an address we still hold: its free was not
     // seen (bcc's --wa-missing-free case). The old block is gone.
-    free::forget(&key);
+    let _ = free::forget(&key);
     let allocation = Allocation {
         size,
         // SAFETY: a helper without arguments.

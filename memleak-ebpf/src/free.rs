@@ -1,37 +1,48 @@
-use aya_ebpf::{helpers::bpf_get_current_pid_tgid, macros::uprobe, programs::ProbeContext};
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, generated::bpf_get_attach_cookie},
+    macros::uprobe,
+    programs::ProbeContext,
+    EbpfContext as _,
+};
 use memleak_common::{AllocationKey, Counter};
 
-use crate::{counters, maps::ALLOCATIONS, totals};
+use crate::{counters, events, maps::ALLOCATIONS, totals};
 
 /// free(ptr): forgets the allocation at `ptr`.
 #[uprobe]
 pub fn free_enter(ctx: ProbeContext) -> u32 {
     let address: u64 = ctx.arg(0).unwrap_or(0);
-    release(address);
+    if address != 0 {
+        let size = release(address);
+        // SAFETY: reads this attachment's cookie, the function's index.
+        let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+        events::send(function, address, size.unwrap_or(0));
+    }
     0
 }
 
 /// Forgets the allocation at `address` of the current process, if it is
-/// one we recorded.
-pub fn release(address: u64) {
+/// one we recorded, and returns its size.
+pub fn release(address: u64) -> Option<u64> {
     if address == 0 {
-        return;
+        return None;
     }
     counters::increment(Counter::Frees);
     let key = AllocationKey { tgid: current_tgid(), _padding: 0, address };
-    forget(&key);
+    forget(&key)
 }
 
-/// Removes a recorded allocation and takes it off its stack's totals.
-pub fn forget(key: &AllocationKey) {
-    let Some(allocation) = ALLOCATIONS.get_ptr(key) else { return };
+/// Removes a recorded allocation, takes it off its stack's totals and
+/// returns its size.
+pub fn forget(key: &AllocationKey) -> Option<u64> {
+    let allocation = ALLOCATIONS.get_ptr(key)?;
     // SAFETY: a live entry; copied out before the entry is removed.
     let allocation = unsafe { *allocation };
     // Only the caller that really removed it updates the totals, so a block
     // freed twice at once is not subtracted twice.
-    if ALLOCATIONS.remove(key).is_ok() {
-        totals::subtract(allocation.stack_id, allocation.size);
-    }
+    ALLOCATIONS.remove(key).ok()?;
+    totals::subtract(allocation.stack_id, allocation.size);
+    Some(allocation.size)
 }
 
 pub fn current_tgid() -> u32 {

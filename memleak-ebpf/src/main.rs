@@ -12,6 +12,7 @@
 
 mod allocation;
 mod counters;
+mod events;
 mod free;
 mod maps;
 mod stack;

@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use memleak_common::{Allocation, AllocationKey, PendingCall, StackKey, StackTotals, COUNTER_SLOTS};
 
@@ -41,3 +41,7 @@ pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(
 /// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
 #[map(name = "STACK_ID_COUNTERS")]
 pub static STACK_ID_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// --trace events for user space; sized by the loader.
+#[map(name = "EVENTS")]
+pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);

@@ -10,6 +10,8 @@ static MAX_SIZE: u64 = u64::MAX;
 static STACK_DEPTH: u32 = MAX_STACK_DEPTH as u32;
 #[unsafe(no_mangle)]
 static SAMPLE_RATE: u32 = 1;
+#[unsafe(no_mangle)]
+static TRACE: u32 = 0;
 
 // Volatile reads: without them the compiler folds in the defaults above
 // and the values the loader writes would never be seen.
@@ -42,4 +44,10 @@ pub fn sample() -> bool {
     let rate = unsafe { core::ptr::read_volatile(&SAMPLE_RATE) };
     // SAFETY: a helper without arguments.
     rate <= 1 || unsafe { aya_ebpf::helpers::generated::bpf_get_prandom_u32() } % rate == 0
+}
+
+/// Whether to send a trace event per allocation and free (--trace).
+pub fn trace() -> bool {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&TRACE) != 0 }
 }

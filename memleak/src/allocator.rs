@@ -8,22 +8,23 @@ use std::{
     process::Command,
 };
 
-use memleak_common::programs;
+use memleak_common::{programs, ALLOCATOR_FUNCTIONS};
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 
-/// The functions memleak probes and the entry program of each. Every one but
-/// `free` also gets the shared return probe.
-pub const ALLOCATOR_FUNCTIONS: &[(&str, &str)] = &[
-    ("malloc", programs::MALLOC_ENTER),
-    ("calloc", programs::CALLOC_ENTER),
-    ("realloc", programs::REALLOC_ENTER),
-    ("reallocarray", programs::REALLOCARRAY_ENTER),
-    ("posix_memalign", programs::POSIX_MEMALIGN_ENTER),
-    ("aligned_alloc", programs::MEMALIGN_ENTER),
-    ("memalign", programs::MEMALIGN_ENTER),
-    ("valloc", programs::MALLOC_ENTER),
-    ("pvalloc", programs::MALLOC_ENTER),
-    ("free", programs::FREE_ENTER),
+/// The entry program of each function in `memleak_common::ALLOCATOR_FUNCTIONS`,
+/// in the same order. Every one but `free` also gets the shared return
+/// probe.
+const ENTRY_PROGRAMS: [&str; ALLOCATOR_FUNCTIONS.len()] = [
+    programs::MALLOC_ENTER,         // malloc
+    programs::CALLOC_ENTER,         // calloc
+    programs::REALLOC_ENTER,        // realloc
+    programs::REALLOCARRAY_ENTER,   // reallocarray
+    programs::POSIX_MEMALIGN_ENTER, // posix_memalign
+    programs::MEMALIGN_ENTER,       // aligned_alloc
+    programs::MEMALIGN_ENTER,       // memalign
+    programs::MALLOC_ENTER,         // valloc
+    programs::MALLOC_ENTER,         // pvalloc
+    programs::FREE_ENTER,           // free
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +53,9 @@ pub struct ProbeSite {
     pub function: &'static str,
     pub entry_program: &'static str,
     pub file_offset: u64,
+    /// Bit i set for `memleak_common::ALLOCATOR_FUNCTIONS[i]` and each alias
+    /// sharing this code; given to the probes as their attach cookie.
+    pub cookie: u64,
 }
 
 /// The object to probe and the probe sites in it.
@@ -206,21 +210,21 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
     let addresses = function_addresses(&file, prefix);
     let mut sites = Vec::new();
     let mut missing = Vec::new();
-    // Aliases (glibc's aligned_alloc and memalign can share code) must be
-    // probed once, or every call would count twice.
-    let mut probed_offsets = BTreeMap::new();
-    for &(function, entry_program) in ALLOCATOR_FUNCTIONS {
+    for (index, (function, entry_program)) in ALLOCATOR_FUNCTIONS.into_iter().zip(ENTRY_PROGRAMS).enumerate()
+    {
         let offset = addresses.get(function).and_then(|&address| file_offset(&file, address));
         let Some(file_offset) = offset else {
             missing.push(function);
             continue;
         };
-        if let Some(first) = probed_offsets.insert(file_offset, function) {
-            log::debug!("{function} is an alias of {first} in {display_path}: probed once");
-            probed_offsets.insert(file_offset, first);
+        // Aliases (glibc's aligned_alloc and memalign share code) are probed
+        // once, or every call would count twice; the cookie names them all.
+        if let Some(first) = sites.iter_mut().find(|site: &&mut ProbeSite| site.file_offset == file_offset) {
+            log::debug!("{function} is an alias of {} in {display_path}: probed once", first.function);
+            first.cookie |= 1 << index;
             continue;
         }
-        sites.push(ProbeSite { function, entry_program, file_offset });
+        sites.push(ProbeSite { function, entry_program, file_offset, cookie: 1 << index });
     }
     if missing.contains(&"malloc") || missing.contains(&"free") {
         return Err(if prefix.is_empty() {
@@ -247,7 +251,7 @@ fn function_addresses(file: &object::File, prefix: &str) -> BTreeMap<String, u64
             continue;
         }
         let Some(name) = symbol.name().ok().and_then(|name| name.strip_prefix(prefix)) else { continue };
-        if ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name) {
+        if ALLOCATOR_FUNCTIONS.contains(&name) {
             addresses.entry(name.to_owned()).or_insert(symbol.address());
         }
     }

@@ -42,6 +42,10 @@ pub struct Args {
     #[arg(short = 'o', long, value_name = "MS", default_value_t = 500)]
     pub older: u64,
 
+    /// Print a line for every allocation and free as it happens.
+    #[arg(short = 't', long)]
+    pub trace: bool,
+
     /// Order of the stacks in a report.
     #[arg(long, value_enum, default_value_t = SortKey::Size)]
     pub sort: SortKey,

@@ -45,6 +45,8 @@ pub struct HealthCounters {
     pub allocations_not_tracked: u64,
     /// Allocations whose stack could not be stored (--max-stacks reached).
     pub stacks_lost: u64,
+    /// --trace events dropped because memleak did not keep up.
+    pub events_lost: u64,
 }
 
 /// One frame of a symbolized stack. Unknown values are `None`.

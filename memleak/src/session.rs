@@ -8,8 +8,10 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use memleak_common::{lost_stack_owner, StackKey};
+use aya::maps::{MapData, RingBuf};
+use memleak_common::{lost_stack_owner, StackKey, TraceEvent};
 use tokio::{
+    io::{unix::AsyncFd, Interest},
     signal::unix::{signal, Signal, SignalKind},
     sync::mpsc::{UnboundedReceiver, UnboundedSender},
 };
@@ -18,7 +20,11 @@ use crate::{
     allocator::{self, AttachPlan},
     cli::{Args, Format},
     collector::{self, CollectOptions},
-    report::{json, text, Report, ReportContext},
+    report::{
+        json, text,
+        trace::{self, TraceLine},
+        Report, ReportContext,
+    },
     status,
     symbolize::StackSymbolizer,
     target::{self, GatedCommand, SpawnedCommand, TargetEvent},
@@ -67,7 +73,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             target.plan.sites.len()
         ));
     }
-    let result = trace(&args, &tracer, targets, &mut target_events, &mut stop).await;
+    let mut tracer = tracer;
+    let events = if args.trace { Some(TraceEvents::new(tracer.take_events()?)?) } else { None };
+    let result = trace(&args, &tracer, targets, events, &mut target_events, &mut stop).await;
     drop(target_events);
     if let Some(command) = command {
         // A command memleak started does not outlive it.
@@ -87,6 +95,7 @@ fn tracer_config(args: &Args, processes: usize) -> TracerConfig {
         max_stacks: args.max_stacks,
         sample_rate: args.sample_rate,
         processes: processes as u32,
+        trace: args.trace,
     }
 }
 
@@ -144,6 +153,7 @@ async fn trace(
     args: &Args,
     tracer: &Tracer,
     mut targets: Vec<Target>,
+    mut trace_events: Option<TraceEvents>,
     target_events: &mut UnboundedReceiver<TargetEvent>,
     stop: &mut StopSignals,
 ) -> anyhow::Result<()> {
@@ -158,6 +168,12 @@ async fn trace(
                 targets.iter_mut().for_each(|target| target.symbolizer.modules.refresh());
                 continue;
             }
+            ready = next_trace_events(&mut trace_events) => {
+                if !ready?.print(args.format)? {
+                    return Ok(()); // stdout closed
+                }
+                continue;
+            }
             _ = reports.tick() => (None, false, None),
             Some(TargetEvent::Exiting { pid, ack }) = target_events.recv() => {
                 status::say(&format!("pid {pid} exited"));
@@ -166,6 +182,12 @@ async fn trace(
             _ = stop.interrupt.recv() => (None, true, None),
             _ = stop.terminate.recv() => (None, true, None),
         };
+        // Events that came before the report go out before it.
+        if let Some(events) = trace_events.as_mut() {
+            if !events.print(args.format)? {
+                return Ok(());
+            }
+        }
         // The command stays at its exit stop until `exit_ack` is dropped.
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
@@ -188,6 +210,54 @@ async fn trace(
             return Ok(());
         }
     }
+}
+
+/// The --trace ring buffer, read when the kernel says it has data.
+struct TraceEvents {
+    ring: AsyncFd<RingBuf<MapData>>,
+}
+
+impl TraceEvents {
+    fn new(ring: RingBuf<MapData>) -> io::Result<Self> {
+        // SAFETY: the ring buffer owns its descriptor and is only dropped
+        // with (inside) the AsyncFd, so the descriptor outlives the
+        // registration.
+        let ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) };
+        Ok(Self { ring: ring.map_err(|error| error.into_parts().1)? })
+    }
+
+    /// Prints every event waiting; `false` when stdout is closed.
+    fn print(&mut self, format: Format) -> anyhow::Result<bool> {
+        let wall_minus_monotonic = wall_ns() - i128::from(monotonic_ns());
+        let mut out = io::stdout().lock();
+        let ring = self.ring.get_mut();
+        while let Some(item) = ring.next() {
+            if item.len() < std::mem::size_of::<TraceEvent>() {
+                continue;
+            }
+            // SAFETY: the BPF side writes whole TraceEvents, plain data; the
+            // read is unaligned-safe.
+            let event: TraceEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+            let line = TraceLine::new(&event, wall_minus_monotonic);
+            match trace::render(&line, format, &mut out) {
+                Ok(()) => {}
+                Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return Ok(false),
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Waits until the ring buffer has events; never, without --trace.
+async fn next_trace_events(events: &mut Option<TraceEvents>) -> io::Result<&mut TraceEvents> {
+    let Some(events) = events.as_mut() else { return std::future::pending().await };
+    let mut guard = events.ring.readable_mut().await?;
+    // Drained by the caller right away; the next wait blocks until the
+    // kernel wakes us again.
+    guard.clear_ready();
+    drop(guard);
+    Ok(events)
 }
 
 /// SIGINT and SIGTERM, which end the run with a final report.
@@ -276,6 +346,10 @@ fn print(report: &Report, format: Format) -> anyhow::Result<bool> {
         Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Ok(false),
         Err(error) => Err(error.into()),
     }
+}
+
+fn wall_ns() -> i128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128)
 }
 
 fn monotonic_ns() -> u64 {

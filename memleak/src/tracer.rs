@@ -4,13 +4,16 @@
 use std::num::NonZeroU32;
 
 use aya::{
-    maps::{HashMap, MapData, PerCpuArray},
-    programs::{uprobe::UProbeScope, ProgramError, UProbe},
+    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    programs::{
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+        ProgramError, UProbe,
+    },
     Ebpf, EbpfError, EbpfLoader,
 };
 use memleak_common::{
     programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackTotals, ALLOCATIONS_MAP,
-    COUNTERS_MAP, STACKS_MAP, STACK_TOTALS_MAP,
+    COUNTERS_MAP, EVENTS_MAP, STACKS_MAP, STACK_TOTALS_MAP,
 };
 
 use crate::{allocator::AttachPlan, model::HealthCounters};
@@ -43,6 +46,8 @@ pub struct TracerConfig {
     /// How many processes will be traced: each may need a lost-stack
     /// entry in the totals map.
     pub processes: u32,
+    /// Send an event per allocation and free (--trace).
+    pub trace: bool,
 }
 
 pub struct Tracer {
@@ -88,6 +93,7 @@ impl Tracer {
             .override_global(tunables::MAX_SIZE, &config.max_size, true)
             .override_global(tunables::STACK_DEPTH, &config.stack_depth, true)
             .override_global(tunables::SAMPLE_RATE, &config.sample_rate, true)
+            .override_global(tunables::TRACE, &u32::from(config.trace), true)
             .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
             .map_max_entries(STACKS_MAP, config.max_stacks)
             .map_max_entries(STACK_TOTALS_MAP, config.max_stacks.saturating_add(config.processes))
@@ -114,18 +120,26 @@ impl Tracer {
         let fail =
             |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
         for site in &plan.sites {
+            // The cookie tells the shared programs which function fired.
+            let point = || UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
+                cookie: Some(site.cookie),
+            };
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
-            probe
-                .attach(site.file_offset, &plan.path, scope)
-                .map_err(|source| fail(site.function, source))?;
+            probe.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
             log::debug!("uprobe on {} at {:#x} in {}", site.function, site.file_offset, plan.display_path);
             if site.entry_program != programs::FREE_ENTER {
                 let ret = uprobe(&mut self.ebpf, programs::ALLOCATION_RETURN)?;
-                ret.attach(site.file_offset, &plan.path, scope)
-                    .map_err(|source| fail(site.function, source))?;
+                ret.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
             }
         }
         Ok(())
+    }
+
+    /// The ring buffer of --trace events, handed over to its reader.
+    pub fn take_events(&mut self) -> Result<RingBuf<aya::maps::MapData>, TracerError> {
+        let map = self.ebpf.take_map(EVENTS_MAP).ok_or(TracerError::Missing(EVENTS_MAP))?;
+        RingBuf::try_from(map).map_err(|source| TracerError::ReadMap { map: EVENTS_MAP, source })
     }
 
     /// Every outstanding allocation of every traced process.
@@ -162,6 +176,7 @@ impl Tracer {
             failed_allocations: read(Counter::FailedAllocations)?,
             allocations_not_tracked: read(Counter::AllocationsNotTracked)?,
             stacks_lost: read(Counter::StacksLost)?,
+            events_lost: read(Counter::EventsLost)?,
         })
     }
 

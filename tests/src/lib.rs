@@ -171,6 +171,11 @@ pub fn trace_command(leaker_args: &str, memleak_args: &[&str]) -> Value {
 
 /// Runs memleak on fixture NAME with -c, as `trace_command` does.
 pub fn trace_fixture(name: &str, fixture_args: &str, memleak_args: &[&str]) -> Value {
+    trace_fixture_output(name, fixture_args, memleak_args).pop().expect("memleak printed a final report")
+}
+
+/// Every JSON line memleak printed for fixture NAME run with -c.
+pub fn trace_fixture_output(name: &str, fixture_args: &str, memleak_args: &[&str]) -> Vec<Value> {
     let command = format!("{} {fixture_args}", fixture(name).display());
     // All allocations, all stacks, one report at exit, unless told otherwise.
     let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
@@ -183,7 +188,7 @@ pub fn trace_fixture(name: &str, fixture_args: &str, memleak_args: &[&str]) -> V
     memleak.close_stdin();
     let (status, reports) = memleak.finish();
     assert!(status.success(), "memleak exited with {status}");
-    reports.last().cloned().expect("memleak printed a final report")
+    reports
 }
 
 /// A process of the leaker fixture started by the test, for -p.

@@ -158,3 +158,59 @@ fn each_report_shows_how_a_stack_moved_since_the_last() {
     assert_eq!((last["bytes"].as_u64(), last["delta_bytes"].as_i64()), (Some(3 * 8192), Some(0)));
     leaker.exit();
 }
+
+#[test]
+fn trace_prints_every_call_as_it_happens() {
+    let lines = memleak_tests::trace_fixture_output("leaker", "all", &["-t"]);
+    let events: Vec<(String, Option<u64>, bool)> = lines
+        .iter()
+        .filter(|line| line.get("event").is_some())
+        .map(|line| {
+            (line["event"].as_str().unwrap().to_owned(), line["size"].as_u64(), line["address"].is_string())
+        })
+        .collect();
+    let expected: Vec<(&str, u64, bool)> = vec![
+        ("malloc", 1000, true),
+        ("malloc", 1000, true),
+        ("malloc", 1000, true),
+        ("calloc", 1000, true),
+        ("calloc", 1000, true),
+        ("calloc", 1000, true),
+        ("malloc", 100, true),
+        ("realloc", 5000, true),
+        ("realloc", 300, true),
+        ("malloc", 64, true),
+        ("free", 64, true),    // glibc's realloc(p, 0) calls free(p)...
+        ("realloc", 0, false), // ...and returns NULL
+        ("reallocarray", 700, true),
+        ("posix_memalign", 1234, true),
+        ("posix_memalign", 4321, false), // EINVAL
+        // Aliases in glibc 2.36: one probe, both names.
+        ("aligned_alloc|memalign", 640, true),
+        ("aligned_alloc|memalign", 1280, true),
+        ("valloc", 2000, true),
+        ("pvalloc", 100, true),
+        ("malloc", u64::MAX / 2, false),
+        ("calloc", u64::MAX, false), // n * size overflowed
+        ("malloc", 10, true),
+    ];
+    let expected: Vec<(String, Option<u64>, bool)> =
+        expected.into_iter().map(|(event, size, ok)| (event.to_owned(), Some(size), ok)).collect();
+    assert_eq!(events, expected);
+    let pids: Vec<&Value> =
+        lines.iter().filter(|line| line.get("event").is_some()).map(|line| &line["pid"]).collect();
+    assert!(pids.windows(2).all(|pair| pair[0] == pair[1]), "one process");
+    assert_eq!(lines.last().unwrap()["total_bytes"], 17_264, "the final report follows the events");
+}
+
+#[test]
+fn trace_shows_what_each_free_releases() {
+    let lines = memleak_tests::trace_fixture_output("leaker", "churn", &["-t"]);
+    let frees: Vec<&Value> = lines.iter().filter(|line| line["event"] == "free").collect();
+    assert_eq!(frees.len(), 10_000);
+    // Each free releases the block of the malloc just before it.
+    let expected: u64 = (0..10_000u64).map(|i| 16 + i % 512).sum();
+    assert_eq!(frees.iter().map(|line| line["size"].as_u64().unwrap()).sum::<u64>(), expected);
+    let report = lines.last().unwrap();
+    assert_eq!(report["health"]["events_lost"], 0);
+}

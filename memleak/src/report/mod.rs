@@ -3,14 +3,14 @@
 
 pub mod json;
 pub mod text;
+pub mod trace;
 
 use std::{collections::HashMap, sync::Arc};
 
-use memleak_common::lost_stack_owner;
+use memleak_common::{lost_stack_owner, ALLOCATOR_FUNCTIONS};
 use serde::Serialize;
 
 use crate::{
-    allocator::ALLOCATOR_FUNCTIONS,
     cli::SortKey,
     model::{Frame, HealthCounters, OutstandingAllocation, Snapshot},
     trend::Trend,
@@ -128,10 +128,7 @@ impl Report {
 fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
     let is_allocator_entry = |frame: &Frame| {
         frame.module.as_deref() == Some(allocator)
-            && frame
-                .function
-                .as_deref()
-                .is_some_and(|name| ALLOCATOR_FUNCTIONS.iter().any(|(function, _)| *function == name))
+            && frame.function.as_deref().is_some_and(|name| ALLOCATOR_FUNCTIONS.contains(&name))
     };
     let skip = frames.iter().take_while(|frame| is_allocator_entry(frame)).count();
     frames[skip..].to_vec()

@@ -67,6 +67,9 @@ pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
     if health.allocations_not_tracked > 0 {
         writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;
     }
+    if health.events_lost > 0 {
+        writeln!(out, "{} trace events lost: memleak could not keep up", health.events_lost)?;
+    }
     if health.stacks_lost > 0 {
         writeln!(out, "{} allocations without a stack: raise --max-stacks", health.stacks_lost)?;
     }
@@ -110,6 +113,11 @@ fn describe(frame: &Frame) -> String {
 }
 
 /// HH:MM:SS in the local time zone, as bcc prints it.
+/// HH:MM:SS.mmm, for trace lines.
+pub fn local_time_ms(unix_ms: u64) -> String {
+    format!("{}.{:03}", local_time(unix_ms), unix_ms % 1000)
+}
+
 fn local_time(unix_ms: u64) -> String {
     let seconds = (unix_ms / 1000) as libc::time_t;
     // SAFETY: `tm` is plain data that localtime_r fills in.
