@@ -149,6 +149,57 @@ pub struct TraceEvent {
     pub _padding: u32,
 }
 
+/// What a [`MappingEvent`] reports.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MappingChange {
+    /// mmap returned `address`, `length` bytes.
+    Map = 0,
+    /// munmap(`address`, `length`) was called.
+    Unmap = 1,
+    /// mremap moved or resized `address`, `length` to `new_address`,
+    /// `new_length`.
+    Remap = 2,
+}
+
+/// An mmap, munmap or mremap of a traced process, sent through
+/// [`MAPPING_EVENTS_MAP`]. These are rare next to malloc and free, and a
+/// partial munmap needs interval bookkeeping that a BPF hash map cannot
+/// do, so user space keeps the regions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MappingEvent {
+    /// CLOCK_MONOTONIC nanoseconds.
+    pub timestamp_ns: u64,
+    pub address: u64,
+    /// Bytes.
+    pub length: u64,
+    pub new_address: u64,
+    /// Bytes.
+    pub new_length: u64,
+    /// For `Map`: the stack of the mmap call, as in [`Allocation`].
+    pub stack_id: u64,
+    pub tgid: u32,
+    /// A [`MappingChange`] as u32.
+    pub change: u32,
+    /// 1 if the call came from inside malloc & co.: the allocator's own
+    /// arenas and large blocks, already counted as what malloc returned.
+    pub inside_allocator: u32,
+    pub _padding: u32,
+}
+
+/// An mmap or mremap between entry and return, per thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PendingMapping {
+    pub address: u64,
+    pub length: u64,
+    pub new_length: u64,
+    /// A [`MappingChange`] as u32.
+    pub change: u32,
+    pub _padding: u32,
+}
+
 /// The cookie bit of `free` in [`ALLOCATOR_FUNCTIONS`].
 pub const FREE_FUNCTION: u32 = 1 << 9;
 
@@ -170,7 +221,7 @@ pub enum Counter {
     AllocationsNotTracked = 3,
     /// Allocations recorded under a [`lost_stack_id`].
     StacksLost = 4,
-    /// --trace events dropped because the ring buffer was full.
+    /// --trace or mapping events dropped because a ring buffer was full.
     EventsLost = 5,
 }
 
@@ -200,6 +251,8 @@ pub const PENDING_MAP: &str = "PENDING";
 pub const COUNTERS_MAP: &str = "COUNTERS";
 /// Ring buffer of [`TraceEvent`]s, written only with --trace.
 pub const EVENTS_MAP: &str = "EVENTS";
+/// Ring buffer of [`MappingEvent`]s.
+pub const MAPPING_EVENTS_MAP: &str = "MAPPING_EVENTS";
 
 /// Load-time tunables: read-only globals in the BPF object, set by the
 /// loader (libbpf-tools' `const volatile` pattern).
@@ -227,6 +280,11 @@ pub mod programs {
     /// The one return probe of every allocation function.
     pub const ALLOCATION_RETURN: &str = "allocation_return";
     pub const FREE_ENTER: &str = "free_enter";
+    pub const MMAP_ENTER: &str = "mmap_enter";
+    pub const MREMAP_ENTER: &str = "mremap_enter";
+    /// The return probe of mmap and mremap.
+    pub const MAPPING_RETURN: &str = "mapping_return";
+    pub const MUNMAP_ENTER: &str = "munmap_enter";
 }
 
 #[cfg(feature = "user")]
@@ -244,6 +302,8 @@ mod pod {
     unsafe impl aya::Pod for super::StackTotals {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::TraceEvent {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::MappingEvent {}
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
@@ -252,4 +312,6 @@ const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPT
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackTotals>() == 16);
 const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
+const _: () = assert!(core::mem::size_of::<MappingEvent>() == 64);
+const _: () = assert!(core::mem::size_of::<PendingMapping>() == 32);
 const _: () = assert!(core::mem::size_of::<StackFrames>() == 8 * MAX_STACK_DEPTH);

@@ -15,6 +15,7 @@ mod counters;
 mod events;
 mod free;
 mod maps;
+mod mmap;
 mod stack;
 mod totals;
 mod tunables;

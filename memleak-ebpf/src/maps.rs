@@ -6,7 +6,9 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
-use memleak_common::{Allocation, AllocationKey, PendingCall, StackKey, StackTotals, COUNTER_SLOTS};
+use memleak_common::{
+    Allocation, AllocationKey, PendingCall, PendingMapping, StackKey, StackTotals, COUNTER_SLOTS,
+};
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
 /// memory grows with what the targets really hold, not with --max-allocs.
@@ -45,3 +47,11 @@ pub static STACK_ID_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1
 /// --trace events for user space; sized by the loader.
 #[map(name = "EVENTS")]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
+
+/// mmap, munmap and mremap calls, for user space's region bookkeeping.
+#[map(name = "MAPPING_EVENTS")]
+pub static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(256 << 10, 0);
+
+/// Thread id -> mmap or mremap in flight.
+#[map(name = "PENDING_MAPPINGS")]
+pub static PENDING_MAPPINGS: LruHashMap<u32, PendingMapping> = LruHashMap::with_max_entries(16_384, 0);

@@ -27,6 +27,15 @@ const ENTRY_PROGRAMS: [&str; ALLOCATOR_FUNCTIONS.len()] = [
     programs::FREE_ENTER,           // free
 ];
 
+/// The memory-mapping functions, probed in the same object when it has
+/// them: entry program and return program.
+const MAPPING_FUNCTIONS: [(&str, &str, Option<&str>); 4] = [
+    ("mmap", programs::MMAP_ENTER, Some(programs::MAPPING_RETURN)),
+    ("mmap64", programs::MMAP_ENTER, Some(programs::MAPPING_RETURN)),
+    ("munmap", programs::MUNMAP_ENTER, None),
+    ("mremap", programs::MREMAP_ENTER, Some(programs::MAPPING_RETURN)),
+];
+
 #[derive(Debug, thiserror::Error)]
 pub enum AllocatorError {
     #[error("cannot read {path}: {source}")]
@@ -52,6 +61,8 @@ pub enum AllocatorError {
 pub struct ProbeSite {
     pub function: &'static str,
     pub entry_program: &'static str,
+    /// The program for the function's return, if it has one.
+    pub return_program: Option<&'static str>,
     pub file_offset: u64,
     /// Bit i set for `memleak_common::ALLOCATOR_FUNCTIONS[i]` and each alias
     /// sharing this code; given to the probes as their attach cookie.
@@ -207,7 +218,7 @@ fn is_libc(path: &str) -> bool {
 pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<AttachPlan, AllocatorError> {
     let data = fs::read(path).map_err(|source| AllocatorError::Read { path: path.to_path_buf(), source })?;
     let file = object::File::parse(&*data).map_err(|_| AllocatorError::NotElf(path.to_path_buf()))?;
-    let addresses = function_addresses(&file, prefix);
+    let addresses = function_addresses(&file, prefix, &ALLOCATOR_FUNCTIONS);
     let mut sites = Vec::new();
     let mut missing = Vec::new();
     for (index, (function, entry_program)) in ALLOCATOR_FUNCTIONS.into_iter().zip(ENTRY_PROGRAMS).enumerate()
@@ -224,7 +235,19 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
             first.cookie |= 1 << index;
             continue;
         }
-        sites.push(ProbeSite { function, entry_program, file_offset, cookie: 1 << index });
+        let return_program = (function != "free").then_some(programs::ALLOCATION_RETURN);
+        sites.push(ProbeSite { function, entry_program, return_program, file_offset, cookie: 1 << index });
+    }
+    // mmap & co. are the C library's, never prefixed.
+    let mapping_names = MAPPING_FUNCTIONS.map(|(name, _, _)| name);
+    let mapping_addresses = function_addresses(&file, "", &mapping_names);
+    for (function, entry_program, return_program) in MAPPING_FUNCTIONS {
+        let offset = mapping_addresses.get(function).and_then(|&address| file_offset(&file, address));
+        let Some(file_offset) = offset else { continue };
+        if sites.iter().any(|site| site.file_offset == file_offset) {
+            continue; // mmap64 is mmap
+        }
+        sites.push(ProbeSite { function, entry_program, return_program, file_offset, cookie: 0 });
     }
     if missing.contains(&"malloc") || missing.contains(&"free") {
         return Err(if prefix.is_empty() {
@@ -242,16 +265,16 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
     Ok(AttachPlan { path: path.to_path_buf(), display_path: display_path.to_owned(), sites })
 }
 
-/// Addresses of the defined functions we probe, by unprefixed name, from
-/// .dynsym first (what a stripped library still has), then .symtab.
-fn function_addresses(file: &object::File, prefix: &str) -> BTreeMap<String, u64> {
+/// Addresses of the defined functions among `names`, by unprefixed name,
+/// from .dynsym first (what a stripped library still has), then .symtab.
+fn function_addresses(file: &object::File, prefix: &str, names: &[&str]) -> BTreeMap<String, u64> {
     let mut addresses = BTreeMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.address() == 0 || symbol.kind() != object::SymbolKind::Text {
             continue;
         }
         let Some(name) = symbol.name().ok().and_then(|name| name.strip_prefix(prefix)) else { continue };
-        if ALLOCATOR_FUNCTIONS.contains(&name) {
+        if names.contains(&name) {
             addresses.entry(name.to_owned()).or_insert(symbol.address());
         }
     }
@@ -295,7 +318,8 @@ mod tests {
         let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
         let plan = plan_for_object(libc, "libc.so.6", "").expect("the host libc has an allocator");
         let functions: Vec<_> = plan.sites.iter().map(|site| site.function).collect();
-        for function in ["malloc", "calloc", "realloc", "free", "posix_memalign", "valloc"] {
+        for function in ["malloc", "calloc", "realloc", "free", "posix_memalign", "valloc", "mmap", "munmap"]
+        {
             assert!(functions.contains(&function), "{function} missing from {functions:?}");
         }
         let mut offsets: Vec<_> = plan.sites.iter().map(|site| site.file_offset).collect();

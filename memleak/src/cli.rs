@@ -42,6 +42,11 @@ pub struct Args {
     #[arg(short = 'o', long, value_name = "MS", default_value_t = 500)]
     pub older: u64,
 
+    /// Also show the mmaps the allocator makes for itself and thread
+    /// stacks, which are left out (and counted) by default.
+    #[arg(long)]
+    pub all_mmaps: bool,
+
     /// Print a line for every allocation and free as it happens.
     #[arg(short = 't', long)]
     pub trace: bool,

@@ -4,7 +4,10 @@ use std::collections::HashMap;
 
 use memleak_common::{Allocation, AllocationKey, StackTotals};
 
-use crate::model::{HealthCounters, OutstandingAllocation, Snapshot, StackUsage};
+use crate::{
+    mappings::{Region, Regions},
+    model::{HealthCounters, MappingKind, OutstandingAllocation, Snapshot, StackUsage},
+};
 
 /// What to keep of each allocation.
 #[derive(Clone, Copy, Debug)]
@@ -48,7 +51,50 @@ pub fn aggregate(
     for stack in &mut stacks {
         stack.outstanding.sort_by_key(|allocation| allocation.address);
     }
-    Snapshot { pid, time_unix_ms, stacks, counters }
+    Snapshot { pid, time_unix_ms, stacks, counters, ..Snapshot::default() }
+}
+
+/// Adds the process's live mmap regions to `snapshot`, one entry per stack
+/// and kind. Allocator-internal regions and thread stacks are counted in
+/// `hidden` instead, unless `show_all`.
+pub fn add_regions(
+    snapshot: &mut Snapshot,
+    regions: &Regions,
+    now_ns: u64,
+    options: CollectOptions,
+    show_all: bool,
+    mut kind_of: impl FnMut(&Region) -> MappingKind,
+) {
+    let mut by_stack: HashMap<(u64, MappingKind), StackUsage> = HashMap::new();
+    for (start, region) in regions.iter() {
+        let age_ns = now_ns.saturating_sub(region.timestamp_ns);
+        if age_ns < options.min_age_ns {
+            continue;
+        }
+        let size = region.end - start;
+        let kind = kind_of(region);
+        match kind {
+            MappingKind::AllocatorMmap if !show_all => snapshot.hidden.allocator_bytes += size,
+            MappingKind::ThreadStack if !show_all => snapshot.hidden.thread_stack_bytes += size,
+            _ => {
+                let usage = by_stack.entry((region.stack_id, kind)).or_insert_with(|| StackUsage {
+                    stack_id: region.stack_id,
+                    mapping: Some(kind),
+                    ..StackUsage::default()
+                });
+                usage.bytes += size;
+                usage.allocations += 1;
+                if options.keep_allocations {
+                    usage.outstanding.push(OutstandingAllocation {
+                        address: start,
+                        size,
+                        age_ms: age_ns / 1_000_000,
+                    });
+                }
+            }
+        }
+    }
+    snapshot.stacks.extend(by_stack.into_values());
 }
 
 /// Builds the snapshot of process `pid` from the per-stack totals kept in
@@ -71,10 +117,10 @@ pub fn from_totals(
             stack_id,
             bytes: totals.bytes,
             allocations: totals.allocations,
-            outstanding: Vec::new(),
+            ..StackUsage::default()
         })
         .collect();
-    Snapshot { pid, time_unix_ms, stacks, counters }
+    Snapshot { pid, time_unix_ms, stacks, counters, ..Snapshot::default() }
 }
 
 #[cfg(test)]

@@ -4,6 +4,8 @@
 mod allocator;
 mod cli;
 mod collector;
+mod events;
+mod mappings;
 mod model;
 mod report;
 mod session;

@@ -12,6 +12,28 @@ pub struct Snapshot {
     /// One entry per stack that holds memory, in no particular order.
     pub stacks: Vec<StackUsage>,
     pub counters: HealthCounters,
+    /// mmap regions left out of `stacks` (shown with --all-mmaps).
+    pub hidden: HiddenMappings,
+}
+
+/// What an mmap region is, when it is not plain program memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MappingKind {
+    /// Mapped by the program itself.
+    Mmap,
+    /// Mapped by malloc & co. for their own use (arenas, large blocks):
+    /// already counted as what malloc handed out.
+    AllocatorMmap,
+    /// A thread's stack, mapped by pthread_create.
+    ThreadStack,
+}
+
+/// Bytes of the mmap regions a report does not show by default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct HiddenMappings {
+    pub allocator_bytes: u64,
+    pub thread_stack_bytes: u64,
 }
 
 /// The outstanding allocations made from one call stack.
@@ -23,6 +45,8 @@ pub struct StackUsage {
     pub allocations: u64,
     /// Each allocation; filled in only when the user asked for them.
     pub outstanding: Vec<OutstandingAllocation>,
+    /// For mmap regions: which kind; `None` for malloc & co.
+    pub mapping: Option<MappingKind>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

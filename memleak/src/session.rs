@@ -5,13 +5,12 @@
 use std::{
     collections::HashMap,
     io::{self, Write},
+    sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use aya::maps::{MapData, RingBuf};
-use memleak_common::{lost_stack_owner, StackKey, TraceEvent};
+use memleak_common::{lost_stack_owner, MappingEvent, StackKey, TraceEvent};
 use tokio::{
-    io::{unix::AsyncFd, Interest},
     signal::unix::{signal, Signal, SignalKind},
     sync::mpsc::{UnboundedReceiver, UnboundedSender},
 };
@@ -20,6 +19,9 @@ use crate::{
     allocator::{self, AttachPlan},
     cli::{Args, Format},
     collector::{self, CollectOptions},
+    events::{self, EventRing},
+    mappings::{Region, Regions},
+    model::{Frame, MappingKind},
     report::{
         json, text,
         trace::{self, TraceLine},
@@ -42,13 +44,14 @@ struct Target {
     plan: AttachPlan,
     symbolizer: StackSymbolizer,
     trends: TrendTracker,
+    regions: Regions,
 }
 
 impl Target {
     fn new(pid: u32, plan: AttachPlan) -> Self {
         let mut symbolizer = StackSymbolizer::new(pid);
         symbolizer.modules.refresh();
-        Self { pid, plan, symbolizer, trends: TrendTracker::default() }
+        Self { pid, plan, symbolizer, trends: TrendTracker::default(), regions: Regions::default() }
     }
 }
 
@@ -74,8 +77,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ));
     }
     let mut tracer = tracer;
-    let events = if args.trace { Some(TraceEvents::new(tracer.take_events()?)?) } else { None };
-    let result = trace(&args, &tracer, targets, events, &mut target_events, &mut stop).await;
+    let rings = Rings {
+        trace: if args.trace { Some(EventRing::new(tracer.take_events()?)?) } else { None },
+        mappings: Some(EventRing::new(tracer.take_mapping_events()?)?),
+    };
+    let result = trace(&args, &tracer, targets, rings, &mut target_events, &mut stop).await;
     drop(target_events);
     if let Some(command) = command {
         // A command memleak started does not outlive it.
@@ -153,7 +159,7 @@ async fn trace(
     args: &Args,
     tracer: &Tracer,
     mut targets: Vec<Target>,
-    mut trace_events: Option<TraceEvents>,
+    mut rings: Rings,
     target_events: &mut UnboundedReceiver<TargetEvent>,
     stop: &mut StopSignals,
 ) -> anyhow::Result<()> {
@@ -168,10 +174,14 @@ async fn trace(
                 targets.iter_mut().for_each(|target| target.symbolizer.modules.refresh());
                 continue;
             }
-            ready = next_trace_events(&mut trace_events) => {
-                if !ready?.print(args.format)? {
+            ring = events::readable(&mut rings.trace) => {
+                if !print_trace(&ring?.drain(), args.format)? {
                     return Ok(()); // stdout closed
                 }
+                continue;
+            }
+            ring = events::readable(&mut rings.mappings) => {
+                apply_mappings(&mut targets, &ring?.drain());
                 continue;
             }
             _ = reports.tick() => (None, false, None),
@@ -182,11 +192,14 @@ async fn trace(
             _ = stop.interrupt.recv() => (None, true, None),
             _ = stop.terminate.recv() => (None, true, None),
         };
-        // Events that came before the report go out before it.
-        if let Some(events) = trace_events.as_mut() {
-            if !events.print(args.format)? {
+        // Events that came before the report go out, or count, before it.
+        if let Some(ring) = rings.trace.as_mut() {
+            if !print_trace(&ring.drain(), args.format)? {
                 return Ok(());
             }
+        }
+        if let Some(ring) = rings.mappings.as_mut() {
+            apply_mappings(&mut targets, &ring.drain());
         }
         // The command stays at its exit stop until `exit_ack` is dropped.
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
@@ -212,52 +225,34 @@ async fn trace(
     }
 }
 
-/// The --trace ring buffer, read when the kernel says it has data.
-struct TraceEvents {
-    ring: AsyncFd<RingBuf<MapData>>,
+/// The BPF ring buffers memleak reads.
+struct Rings {
+    /// --trace events, if asked for.
+    trace: Option<EventRing>,
+    /// mmap, munmap and mremap calls.
+    mappings: Option<EventRing>,
 }
 
-impl TraceEvents {
-    fn new(ring: RingBuf<MapData>) -> io::Result<Self> {
-        // SAFETY: the ring buffer owns its descriptor and is only dropped
-        // with (inside) the AsyncFd, so the descriptor outlives the
-        // registration.
-        let ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) };
-        Ok(Self { ring: ring.map_err(|error| error.into_parts().1)? })
-    }
-
-    /// Prints every event waiting; `false` when stdout is closed.
-    fn print(&mut self, format: Format) -> anyhow::Result<bool> {
-        let wall_minus_monotonic = wall_ns() - i128::from(monotonic_ns());
-        let mut out = io::stdout().lock();
-        let ring = self.ring.get_mut();
-        while let Some(item) = ring.next() {
-            if item.len() < std::mem::size_of::<TraceEvent>() {
-                continue;
-            }
-            // SAFETY: the BPF side writes whole TraceEvents, plain data; the
-            // read is unaligned-safe.
-            let event: TraceEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-            let line = TraceLine::new(&event, wall_minus_monotonic);
-            match trace::render(&line, format, &mut out) {
-                Ok(()) => {}
-                Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return Ok(false),
-                Err(error) => return Err(error.into()),
-            }
+/// Prints trace events; `false` when stdout is closed.
+fn print_trace(events: &[TraceEvent], format: Format) -> anyhow::Result<bool> {
+    let wall_minus_monotonic = wall_ns() - i128::from(monotonic_ns());
+    let mut out = io::stdout().lock();
+    for event in events {
+        match trace::render(&TraceLine::new(event, wall_minus_monotonic), format, &mut out) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return Ok(false),
+            Err(error) => return Err(error.into()),
         }
-        Ok(true)
     }
+    Ok(true)
 }
 
-/// Waits until the ring buffer has events; never, without --trace.
-async fn next_trace_events(events: &mut Option<TraceEvents>) -> io::Result<&mut TraceEvents> {
-    let Some(events) = events.as_mut() else { return std::future::pending().await };
-    let mut guard = events.ring.readable_mut().await?;
-    // Drained by the caller right away; the next wait blocks until the
-    // kernel wakes us again.
-    guard.clear_ready();
-    drop(guard);
-    Ok(events)
+fn apply_mappings(targets: &mut [Target], events: &[MappingEvent]) {
+    for event in events {
+        if let Some(target) = targets.iter_mut().find(|target| target.pid == event.tgid) {
+            target.regions.apply(event);
+        }
+    }
 }
 
 /// SIGINT and SIGTERM, which end the run with a final report.
@@ -301,36 +296,63 @@ fn take_report(
     stacks: &mut StackCatalog,
 ) -> anyhow::Result<Report> {
     let time_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let now_ns = monotonic_ns();
     let counters = tracer.counters()?;
-    let snapshot = if args.combined_only {
+    let options = CollectOptions {
+        min_age_ns: if args.combined_only { 0 } else { args.older.saturating_mul(1_000_000) },
+        keep_allocations: args.show_allocs,
+    };
+    let mut snapshot = if args.combined_only {
         let totals = tracer.stack_totals()?;
         stacks.ensure(tracer, totals.iter().map(|(id, _)| *id))?;
         collector::from_totals(target.pid, time_unix_ms, &totals, |id| stacks.owner(id), counters)
     } else {
-        let options = CollectOptions {
-            min_age_ns: args.older.saturating_mul(1_000_000),
-            keep_allocations: args.show_allocs,
-        };
         let allocations = tracer.allocations()?;
-        collector::aggregate(target.pid, time_unix_ms, monotonic_ns(), &allocations, counters, options)
+        collector::aggregate(target.pid, time_unix_ms, now_ns, &allocations, counters, options)
     };
+    let Target { plan, symbolizer, trends, regions, .. } = target;
+    stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;
+    collector::add_regions(&mut snapshot, regions, now_ns, options, args.all_mmaps, |region| {
+        mapping_kind(region, &frames_of(symbolizer, stacks, region.stack_id))
+    });
     stacks.ensure(tracer, snapshot.stacks.iter().map(|stack| stack.stack_id))?;
-    let trends = target.trends.observe(&snapshot);
+    let trends = trends.observe(&snapshot);
     let context = ReportContext {
-        allocator: &target.plan.display_path,
-        min_age_ms: if args.combined_only { 0 } else { args.older },
+        allocator: &plan.display_path,
+        min_age_ms: options.min_age_ns / 1_000_000,
         top: args.top,
         sort: args.sort,
         sample_rate: args.sample_rate,
     };
-    let symbolizer = &mut target.symbolizer;
-    Ok(Report::build(snapshot, &context, &trends, |stack_id| {
-        if let Some(frames) = symbolizer.cached(stack_id) {
-            return frames;
-        }
-        let addresses = stacks.stacks.get(&stack_id).map_or(&[][..], |key| &key.frames[..]);
-        symbolizer.symbolize(stack_id, addresses)
-    }))
+    Ok(Report::build(snapshot, &context, &trends, |stack_id| frames_of(symbolizer, stacks, stack_id)))
+}
+
+/// The symbolized frames of a stack, symbolized once.
+fn frames_of(symbolizer: &mut StackSymbolizer, stacks: &StackCatalog, stack_id: u64) -> Arc<[Frame]> {
+    if let Some(frames) = symbolizer.cached(stack_id) {
+        return frames;
+    }
+    let addresses = stacks.stacks.get(&stack_id).map_or(&[][..], |key| &key.frames[..]);
+    symbolizer.symbolize(stack_id, addresses)
+}
+
+/// Tells the allocator's own mappings and thread stacks from the
+/// program's mmaps.
+fn mapping_kind(region: &Region, frames: &[Frame]) -> MappingKind {
+    // glibc maps thread stacks in allocate_stack, inlined into pthread_create.
+    let creates_thread = frames.iter().any(|frame| {
+        frame
+            .function
+            .as_deref()
+            .is_some_and(|name| name.starts_with("pthread_create") || name == "allocate_stack")
+    });
+    if region.inside_allocator {
+        MappingKind::AllocatorMmap
+    } else if creates_thread {
+        MappingKind::ThreadStack
+    } else {
+        MappingKind::Mmap
+    }
 }
 
 /// Prints a report; `false` when stdout is a closed pipe.

@@ -13,7 +13,7 @@ use aya::{
 };
 use memleak_common::{
     programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackTotals, ALLOCATIONS_MAP,
-    COUNTERS_MAP, EVENTS_MAP, STACKS_MAP, STACK_TOTALS_MAP,
+    COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, STACKS_MAP, STACK_TOTALS_MAP,
 };
 
 use crate::{allocator::AttachPlan, model::HealthCounters};
@@ -56,14 +56,19 @@ pub struct Tracer {
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
 
-const ENTRY_PROGRAMS: [&str; 7] = [
+const PROGRAMS: [&str; 12] = [
     programs::MALLOC_ENTER,
     programs::CALLOC_ENTER,
     programs::REALLOC_ENTER,
     programs::REALLOCARRAY_ENTER,
     programs::MEMALIGN_ENTER,
     programs::POSIX_MEMALIGN_ENTER,
+    programs::ALLOCATION_RETURN,
     programs::FREE_ENTER,
+    programs::MMAP_ENTER,
+    programs::MREMAP_ENTER,
+    programs::MAPPING_RETURN,
+    programs::MUNMAP_ENTER,
 ];
 
 impl Tracer {
@@ -101,7 +106,7 @@ impl Tracer {
             .map_err(
                 |error| if is_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) },
             )?;
-        for program in ENTRY_PROGRAMS.into_iter().chain([programs::ALLOCATION_RETURN]) {
+        for program in PROGRAMS {
             let probe = uprobe(&mut ebpf, program)?;
             probe.load().map_err(|source| match &source {
                 ProgramError::SyscallError(call) if call.io_error.raw_os_error() == Some(libc::EPERM) => {
@@ -128,8 +133,8 @@ impl Tracer {
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
             probe.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
             log::debug!("uprobe on {} at {:#x} in {}", site.function, site.file_offset, plan.display_path);
-            if site.entry_program != programs::FREE_ENTER {
-                let ret = uprobe(&mut self.ebpf, programs::ALLOCATION_RETURN)?;
+            if let Some(return_program) = site.return_program {
+                let ret = uprobe(&mut self.ebpf, return_program)?;
                 ret.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
             }
         }
@@ -137,9 +142,18 @@ impl Tracer {
     }
 
     /// The ring buffer of --trace events, handed over to its reader.
-    pub fn take_events(&mut self) -> Result<RingBuf<aya::maps::MapData>, TracerError> {
-        let map = self.ebpf.take_map(EVENTS_MAP).ok_or(TracerError::Missing(EVENTS_MAP))?;
-        RingBuf::try_from(map).map_err(|source| TracerError::ReadMap { map: EVENTS_MAP, source })
+    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, TracerError> {
+        self.take_ring(EVENTS_MAP)
+    }
+
+    /// The ring buffer of mmap, munmap and mremap events.
+    pub fn take_mapping_events(&mut self) -> Result<RingBuf<MapData>, TracerError> {
+        self.take_ring(MAPPING_EVENTS_MAP)
+    }
+
+    fn take_ring(&mut self, name: &'static str) -> Result<RingBuf<MapData>, TracerError> {
+        let map = self.ebpf.take_map(name).ok_or(TracerError::Missing(name))?;
+        RingBuf::try_from(map).map_err(|source| TracerError::ReadMap { map: name, source })
     }
 
     /// Every outstanding allocation of every traced process.

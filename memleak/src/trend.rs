@@ -65,7 +65,7 @@ mod tests {
                     stack_id,
                     bytes,
                     allocations: 1,
-                    outstanding: Vec::new(),
+                    ..StackUsage::default()
                 })
                 .collect(),
             ..Snapshot::default()

@@ -214,3 +214,68 @@ fn trace_shows_what_each_free_releases() {
     let report = lines.last().unwrap();
     assert_eq!(report["health"]["events_lost"], 0);
 }
+
+/// (bytes, regions) of the mmap stacks whose second frame is mappings() at
+/// the line of `marker`: map_pages() is the first.
+fn mapped_at(report: &Value, marker: &str) -> (u64, u64) {
+    let line = memleak_tests::marker_line("leaker", marker);
+    report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|stack| stack["mapping"] == "mmap" && stack["frames"][0]["function"] == "map_pages")
+        .filter(|stack| stack["frames"][1]["function"] == "mappings" && stack["frames"][1]["line"] == line)
+        .fold((0, 0), |(bytes, count), stack| {
+            (bytes + stack["bytes"].as_u64().unwrap(), count + stack["allocations"].as_u64().unwrap())
+        })
+}
+
+#[test]
+fn mmap_munmap_and_mremap_are_followed_exactly() {
+    let report = trace_command("mappings", &[]);
+    assert_eq!(mapped_at(&report, "map-kept"), (3 * 4096, 1), "{report:#}");
+    // 8 pages, less the front, the back and a hole of 2: two regions of 2.
+    assert_eq!(mapped_at(&report, "map-cut"), (4 * 4096, 2), "{report:#}");
+    // 2 pages grown to 5 by mremap, wherever it moved them.
+    assert_eq!(mapped_at(&report, "map-grown"), (5 * 4096, 1), "{report:#}");
+    // The 4 pages mapped and unmapped leave nothing.
+    let mmap_bytes: u64 = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["mapping"] == "mmap")
+        .map(|s| s["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(mmap_bytes, 12 * 4096);
+}
+
+#[test]
+fn mmaps_made_inside_malloc_are_not_counted_twice() {
+    let report = trace_command("mappings", &[]);
+    assert_eq!(usage_at(&report, "mappings", "big-malloc"), (1 << 20, 1), "{report:#}");
+    let hidden = report["hidden_mappings"]["allocator_bytes"].as_u64().unwrap();
+    assert!(
+        (1 << 20..(1 << 20) + 8192).contains(&hidden),
+        "glibc maps the block plus a header page: {hidden}"
+    );
+    assert!(report["stacks"].as_array().unwrap().iter().all(|s| s["mapping"] != "allocator_mmap"));
+    let all = trace_command("mappings", &["--all-mmaps"]);
+    let internal: Vec<&Value> =
+        all["stacks"].as_array().unwrap().iter().filter(|s| s["mapping"] == "allocator_mmap").collect();
+    assert_eq!(internal.len(), 1, "{all:#}");
+    assert_eq!(internal[0]["bytes"].as_u64(), Some(hidden));
+    assert_eq!(all["hidden_mappings"]["allocator_bytes"], 0);
+}
+
+#[test]
+fn thread_stacks_are_not_reported_as_leaks() {
+    let report = trace_command("threads", &[]);
+    assert!(report["stacks"].as_array().unwrap().iter().all(|s| s["mapping"].is_null()), "{report:#}");
+    let hidden = report["hidden_mappings"]["thread_stack_bytes"].as_u64().unwrap();
+    assert!(hidden >= 3 * 65_536 && hidden % 3 == 0, "three equal thread stacks: {hidden}");
+    let all = trace_command("threads", &["--all-mmaps"]);
+    let stacks: Vec<&Value> =
+        all["stacks"].as_array().unwrap().iter().filter(|s| s["mapping"] == "thread_stack").collect();
+    assert_eq!(stacks.iter().map(|s| s["allocations"].as_u64().unwrap()).sum::<u64>(), 3, "{all:#}");
+    assert_eq!(stacks.iter().map(|s| s["bytes"].as_u64().unwrap()).sum::<u64>(), hidden);
+}

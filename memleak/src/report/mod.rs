@@ -12,7 +12,9 @@ use serde::Serialize;
 
 use crate::{
     cli::SortKey,
-    model::{Frame, HealthCounters, OutstandingAllocation, Snapshot},
+    model::{
+        Frame, HealthCounters, HiddenMappings, MappingKind, OutstandingAllocation, Snapshot, StackUsage,
+    },
     trend::Trend,
 };
 
@@ -36,6 +38,8 @@ pub struct Report {
     pub stacks: Vec<ReportStack>,
     /// For all traced processes together.
     pub health: HealthCounters,
+    /// mmap regions not shown (--all-mmaps shows them).
+    pub hidden_mappings: HiddenMappings,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -50,6 +54,8 @@ pub struct ReportStack {
     /// How the stack moved since the previous report.
     #[serde(flatten)]
     pub trend: Trend,
+    /// For mmap regions, which kind; null for malloc & co.
+    pub mapping: Option<MappingKind>,
     /// Each allocation, with -a.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub outstanding: Vec<OutstandingAllocation>,
@@ -72,9 +78,11 @@ impl Report {
         trends: &HashMap<u64, Trend>,
         mut frames_of: impl FnMut(u64) -> Arc<[Frame]>,
     ) -> Self {
-        let scale = u64::from(context.sample_rate.max(1));
-        let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes).sum::<u64>() * scale;
-        let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations).sum::<u64>() * scale;
+        // Sampling applies to malloc & co.; mmaps are all recorded.
+        let sampled = u64::from(context.sample_rate.max(1));
+        let scale = |usage: &StackUsage| if usage.mapping.is_some() { 1 } else { sampled };
+        let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
+        let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
         let total_stacks = snapshot.stacks.len();
         let mut usages = snapshot.stacks;
         // Ties broken by id so that equal reports print identically.
@@ -91,6 +99,7 @@ impl Report {
             .into_iter()
             .map(|usage| {
                 let stack_lost = lost_stack_owner(usage.stack_id).is_some();
+                let scale = scale(&usage);
                 let mut trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
                 trend.delta_bytes = trend.delta_bytes.map(|delta| delta * scale as i64);
                 let frames = if stack_lost {
@@ -104,6 +113,7 @@ impl Report {
                     frames,
                     stack_lost,
                     trend,
+                    mapping: usage.mapping,
                     outstanding: usage.outstanding,
                 }
             })
@@ -119,6 +129,7 @@ impl Report {
             total_stacks,
             stacks,
             health: snapshot.counters,
+            hidden_mappings: snapshot.hidden,
         }
     }
 }
@@ -152,7 +163,7 @@ pub(crate) mod tests {
     }
 
     pub fn usage(stack_id: u64, bytes: u64, allocations: u64) -> StackUsage {
-        StackUsage { stack_id, bytes, allocations, outstanding: Vec::new() }
+        StackUsage { stack_id, bytes, allocations, ..StackUsage::default() }
     }
 
     pub fn sample_report(top: usize) -> Report {
@@ -170,6 +181,7 @@ pub(crate) mod tests {
                 usage(memleak_common::lost_stack_id(4242), 64, 1),
             ],
             counters: HealthCounters { allocations: 12, frees: 5, stacks_lost: 1, ..Default::default() },
+            ..Snapshot::default()
         };
         let context =
             ReportContext { allocator: "/usr/lib/libc.so.6", min_age_ms: 500, top, sort, sample_rate };

@@ -4,7 +4,10 @@
 use std::io::{self, Write};
 
 use super::Report;
-use crate::{model::Frame, trend::Trend};
+use crate::{
+    model::{Frame, MappingKind},
+    trend::Trend,
+};
 
 pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
     writeln!(
@@ -23,9 +26,15 @@ pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
         )?;
     }
     for stack in &report.stacks {
+        let source = match stack.mapping {
+            None => "allocations",
+            Some(MappingKind::Mmap) => "mmap regions",
+            Some(MappingKind::AllocatorMmap) => "allocator mmap regions",
+            Some(MappingKind::ThreadStack) => "thread stacks",
+        };
         writeln!(
             out,
-            "\t{} bytes in {} allocations from stack{}",
+            "\t{} bytes in {} {source} from stack{}",
             stack.bytes,
             stack.allocations,
             describe_trend(&stack.trend)
@@ -66,6 +75,14 @@ pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
     )?;
     if health.allocations_not_tracked > 0 {
         writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;
+    }
+    let hidden = &report.hidden_mappings;
+    if hidden.allocator_bytes + hidden.thread_stack_bytes > 0 {
+        writeln!(
+            out,
+            "Not shown: {} bytes the allocator mapped for itself, {} bytes of thread stacks (--all-mmaps)",
+            hidden.allocator_bytes, hidden.thread_stack_bytes
+        )?;
     }
     if health.events_lost > 0 {
         writeln!(out, "{} trace events lost: memleak could not keep up", health.events_lost)?;

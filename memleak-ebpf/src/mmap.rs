@@ -1,0 +1,98 @@
+//! mmap, munmap and mremap: sent to user space as events, which keeps the
+//! regions (a partial munmap splits them, which a hash map cannot do).
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, generated::bpf_ktime_get_ns},
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RetProbeContext},
+};
+use memleak_common::{Counter, MappingChange, MappingEvent, PendingMapping};
+
+use crate::{
+    counters,
+    maps::{MAPPING_EVENTS, PENDING, PENDING_MAPPINGS},
+    stack, tunables,
+};
+
+/// mmap's and mremap's failure value.
+const MAP_FAILED: u64 = u64::MAX;
+
+/// mmap(addr, length, prot, flags, fd, offset).
+#[uprobe]
+pub fn mmap_enter(ctx: ProbeContext) -> u32 {
+    let length: u64 = ctx.arg(1).unwrap_or(0);
+    let call = PendingMapping { length, change: MappingChange::Map as u32, ..PendingMapping::default() };
+    let _ = PENDING_MAPPINGS.insert(bpf_get_current_pid_tgid() as u32, call, 0);
+    0
+}
+
+/// mremap(old_address, old_length, new_length, flags, ...).
+#[uprobe]
+pub fn mremap_enter(ctx: ProbeContext) -> u32 {
+    let call = PendingMapping {
+        address: ctx.arg(0).unwrap_or(0),
+        length: ctx.arg(1).unwrap_or(0),
+        new_length: ctx.arg(2).unwrap_or(0),
+        change: MappingChange::Remap as u32,
+        _padding: 0,
+    };
+    let _ = PENDING_MAPPINGS.insert(bpf_get_current_pid_tgid() as u32, call, 0);
+    0
+}
+
+/// The return of mmap and mremap.
+#[uretprobe]
+pub fn mapping_return(ctx: RetProbeContext) -> u32 {
+    let returned: u64 = ctx.ret();
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tid = pid_tgid as u32;
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(call) = PENDING_MAPPINGS.get_ptr(tid) else { return 0 };
+    // SAFETY: this thread's own entry, copied before it is removed.
+    let call = unsafe { *call };
+    let _ = PENDING_MAPPINGS.remove(tid);
+    if returned == MAP_FAILED {
+        return 0;
+    }
+    let mut event = MappingEvent { tgid, change: call.change, ..MappingEvent::default() };
+    if call.change == MappingChange::Map as u32 {
+        if call.length < tunables::min_size() || call.length > tunables::max_size() {
+            return 0;
+        }
+        event.address = returned;
+        event.length = call.length;
+        event.stack_id = stack::current_stack_id(&ctx, tgid);
+    } else {
+        event.address = call.address;
+        event.length = call.length;
+        event.new_address = returned;
+        event.new_length = call.new_length;
+    }
+    // malloc & co. in progress on this thread: the allocator's own mapping.
+    event.inside_allocator = PENDING.get_ptr(tid).is_some() as u32;
+    send(event);
+    0
+}
+
+/// munmap(address, length).
+#[uprobe]
+pub fn munmap_enter(ctx: ProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let event = MappingEvent {
+        address: ctx.arg(0).unwrap_or(0),
+        length: ctx.arg(1).unwrap_or(0),
+        tgid: (pid_tgid >> 32) as u32,
+        change: MappingChange::Unmap as u32,
+        ..MappingEvent::default()
+    };
+    send(event);
+    0
+}
+
+fn send(mut event: MappingEvent) {
+    // SAFETY: a helper without arguments.
+    event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
+    if MAPPING_EVENTS.output::<MappingEvent>(&event, 0).is_err() {
+        counters::increment(Counter::EventsLost);
+    }
+}

@@ -1,0 +1,156 @@
+//! The memory regions a process mapped with mmap and still holds. A
+//! munmap may cut a region anywhere, an mremap may move or resize it:
+//! this needs an ordered interval map, which user space has and BPF does
+//! not, so the BPF side sends the calls and the bookkeeping happens here.
+
+use std::collections::BTreeMap;
+
+use memleak_common::{MappingChange, MappingEvent};
+
+/// The kernel maps whole pages.
+const PAGE_SIZE: u64 = 4096;
+
+/// A mapped region, `[start, end)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub end: u64,
+    /// The stack of the mmap call that made it.
+    pub stack_id: u64,
+    /// When it was mapped, CLOCK_MONOTONIC nanoseconds.
+    pub timestamp_ns: u64,
+    /// Mapped by malloc & co. for themselves (arenas, large blocks).
+    pub inside_allocator: bool,
+}
+
+/// The live mmap regions of one process, by start address.
+#[derive(Debug, Default)]
+pub struct Regions {
+    by_start: BTreeMap<u64, Region>,
+}
+
+impl Regions {
+    pub fn apply(&mut self, event: &MappingEvent) {
+        let end = |start: u64, length: u64| start.saturating_add(round_up_to_page(length));
+        match event.change {
+            change if change == MappingChange::Map as u32 => {
+                // MAP_FIXED may map over regions we know: those parts are gone.
+                self.unmap(event.address, end(event.address, event.length));
+                let region = Region {
+                    end: end(event.address, event.length),
+                    stack_id: event.stack_id,
+                    timestamp_ns: event.timestamp_ns,
+                    inside_allocator: event.inside_allocator != 0,
+                };
+                self.by_start.insert(event.address, region);
+            }
+            change if change == MappingChange::Unmap as u32 => {
+                self.unmap(event.address, end(event.address, event.length));
+            }
+            change if change == MappingChange::Remap as u32 => {
+                let removed = self.unmap(event.address, end(event.address, event.length));
+                // A region we did not see mapped stays unknown.
+                let Some(&(_, moved)) = removed.first() else { return };
+                let new_end = end(event.new_address, event.new_length);
+                self.unmap(event.new_address, new_end);
+                self.by_start.insert(event.new_address, Region { end: new_end, ..moved });
+            }
+            _ => {}
+        }
+    }
+
+    /// Removes `[start, end)`, cutting the regions that straddle it, and
+    /// returns the pieces removed.
+    fn unmap(&mut self, start: u64, end: u64) -> Vec<(u64, Region)> {
+        // Regions never overlap, so going down from `end`, the first one
+        // that ends at or before `start` ends the search.
+        let overlapping: Vec<(u64, Region)> = self
+            .by_start
+            .range(..end)
+            .rev()
+            .take_while(|(_, region)| region.end > start)
+            .map(|(&region_start, &region)| (region_start, region))
+            .collect();
+        let mut removed = Vec::with_capacity(overlapping.len());
+        for (region_start, region) in overlapping {
+            self.by_start.remove(&region_start);
+            if region_start < start {
+                self.by_start.insert(region_start, Region { end: start, ..region });
+            }
+            if region.end > end {
+                self.by_start.insert(end, region);
+            }
+            let cut_start = region_start.max(start);
+            removed.push((cut_start, Region { end: region.end.min(end), ..region }));
+        }
+        removed.reverse();
+        removed
+    }
+
+    /// Every region, by start address.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &Region)> {
+        self.by_start.iter().map(|(&start, region)| (start, region))
+    }
+}
+
+fn round_up_to_page(length: u64) -> u64 {
+    length.div_ceil(PAGE_SIZE).saturating_mul(PAGE_SIZE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: u64 = PAGE_SIZE;
+
+    fn event(change: MappingChange, address: u64, length: u64) -> MappingEvent {
+        MappingEvent { address, length, change: change as u32, stack_id: 7, ..MappingEvent::default() }
+    }
+
+    fn spans(regions: &Regions) -> Vec<(u64, u64)> {
+        regions.iter().map(|(start, region)| (start, region.end)).collect()
+    }
+
+    #[test]
+    fn partial_unmaps_shrink_and_split() {
+        let mut regions = Regions::default();
+        regions.apply(&event(MappingChange::Map, 10 * PAGE, 8 * PAGE));
+        regions.apply(&event(MappingChange::Unmap, 10 * PAGE, PAGE)); // the front
+        regions.apply(&event(MappingChange::Unmap, 17 * PAGE, PAGE)); // the back
+        regions.apply(&event(MappingChange::Unmap, 13 * PAGE, 2 * PAGE)); // a hole
+        assert_eq!(spans(&regions), [(11 * PAGE, 13 * PAGE), (15 * PAGE, 17 * PAGE)]);
+        assert!(regions.iter().all(|(_, region)| region.stack_id == 7));
+        regions.apply(&event(MappingChange::Unmap, 0, 100 * PAGE));
+        assert_eq!(spans(&regions), []);
+    }
+
+    #[test]
+    fn lengths_are_rounded_up_to_pages() {
+        let mut regions = Regions::default();
+        regions.apply(&event(MappingChange::Map, PAGE, 5000));
+        assert_eq!(spans(&regions), [(PAGE, 3 * PAGE)]);
+    }
+
+    #[test]
+    fn remap_moves_and_resizes_keeping_the_origin() {
+        let mut regions = Regions::default();
+        regions.apply(&event(MappingChange::Map, 10 * PAGE, 2 * PAGE));
+        let mut remap = event(MappingChange::Remap, 10 * PAGE, 2 * PAGE);
+        remap.new_address = 50 * PAGE;
+        remap.new_length = 4 * PAGE;
+        remap.stack_id = 0;
+        regions.apply(&remap);
+        assert_eq!(spans(&regions), [(50 * PAGE, 54 * PAGE)]);
+        assert_eq!(regions.iter().next().unwrap().1.stack_id, 7, "the stack that mapped it");
+    }
+
+    #[test]
+    fn unknown_regions_are_left_alone() {
+        let mut regions = Regions::default();
+        let mut remap = event(MappingChange::Remap, 10 * PAGE, 2 * PAGE);
+        remap.new_address = 50 * PAGE;
+        remap.new_length = 4 * PAGE;
+        regions.apply(&remap);
+        regions.apply(&event(MappingChange::Unmap, 10 * PAGE, PAGE));
+        assert_eq!(spans(&regions), []);
+    }
+}
