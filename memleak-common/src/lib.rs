@@ -25,6 +25,10 @@ pub struct StackKey {
     pub frames: StackFrames,
 }
 
+/// The tgid under which kernel allocations are recorded (no process has
+/// it: it is the idle task's).
+pub const KERNEL_TGID: u32 = 0;
+
 /// Key of [`ALLOCATIONS_MAP`]: equal addresses in two traced processes are
 /// two allocations.
 #[repr(C)]
@@ -267,6 +271,12 @@ pub mod tunables {
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
     /// u32: 1 to send a [`super::TraceEvent`] per allocation and free.
     pub const TRACE: &str = "TRACE";
+    /// u32: offset of `size` in the kernel's struct kmem_cache.
+    pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
+    /// u64, u64: kernel code range whose allocations are left out (the BPF
+    /// memory allocator's refill, which serves memleak's own maps).
+    pub const IGNORED_CALLER_START: &str = "IGNORED_CALLER_START";
+    pub const IGNORED_CALLER_END: &str = "IGNORED_CALLER_END";
 }
 
 /// The BPF programs and the allocator functions each one is attached to.
@@ -285,6 +295,11 @@ pub mod programs {
     /// The return probe of mmap and mremap.
     pub const MAPPING_RETURN: &str = "mapping_return";
     pub const MUNMAP_ENTER: &str = "munmap_enter";
+    /// Kernel allocations: program name and tracepoint name are the same.
+    pub const KERNEL: [&str; 6] =
+        ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];
+    /// Per-CPU kernel allocations (--percpu).
+    pub const KERNEL_PERCPU: [&str; 2] = ["percpu_alloc_percpu", "percpu_free_percpu"];
 }
 
 #[cfg(feature = "user")]

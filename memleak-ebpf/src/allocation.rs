@@ -173,9 +173,13 @@ fn kind_of(raw: u32) -> CallKind {
 }
 
 fn record(ctx: &RetProbeContext, address: u64, size: u64) {
-    counters::increment(Counter::Allocations);
     let tgid = free::current_tgid();
-    let key = AllocationKey { tgid, _padding: 0, address };
+    store(AllocationKey { tgid, _padding: 0, address }, size, stack::current_stack_id(ctx, tgid));
+}
+
+/// Records an allocation under `key`, with its stack.
+pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
+    counters::increment(Counter::Allocations);
     // The allocator handed out an address we still hold: its free was not
     // seen (bcc's --wa-missing-free case). The old block is gone.
     let _ = free::forget(&key);
@@ -183,7 +187,7 @@ fn record(ctx: &RetProbeContext, address: u64, size: u64) {
         size,
         // SAFETY: a helper without arguments.
         timestamp_ns: unsafe { bpf_ktime_get_ns() },
-        stack_id: stack::current_stack_id(ctx, tgid),
+        stack_id,
     };
     if ALLOCATIONS.insert(key, allocation, 0).is_err() {
         counters::increment(Counter::AllocationsNotTracked);

@@ -14,6 +14,7 @@ mod allocation;
 mod counters;
 mod events;
 mod free;
+mod kernel;
 mod maps;
 mod mmap;
 mod stack;

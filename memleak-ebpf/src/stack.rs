@@ -24,7 +24,17 @@ use crate::{
 /// the stack if it is new, or its process's `lost_stack_id` (counted) if
 /// it cannot be stored.
 pub fn current_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
-    match store_current_stack(ctx, tgid) {
+    stack_id(ctx, tgid, BPF_F_USER_STACK as u64)
+}
+
+/// Like `current_stack_id`, for the kernel stack (kernel allocations are
+/// recorded under tgid 0).
+pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
+    stack_id(ctx, 0, 0)
+}
+
+fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, flags: u64) -> u64 {
+    match store_current_stack(ctx, tgid, flags) {
         Some(id) => id,
         None => {
             counters::increment(Counter::StacksLost);
@@ -33,7 +43,7 @@ pub fn current_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
     }
 }
 
-fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<u64> {
+fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, flags: u64) -> Option<u64> {
     let key: *mut StackKey = STACK_SCRATCH.get_ptr_mut(0)?;
     let size = tunables::stack_depth() * 8;
     // SAFETY: `key` points at this CPU's scratch slot, whose frames hold
@@ -42,7 +52,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<u64> {
     // and equal stacks give equal keys.
     let copied = unsafe {
         (*key).tgid = tgid;
-        bpf_get_stack(ctx.as_ptr(), (&raw mut (*key).frames).cast(), size, BPF_F_USER_STACK as u64)
+        bpf_get_stack(ctx.as_ptr(), (&raw mut (*key).frames).cast(), size, flags)
     };
     if copied < 0 {
         return None;

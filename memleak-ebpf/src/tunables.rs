@@ -12,6 +12,12 @@ static STACK_DEPTH: u32 = MAX_STACK_DEPTH as u32;
 static SAMPLE_RATE: u32 = 1;
 #[unsafe(no_mangle)]
 static TRACE: u32 = 0;
+#[unsafe(no_mangle)]
+static CACHE_SIZE_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static IGNORED_CALLER_START: u64 = 0;
+#[unsafe(no_mangle)]
+static IGNORED_CALLER_END: u64 = 0;
 
 // Volatile reads: without them the compiler folds in the defaults above
 // and the values the loader writes would never be seen.
@@ -50,4 +56,21 @@ pub fn sample() -> bool {
 pub fn trace() -> bool {
     // SAFETY: as above.
     unsafe { core::ptr::read_volatile(&TRACE) != 0 }
+}
+
+/// Offset of `size` in the kernel's struct kmem_cache, from its BTF.
+pub fn cache_size_offset() -> u32 {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&CACHE_SIZE_OFFSET) }
+}
+
+/// Whether a kernel allocation made from `call_site` is left out: the BPF
+/// memory allocator refilling memleak's own maps. Counting those would
+/// feed on itself, each recorded allocation causing more.
+pub fn ignored_caller(call_site: u64) -> bool {
+    // SAFETY: as above.
+    let (start, end) = unsafe {
+        (core::ptr::read_volatile(&IGNORED_CALLER_START), core::ptr::read_volatile(&IGNORED_CALLER_END))
+    };
+    call_site >= start && call_site < end
 }

@@ -6,8 +6,8 @@ use std::{num::NonZeroU64, path::PathBuf, time::Duration};
 
 use clap::{Parser, ValueEnum};
 
-/// Trace outstanding allocations of a process and print the call stacks
-/// that hold the most memory.
+/// Trace outstanding allocations of processes (or, without -p and -c, of
+/// the kernel) and print the call stacks that hold the most memory.
 #[derive(Debug, Parser)]
 #[command(name = "memleak", version, about, after_help = EXAMPLES)]
 pub struct Args {
@@ -46,6 +46,10 @@ pub struct Args {
     /// stacks, which are left out (and counted) by default.
     #[arg(long)]
     pub all_mmaps: bool,
+
+    /// In kernel mode (no -p or -c), also trace per-CPU allocations.
+    #[arg(long)]
+    pub percpu: bool,
 
     /// Print a line for every allocation and free as it happens.
     #[arg(short = 't', long)]
@@ -131,6 +135,7 @@ Examples:
   memleak -p 1234              report every 5 s until interrupted
   memleak -p 1234 -a 10 3      3 reports, 10 s apart, with each allocation
   memleak -c './app --flag'    run ./app and trace it from its start
+  memleak --percpu 10          the kernel's allocations, per-CPU ones too
   memleak -p 1234 --format json | jq .total_bytes";
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
@@ -142,10 +147,26 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
 }
 
 impl Args {
+    /// Without -p or -c, memleak traces the kernel's allocations, as bcc's
+    /// memleak does.
+    pub fn kernel_mode(&self) -> bool {
+        self.pid.is_empty() && self.command.is_none()
+    }
+
     /// Checks that clap's declarations cannot express.
     pub fn validate(&self) -> Result<(), String> {
-        if self.pid.is_empty() && self.command.is_none() {
-            return Err("give a process to trace with -p PID or -c \"CMD ARGS\"".to_owned());
+        let kernel = self.kernel_mode();
+        if !kernel && self.percpu {
+            return Err("--percpu is for kernel tracing: leave out -p and -c".to_owned());
+        }
+        let user_only = [
+            (self.object.is_some(), "-O"),
+            (self.symbols_prefix.is_some(), "--symbols-prefix"),
+            (self.trace, "--trace"),
+            (self.all_mmaps, "--all-mmaps"),
+        ];
+        if let Some((_, flag)) = user_only.iter().find(|(given, _)| kernel && *given) {
+            return Err(format!("{flag} needs a process: give -p PID or -c \"CMD ARGS\""));
         }
         if let (Some(min), Some(max)) = (self.min_size, self.max_size) {
             if min > max {

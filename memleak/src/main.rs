@@ -5,6 +5,7 @@ mod allocator;
 mod cli;
 mod collector;
 mod events;
+mod kernel_btf;
 mod mappings;
 mod model;
 mod report;

@@ -5,11 +5,12 @@
 use std::{
     collections::HashMap,
     io::{self, Write},
+    path::Path,
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use memleak_common::{lost_stack_owner, MappingEvent, StackKey, TraceEvent};
+use memleak_common::{lost_stack_owner, MappingEvent, StackKey, TraceEvent, KERNEL_TGID};
 use tokio::{
     signal::unix::{signal, Signal, SignalKind},
     sync::mpsc::{UnboundedReceiver, UnboundedSender},
@@ -20,6 +21,7 @@ use crate::{
     cli::{Args, Format},
     collector::{self, CollectOptions},
     events::{self, EventRing},
+    kernel_btf,
     mappings::{Region, Regions},
     model::{Frame, MappingKind},
     report::{
@@ -62,6 +64,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Tracer::check_privileges()?;
     let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
     let (tracer, targets, command) = match &args.command {
+        None if args.kernel_mode() => attach_kernel(&args)?,
         None => attach_processes(&args, events)?,
         Some(command_line) => {
             let (tracer, target, command) = start_command(&args, command_line, events)?;
@@ -69,12 +72,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     for target in &targets {
-        status::say(&format!(
-            "tracing pid {} through {} ({} functions probed); Ctrl-C to stop",
-            target.pid,
-            target.plan.display_path,
-            target.plan.sites.len()
-        ));
+        let what = if args.kernel_mode() {
+            "tracing kernel allocations; Ctrl-C to stop".to_owned()
+        } else {
+            format!(
+                "tracing pid {} through {} ({} functions probed); Ctrl-C to stop",
+                target.pid,
+                target.plan.display_path,
+                target.plan.sites.len()
+            )
+        };
+        status::say(&what);
     }
     let mut tracer = tracer;
     let rings = Rings {
@@ -92,6 +100,32 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     result
 }
 
+/// No -p or -c: the kernel's own allocations, as one target with tgid 0.
+fn attach_kernel(args: &Args) -> anyhow::Result<(Tracer, Vec<Target>, Option<SpawnedCommand>)> {
+    let btf = Path::new(kernel_btf::VMLINUX_BTF);
+    let cache_size_offset = kernel_btf::member_offset(btf, "kmem_cache", "size")?;
+    // Inserting into memleak's own maps makes the BPF memory allocator
+    // refill them with kmalloc, from alloc_bulk: counting those would feed
+    // on itself.
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+    let ignored_callers = kernel_btf::function_range(&kallsyms, "alloc_bulk").unwrap_or_else(|| {
+        log::warn!("alloc_bulk is not in /proc/kallsyms: memleak's own map refills may be counted");
+        0..0
+    });
+    let config = TracerConfig { cache_size_offset, ignored_callers, ..tracer_config(args, 1) };
+    let mut tracer = Tracer::load(&config)?;
+    tracer.attach_kernel(args.percpu)?;
+    let plan = AttachPlan { path: btf.to_path_buf(), display_path: "kernel".to_owned(), sites: Vec::new() };
+    let target = Target {
+        pid: KERNEL_TGID,
+        plan,
+        symbolizer: StackSymbolizer::kernel(),
+        trends: TrendTracker::default(),
+        regions: Regions::default(),
+    };
+    Ok((tracer, vec![target], None))
+}
+
 fn tracer_config(args: &Args, processes: usize) -> TracerConfig {
     TracerConfig {
         min_size: args.min_size.unwrap_or(0),
@@ -102,6 +136,8 @@ fn tracer_config(args: &Args, processes: usize) -> TracerConfig {
         sample_rate: args.sample_rate,
         processes: processes as u32,
         trace: args.trace,
+        cache_size_offset: 0,
+        ignored_callers: 0..0,
     }
 }
 

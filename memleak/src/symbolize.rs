@@ -14,7 +14,11 @@ use std::{
     sync::Arc,
 };
 
-use blazesym::symbolize::{self, source::Elf, source::Source, Input, Symbolized};
+use blazesym::symbolize::{
+    self,
+    source::{Elf, Kernel, Source},
+    Input, Symbolized,
+};
 
 use crate::{allocator::mapped_file, model::Frame};
 
@@ -102,9 +106,11 @@ impl ProcessModules {
     }
 }
 
-/// Symbolizes stacks of one process, each once.
+/// Symbolizes stacks of one process, or of the kernel, each once.
 pub struct StackSymbolizer {
     pub modules: ProcessModules,
+    /// Kernel stacks, symbolized through /proc/kallsyms.
+    kernel: bool,
     symbolizer: symbolize::Symbolizer,
     cache: HashMap<u64, Arc<[Frame]>>,
 }
@@ -116,7 +122,12 @@ impl StackSymbolizer {
             .enable_inlined_fns(true)
             .enable_demangling(true)
             .build();
-        Self { modules: ProcessModules::new(pid), symbolizer, cache: HashMap::new() }
+        Self { modules: ProcessModules::new(pid), kernel: false, symbolizer, cache: HashMap::new() }
+    }
+
+    /// For kernel stacks.
+    pub fn kernel() -> Self {
+        Self { kernel: true, ..Self::new(memleak_common::KERNEL_TGID) }
     }
 
     pub fn cached(&self, stack_id: u64) -> Option<Arc<[Frame]>> {
@@ -126,11 +137,25 @@ impl StackSymbolizer {
     /// Symbolizes and caches a stack given as return addresses, innermost
     /// first, zero-terminated.
     pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64]) -> Arc<[Frame]> {
-        let frames: Vec<Frame> = addresses
+        let mut frames: Vec<Frame> = addresses
             .iter()
             .take_while(|&&address| address != 0)
             .flat_map(|&address| self.frames_at(address))
             .collect();
+        if self.kernel {
+            // A kernel stack starts in memleak's own BPF program and the
+            // tracepoint's dispatch; the allocator comes after them.
+            // With several programs on one tracepoint, __traceiter_* runs them.
+            const TRACING: [&str; 4] = ["bpf_prog_", "bpf_trace_run", "__traceiter_", "__bpf_trace_"];
+            let is_tracing = |frame: &Frame| {
+                frame
+                    .function
+                    .as_deref()
+                    .is_some_and(|name| TRACING.iter().any(|prefix| name.starts_with(prefix)))
+            };
+            let skip = frames.iter().take_while(|frame| is_tracing(frame)).count();
+            frames.drain(..skip);
+        }
         let frames: Arc<[Frame]> = frames.into();
         self.cache.insert(stack_id, frames.clone());
         frames
@@ -140,16 +165,29 @@ impl StackSymbolizer {
     /// then the function that holds them.
     fn frames_at(&self, address: u64) -> Vec<Frame> {
         let unknown = Frame { address, ..Frame::default() };
-        let Some(mapping) = self.modules.find(address) else { return vec![unknown] };
-        let module = Some(mapping.path.clone());
         // A return address points after the call; the call itself, whose
         // line we want, is the byte before.
-        let call_offset = address - 1 - mapping.start + mapping.offset;
-        let source = Source::Elf(Elf::new(format!("/proc/self/fd/{}", mapping.file.as_raw_fd())));
-        let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
+        let (symbolized, module) = if self.kernel {
+            let source = Source::Kernel(Kernel::default());
+            (self.symbolizer.symbolize_single(&source, Input::AbsAddr(address - 1)), None)
+        } else {
+            let Some(mapping) = self.modules.find(address) else { return vec![unknown] };
+            let call_offset = address - 1 - mapping.start + mapping.offset;
+            let source = Source::Elf(Elf::new(format!("/proc/self/fd/{}", mapping.file.as_raw_fd())));
+            let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
+            (symbolized, Some(mapping.path.clone()))
+        };
         let Ok(Symbolized::Sym(sym)) = symbolized else {
             return vec![Frame { module, ..unknown }];
         };
+        // Kernel symbols name their module ("[ext4]"), or none for vmlinux.
+        let module = module.or_else(|| {
+            Some(
+                sym.module
+                    .as_ref()
+                    .map_or("kernel".to_owned(), |module| module.to_string_lossy().into_owned()),
+            )
+        });
         let location = |info: Option<&symbolize::CodeInfo>| match info {
             Some(info) => (Some(info.to_path().display().to_string()), info.line),
             None => (None, None),

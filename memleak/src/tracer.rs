@@ -7,7 +7,7 @@ use aya::{
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
-        ProgramError, UProbe,
+        BtfTracePoint, ProgramError, UProbe,
     },
     Ebpf, EbpfError, EbpfLoader,
 };
@@ -30,12 +30,14 @@ pub enum TracerError {
     Attach { function: &'static str, object: String, source: ProgramError },
     #[error("failed to read BPF map {map}: {source}")]
     ReadMap { map: &'static str, source: aya::maps::MapError },
+    #[error("this kernel lacks {feature}, which kernel tracing needs: {detail}")]
+    KernelFeature { feature: String, detail: String },
     #[error("the BPF object lacks {0}: memleak was built wrongly")]
     Missing(&'static str),
 }
 
 /// Load-time settings of the BPF side.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct TracerConfig {
     pub min_size: u64,
     pub max_size: u64,
@@ -48,6 +50,10 @@ pub struct TracerConfig {
     pub processes: u32,
     /// Send an event per allocation and free (--trace).
     pub trace: bool,
+    /// Offset of `size` in the kernel's struct kmem_cache (kernel mode).
+    pub cache_size_offset: u32,
+    /// Kernel code whose allocations are left out (kernel mode).
+    pub ignored_callers: std::ops::Range<u64>,
 }
 
 pub struct Tracer {
@@ -99,6 +105,9 @@ impl Tracer {
             .override_global(tunables::STACK_DEPTH, &config.stack_depth, true)
             .override_global(tunables::SAMPLE_RATE, &config.sample_rate, true)
             .override_global(tunables::TRACE, &u32::from(config.trace), true)
+            .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
+            .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
+            .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
             .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
             .map_max_entries(STACKS_MAP, config.max_stacks)
             .map_max_entries(STACK_TOTALS_MAP, config.max_stacks.saturating_add(config.processes))
@@ -137,6 +146,30 @@ impl Tracer {
                 let ret = uprobe(&mut self.ebpf, return_program)?;
                 ret.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Attaches the kernel allocation tracepoints (and the per-CPU ones).
+    pub fn attach_kernel(&mut self, percpu: bool) -> Result<(), TracerError> {
+        let btf = aya::Btf::from_sys_fs().map_err(|error| TracerError::KernelFeature {
+            feature: "BTF (CONFIG_DEBUG_INFO_BTF)".to_owned(),
+            detail: error.to_string(),
+        })?;
+        let percpu_programs: &[&'static str] = if percpu { &programs::KERNEL_PERCPU } else { &[] };
+        for &tracepoint in programs::KERNEL.iter().chain(percpu_programs) {
+            let program: &mut BtfTracePoint = self
+                .ebpf
+                .program_mut(tracepoint)
+                .and_then(|program| program.try_into().ok())
+                .ok_or(TracerError::Missing(tracepoint))?;
+            let missing = |error: ProgramError| TracerError::KernelFeature {
+                feature: format!("the {tracepoint} tracepoint"),
+                detail: error.to_string(),
+            };
+            program.load(tracepoint, &btf).map_err(missing)?;
+            program.attach().map_err(missing)?;
+            log::debug!("attached to the {tracepoint} tracepoint");
         }
         Ok(())
     }

@@ -134,7 +134,7 @@ impl Memleak {
 
     /// Waits until the probes are attached.
     pub fn wait_attached(&mut self) {
-        self.stderr.wait_for("memleak to attach", |line| line.starts_with("memleak: tracing pid"));
+        self.stderr.wait_for("memleak to attach", |line| line.starts_with("memleak: tracing "));
     }
 
     pub fn signal(&self, signal: libc::c_int) {

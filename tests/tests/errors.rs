@@ -44,11 +44,6 @@ fn an_object_that_is_not_an_allocator() {
 }
 
 #[test]
-fn no_target() {
-    assert_one_line_error(&[], "-p PID or -c");
-}
-
-#[test]
 fn missing_privileges() {
     // Drop to nobody for this one run; stderr must say what is needed.
     let output = std::process::Command::new("setpriv")

@@ -1,0 +1,98 @@
+//! Kernel allocations, with no -p or -c, as bcc traces them: kmalloc,
+//! kmem_cache, pages and (--percpu) per-CPU memory. BTF-enabled
+//! tracepoints need neither tracefs nor kernel headers. Recorded under
+//! tgid 0 with kernel stacks.
+
+use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::btf_tracepoint, programs::BtfTracePointContext};
+use memleak_common::{AllocationKey, Counter, KERNEL_TGID};
+
+use crate::{allocation, counters, free, stack, tunables};
+
+const PAGE_SIZE: u64 = 4096;
+
+// Argument positions follow the btf_trace_* prototypes of kernel 6.x:
+// kmalloc(call_site, ptr, bytes_req, bytes_alloc, gfp, node) and so on.
+
+#[btf_tracepoint(function = "kmalloc")]
+pub fn kmalloc(ctx: BtfTracePointContext) -> i32 {
+    if !tunables::ignored_caller(ctx.arg(0)) {
+        record(&ctx, ctx.arg(1), ctx.arg(3));
+    }
+    0
+}
+
+#[btf_tracepoint(function = "kfree")]
+pub fn kfree(ctx: BtfTracePointContext) -> i32 {
+    release(ctx.arg(1));
+    0
+}
+
+#[btf_tracepoint(function = "kmem_cache_alloc")]
+pub fn kmem_cache_alloc(ctx: BtfTracePointContext) -> i32 {
+    if tunables::ignored_caller(ctx.arg(0)) {
+        return 0;
+    }
+    let cache: u64 = ctx.arg(2);
+    // The tracepoint gives the cache, not the size: read the cache's object
+    // size at the offset user space found in the kernel's BTF.
+    let size_field = (cache + u64::from(tunables::cache_size_offset())) as *const u32;
+    // SAFETY: a kernel read that fails cleanly on a bad address.
+    let size = unsafe { bpf_probe_read_kernel(size_field) }.unwrap_or(0);
+    record(&ctx, ctx.arg(1), u64::from(size));
+    0
+}
+
+#[btf_tracepoint(function = "kmem_cache_free")]
+pub fn kmem_cache_free(ctx: BtfTracePointContext) -> i32 {
+    release(ctx.arg(1));
+    0
+}
+
+#[btf_tracepoint(function = "mm_page_alloc")]
+pub fn mm_page_alloc(ctx: BtfTracePointContext) -> i32 {
+    let order: u32 = ctx.arg(1);
+    // Pages are keyed by their struct page.
+    record(&ctx, ctx.arg(0), PAGE_SIZE << (order & 31));
+    0
+}
+
+#[btf_tracepoint(function = "mm_page_free")]
+pub fn mm_page_free(ctx: BtfTracePointContext) -> i32 {
+    release(ctx.arg(0));
+    0
+}
+
+// percpu_alloc_percpu(call_site, reserved, is_atomic, size, align,
+//                     base_addr, off, ptr, bytes_alloc, gfp)
+#[btf_tracepoint(function = "percpu_alloc_percpu")]
+pub fn percpu_alloc_percpu(ctx: BtfTracePointContext) -> i32 {
+    record(&ctx, ctx.arg(7), ctx.arg(8));
+    0
+}
+
+// percpu_free_percpu(base_addr, off, ptr)
+#[btf_tracepoint(function = "percpu_free_percpu")]
+pub fn percpu_free_percpu(ctx: BtfTracePointContext) -> i32 {
+    release(ctx.arg(2));
+    0
+}
+
+fn record(ctx: &BtfTracePointContext, address: u64, size: u64) {
+    if address == 0 {
+        counters::increment(Counter::FailedAllocations);
+        return;
+    }
+    if size < tunables::min_size() || size > tunables::max_size() || !tunables::sample() {
+        return;
+    }
+    let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };
+    allocation::store(key, size, stack::current_kernel_stack_id(ctx));
+}
+
+fn release(address: u64) {
+    if address == 0 {
+        return;
+    }
+    counters::increment(Counter::Frees);
+    let _ = free::forget(&AllocationKey { tgid: KERNEL_TGID, _padding: 0, address });
+}

@@ -1,0 +1,121 @@
+//! What kernel tracing needs to know of the running kernel.
+//!
+//! Reads one fact from the kernel's BTF: where a struct keeps a field. The
+//! kmem_cache_alloc tracepoint passes the cache, not the object size, so
+//! the BPF side needs the offset of `size` in `struct kmem_cache`, which
+//! differs between kernel builds. aya keeps its BTF type walker private,
+//! and this walk is short.
+
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    #[error("cannot read the kernel's BTF at {path}: {source}: kernel tracing needs CONFIG_DEBUG_INFO_BTF")]
+    Read { path: String, source: std::io::Error },
+    #[error("the kernel's BTF is malformed: {0}")]
+    Malformed(&'static str),
+    #[error("the kernel's BTF has no field {member} in struct {structure}")]
+    NoMember { structure: String, member: String },
+}
+
+pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
+
+/// Byte offset of `member` in `struct structure`, from the BTF at `path`.
+pub fn member_offset(path: &Path, structure: &str, member: &str) -> Result<u32, BtfError> {
+    let data =
+        std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
+    find_member_offset(&data, structure, member)?
+        .ok_or_else(|| BtfError::NoMember { structure: structure.to_owned(), member: member.to_owned() })
+}
+
+const KIND_STRUCT: u32 = 4;
+
+fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Option<u32>, BtfError> {
+    let word = |at: usize| -> Result<u32, BtfError> {
+        let bytes = data.get(at..at + 4).ok_or(BtfError::Malformed("truncated"))?;
+        Ok(u32::from_le_bytes(bytes.try_into().expect("four bytes")))
+    };
+    if data.get(0..2) != Some(&[0x9f, 0xeb]) {
+        return Err(BtfError::Malformed("bad magic"));
+    }
+    let header_len = word(4)? as usize;
+    let types = header_len + word(8)? as usize;
+    let types_end = types + word(12)? as usize;
+    let strings = header_len + word(16)? as usize;
+    let name = |offset: u32| -> &[u8] {
+        let start = strings + offset as usize;
+        let rest = data.get(start..).unwrap_or(&[]);
+        &rest[..rest.iter().position(|&byte| byte == 0).unwrap_or(rest.len())]
+    };
+    let mut at = types;
+    while at < types_end {
+        let (name_offset, info) = (word(at)?, word(at + 4)?);
+        let kind = (info >> 24) & 0x1f;
+        let vlen = (info & 0xffff) as usize;
+        at += 12;
+        if kind == KIND_STRUCT && name(name_offset) == structure.as_bytes() {
+            let bitfields = info >> 31 == 1;
+            for index in 0..vlen {
+                let entry = at + index * 12;
+                if name(word(entry)?) == member.as_bytes() {
+                    let offset = word(entry + 8)?;
+                    let bits = if bitfields { offset & 0x00ff_ffff } else { offset };
+                    return Ok(Some(bits / 8));
+                }
+            }
+        }
+        // The kind-specific data that follows each type.
+        at += match kind {
+            1 | 14 | 17 => 4,     // int, var, decl_tag
+            3 => 12,              // array
+            4 | 5 => 12 * vlen,   // struct, union
+            6 | 13 => 8 * vlen,   // enum, func_proto
+            15 | 19 => 12 * vlen, // datasec, enum64
+            2 | 7..=12 | 16 | 18 => 0,
+            _ => return Err(BtfError::Malformed("unknown type kind")),
+        };
+    }
+    Ok(None)
+}
+
+/// The address range of kernel function `name`, from /proc/kallsyms: from
+/// its address to the next symbol's.
+pub fn function_range(kallsyms: &str, name: &str) -> Option<std::ops::Range<u64>> {
+    let mut addresses: Vec<(u64, &str)> = kallsyms
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let address = u64::from_str_radix(fields.next()?, 16).ok()?;
+            let _kind = fields.next()?;
+            Some((address, fields.next()?))
+        })
+        .filter(|(address, _)| *address != 0)
+        .collect();
+    addresses.sort_unstable();
+    let index = addresses.iter().position(|(_, symbol)| *symbol == name)?;
+    let start = addresses[index].0;
+    let end = addresses[index..].iter().map(|(address, _)| *address).find(|&address| address > start)?;
+    Some(start..end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_a_field_of_the_running_kernel() {
+        // struct list_head { next; prev; }: prev is 8 bytes in on 64-bit.
+        let offset = member_offset(Path::new(VMLINUX_BTF), "list_head", "prev").expect("BTF readable");
+        assert_eq!(offset, 8);
+        let missing = member_offset(Path::new(VMLINUX_BTF), "list_head", "nonexistent");
+        assert!(matches!(missing, Err(BtfError::NoMember { .. })));
+    }
+
+    #[test]
+    fn a_function_ends_where_the_next_symbol_starts() {
+        let kallsyms =
+            "ffffffff81000200 t second\nffffffff81000100 T first\nffffffff81000100 t first_alias\n";
+        assert_eq!(function_range(kallsyms, "first"), Some(0xffffffff81000100..0xffffffff81000200));
+        assert_eq!(function_range(kallsyms, "missing"), None);
+    }
+}
