@@ -279,3 +279,22 @@ fn thread_stacks_are_not_reported_as_leaks() {
     assert_eq!(stacks.iter().map(|s| s["allocations"].as_u64().unwrap()).sum::<u64>(), 3, "{all:#}");
     assert_eq!(stacks.iter().map(|s| s["bytes"].as_u64().unwrap()).sum::<u64>(), hidden);
 }
+
+#[test]
+fn an_address_handed_out_again_counts_as_freed_first() {
+    // bcc's --wa-missing-free: memleak always applies it, with or without
+    // the flag. The toy allocator frees through a function memleak does not
+    // probe, then returns the same block again.
+    for extra in [&[][..], &["--wa-missing-free"][..]] {
+        let mut args = vec!["--symbols-prefix", "my_"];
+        args.extend_from_slice(extra);
+        let report = memleak_tests::trace_fixture("slot_alloc", "", &args);
+        assert_eq!(
+            (report["total_bytes"].as_u64(), report["total_allocations"].as_u64()),
+            (Some(200), Some(1)),
+            "{report:#}"
+        );
+        assert!(report["allocator"].as_str().unwrap().ends_with("target/fixtures/slot_alloc"), "{report:#}");
+        assert_eq!(report["health"]["allocations"], 2);
+    }
+}
