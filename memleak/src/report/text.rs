@@ -10,13 +10,16 @@ use crate::{
 };
 
 pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
+    let whose = if report.pid == memleak_common::KERNEL_TGID {
+        "the kernel".to_owned()
+    } else {
+        format!("pid {} ({})", report.pid, report.allocator)
+    };
     writeln!(
         out,
-        "[{}] Top {} stacks with outstanding allocations in pid {} ({}):",
+        "[{}] Top {} stacks with outstanding allocations in {whose}:",
         local_time(report.time_unix_ms),
         report.stacks.len(),
-        report.pid,
-        report.allocator,
     )?;
     if report.sample_rate > 1 {
         writeln!(
