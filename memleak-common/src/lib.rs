@@ -122,7 +122,7 @@ pub struct PendingCall {
 /// The allocator functions memleak probes. Bit i of a probe's attach
 /// cookie stands for function i, so one BPF program can serve several
 /// functions and still say which was called.
-pub const ALLOCATOR_FUNCTIONS: [&str; 10] = [
+pub const ALLOCATOR_FUNCTIONS: [&str; 16] = [
     "malloc",
     "calloc",
     "realloc",
@@ -133,6 +133,13 @@ pub const ALLOCATOR_FUNCTIONS: [&str; 10] = [
     "valloc",
     "pvalloc",
     "free",
+    // jemalloc's own API, and the sized frees C++ and Rust allocators call.
+    "mallocx",
+    "rallocx",
+    "dallocx",
+    "sdallocx",
+    "free_sized",
+    "free_aligned_sized",
 ];
 
 /// One allocation or free, sent through [`EVENTS_MAP`] with --trace.
@@ -204,8 +211,9 @@ pub struct PendingMapping {
     pub _padding: u32,
 }
 
-/// The cookie bit of `free` in [`ALLOCATOR_FUNCTIONS`].
-pub const FREE_FUNCTION: u32 = 1 << 9;
+/// The cookie bits of the functions in [`ALLOCATOR_FUNCTIONS`] that free:
+/// free, dallocx, sdallocx, free_sized, free_aligned_sized.
+pub const FREE_FUNCTIONS: u32 = 1 << 9 | 1 << 12 | 1 << 13 | 1 << 14 | 1 << 15;
 
 /// Size recorded for a calloc/reallocarray whose `n * size` overflows; the
 /// call fails, so it is never recorded as an allocation.

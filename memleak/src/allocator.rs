@@ -25,6 +25,12 @@ const ENTRY_PROGRAMS: [&str; ALLOCATOR_FUNCTIONS.len()] = [
     programs::MALLOC_ENTER,         // valloc
     programs::MALLOC_ENTER,         // pvalloc
     programs::FREE_ENTER,           // free
+    programs::MALLOC_ENTER,         // mallocx(size, flags)
+    programs::REALLOC_ENTER,        // rallocx(ptr, size, flags)
+    programs::FREE_ENTER,           // dallocx(ptr, flags)
+    programs::FREE_ENTER,           // sdallocx(ptr, size, flags)
+    programs::FREE_ENTER,           // free_sized(ptr, size)
+    programs::FREE_ENTER,           // free_aligned_sized(ptr, alignment, size)
 ];
 
 /// The memory-mapping functions, probed in the same object when it has
@@ -44,8 +50,8 @@ pub enum AllocatorError {
     NotElf(PathBuf),
     #[error("{0} has no malloc and free symbols: give -O the object that provides the allocator")]
     NoAllocator(PathBuf),
-    #[error("process {pid} maps no libc and its binary {binary} has no malloc: give -O the object that provides the allocator")]
-    NoLibc { pid: u32, binary: String },
+    #[error("no known allocator (malloc and free, plain or with a je_ or _rjem_ prefix) in {searched}: give -O the object, or --symbols-prefix")]
+    NoKnownAllocator { searched: String },
     #[error(
         "no {prefix}malloc and {prefix}free in {searched}: check --symbols-prefix, or give -O the object"
     )]
@@ -79,9 +85,15 @@ pub struct AttachPlan {
     pub sites: Vec<ProbeSite>,
 }
 
-/// Plans probes for a running process: `object` if given; else, with a
-/// symbol prefix, the first mapped object that defines PREFIXmalloc; else
-/// the libc it maps, or its own binary when that is statically linked.
+/// Symbol prefixes tried when the user names none: plain names, then
+/// jemalloc's `je_` and tikv-jemallocator's `_rjem_` builds.
+const AUTO_PREFIXES: [&str; 3] = ["", "je_", "_rjem_"];
+
+/// Plans probes for a running process: `object` if given, else the first
+/// object in link-map order that defines the allocator. That order is the
+/// binary, then LD_PRELOAD, then the binary's DT_NEEDED libraries, so a
+/// preloaded or linked-in jemalloc wins over libc, as it does in the
+/// dynamic linker.
 pub fn plan_for_process(pid: u32, object: Option<&Path>, prefix: &str) -> Result<AttachPlan, AllocatorError> {
     let root = PathBuf::from(format!("/proc/{pid}/root"));
     let in_root = |file: &Path| root.join(file.strip_prefix("/").unwrap_or(file));
@@ -99,28 +111,75 @@ pub fn plan_for_process(pid: u32, object: Option<&Path>, prefix: &str) -> Result
             mapped.push(file);
         }
     }
-    let candidates: Vec<(PathBuf, String)> =
-        mapped.iter().map(|file| (in_root(Path::new(file)), (*file).to_owned())).collect();
-    if !prefix.is_empty() {
-        return first_with_prefix(&candidates, prefix);
-    }
-    if let Some((path, display)) = candidates.iter().find(|(_, display)| is_libc(display)) {
-        return plan_for_object(path, display, prefix);
-    }
     let binary = mapped.first().copied().unwrap_or("");
-    match plan_for_object(&in_root(Path::new(binary)), binary, prefix) {
-        Err(AllocatorError::NoAllocator(_) | AllocatorError::NotElf(_) | AllocatorError::Read { .. }) => {
-            Err(AllocatorError::NoLibc { pid, binary: binary.to_owned() })
-        }
-        plan => plan,
-    }
+    let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let needed = fs::read(in_root(Path::new(binary))).map(|data| needed_libraries(&data)).unwrap_or_default();
+    let ordered = link_order(&mapped, &preloads(&environ), &needed);
+    let candidates: Vec<(PathBuf, String)> =
+        ordered.iter().map(|file| (in_root(Path::new(file)), (*file).to_owned())).collect();
+    first_allocator(&candidates, prefix)
 }
 
-/// Plans probes for a program about to be run: `object` if given; else,
-/// with a symbol prefix, the first of the program and its libraries that
-/// defines PREFIXmalloc; else the libc its dynamic loader resolves (asked
-/// of the loader itself, so LD_LIBRARY_PATH and the ld.so cache count),
-/// else the program itself.
+/// Orders mapped files as the dynamic linker's link map has them: the
+/// binary (mapped first), the LD_PRELOAD objects, the binary's DT_NEEDED
+/// libraries in order, then everything else as mapped.
+fn link_order<'a>(mapped: &[&'a str], preloads: &[String], needed: &[String]) -> Vec<&'a str> {
+    let rank = |index: usize, file: &str| -> usize {
+        let preload = preloads.iter().position(|preload| same_library(file, preload));
+        let dependency = needed.iter().position(|name| same_library(file, name));
+        match (index, preload, dependency) {
+            (0, _, _) => 0,
+            (_, Some(position), _) => 1 + position,
+            (_, None, Some(position)) => 1_000 + position,
+            _ => 1_000_000 + index,
+        }
+    };
+    let mut ranked: Vec<(usize, &str)> =
+        mapped.iter().enumerate().map(|(i, file)| (rank(i, file), *file)).collect();
+    ranked.sort_by_key(|(rank, _)| *rank);
+    ranked.into_iter().map(|(_, file)| file).collect()
+}
+
+/// Whether mapped `file` is the library `name` (a path or a soname): the
+/// file is often the soname's symlink target, libfoo.so.4 -> libfoo.so.4.5.10.
+fn same_library(file: &str, name: &str) -> bool {
+    let base = |path: &'_ str| path.rsplit('/').next().unwrap_or(path).to_owned();
+    let (file, name) = (base(file), base(name));
+    file == name || file.strip_prefix(&name).is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// The LD_PRELOAD entries of a NUL-separated environment block.
+fn preloads(environ: &[u8]) -> Vec<String> {
+    environ
+        .split(|&byte| byte == 0)
+        .filter_map(|entry| entry.strip_prefix(b"LD_PRELOAD="))
+        .flat_map(|value| {
+            String::from_utf8_lossy(value).split([':', ' ']).map(str::to_owned).collect::<Vec<_>>()
+        })
+        .filter(|entry| !entry.is_empty())
+        .collect()
+}
+
+/// The DT_NEEDED entries of an ELF file, in order.
+fn needed_libraries(data: &[u8]) -> Vec<String> {
+    use object::read::elf::{Dyn as _, FileHeader as _};
+    let Ok(header) = object::elf::FileHeader64::<object::Endianness>::parse(data) else { return Vec::new() };
+    let Ok(endian) = header.endian() else { return Vec::new() };
+    let Ok(sections) = header.sections(endian, data) else { return Vec::new() };
+    let Ok(Some((entries, strings_index))) = sections.dynamic(endian, data) else { return Vec::new() };
+    let Ok(strings) = sections.strings(endian, data, strings_index) else { return Vec::new() };
+    entries
+        .iter()
+        .filter(|entry| entry.tag32(endian) == Some(object::elf::DT_NEEDED))
+        .filter_map(|entry| entry.string(endian, strings).ok())
+        .map(|name| String::from_utf8_lossy(name).into_owned())
+        .collect()
+}
+
+/// Plans probes for a program about to be run: `object` if given, else the
+/// first object in the link map its dynamic loader will build (asked of
+/// the loader itself, so LD_PRELOAD, LD_LIBRARY_PATH and the ld.so cache
+/// count) that defines the allocator.
 pub fn plan_for_program(
     program: &Path,
     object: Option<&Path>,
@@ -143,11 +202,7 @@ pub fn plan_for_program(
             candidates.push((PathBuf::from(&library), library));
         }
     }
-    if !prefix.is_empty() {
-        return first_with_prefix(&candidates, prefix);
-    }
-    let (path, display) = candidates.iter().find(|(_, display)| is_libc(display)).unwrap_or(&candidates[0]);
-    plan_for_object(path, display, prefix)
+    first_allocator(&candidates, prefix)
 }
 
 /// The libraries `program` will load, in load order, as its dynamic loader
@@ -163,24 +218,32 @@ fn loaded_libraries(program: &Path, loader: &str) -> Result<Vec<String>, Allocat
     if !output.status.success() {
         return Err(fail(String::from_utf8_lossy(&output.stderr).trim().to_owned()));
     }
-    // Lines look like "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x7f...)".
+    // Lines look like "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x7f...)",
+    // or "\t/usr/lib/libjemalloc.so.2 (0x7f...)" for a preloaded object.
     Ok(String::from_utf8_lossy(&output.stdout)
         .lines()
-        .filter_map(|line| line.split_once("=> ").map(|(_, rest)| rest))
+        .map(|line| line.split_once("=> ").map_or(line, |(_, rest)| rest))
         .filter_map(|rest| rest.split_whitespace().next())
         .filter(|path| path.starts_with('/'))
         .map(str::to_owned)
         .collect())
 }
 
-/// The first candidate that defines PREFIXmalloc and PREFIXfree.
-fn first_with_prefix(candidates: &[(PathBuf, String)], prefix: &str) -> Result<AttachPlan, AllocatorError> {
-    candidates.iter().find_map(|(path, display)| plan_for_object(path, display, prefix).ok()).ok_or_else(
-        || AllocatorError::NoPrefixedAllocator {
-            prefix: prefix.to_owned(),
-            searched: candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", "),
-        },
-    )
+/// The first candidate that defines PREFIXmalloc and PREFIXfree; with no
+/// prefix given, the first that does so under any of `AUTO_PREFIXES`.
+fn first_allocator(candidates: &[(PathBuf, String)], prefix: &str) -> Result<AttachPlan, AllocatorError> {
+    let prefixes: &[&str] = if prefix.is_empty() { &AUTO_PREFIXES } else { &[prefix] };
+    let found = candidates.iter().find_map(|(path, display)| {
+        prefixes.iter().find_map(|prefix| plan_for_object(path, display, prefix).ok())
+    });
+    found.ok_or_else(|| {
+        let searched = candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", ");
+        if prefix.is_empty() {
+            AllocatorError::NoKnownAllocator { searched }
+        } else {
+            AllocatorError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched }
+        }
+    })
 }
 
 /// The interpreter named on a script's `#!` line.
@@ -208,11 +271,6 @@ pub fn mapped_file(line: &str) -> Option<&str> {
     path.starts_with('/').then(|| path.strip_suffix(" (deleted)").unwrap_or(path))
 }
 
-fn is_libc(path: &str) -> bool {
-    let name = path.rsplit('/').next().unwrap_or(path);
-    name.starts_with("libc.so") || name.starts_with("libc-") || name.starts_with("ld-musl-")
-}
-
 /// Finds the allocator functions, named PREFIXmalloc and so on, in one ELF
 /// object.
 pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<AttachPlan, AllocatorError> {
@@ -235,7 +293,7 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
             first.cookie |= 1 << index;
             continue;
         }
-        let return_program = (function != "free").then_some(programs::ALLOCATION_RETURN);
+        let return_program = (entry_program != programs::FREE_ENTER).then_some(programs::ALLOCATION_RETURN);
         sites.push(ProbeSite { function, entry_program, return_program, file_offset, cookie: 1 << index });
     }
     // mmap & co. are the C library's, never prefixed.
@@ -305,12 +363,33 @@ mod tests {
     }
 
     #[test]
-    fn libc_is_recognised_by_file_name() {
-        assert!(is_libc("/usr/lib/x86_64-linux-gnu/libc.so.6"));
-        assert!(is_libc("/lib/libc-2.31.so"));
-        assert!(is_libc("/lib/ld-musl-x86_64.so.1"));
-        assert!(!is_libc("/usr/lib/libcap.so.2"));
-        assert!(!is_libc("/usr/lib/x86_64-linux-gnu/libcrypt.so.1"));
+    fn link_order_puts_the_binary_then_preloads_then_needed_libraries_first() {
+        let mapped =
+            ["/app/redis", "/lib/ld.so", "/lib/libc.so.6", "/lib/libm.so.6", "/opt/libjemalloc.so.2"];
+        let needed = ["libjemalloc.so.2".to_owned(), "libm.so.6".to_owned(), "libc.so.6".to_owned()];
+        assert_eq!(
+            link_order(&mapped, &[], &needed),
+            ["/app/redis", "/opt/libjemalloc.so.2", "/lib/libm.so.6", "/lib/libc.so.6", "/lib/ld.so"]
+        );
+        let preloads = ["/opt/libtcmalloc.so".to_owned()];
+        let mapped = ["/app/a", "/lib/libc.so.6", "/opt/libtcmalloc.so"];
+        assert_eq!(
+            link_order(&mapped, &preloads, &["libc.so.6".to_owned()]),
+            ["/app/a", "/opt/libtcmalloc.so", "/lib/libc.so.6"]
+        );
+    }
+
+    #[test]
+    fn preloads_are_read_from_the_environment() {
+        let environ = b"HOME=/root\0LD_PRELOAD=/a.so:/b.so c.so\0PATH=/bin\0";
+        assert_eq!(preloads(environ), ["/a.so", "/b.so", "c.so"]);
+    }
+
+    #[test]
+    fn needed_libraries_come_in_order() {
+        let data = fs::read("/proc/self/exe").unwrap();
+        let needed = needed_libraries(&data);
+        assert!(needed.iter().any(|name| name == "libc.so.6"), "{needed:?}");
     }
 
     #[test]

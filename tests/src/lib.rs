@@ -119,8 +119,15 @@ pub struct Memleak {
 
 impl Memleak {
     pub fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[])
+    }
+
+    /// Starts memleak with extra environment variables, which a -c command
+    /// inherits (LD_PRELOAD, say).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(memleak_binary())
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -176,6 +183,17 @@ pub fn trace_fixture(name: &str, fixture_args: &str, memleak_args: &[&str]) -> V
 
 /// Every JSON line memleak printed for fixture NAME run with -c.
 pub fn trace_fixture_output(name: &str, fixture_args: &str, memleak_args: &[&str]) -> Vec<Value> {
+    trace_fixture_output_with_env(name, fixture_args, memleak_args, &[])
+}
+
+/// As `trace_fixture_output`, with extra environment for memleak and so
+/// for the command.
+pub fn trace_fixture_output_with_env(
+    name: &str,
+    fixture_args: &str,
+    memleak_args: &[&str],
+    env: &[(&str, &str)],
+) -> Vec<Value> {
     let command = format!("{} {fixture_args}", fixture(name).display());
     // All allocations, all stacks, one report at exit, unless told otherwise.
     let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
@@ -183,7 +201,7 @@ pub fn trace_fixture_output(name: &str, fixture_args: &str, memleak_args: &[&str
         args.extend(["-o", "0"]);
     }
     args.extend_from_slice(memleak_args);
-    let mut memleak = Memleak::start(&args);
+    let mut memleak = Memleak::start_with_env(&args, env);
     memleak.stderr.wait_for("the fixture to finish", |line| line == "done");
     memleak.close_stdin();
     let (status, reports) = memleak.finish();
@@ -201,8 +219,14 @@ pub struct Leaker {
 impl Leaker {
     /// Starts `leaker KIND --wait`: it allocates once `go` is called.
     pub fn start_waiting(kind: &[&str]) -> Self {
+        Self::start_waiting_with_env(kind, &[])
+    }
+
+    /// As `start_waiting`, with extra environment (LD_PRELOAD, say).
+    pub fn start_waiting_with_env(kind: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(fixture("leaker"))
             .args(kind)
+            .envs(env.iter().copied())
             .arg("--wait")
             .stdin(Stdio::piped())
             .stderr(Stdio::piped())

@@ -77,6 +77,23 @@ pub fn require_root(what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Installs with apt-get whichever of `packages` dpkg does not have.
+fn install_missing_packages(packages: &[&str]) -> Result<()> {
+    let installed = |package: &&str| {
+        Command::new("dpkg-query")
+            .args(["-W", "-f=${Status}", package])
+            .output()
+            .is_ok_and(|output| String::from_utf8_lossy(&output.stdout).contains("install ok installed"))
+    };
+    let missing: Vec<&str> = packages.iter().filter(|package| !installed(package)).copied().collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {} for the tests", missing.join(" "));
+    run(Command::new("apt-get").arg("update"))?;
+    run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(&missing))
+}
+
 /// Compiles a C fixture from tests/fixtures with debug info and frame
 /// pointers, as a developer's debug build would have them.
 pub fn build_fixture(name: &str) -> Result<PathBuf> {
@@ -109,9 +126,15 @@ fn demo() -> Result<()> {
     run(Command::new(memleak).args(["-c", &command, "1"]))
 }
 
+/// Debian packages the end-to-end tests use: compilers for the fixtures,
+/// and the allocators they are run with.
+const TEST_PACKAGES: [&str; 6] =
+    ["gcc", "g++", "libc6-dev", "libjemalloc2", "libtcmalloc-minimal4", "libmimalloc2.0"];
+
 fn test(test_args: &[String]) -> Result<()> {
     setup::run()?;
     require_root("the end-to-end tests")?;
+    install_missing_packages(&TEST_PACKAGES)?;
     // The end-to-end tests run the memleak binary this builds.
     run(cargo().args(["build", "--package", "memleak"]))?;
     run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))

@@ -2,7 +2,7 @@
 
 use std::io::{self, Write};
 
-use memleak_common::{TraceEvent, ALLOCATOR_FUNCTIONS, FREE_FUNCTION};
+use memleak_common::{TraceEvent, ALLOCATOR_FUNCTIONS, FREE_FUNCTIONS};
 use serde::Serialize;
 
 use crate::cli::Format;
@@ -22,6 +22,9 @@ pub struct TraceLine {
     pub size: Option<u64>,
     /// The block returned (null for a failed allocation) or freed.
     pub address: Option<String>,
+    /// The call releases a block (free, sdallocx...).
+    #[serde(skip)]
+    pub is_free: bool,
 }
 
 impl TraceLine {
@@ -33,7 +36,7 @@ impl TraceLine {
             .filter(|(index, _)| event.function & (1 << index) != 0)
             .map(|(_, name)| *name)
             .collect();
-        let is_free = event.function == FREE_FUNCTION;
+        let is_free = event.function & FREE_FUNCTIONS != 0;
         let wall_ns = i128::from(event.timestamp_ns) + wall_minus_monotonic_ns;
         TraceLine {
             time_unix_ms: (wall_ns / 1_000_000).max(0) as u64,
@@ -42,6 +45,7 @@ impl TraceLine {
             event: if names.is_empty() { "?".to_owned() } else { names.join("|") },
             size: (!is_free || event.size != 0).then_some(event.size),
             address: (event.address != 0).then(|| format!("{:#x}", event.address)),
+            is_free,
         }
     }
 }
@@ -53,12 +57,17 @@ pub fn render(line: &TraceLine, format: Format, out: &mut impl Write) -> io::Res
     }
     let time = super::text::local_time_ms(line.time_unix_ms);
     let address = line.address.as_deref().unwrap_or("NULL");
-    match (line.event.as_str(), line.size) {
-        ("free", Some(size)) => {
-            writeln!(out, "[{time}] {}/{} free({address}) releases {size} bytes", line.pid, line.tid)
+    match (line.is_free, line.size) {
+        (true, Some(size)) => {
+            writeln!(
+                out,
+                "[{time}] {}/{} {}({address}) releases {size} bytes",
+                line.pid, line.tid, line.event
+            )
         }
-        ("free", None) => writeln!(out, "[{time}] {}/{} free({address})", line.pid, line.tid),
-        (function, size) => {
+        (true, None) => writeln!(out, "[{time}] {}/{} {}({address})", line.pid, line.tid, line.event),
+        (false, size) => {
+            let function = &line.event;
             writeln!(out, "[{time}] {}/{} {function}({}) = {address}", line.pid, line.tid, size.unwrap_or(0))
         }
     }
@@ -80,7 +89,7 @@ mod tests {
         assert_eq!((line.size, line.address.as_deref()), (Some(400), Some("0x1000")));
         let failed = TraceLine::new(&event(1, 0, 1 << 40), 0);
         assert_eq!((failed.event.as_str(), failed.address), ("malloc", None));
-        let untracked_free = TraceLine::new(&event(FREE_FUNCTION, 0x2000, 0), 0);
+        let untracked_free = TraceLine::new(&event(1 << 9, 0x2000, 0), 0);
         assert_eq!((untracked_free.event.as_str(), untracked_free.size), ("free", None));
         let alias = TraceLine::new(&event(1 << 5 | 1 << 6, 0x3000, 64), 0);
         assert_eq!(alias.event, "aligned_alloc|memalign");
@@ -90,7 +99,7 @@ mod tests {
     fn text_lines_read_like_calls() {
         let mut out = Vec::new();
         render(&TraceLine::new(&event(1, 0x1000, 64), 0), Format::Text, &mut out).unwrap();
-        render(&TraceLine::new(&event(FREE_FUNCTION, 0x1000, 64), 0), Format::Text, &mut out).unwrap();
+        render(&TraceLine::new(&event(1 << 9, 0x1000, 64), 0), Format::Text, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<&str> = text.lines().map(|line| line.split_once("] ").unwrap().1).collect();
         assert_eq!(lines, ["7/8 malloc(64) = 0x1000", "7/8 free(0x1000) releases 64 bytes"]);
