@@ -105,18 +105,31 @@ pub fn plan_for_process(pid: u32, object: Option<&Path>, prefix: &str) -> Result
     let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
     let maps =
         fs::read_to_string(&maps_path).map_err(|source| AllocatorError::Read { path: maps_path, source })?;
+    // Each mapped file once, with the address range of its first mapping.
     let mut mapped: Vec<&str> = Vec::new();
-    for file in maps.lines().filter_map(mapped_file) {
+    let mut ranges: BTreeMap<&str, &str> = BTreeMap::new();
+    for line in maps.lines() {
+        let Some(file) = mapped_file(line) else { continue };
         if !mapped.contains(&file) {
             mapped.push(file);
+            ranges.insert(file, line.split(' ').next().unwrap_or(""));
         }
     }
+    // /proc/PID/map_files opens the very file mapped, wherever the target's
+    // root is (a container, a chroot) and even once it is deleted.
+    let open_path = |file: &str| {
+        let mapped_file = PathBuf::from(format!("/proc/{pid}/map_files/{}", ranges.get(file).unwrap_or(&"")));
+        [mapped_file, in_root(Path::new(file)), PathBuf::from(file)]
+            .into_iter()
+            .find(|path| path.exists())
+            .unwrap_or_else(|| PathBuf::from(file))
+    };
     let binary = mapped.first().copied().unwrap_or("");
     let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-    let needed = fs::read(in_root(Path::new(binary))).map(|data| needed_libraries(&data)).unwrap_or_default();
+    let needed = fs::read(open_path(binary)).map(|data| needed_libraries(&data)).unwrap_or_default();
     let ordered = link_order(&mapped, &preloads(&environ), &needed);
     let candidates: Vec<(PathBuf, String)> =
-        ordered.iter().map(|file| (in_root(Path::new(file)), (*file).to_owned())).collect();
+        ordered.iter().map(|file| (open_path(file), (*file).to_owned())).collect();
     first_allocator(&candidates, prefix)
 }
 

@@ -44,6 +44,8 @@ const MAPS_REFRESH: Duration = Duration::from_millis(250);
 struct Target {
     pid: u32,
     plan: AttachPlan,
+    /// Its pid inside its own pid namespace, when that differs.
+    namespace_pid: Option<u32>,
     symbolizer: StackSymbolizer,
     trends: TrendTracker,
     regions: Regions,
@@ -53,7 +55,15 @@ impl Target {
     fn new(pid: u32, plan: AttachPlan) -> Self {
         let mut symbolizer = StackSymbolizer::new(pid);
         symbolizer.modules.refresh();
-        Self { pid, plan, symbolizer, trends: TrendTracker::default(), regions: Regions::default() }
+        let namespace_pid = target::namespace_pid(pid);
+        Self {
+            pid,
+            plan,
+            namespace_pid,
+            symbolizer,
+            trends: TrendTracker::default(),
+            regions: Regions::default(),
+        }
     }
 }
 
@@ -119,6 +129,7 @@ fn attach_kernel(args: &Args) -> anyhow::Result<(Tracer, Vec<Target>, Option<Spa
     let target = Target {
         pid: KERNEL_TGID,
         plan,
+        namespace_pid: None,
         symbolizer: StackSymbolizer::kernel(),
         trends: TrendTracker::default(),
         regions: Regions::default(),
@@ -346,7 +357,7 @@ fn take_report(
         let allocations = tracer.allocations()?;
         collector::aggregate(target.pid, time_unix_ms, now_ns, &allocations, counters, options)
     };
-    let Target { plan, symbolizer, trends, regions, .. } = target;
+    let Target { plan, namespace_pid, symbolizer, trends, regions, .. } = target;
     stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;
     collector::add_regions(&mut snapshot, regions, now_ns, options, args.all_mmaps, |region| {
         mapping_kind(region, &frames_of(symbolizer, stacks, region.stack_id))
@@ -355,6 +366,7 @@ fn take_report(
     let trends = trends.observe(&snapshot);
     let context = ReportContext {
         allocator: &plan.display_path,
+        namespace_pid: *namespace_pid,
         min_age_ms: options.min_age_ns / 1_000_000,
         top: args.top,
         sort: args.sort,

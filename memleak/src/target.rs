@@ -29,6 +29,15 @@ pub enum TargetError {
 /// PF_KTHREAD from include/linux/sched.h: set in /proc/PID/stat's flags.
 const PF_KTHREAD: u64 = 0x0020_0000;
 
+/// The pid the process has in its own pid namespace (a container's), if
+/// that differs from `pid`: the last field of NSpid in /proc/PID/status.
+pub fn namespace_pid(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|line| line.strip_prefix("NSpid:"))?;
+    let inner: u32 = line.split_whitespace().last()?.parse().ok()?;
+    (inner != pid).then_some(inner)
+}
+
 /// Checks that `pid` is a live user-space process.
 pub fn check_process(pid: u32) -> Result<(), TargetError> {
     let stat =

@@ -224,14 +224,16 @@ impl Leaker {
 
     /// As `start_waiting`, with extra environment (LD_PRELOAD, say).
     pub fn start_waiting_with_env(kind: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(fixture("leaker"))
-            .args(kind)
-            .envs(env.iter().copied())
-            .arg("--wait")
-            .stdin(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start leaker");
+        let mut command = Command::new(fixture("leaker"));
+        command.args(kind).arg("--wait").envs(env.iter().copied());
+        Self::start_command(command)
+    }
+
+    /// Starts a command that runs the leaker with --wait somewhere inside
+    /// it (in a container, say).
+    pub fn start_command(mut command: Command) -> Self {
+        let mut child =
+            command.stdin(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start the leaker's command");
         let stdin = child.stdin.take();
         let mut stderr = Lines::new(child.stderr.take().unwrap());
         stderr.wait_for("the leaker to start", |line| line == "ready");
@@ -240,6 +242,14 @@ impl Leaker {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// The pid of the leaker when it runs as the command's only child
+    /// (unshare --fork), else the command's own pid.
+    pub fn leaker_pid(&self) -> u32 {
+        let pid = self.child.id();
+        let children = fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        children.split_whitespace().next().and_then(|child| child.parse().ok()).unwrap_or(pid)
     }
 
     /// Lets it allocate and waits until it has.
@@ -297,4 +307,56 @@ pub fn run_to_end(args: &[&str]) -> (Option<i32>, String) {
     let output =
         Command::new(memleak_binary()).args(args).stdin(Stdio::null()).output().expect("run memleak");
     (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// A root filesystem holding the leaker at /app/leaker and the libraries
+/// it loads, at their own paths, for container tests.
+pub fn leaker_rootfs() -> tempdir::TempDir {
+    let root = tempdir::TempDir::new("memleak-rootfs");
+    let leaker = fixture("leaker");
+    let copy = |from: &Path, to: &Path| {
+        fs::create_dir_all(to.parent().unwrap()).unwrap();
+        fs::copy(from, to)
+            .unwrap_or_else(|error| panic!("copy {} to {}: {error}", from.display(), to.display()));
+    };
+    copy(&leaker, &root.path().join("app/leaker"));
+    let listing = Command::new("ldd").arg(&leaker).output().expect("run ldd");
+    for line in String::from_utf8_lossy(&listing.stdout).lines() {
+        let path = line.split_whitespace().find(|word| word.starts_with('/'));
+        if let Some(path) = path {
+            copy(Path::new(path), &root.path().join(path.trim_start_matches('/')));
+        }
+    }
+    fs::create_dir_all(root.path().join("proc")).unwrap();
+    root
+}
+
+/// A directory removed when dropped.
+pub mod tempdir {
+    use std::path::{Path, PathBuf};
+
+    pub struct TempDir(PathBuf);
+
+    impl TempDir {
+        pub fn new(prefix: &str) -> Self {
+            let path = std::env::temp_dir().join(format!(
+                "{prefix}-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).expect("create a temporary directory");
+            Self(path.to_path_buf())
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }

@@ -21,6 +21,9 @@ use crate::{
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
     pub pid: u32,
+    /// The pid the process has in its own pid namespace (a container's),
+    /// when that differs from `pid`.
+    pub namespace_pid: Option<u32>,
     pub time_unix_ms: u64,
     /// The object whose allocator was probed.
     pub allocator: String,
@@ -64,6 +67,7 @@ pub struct ReportStack {
 /// What a report is made with besides the snapshot.
 pub struct ReportContext<'a> {
     pub allocator: &'a str,
+    pub namespace_pid: Option<u32>,
     pub min_age_ms: u64,
     pub top: usize,
     pub sort: SortKey,
@@ -120,6 +124,7 @@ impl Report {
             .collect();
         Report {
             pid: snapshot.pid,
+            namespace_pid: context.namespace_pid,
             time_unix_ms: snapshot.time_unix_ms,
             allocator: context.allocator.to_owned(),
             min_age_ms: context.min_age_ms,
@@ -183,8 +188,14 @@ pub(crate) mod tests {
             counters: HealthCounters { allocations: 12, frees: 5, stacks_lost: 1, ..Default::default() },
             ..Snapshot::default()
         };
-        let context =
-            ReportContext { allocator: "/usr/lib/libc.so.6", min_age_ms: 500, top, sort, sample_rate };
+        let context = ReportContext {
+            allocator: "/usr/lib/libc.so.6",
+            namespace_pid: None,
+            min_age_ms: 500,
+            top,
+            sort,
+            sample_rate,
+        };
         let trends = HashMap::from([(2, Trend { delta_bytes: Some(8192), growing_reports: 3 })]);
         Report::build(snapshot, &context, &trends, |id| match id {
             2 => vec![frame("fibonacci", "/src/leaker.c", 9), frame("child", "/src/leaker.c", 20)].into(),

@@ -12,6 +12,8 @@ use crate::{
 pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
     let whose = if report.pid == memleak_common::KERNEL_TGID {
         "the kernel".to_owned()
+    } else if let Some(inner) = report.namespace_pid {
+        format!("pid {} ({inner} in its namespace) ({})", report.pid, report.allocator)
     } else {
         format!("pid {} ({})", report.pid, report.allocator)
     };

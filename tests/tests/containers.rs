@@ -1,0 +1,86 @@
+//! Targets whose files the host does not see where the target sees them:
+//! a container made with namespaces and pivot_root, a chroot, a binary
+//! deleted after it started. memleak goes through /proc/PID/root and
+//! /proc/PID/map_files, never the host's view of the paths.
+
+use std::{fs, process::Command};
+
+use memleak_tests::{fixture, leaker_rootfs, tempdir::TempDir, usage_at, workspace_root, Leaker, Memleak};
+use serde_json::Value;
+
+/// Traces `leaker` (already started, waiting) with -p until it has run
+/// `seed 3`, and returns the final report.
+fn trace_seed(leaker: &mut Leaker, pid: u32) -> Value {
+    let pid = pid.to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-o", "0", "-T", "100", "3600"]);
+    memleak.wait_attached();
+    leaker.go();
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    reports.last().cloned().expect("a final report")
+}
+
+/// fibonacci(3) leaks 5 blocks of 8 KiB.
+fn assert_seed_leaks(report: &Value, module: &str) {
+    assert_eq!(usage_at(report, "fibonacci", "fibonacci"), (5 * 8192, 5), "{report:#}");
+    let stack =
+        memleak_tests::stacks_at(report, "fibonacci", memleak_tests::marker_line("leaker", "fibonacci"))[0];
+    assert_eq!(stack["frames"][0]["module"], module, "{stack}");
+}
+
+#[test]
+fn a_container_with_its_own_mount_and_pid_namespace() {
+    let rootfs = leaker_rootfs();
+    let mut command = Command::new("unshare");
+    command
+        .args(["--mount", "--pid", "--fork", "sh"])
+        .arg(workspace_root().join("tests/fixtures/enter-container.sh"))
+        .arg(rootfs.path())
+        .args(["/app/leaker", "seed", "3", "--wait"]);
+    let mut leaker = Leaker::start_command(command);
+    let pid = leaker.leaker_pid();
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(maps.contains(" /app/leaker"), "the target sees its binary at /app/leaker: {maps}");
+    assert!(!std::path::Path::new("/app/leaker").exists(), "and the host does not");
+    let report = trace_seed(&mut leaker, pid);
+    assert_seed_leaks(&report, "/app/leaker");
+    assert_eq!(report["pid"], pid);
+    assert_eq!(report["namespace_pid"], 1, "the pid the container sees");
+    leaker.exit();
+}
+
+#[test]
+fn a_chroot() {
+    let rootfs = leaker_rootfs();
+    let mut command = Command::new("chroot");
+    command.arg(rootfs.path()).args(["/app/leaker", "seed", "3", "--wait"]);
+    let mut leaker = Leaker::start_command(command);
+    let pid = leaker.pid();
+    let report = trace_seed(&mut leaker, pid);
+    let module = format!("{}/app/leaker", rootfs.path().display());
+    let stack =
+        memleak_tests::stacks_at(&report, "fibonacci", memleak_tests::marker_line("leaker", "fibonacci"));
+    assert!(!stack.is_empty(), "{report:#}");
+    let seen = stack[0]["frames"][0]["module"].as_str().unwrap();
+    // Without a mount namespace, maps names the file as the host sees it.
+    assert!(seen == module || seen == "/app/leaker", "{seen}");
+    assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (5 * 8192, 5), "{report:#}");
+    assert_eq!(report["namespace_pid"], Value::Null, "same pid namespace as memleak");
+    leaker.exit();
+}
+
+#[test]
+fn a_binary_deleted_after_it_started() {
+    let dir = TempDir::new("memleak-deleted");
+    let binary = dir.path().join("leaker-deleted");
+    fs::copy(fixture("leaker"), &binary).unwrap();
+    let mut command = Command::new(&binary);
+    command.args(["seed", "3", "--wait"]);
+    let mut leaker = Leaker::start_command(command);
+    fs::remove_file(&binary).unwrap();
+    let pid = leaker.pid();
+    let report = trace_seed(&mut leaker, pid);
+    assert_seed_leaks(&report, binary.to_str().unwrap());
+    leaker.exit();
+}
