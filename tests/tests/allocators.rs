@@ -62,3 +62,60 @@ fn a_running_process_with_a_preloaded_allocator() {
     assert_eq!(usage_at(report, "fibonacci", "fibonacci"), (9 * 8192, 9), "{report:#}");
     leaker.exit();
 }
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn redis_server_allocates_through_jemalloc() {
+    use std::io::{Read, Write};
+    const KEYS: u64 = 5000;
+    let port = free_port();
+    let mut redis = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server is installed by cargo xtask test");
+    let connect = || {
+        (0..100)
+            .find_map(|_| {
+                std::net::TcpStream::connect(("127.0.0.1", port))
+                    .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
+                    .ok()
+            })
+            .expect("redis-server listens")
+    };
+    let mut connection = connect();
+    let pid = redis.id().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-o", "0", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    // SET key:i to 100 bytes, pipelined, then wait for every +OK.
+    let mut commands = Vec::new();
+    for i in 0..KEYS {
+        let key = format!("key:{i}");
+        write!(commands, "*3\r\n$3\r\nSET\r\n${}\r\n{key}\r\n$100\r\n{}\r\n", key.len(), "v".repeat(100))
+            .unwrap();
+    }
+    connection.write_all(&commands).unwrap();
+    let mut replies = Vec::new();
+    let mut buffer = [0u8; 65536];
+    while replies.windows(3).filter(|window| window == b"+OK").count() < KEYS as usize {
+        let read = connection.read(&mut buffer).unwrap();
+        assert!(read > 0, "redis closed the connection");
+        replies.extend_from_slice(&buffer[..read]);
+    }
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    let _ = redis.kill();
+    let _ = redis.wait();
+    assert!(status.success());
+    let report = reports.last().unwrap();
+    assert!(report["allocator"].as_str().unwrap().ends_with("/libjemalloc.so.2"), "{}", report["allocator"]);
+    // Each key holds a few blocks: its name, its value, its dict entry.
+    let allocations = report["total_allocations"].as_u64().unwrap();
+    assert!((3 * KEYS..=6 * KEYS).contains(&allocations), "{allocations} blocks for {KEYS} keys");
+    let bytes = report["total_bytes"].as_u64().unwrap();
+    assert!((KEYS * 100..=KEYS * 1000).contains(&bytes), "{bytes} bytes for {KEYS} keys of 100 bytes");
+}
