@@ -237,7 +237,12 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
             }
             return;
         }
-        if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+        if libc::WIFEXITED(status) {
+            log::debug!("command {pid} exited with status {}", libc::WEXITSTATUS(status));
+            return;
+        }
+        if libc::WIFSIGNALED(status) {
+            log::debug!("command {pid} was killed by signal {}", libc::WTERMSIG(status));
             return;
         }
         let stop_signal = libc::WSTOPSIG(status);
@@ -257,7 +262,10 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
                     matches!(stop_signal, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU);
                 resume(if stopping { libc::PTRACE_LISTEN } else { libc::PTRACE_CONT }, 0);
             }
-            0 => resume(libc::PTRACE_CONT, stop_signal), // deliver the signal as if untraced
+            0 => {
+                log::debug!("command {pid} got signal {stop_signal}");
+                resume(libc::PTRACE_CONT, stop_signal) // deliver the signal as if untraced
+            }
             _ => resume(libc::PTRACE_CONT, 0),           // the exec stop
         }
     }
