@@ -266,7 +266,7 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
                 log::debug!("command {pid} got signal {stop_signal}");
                 resume(libc::PTRACE_CONT, stop_signal) // deliver the signal as if untraced
             }
-            _ => resume(libc::PTRACE_CONT, 0),           // the exec stop
+            _ => resume(libc::PTRACE_CONT, 0), // the exec stop
         }
     }
 }

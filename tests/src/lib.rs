@@ -55,6 +55,23 @@ pub fn fixture(name: &str) -> PathBuf {
     output
 }
 
+/// The leaker built against musl (Debian's musl-tools) instead of glibc.
+pub fn musl_leaker() -> PathBuf {
+    let dir = workspace_root().join("target/fixtures");
+    fs::create_dir_all(&dir).expect("create target/fixtures");
+    let output = dir.join("leaker-musl");
+    let private = dir.join(format!("leaker-musl.{}.{:?}", std::process::id(), thread::current().id()));
+    let status = Command::new("musl-gcc")
+        .args(["-g", "-O0", "-fno-omit-frame-pointer", "-o"])
+        .arg(&private)
+        .arg(workspace_root().join("tests/fixtures/leaker.c"))
+        .status()
+        .expect("run musl-gcc (cargo xtask test installs musl-tools)");
+    assert!(status.success(), "musl-gcc failed on leaker.c");
+    fs::rename(&private, &output).expect("rename fixture");
+    output
+}
+
 /// The line of the fixture that carries `/* ALLOC(marker) */`.
 pub fn marker_line(name: &str, marker: &str) -> u64 {
     let source = fs::read_to_string(workspace_root().join(format!("tests/fixtures/{name}.c"))).unwrap();
@@ -176,6 +193,13 @@ pub fn trace_command(leaker_args: &str, memleak_args: &[&str]) -> Value {
     trace_fixture("leaker", leaker_args, memleak_args)
 }
 
+/// Runs memleak with -c on a program and arguments, waits for its "done",
+/// lets it exit, and returns every JSON line memleak printed.
+pub fn trace_program(program: &Path, program_args: &str, memleak_args: &[&str]) -> Vec<Value> {
+    let command = format!("{} {program_args}", program.display());
+    run_traced_command(&command, memleak_args, &[])
+}
+
 /// Runs memleak on fixture NAME with -c, as `trace_command` does.
 pub fn trace_fixture(name: &str, fixture_args: &str, memleak_args: &[&str]) -> Value {
     trace_fixture_output(name, fixture_args, memleak_args).pop().expect("memleak printed a final report")
@@ -195,8 +219,12 @@ pub fn trace_fixture_output_with_env(
     env: &[(&str, &str)],
 ) -> Vec<Value> {
     let command = format!("{} {fixture_args}", fixture(name).display());
+    run_traced_command(&command, memleak_args, env)
+}
+
+fn run_traced_command(command: &str, memleak_args: &[&str], env: &[(&str, &str)]) -> Vec<Value> {
     // All allocations, all stacks, one report at exit, unless told otherwise.
-    let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
+    let mut args = vec!["-c", command, "--format", "json", "-T", "1000", "3600"];
     if !memleak_args.contains(&"-o") && !memleak_args.contains(&"--combined-only") {
         args.extend(["-o", "0"]);
     }

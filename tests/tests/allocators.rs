@@ -119,3 +119,18 @@ fn redis_server_allocates_through_jemalloc() {
     let bytes = report["total_bytes"].as_u64().unwrap();
     assert!((KEYS * 100..=KEYS * 1000).contains(&bytes), "{bytes} bytes for {KEYS} keys of 100 bytes");
 }
+
+#[test]
+fn a_program_built_against_musl() {
+    let leaker = memleak_tests::musl_leaker();
+    let report = memleak_tests::trace_program(&leaker, "churn", &[]).pop().unwrap();
+    assert!(report["allocator"].as_str().unwrap().contains("musl"), "musl's libc: {}", report["allocator"]);
+    assert_eq!(usage_at(&report, "churn", "churn-leak"), (77, 1), "{report:#}");
+    assert_eq!(usage_at(&report, "churn", "churn"), (0, 0), "{report:#}");
+    assert_eq!(
+        (report["health"]["allocations"].as_u64(), report["health"]["frees"].as_u64()),
+        (Some(10_001), Some(10_000))
+    );
+    let report = memleak_tests::trace_program(&leaker, "seed 3", &[]).pop().unwrap();
+    assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (5 * 8192, 5), "{report:#}");
+}
