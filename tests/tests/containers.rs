@@ -29,16 +29,22 @@ fn assert_seed_leaks(report: &Value, module: &str) {
     assert_eq!(stack["frames"][0]["module"], module, "{stack}");
 }
 
-#[test]
-fn a_container_with_its_own_mount_and_pid_namespace() {
-    let rootfs = leaker_rootfs();
+/// Starts /app/leaker seed 3 --wait in `rootfs`, in new mount and pid
+/// namespaces under pivot_root, as a container runtime would.
+fn start_in_container(rootfs: &TempDir) -> Leaker {
     let mut command = Command::new("unshare");
     command
         .args(["--mount", "--pid", "--fork", "sh"])
         .arg(workspace_root().join("tests/fixtures/enter-container.sh"))
         .arg(rootfs.path())
         .args(["/app/leaker", "seed", "3", "--wait"]);
-    let mut leaker = Leaker::start_command(command);
+    Leaker::start_command(command)
+}
+
+#[test]
+fn a_container_with_its_own_mount_and_pid_namespace() {
+    let rootfs = leaker_rootfs();
+    let mut leaker = start_in_container(&rootfs);
     let pid = leaker.leaker_pid();
     let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     assert!(maps.contains(" /app/leaker"), "the target sees its binary at /app/leaker: {maps}");
@@ -47,6 +53,18 @@ fn a_container_with_its_own_mount_and_pid_namespace() {
     assert_seed_leaks(&report, "/app/leaker");
     assert_eq!(report["pid"], pid);
     assert_eq!(report["namespace_pid"], 1, "the pid the container sees");
+    leaker.exit();
+}
+
+#[test]
+fn a_container_whose_libc_is_not_the_hosts() {
+    // The container's program runs on musl; the host has glibc.
+    let rootfs = memleak_tests::rootfs_with(&memleak_tests::musl_leaker());
+    let mut leaker = start_in_container(&rootfs);
+    let pid = leaker.leaker_pid();
+    let report = trace_seed(&mut leaker, pid);
+    assert!(report["allocator"].as_str().unwrap().contains("musl"), "{}", report["allocator"]);
+    assert_seed_leaks(&report, "/app/leaker");
     leaker.exit();
 }
 
