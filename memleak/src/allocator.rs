@@ -320,7 +320,10 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
         }
         sites.push(ProbeSite { function, entry_program, return_program, file_offset, cookie: 0 });
     }
-    if missing.contains(&"malloc") || missing.contains(&"free") {
+    // An allocator needs malloc and a way to free. A binary linked with
+    // tikv-jemallocator keeps only what Rust calls: _rjem_sdallocx, no free.
+    let frees = ["free", "sdallocx", "dallocx"];
+    if missing.contains(&"malloc") || frees.iter().all(|free| missing.contains(free)) {
         return Err(if prefix.is_empty() {
             AllocatorError::NoAllocator(path.to_path_buf())
         } else {

@@ -134,3 +134,34 @@ fn a_program_built_against_musl() {
     let report = memleak_tests::trace_program(&leaker, "seed 3", &[]).pop().unwrap();
     assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (5 * 8192, 5), "{report:#}");
 }
+
+#[test]
+fn a_rust_program_with_tikv_jemallocator() {
+    // Built here with frame pointers; jemalloc is linked in with the _rjem_
+    // prefix and keeps only what Rust calls (mallocx, sdallocx...).
+    let manifest = memleak_tests::workspace_root().join("tests/fixtures/rust-jemalloc/Cargo.toml");
+    let target_dir = memleak_tests::workspace_root().join("target/fixtures/rust-jemalloc");
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .args(["build", "--quiet", "--release", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .env("RUSTFLAGS", "-C force-frame-pointers=yes")
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "building the tikv-jemallocator fixture failed");
+    let program = target_dir.join("release/rust-jemalloc");
+    let report = memleak_tests::trace_program(&program, "", &[]).pop().unwrap();
+    assert_eq!(report["allocator"], program.to_str().unwrap(), "the binary's own jemalloc is probed");
+    let stacks = report["stacks"].as_array().unwrap();
+    let leaked = stacks.iter().filter(|stack| stack["frames"][0]["function"] == "rust_jemalloc::leak_blocks");
+    let (bytes, count) = leaked.fold((0, 0), |(bytes, count), stack| {
+        (bytes + stack["bytes"].as_u64().unwrap(), count + stack["allocations"].as_u64().unwrap())
+    });
+    assert_eq!((bytes, count), (3000, 3), "{report:#}");
+    assert!(
+        stacks.iter().all(|stack| stack["frames"][0]["function"] != "rust_jemalloc::churn"),
+        "churn freed all"
+    );
+    assert!(report["health"]["frees"].as_u64().unwrap() >= 10_000, "sdallocx frees are seen");
+}
