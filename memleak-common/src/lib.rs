@@ -279,6 +279,9 @@ pub mod tunables {
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
     /// u32: 1 to send a [`super::TraceEvent`] per allocation and free.
     pub const TRACE: &str = "TRACE";
+    /// u64: with --cgroup, the cgroup v2 id whose tasks are recorded; 0
+    /// records every task the probes fire for.
+    pub const CGROUP_ID: &str = "CGROUP_ID";
     /// u32: offset of `size` in the kernel's struct kmem_cache.
     pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
     /// u64, u64: kernel code range whose allocations are left out (the BPF

@@ -133,6 +133,9 @@ fn thread_id() -> u32 {
 }
 
 fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
+    if !tunables::in_scope() {
+        return; // no pending call, so the return probe does nothing either
+    }
     let tid = thread_id();
     if let Some(pending) = PENDING.get_ptr_mut(tid) {
         // An allocator entry point called from inside another one: only the

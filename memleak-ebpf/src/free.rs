@@ -6,13 +6,13 @@ use aya_ebpf::{
 };
 use memleak_common::{AllocationKey, Counter};
 
-use crate::{counters, events, maps::ALLOCATIONS, totals};
+use crate::{counters, events, maps::ALLOCATIONS, totals, tunables};
 
 /// free(ptr): forgets the allocation at `ptr`.
 #[uprobe]
 pub fn free_enter(ctx: ProbeContext) -> u32 {
     let address: u64 = ctx.arg(0).unwrap_or(0);
-    if address != 0 {
+    if address != 0 && tunables::in_scope() {
         let size = release(address);
         // SAFETY: reads this attachment's cookie, the function's index.
         let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;

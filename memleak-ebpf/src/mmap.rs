@@ -20,6 +20,9 @@ const MAP_FAILED: u64 = u64::MAX;
 /// mmap(addr, length, prot, flags, fd, offset).
 #[uprobe]
 pub fn mmap_enter(ctx: ProbeContext) -> u32 {
+    if !tunables::in_scope() {
+        return 0;
+    }
     let length: u64 = ctx.arg(1).unwrap_or(0);
     let call = PendingMapping { length, change: MappingChange::Map as u32, ..PendingMapping::default() };
     let _ = PENDING_MAPPINGS.insert(bpf_get_current_pid_tgid() as u32, call, 0);
@@ -29,6 +32,9 @@ pub fn mmap_enter(ctx: ProbeContext) -> u32 {
 /// mremap(old_address, old_length, new_length, flags, ...).
 #[uprobe]
 pub fn mremap_enter(ctx: ProbeContext) -> u32 {
+    if !tunables::in_scope() {
+        return 0;
+    }
     let call = PendingMapping {
         address: ctx.arg(0).unwrap_or(0),
         length: ctx.arg(1).unwrap_or(0),
@@ -77,6 +83,9 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
 /// munmap(address, length).
 #[uprobe]
 pub fn munmap_enter(ctx: ProbeContext) -> u32 {
+    if !tunables::in_scope() {
+        return 0;
+    }
     let pid_tgid = bpf_get_current_pid_tgid();
     let event = MappingEvent {
         address: ctx.arg(0).unwrap_or(0),

@@ -15,6 +15,8 @@ static TRACE: u32 = 0;
 #[unsafe(no_mangle)]
 static CACHE_SIZE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
+static CGROUP_ID: u64 = 0;
+#[unsafe(no_mangle)]
 static IGNORED_CALLER_START: u64 = 0;
 #[unsafe(no_mangle)]
 static IGNORED_CALLER_END: u64 = 0;
@@ -73,4 +75,15 @@ pub fn ignored_caller(call_site: u64) -> bool {
         (core::ptr::read_volatile(&IGNORED_CALLER_START), core::ptr::read_volatile(&IGNORED_CALLER_END))
     };
     call_site >= start && call_site < end
+}
+
+/// Whether the current task is one memleak traces. With --cgroup, probes
+/// are placed once per allocator file for every process that maps it, and
+/// only the cgroup's processes are recorded; otherwise the kernel's pid
+/// filter already did the work.
+pub fn in_scope() -> bool {
+    // SAFETY: as above.
+    let cgroup = unsafe { core::ptr::read_volatile(&CGROUP_ID) };
+    // SAFETY: a helper without arguments.
+    cgroup == 0 || unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup
 }

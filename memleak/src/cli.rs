@@ -16,6 +16,11 @@ pub struct Args {
     #[arg(short, long, value_name = "PID", value_delimiter = ',', conflicts_with = "command")]
     pub pid: Vec<u32>,
 
+    /// Trace every process of this cgroup v2 directory, including those
+    /// that join it later: a report per process, then a total.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command"])]
+    pub cgroup: Option<PathBuf>,
+
     /// Run this command (with its arguments, split like a shell would) and
     /// trace it from its first instruction.
     #[arg(short, long, value_name = "\"CMD ARGS\"")]
@@ -150,7 +155,7 @@ impl Args {
     /// Without -p or -c, memleak traces the kernel's allocations, as bcc's
     /// memleak does.
     pub fn kernel_mode(&self) -> bool {
-        self.pid.is_empty() && self.command.is_none()
+        self.pid.is_empty() && self.command.is_none() && self.cgroup.is_none()
     }
 
     /// Checks that clap's declarations cannot express.

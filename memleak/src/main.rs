@@ -2,6 +2,7 @@
 //! and report the call stacks that hold the most memory.
 
 mod allocator;
+mod cgroup;
 mod cli;
 mod collector;
 mod events;

@@ -18,6 +18,7 @@ use tokio::{
 
 use crate::{
     allocator::{self, AttachPlan},
+    cgroup::Cgroup,
     cli::{Args, Format},
     collector::{self, CollectOptions},
     events::{self, EventRing},
@@ -73,15 +74,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut stop = StopSignals::new()?;
     Tracer::check_privileges()?;
     let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
+    let mut cgroup = None;
     let (tracer, targets, command) = match &args.command {
         None if args.kernel_mode() => attach_kernel(&args)?,
+        None if args.cgroup.is_some() => {
+            let (tracer, targets, watched) = attach_cgroup(&args, &events)?;
+            cgroup = Some((watched, events.clone()));
+            (tracer, targets, None)
+        }
         None => attach_processes(&args, events)?,
         Some(command_line) => {
             let (tracer, target, command) = start_command(&args, command_line, events)?;
             (tracer, vec![target], Some(command))
         }
     };
-    for target in &targets {
+    // (attach_cgroup speaks for itself, as processes join.)
+    for target in targets.iter().filter(|_| args.cgroup.is_none()) {
         let what = if args.kernel_mode() {
             "tracing kernel allocations; Ctrl-C to stop".to_owned()
         } else {
@@ -99,7 +107,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trace: if args.trace { Some(EventRing::new(tracer.take_events()?)?) } else { None },
         mappings: Some(EventRing::new(tracer.take_mapping_events()?)?),
     };
-    let result = trace(&args, &tracer, targets, rings, &mut target_events, &mut stop).await;
+    let result = trace(&args, &mut tracer, targets, cgroup, rings, &mut target_events, &mut stop).await;
     drop(target_events);
     if let Some(command) = command {
         // A command memleak started does not outlive it.
@@ -149,6 +157,7 @@ fn tracer_config(args: &Args, processes: usize) -> TracerConfig {
         trace: args.trace,
         cache_size_offset: 0,
         ignored_callers: 0..0,
+        cgroup_id: 0,
     }
 }
 
@@ -172,6 +181,82 @@ fn attach_processes(
         targets.push(Target::new(pid, plan));
     }
     Ok((tracer, targets, None))
+}
+
+/// `--cgroup`: the processes in the cgroup now; `add_cgroup_processes`
+/// picks up those that join later.
+fn attach_cgroup(
+    args: &Args,
+    events: &UnboundedSender<TargetEvent>,
+) -> anyhow::Result<(Tracer, Vec<Target>, Cgroup)> {
+    let path = args.cgroup.as_deref().expect("--cgroup given");
+    let mut cgroup = Cgroup::open(path)?;
+    // Room in the totals map for a lost-stack entry per process, however
+    // many come and go.
+    let config = TracerConfig { cgroup_id: cgroup.id, ..tracer_config(args, 4096) };
+    let mut tracer = Tracer::load(&config)?;
+    let mut targets = Vec::new();
+    add_cgroup_processes(args, &mut tracer, &mut cgroup, &mut targets, events)?;
+    status::say(&format!("tracing cgroup {} (id {}); Ctrl-C to stop", path.display(), cgroup.id));
+    Ok((tracer, targets, cgroup))
+}
+
+/// Starts following the cgroup's processes not followed yet, probing each
+/// allocator file once, for every process that maps it.
+fn add_cgroup_processes(
+    args: &Args,
+    tracer: &mut Tracer,
+    cgroup: &mut Cgroup,
+    targets: &mut Vec<Target>,
+    events: &UnboundedSender<TargetEvent>,
+) -> anyhow::Result<()> {
+    let prefix = args.symbols_prefix.as_deref().unwrap_or("");
+    for pid in cgroup.processes() {
+        if targets.iter().any(|target| target.pid == pid) || target::check_process(pid).is_err() {
+            continue;
+        }
+        let plan = match allocator::plan_for_process(pid, args.object.as_deref(), prefix) {
+            Ok(plan) => plan,
+            Err(error) => {
+                log::warn!("not tracing pid {pid} of the cgroup: {error}");
+                continue;
+            }
+        };
+        if cgroup.first_probe_of(&plan.path) {
+            tracer.attach(&plan, 0)?;
+            log::debug!("probed {} for the cgroup", plan.display_path);
+        }
+        target::watch_process(pid, events.clone());
+        status::say(&format!("pid {pid} is in the cgroup: tracing it through {}", plan.display_path));
+        targets.push(Target::new(pid, plan));
+    }
+    Ok(())
+}
+
+/// After the per-process reports of one round: the cgroup's total.
+fn print_cgroup_total(cgroup: &Cgroup, reported: &[(u64, u64)], format: Format) -> anyhow::Result<bool> {
+    let bytes: u64 = reported.iter().map(|(bytes, _)| bytes).sum();
+    let allocations: u64 = reported.iter().map(|(_, allocations)| allocations).sum();
+    let line = match format {
+        Format::Json => serde_json::json!({
+            "cgroup": cgroup.path.display().to_string(),
+            "processes": reported.len(),
+            "total_bytes": bytes,
+            "total_allocations": allocations,
+        })
+        .to_string(),
+        Format::Text => format!(
+            "Cgroup {}: {bytes} bytes in {allocations} allocations outstanding in {} processes",
+            cgroup.path.display(),
+            reported.len()
+        ),
+    };
+    let mut out = io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Ok(false),
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// `-c`: forks the command held before exec, attaches, then lets it run.
@@ -204,8 +289,9 @@ fn start_command(
 
 async fn trace(
     args: &Args,
-    tracer: &Tracer,
+    tracer: &mut Tracer,
     mut targets: Vec<Target>,
+    mut cgroup: Option<(Cgroup, UnboundedSender<TargetEvent>)>,
     mut rings: Rings,
     target_events: &mut UnboundedReceiver<TargetEvent>,
     stop: &mut StopSignals,
@@ -219,6 +305,9 @@ async fn trace(
         let (due, last, exit_ack) = tokio::select! {
             _ = refresh.tick() => {
                 targets.iter_mut().for_each(|target| target.symbolizer.modules.refresh());
+                if let Some((cgroup, events)) = cgroup.as_mut() {
+                    add_cgroup_processes(args, tracer, cgroup, &mut targets, events)?;
+                }
                 continue;
             }
             ring = events::readable(&mut rings.trace) => {
@@ -249,21 +338,29 @@ async fn trace(
             apply_mappings(&mut targets, &ring.drain());
         }
         // The command stays at its exit stop until `exit_ack` is dropped.
+        let mut reported = Vec::new();
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
             let report = take_report(args, tracer, target, &mut stacks)?;
             if !print(&report, args.format)? {
                 return Ok(()); // stdout closed: nobody is listening any more
             }
+            reported.push((report.total_bytes, report.total_allocations));
         }
         drop(exit_ack);
         if let Some(pid) = due {
-            // Its final report is out; the others go on.
+            // Its final report is out; the others go on. A cgroup's run goes
+            // on even with none: processes may join it later.
             targets.retain(|target| target.pid != pid);
-            if targets.is_empty() {
+            if targets.is_empty() && cgroup.is_none() {
                 return Ok(());
             }
             continue;
+        }
+        if let Some((cgroup, _)) = &cgroup {
+            if !print_cgroup_total(cgroup, &reported, args.format)? {
+                return Ok(());
+            }
         }
         printed += 1;
         if last || args.count.is_some_and(|count| printed >= count.get()) {

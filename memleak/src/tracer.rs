@@ -54,6 +54,8 @@ pub struct TracerConfig {
     pub cache_size_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
+    /// With --cgroup, the only cgroup whose tasks are recorded.
+    pub cgroup_id: u64,
 }
 
 pub struct Tracer {
@@ -106,6 +108,7 @@ impl Tracer {
             .override_global(tunables::SAMPLE_RATE, &config.sample_rate, true)
             .override_global(tunables::TRACE, &u32::from(config.trace), true)
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
+            .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
             .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
             .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
             .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
@@ -128,7 +131,8 @@ impl Tracer {
     }
 
     /// Attaches the probes of `plan`, firing only for process `pid` and
-    /// its threads (the kernel filters uprobes by address space).
+    /// its threads (the kernel filters uprobes by address space), or for
+    /// every process that maps the object if `pid` is 0.
     pub fn attach(&mut self, plan: &AttachPlan, pid: u32) -> Result<(), TracerError> {
         let scope = NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
         let fail =
