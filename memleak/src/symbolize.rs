@@ -117,10 +117,19 @@ pub struct StackSymbolizer {
 
 impl StackSymbolizer {
     pub fn new(pid: u32) -> Self {
+        // Separate debug files (by build id, or named by .gnu_debuglink) are
+        // looked for inside the target's root first: a container ships its
+        // own. Then on the host.
+        let debug_dirs: Vec<PathBuf> = ["usr/lib/debug", "lib/debug"]
+            .iter()
+            .map(|dir| PathBuf::from(format!("/proc/{pid}/root")).join(dir))
+            .chain(["/usr/lib/debug", "/lib/debug"].map(PathBuf::from))
+            .collect();
         let symbolizer = symbolize::Symbolizer::builder()
             .enable_code_info(true)
             .enable_inlined_fns(true)
             .enable_demangling(true)
+            .set_debug_dirs(Some(&debug_dirs))
             .build();
         Self { modules: ProcessModules::new(pid), kernel: false, symbolizer, cache: HashMap::new() }
     }

@@ -102,3 +102,34 @@ fn a_binary_deleted_after_it_started() {
     assert_seed_leaks(&report, binary.to_str().unwrap());
     leaker.exit();
 }
+
+#[test]
+fn debug_info_shipped_inside_the_container_is_found_first() {
+    // A stripped binary whose DWARF sits in a separate file that only the
+    // container has, under its /usr/lib/debug, named by .gnu_debuglink.
+    let work = TempDir::new("memleak-debuglink");
+    let full = fixture("leaker");
+    let debug = work.path().join("leaker.debug");
+    let stripped = work.path().join("leaker");
+    let objcopy = |args: &[&std::ffi::OsStr]| {
+        let status = Command::new("objcopy").args(args).status().expect("run objcopy");
+        assert!(status.success(), "objcopy {args:?}");
+    };
+    objcopy(&["--only-keep-debug".as_ref(), full.as_os_str(), debug.as_os_str()]);
+    let link = format!("--add-gnu-debuglink={}", debug.display());
+    objcopy(&["--strip-debug".as_ref(), link.as_ref(), full.as_os_str(), stripped.as_os_str()]);
+    let rootfs = memleak_tests::rootfs_with(&stripped);
+    let debug_dir = rootfs.path().join("usr/lib/debug");
+    fs::create_dir_all(&debug_dir).unwrap();
+    fs::copy(&debug, debug_dir.join("leaker.debug")).unwrap();
+    drop(work); // the host keeps no copy of the debug file
+    let mut leaker = start_in_container(&rootfs);
+    let pid = leaker.leaker_pid();
+    let report = trace_seed(&mut leaker, pid);
+    // File and line come from the container's debug file.
+    assert_seed_leaks(&report, "/app/leaker");
+    let stack =
+        memleak_tests::stacks_at(&report, "fibonacci", memleak_tests::marker_line("leaker", "fibonacci"))[0];
+    assert!(stack["frames"][0]["file"].as_str().unwrap().ends_with("tests/fixtures/leaker.c"), "{stack}");
+    leaker.exit();
+}
