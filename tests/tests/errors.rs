@@ -57,3 +57,21 @@ fn missing_privileges() {
     assert!(stderr.contains("run as root or with CAP_BPF and CAP_PERFMON"), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }
+
+#[test]
+fn a_static_binary_with_no_known_allocator() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-static");
+    let binary = dir.path().join("noalloc-static");
+    let status = std::process::Command::new("musl-gcc")
+        .args(["-static", "-O2", "-o"])
+        .arg(&binary)
+        .arg(memleak_tests::workspace_root().join("tests/fixtures/noalloc.c"))
+        .status()
+        .expect("run musl-gcc");
+    assert!(status.success());
+    let command = binary.to_str().unwrap();
+    assert_one_line_error(
+        &["-c", command],
+        &format!("no known allocator (malloc and free, plain or with a je_ or _rjem_ prefix) in {command}"),
+    );
+}
