@@ -152,7 +152,7 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
 }
 
 impl Args {
-    /// Without -p or -c, memleak traces the kernel's allocations, as bcc's
+    /// Without -p, -c or --cgroup, memleak traces the kernel's allocations, as bcc's
     /// memleak does.
     pub fn kernel_mode(&self) -> bool {
         self.pid.is_empty() && self.command.is_none() && self.cgroup.is_none()

@@ -126,10 +126,19 @@ fn demo() -> Result<()> {
     run(Command::new(memleak).args(["-c", &command, "1"]))
 }
 
-/// Debian packages the end-to-end tests use: compilers for the fixtures,
-/// and the allocators they are run with.
-const TEST_PACKAGES: [&str; 6] =
-    ["gcc", "g++", "libc6-dev", "libjemalloc2", "libtcmalloc-minimal4", "libmimalloc2.0"];
+/// Debian packages the end-to-end tests use: compilers for the fixtures
+/// (musl's too; objcopy comes with gcc's binutils), the allocators they
+/// are run with, and redis-server as a real program.
+const TEST_PACKAGES: [&str; 8] = [
+    "gcc",
+    "g++",
+    "libc6-dev",
+    "musl-tools",
+    "libjemalloc2",
+    "libtcmalloc-minimal4",
+    "libmimalloc2.0",
+    "redis-server",
+];
 
 fn test(test_args: &[String]) -> Result<()> {
     setup::run()?;
