@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 
 use memleak_common::{MappingChange, MappingEvent};
 
+use crate::model::{Frame, MappingKind};
+
 /// The kernel maps whole pages.
 const PAGE_SIZE: u64 = 4096;
 
@@ -89,6 +91,25 @@ impl Regions {
     /// Every region, by start address.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &Region)> {
         self.by_start.iter().map(|(&start, region)| (start, region))
+    }
+}
+
+/// Tells the allocator's own mappings and thread stacks from the
+/// program's mmaps; `frames` is the stack that mapped the region.
+pub fn classify(region: &Region, frames: &[Frame]) -> MappingKind {
+    // glibc maps thread stacks in allocate_stack, inlined into pthread_create.
+    let creates_thread = frames.iter().any(|frame| {
+        frame
+            .function
+            .as_deref()
+            .is_some_and(|name| name.starts_with("pthread_create") || name == "allocate_stack")
+    });
+    if region.inside_allocator {
+        MappingKind::AllocatorMmap
+    } else if creates_thread {
+        MappingKind::ThreadStack
+    } else {
+        MappingKind::Mmap
     }
 }
 

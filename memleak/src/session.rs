@@ -4,13 +4,12 @@
 
 use std::{
     collections::HashMap,
-    io::{self, Write},
     path::Path,
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use memleak_common::{lost_stack_owner, MappingEvent, StackKey, TraceEvent, KERNEL_TGID};
+use memleak_common::{lost_stack_owner, MappingEvent, StackKey, KERNEL_TGID};
 use tokio::{
     signal::unix::{signal, Signal, SignalKind},
     sync::mpsc::{UnboundedReceiver, UnboundedSender},
@@ -19,17 +18,13 @@ use tokio::{
 use crate::{
     allocator::{self, AttachPlan},
     cgroup::Cgroup,
-    cli::{Args, Format},
+    cli::Args,
     collector::{self, CollectOptions},
     events::{self, EventRing},
     kernel_btf,
-    mappings::{Region, Regions},
-    model::{Frame, MappingKind},
-    report::{
-        json, text,
-        trace::{self, TraceLine},
-        Report, ReportContext,
-    },
+    mappings::{self, Regions},
+    model::Frame,
+    report::{output, Report, ReportContext},
     status,
     symbolize::StackSymbolizer,
     target::{self, GatedCommand, SpawnedCommand, TargetEvent},
@@ -233,32 +228,6 @@ fn add_cgroup_processes(
     Ok(())
 }
 
-/// After the per-process reports of one round: the cgroup's total.
-fn print_cgroup_total(cgroup: &Cgroup, reported: &[(u64, u64)], format: Format) -> anyhow::Result<bool> {
-    let bytes: u64 = reported.iter().map(|(bytes, _)| bytes).sum();
-    let allocations: u64 = reported.iter().map(|(_, allocations)| allocations).sum();
-    let line = match format {
-        Format::Json => serde_json::json!({
-            "cgroup": cgroup.path.display().to_string(),
-            "processes": reported.len(),
-            "total_bytes": bytes,
-            "total_allocations": allocations,
-        })
-        .to_string(),
-        Format::Text => format!(
-            "Cgroup {}: {bytes} bytes in {allocations} allocations outstanding in {} processes",
-            cgroup.path.display(),
-            reported.len()
-        ),
-    };
-    let mut out = io::stdout().lock();
-    match writeln!(out, "{line}").and_then(|()| out.flush()) {
-        Ok(()) => Ok(true),
-        Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Ok(false),
-        Err(error) => Err(error.into()),
-    }
-}
-
 /// `-c`: forks the command held before exec, attaches, then lets it run.
 fn start_command(
     args: &Args,
@@ -311,7 +280,7 @@ async fn trace(
                 continue;
             }
             ring = events::readable(&mut rings.trace) => {
-                if !print_trace(&ring?.drain(), args.format)? {
+                if !output::print_trace(&ring?.drain(), wall_ns() - i128::from(monotonic_ns()), args.format)? {
                     return Ok(()); // stdout closed
                 }
                 continue;
@@ -330,7 +299,7 @@ async fn trace(
         };
         // Events that came before the report go out, or count, before it.
         if let Some(ring) = rings.trace.as_mut() {
-            if !print_trace(&ring.drain(), args.format)? {
+            if !output::print_trace(&ring.drain(), wall_ns() - i128::from(monotonic_ns()), args.format)? {
                 return Ok(());
             }
         }
@@ -342,7 +311,7 @@ async fn trace(
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
             let report = take_report(args, tracer, target, &mut stacks)?;
-            if !print(&report, args.format)? {
+            if !output::print_report(&report, args.format)? {
                 return Ok(()); // stdout closed: nobody is listening any more
             }
             reported.push((report.total_bytes, report.total_allocations));
@@ -358,7 +327,7 @@ async fn trace(
             continue;
         }
         if let Some((cgroup, _)) = &cgroup {
-            if !print_cgroup_total(cgroup, &reported, args.format)? {
+            if !output::print_cgroup_total(&cgroup.path, &reported, args.format)? {
                 return Ok(());
             }
         }
@@ -375,20 +344,6 @@ struct Rings {
     trace: Option<EventRing>,
     /// mmap, munmap and mremap calls.
     mappings: Option<EventRing>,
-}
-
-/// Prints trace events; `false` when stdout is closed.
-fn print_trace(events: &[TraceEvent], format: Format) -> anyhow::Result<bool> {
-    let wall_minus_monotonic = wall_ns() - i128::from(monotonic_ns());
-    let mut out = io::stdout().lock();
-    for event in events {
-        match trace::render(&TraceLine::new(event, wall_minus_monotonic), format, &mut out) {
-            Ok(()) => {}
-            Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return Ok(false),
-            Err(error) => return Err(error.into()),
-        }
-    }
-    Ok(true)
 }
 
 fn apply_mappings(targets: &mut [Target], events: &[MappingEvent]) {
@@ -457,7 +412,7 @@ fn take_report(
     let Target { plan, namespace_pid, symbolizer, trends, regions, .. } = target;
     stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;
     collector::add_regions(&mut snapshot, regions, now_ns, options, args.all_mmaps, |region| {
-        mapping_kind(region, &frames_of(symbolizer, stacks, region.stack_id))
+        mappings::classify(region, &frames_of(symbolizer, stacks, region.stack_id))
     });
     stacks.ensure(tracer, snapshot.stacks.iter().map(|stack| stack.stack_id))?;
     let trends = trends.observe(&snapshot);
@@ -479,40 +434,6 @@ fn frames_of(symbolizer: &mut StackSymbolizer, stacks: &StackCatalog, stack_id: 
     }
     let addresses = stacks.stacks.get(&stack_id).map_or(&[][..], |key| &key.frames[..]);
     symbolizer.symbolize(stack_id, addresses)
-}
-
-/// Tells the allocator's own mappings and thread stacks from the
-/// program's mmaps.
-fn mapping_kind(region: &Region, frames: &[Frame]) -> MappingKind {
-    // glibc maps thread stacks in allocate_stack, inlined into pthread_create.
-    let creates_thread = frames.iter().any(|frame| {
-        frame
-            .function
-            .as_deref()
-            .is_some_and(|name| name.starts_with("pthread_create") || name == "allocate_stack")
-    });
-    if region.inside_allocator {
-        MappingKind::AllocatorMmap
-    } else if creates_thread {
-        MappingKind::ThreadStack
-    } else {
-        MappingKind::Mmap
-    }
-}
-
-/// Prints a report; `false` when stdout is a closed pipe.
-fn print(report: &Report, format: Format) -> anyhow::Result<bool> {
-    let mut out = io::stdout().lock();
-    let result = match format {
-        Format::Text => text::render(report, &mut out),
-        Format::Json => json::render(report, &mut out),
-    }
-    .and_then(|()| out.flush());
-    match result {
-        Ok(()) => Ok(true),
-        Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Ok(false),
-        Err(error) => Err(error.into()),
-    }
 }
 
 fn wall_ns() -> i128 {

@@ -2,6 +2,7 @@
 //! N, and the renderers that print it.
 
 pub mod json;
+pub mod output;
 pub mod text;
 pub mod trace;
 
