@@ -11,6 +11,8 @@ use std::{
 use memleak_common::{programs, ALLOCATOR_FUNCTIONS};
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 
+use crate::probe_placement;
+
 /// The entry program of each function in `memleak_common::ALLOCATOR_FUNCTIONS`,
 /// in the same order. Every one but `free` also gets the shared return
 /// probe.
@@ -69,7 +71,10 @@ pub struct ProbeSite {
     pub entry_program: &'static str,
     /// The program for the function's return, if it has one.
     pub return_program: Option<&'static str>,
+    /// Where the function starts in its file.
     pub file_offset: u64,
+    /// Bytes past the start the entry probe goes; see `probe_placement`.
+    pub entry_skip: u64,
     /// Bit i set for `memleak_common::ALLOCATOR_FUNCTIONS[i]` and each alias
     /// sharing this code; given to the probes as their attach cookie.
     pub cookie: u64,
@@ -307,7 +312,29 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
             continue;
         }
         let return_program = (entry_program != programs::FREE_ENTER).then_some(programs::ALLOCATION_RETURN);
-        sites.push(ProbeSite { function, entry_program, return_program, file_offset, cookie: 1 << index });
+        // A return probe needs the entry (it takes over the return
+        // address there); a free has none and may skip a costly first
+        // instruction.
+        let entry_skip = match return_program {
+            Some(_) => 0,
+            None => {
+                let code = data.get(file_offset as usize..).unwrap_or(&[]);
+                probe_placement::entry_probe_offset(&code[..code.len().min(32)])
+            }
+        };
+        if entry_skip > 0 {
+            log::debug!(
+                "{function}: entry probe at +{entry_skip}, past `test %rdi,%rdi`, on the NULL check's jump, which the kernel emulates instead of single-stepping"
+            );
+        }
+        sites.push(ProbeSite {
+            function,
+            entry_program,
+            return_program,
+            file_offset,
+            entry_skip,
+            cookie: 1 << index,
+        });
     }
     // mmap & co. are the C library's, never prefixed.
     let mapping_names = MAPPING_FUNCTIONS.map(|(name, _, _)| name);
@@ -318,7 +345,14 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
         if sites.iter().any(|site| site.file_offset == file_offset) {
             continue; // mmap64 is mmap
         }
-        sites.push(ProbeSite { function, entry_program, return_program, file_offset, cookie: 0 });
+        sites.push(ProbeSite {
+            function,
+            entry_program,
+            return_program,
+            file_offset,
+            entry_skip: 0,
+            cookie: 0,
+        });
     }
     // An allocator needs malloc and a way to free. A binary linked with
     // tikv-jemallocator keeps only what Rust calls: _rjem_sdallocx, no free.
@@ -417,6 +451,13 @@ mod tests {
         {
             assert!(functions.contains(&function), "{function} missing from {functions:?}");
         }
+        let free = plan.sites.iter().find(|site| site.function == "free").unwrap();
+        assert_eq!(free.entry_skip, 3, "glibc's free starts with test %rdi,%rdi; je");
+        assert!(plan
+            .sites
+            .iter()
+            .filter(|site| site.return_program.is_some())
+            .all(|site| site.entry_skip == 0));
         let mut offsets: Vec<_> = plan.sites.iter().map(|site| site.file_offset).collect();
         offsets.sort_unstable();
         offsets.dedup();

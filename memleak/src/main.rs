@@ -9,6 +9,7 @@ mod events;
 mod kernel_btf;
 mod mappings;
 mod model;
+mod probe_placement;
 mod report;
 mod session;
 mod status;

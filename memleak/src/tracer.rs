@@ -139,16 +139,18 @@ impl Tracer {
             |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
         for site in &plan.sites {
             // The cookie tells the shared programs which function fired.
-            let point = || UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
+            let point = |offset| UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(offset),
                 cookie: Some(site.cookie),
             };
+            let entry = site.file_offset + site.entry_skip;
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
-            probe.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
-            log::debug!("uprobe on {} at {:#x} in {}", site.function, site.file_offset, plan.display_path);
+            probe.attach(point(entry), &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
             if let Some(return_program) = site.return_program {
                 let ret = uprobe(&mut self.ebpf, return_program)?;
-                ret.attach(point(), &plan.path, scope).map_err(|source| fail(site.function, source))?;
+                ret.attach(point(site.file_offset), &plan.path, scope)
+                    .map_err(|source| fail(site.function, source))?;
             }
         }
         Ok(())
