@@ -362,7 +362,7 @@ pub fn rootfs_with(leaker: &Path) -> tempdir::TempDir {
         .expect("a dynamically linked leaker");
     let listing = Command::new(interpreter).arg("--list").arg(leaker).output().expect("run the loader");
     for line in String::from_utf8_lossy(&listing.stdout).lines() {
-        let path = line.split_whitespace().filter(|word| word.starts_with('/')).last();
+        let path = line.split_whitespace().rfind(|word| word.starts_with('/'));
         if let Some(path) = path.filter(|path| Path::new(path) != leaker) {
             copy(Path::new(path), &root.path().join(path.trim_start_matches('/')));
         }
