@@ -114,6 +114,10 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
 
+    /// For --format folded and svg: weigh stacks by bytes or by count.
+    #[arg(long, value_enum, default_value_t = Weight::Bytes)]
+    pub weight: Weight,
+
     /// Print debug logs (probe placement, skipped symbols) to stderr.
     #[arg(short, long)]
     pub verbose: bool,
@@ -133,6 +137,20 @@ pub enum Format {
     Text,
     /// One JSON object per report, one per line.
     Json,
+    /// Collapsed stacks, root first, for flame graph tools; every stack,
+    /// not only the top N.
+    Folded,
+    /// A flame graph of the final report, as SVG; every stack.
+    Svg,
+}
+
+/// What folded stacks and flame graphs weigh stacks by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Weight {
+    /// Outstanding bytes.
+    Bytes,
+    /// Outstanding allocations.
+    Count,
 }
 
 const EXAMPLES: &str = "\

@@ -18,7 +18,7 @@ use tokio::{
 use crate::{
     allocator::{self, AttachPlan},
     cgroup::Cgroup,
-    cli::Args,
+    cli::{Args, Format},
     collector::{self, CollectOptions},
     events::{self, EventRing},
     kernel_btf,
@@ -307,11 +307,17 @@ async fn trace(
             apply_mappings(&mut targets, &ring.drain());
         }
         // The command stays at its exit stop until `exit_ack` is dropped.
+        // An SVG is a whole document: only the final report is drawn.
+        let final_round = last || due.is_some() || args.count.is_some_and(|count| printed + 1 >= count.get());
+        let skip_output = args.format == Format::Svg && !final_round;
         let mut reported = Vec::new();
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
             let report = take_report(args, tracer, target, &mut stacks)?;
-            if !output::print_report(&report, args.format)? {
+            if skip_output {
+                continue;
+            }
+            if !output::print_report(&report, args.format, args.weight)? {
                 return Ok(()); // stdout closed: nobody is listening any more
             }
             reported.push((report.total_bytes, report.total_allocations));
@@ -420,7 +426,8 @@ fn take_report(
         allocator: &plan.display_path,
         namespace_pid: *namespace_pid,
         min_age_ms: options.min_age_ns / 1_000_000,
-        top: args.top,
+        // A flame graph needs every stack, not the top N.
+        top: if matches!(args.format, Format::Folded | Format::Svg) { usize::MAX } else { args.top },
         sort: args.sort,
         sample_rate: args.sample_rate,
     };

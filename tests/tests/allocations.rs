@@ -219,3 +219,48 @@ fn cxx_names_are_demangled() {
         "{names:?}"
     );
 }
+
+/// memleak's stdout for `leaker KIND` run with -c, as text lines.
+fn raw_output(kind: &str, memleak_args: &[&str]) -> String {
+    let leaker = memleak_tests::fixture("leaker");
+    let command = format!("{} {kind}", leaker.display());
+    let mut args = vec!["-c", &command, "-o", "0", "3600"];
+    args.extend_from_slice(memleak_args);
+    let mut memleak = memleak_tests::Memleak::start(&args);
+    memleak.stderr.wait_for("the fixture to finish", |line| line == "done");
+    memleak.close_stdin();
+    let lines = memleak.stdout.rest();
+    assert!(memleak.child.wait().unwrap().success());
+    lines.join("\n")
+}
+
+#[test]
+fn folded_stacks_are_root_first_and_weighted() {
+    let folded = raw_output("all", &["--format", "folded"]);
+    let weight_of = |leaf: &str| -> Vec<u64> {
+        folded
+            .lines()
+            .filter(|line| line.rsplit_once(' ').unwrap().0.ends_with(&format!(";{leaf}")))
+            .map(|line| line.rsplit_once(' ').unwrap().1.parse().unwrap())
+            .collect()
+    };
+    assert_eq!(weight_of("leak_malloc"), [3000], "{folded}");
+    assert_eq!(weight_of("leak_realloc"), [5300], "two stacks of leak_realloc fold into one line: {folded}");
+    assert!(
+        folded.lines().all(|line| line.starts_with("__libc_start_call_main;main;")),
+        "root first: {folded}"
+    );
+    let counts = raw_output("all", &["--format", "folded", "--weight", "count"]);
+    assert!(counts.lines().any(|line| line.ends_with(";leak_calloc 3")), "{counts}");
+    // Every stack, not only the top 10 (there are 11).
+    assert_eq!(folded.lines().count(), 10, "leak_realloc's two stacks fold together: {folded}");
+}
+
+#[test]
+fn an_svg_flame_graph_of_the_final_report() {
+    let svg = raw_output("seed 5", &["--format", "svg", "1"]);
+    assert!(svg.starts_with("<?xml") && svg.trim_end().ends_with("</svg>"), "one whole SVG document");
+    assert_eq!(svg.matches("<?xml").count(), 1, "only the final report is drawn");
+    assert!(svg.contains(">fibonacci") || svg.contains("fibonacci ("), "the leaking function is drawn");
+    assert!(svg.contains("child"));
+}

@@ -1,8 +1,10 @@
 //! Reports: a snapshot with symbolized stacks, sorted and cut to the top
 //! N, and the renderers that print it.
 
+pub mod folded;
 pub mod json;
 pub mod output;
+pub mod svg;
 pub mod text;
 pub mod trace;
 

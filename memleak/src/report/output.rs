@@ -8,14 +8,16 @@ use std::{
 
 use memleak_common::TraceEvent;
 
-use super::{json, text, trace, trace::TraceLine, Report};
-use crate::cli::Format;
+use super::{folded, json, svg, text, trace, trace::TraceLine, Report};
+use crate::cli::{Format, Weight};
 
 /// Prints a report; `false` when stdout is a closed pipe.
-pub fn print_report(report: &Report, format: Format) -> anyhow::Result<bool> {
+pub fn print_report(report: &Report, format: Format, weight: Weight) -> anyhow::Result<bool> {
     to_stdout(|out| match format {
         Format::Text => text::render(report, out),
         Format::Json => json::render(report, out),
+        Format::Folded => folded::render(report, weight, out),
+        Format::Svg => svg::render(report, weight, out),
     })
 }
 
@@ -34,8 +36,12 @@ pub fn print_trace(
 }
 
 /// After the per-process reports of one round, a cgroup's total;
-/// `reported` holds (bytes, allocations) of each report.
+/// `reported` holds (bytes, allocations) of each report. Only in text and
+/// JSON: it would break folded stacks and SVG.
 pub fn print_cgroup_total(cgroup: &Path, reported: &[(u64, u64)], format: Format) -> anyhow::Result<bool> {
+    if matches!(format, Format::Folded | Format::Svg) {
+        return Ok(true);
+    }
     let bytes: u64 = reported.iter().map(|(bytes, _)| bytes).sum();
     let allocations: u64 = reported.iter().map(|(_, allocations)| allocations).sum();
     let line = match format {
@@ -46,7 +52,7 @@ pub fn print_cgroup_total(cgroup: &Path, reported: &[(u64, u64)], format: Format
             "total_allocations": allocations,
         })
         .to_string(),
-        Format::Text => format!(
+        _ => format!(
             "Cgroup {}: {bytes} bytes in {allocations} allocations outstanding in {} processes",
             cgroup.display(),
             reported.len()

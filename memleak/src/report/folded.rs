@@ -1,0 +1,83 @@
+//! Brendan Gregg's collapsed stacks: one line per stack, root first,
+//! frames joined by `;`, then the weight. The input of flamegraph.pl,
+//! inferno, speedscope and most flame graph tools.
+
+use std::{
+    collections::BTreeMap,
+    io::{self, Write},
+};
+
+use super::Report;
+use crate::cli::Weight;
+
+/// The folded lines of a report, identical stacks merged, in order.
+pub fn lines(report: &Report, weight: Weight) -> Vec<String> {
+    let mut merged: BTreeMap<String, u64> = BTreeMap::new();
+    for stack in &report.stacks {
+        let names: Vec<String> = if stack.stack_lost {
+            vec!["[stack lost]".to_owned()]
+        } else {
+            stack
+                .frames
+                .iter()
+                .rev()
+                .map(|frame| frame_name(frame.function.as_deref(), frame.inlined))
+                .collect()
+        };
+        let names = if names.is_empty() { vec!["[no frames]".to_owned()] } else { names };
+        let amount = match weight {
+            Weight::Bytes => stack.bytes,
+            Weight::Count => stack.allocations,
+        };
+        *merged.entry(names.join(";")).or_default() += amount;
+    }
+    merged.into_iter().map(|(stack, amount)| format!("{stack} {amount}")).collect()
+}
+
+/// `;` separates frames and a space ends the stack, so neither may appear
+/// in a name (C++ and Rust names hold spaces).
+fn frame_name(function: Option<&str>, inlined: bool) -> String {
+    let name = function.unwrap_or("[unknown]").replace(';', ":").replace(' ', "\u{a0}");
+    if inlined {
+        format!("{name}_[i]")
+    } else {
+        name
+    }
+}
+
+pub fn render(report: &Report, weight: Weight, out: &mut impl Write) -> io::Result<()> {
+    for line in lines(report, weight) {
+        writeln!(out, "{line}")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::sample_report;
+
+    #[test]
+    fn folded_matches_the_golden_file() {
+        let mut out = Vec::new();
+        render(&sample_report(10), Weight::Bytes, &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), include_str!("../../tests/data/report.folded"));
+    }
+
+    #[test]
+    fn counts_weigh_by_allocations() {
+        let lines = lines(&sample_report(10), Weight::Count);
+        assert!(lines.contains(&"child;fibonacci 3".to_owned()), "{lines:?}");
+        assert!(lines.contains(&"other 3".to_owned()), "two stacks with the same frames merge: {lines:?}");
+    }
+
+    #[test]
+    fn names_cannot_break_the_format() {
+        assert_eq!(
+            frame_name(Some("operator new(unsigned long)"), false),
+            "operator\u{a0}new(unsigned\u{a0}long)"
+        );
+        assert_eq!(frame_name(Some("a;b"), true), "a:b_[i]");
+        assert_eq!(frame_name(None, false), "[unknown]");
+    }
+}
