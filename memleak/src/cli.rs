@@ -110,9 +110,19 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 127, value_parser = clap::value_parser!(u32).range(1..=127))]
     pub max_stack_depth: u32,
 
-    /// Report format.
-    #[arg(long, value_enum, default_value_t = Format::Text)]
-    pub format: Format,
+    /// Report format (default: from the --output file's extension, else
+    /// text).
+    #[arg(long, value_enum)]
+    pub format: Option<Format>,
+
+    /// Write reports to this file instead of stdout. It is written under a
+    /// temporary name and put in place when memleak ends.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+
+    /// Overwrite the --output file if it exists.
+    #[arg(long, requires = "output")]
+    pub force: bool,
 
     /// For --format folded and svg: weigh stacks by bytes or by count.
     #[arg(long, value_enum, default_value_t = Weight::Bytes)]
@@ -170,6 +180,13 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
 }
 
 impl Args {
+    /// --format, else what the --output file's extension names, else text.
+    pub fn format(&self) -> Format {
+        self.format
+            .or_else(|| self.output.as_deref().and_then(crate::report::output::format_of))
+            .unwrap_or(Format::Text)
+    }
+
     /// Without -p, -c or --cgroup, memleak traces the kernel's allocations, as bcc's
     /// memleak does.
     pub fn kernel_mode(&self) -> bool {
@@ -200,6 +217,14 @@ impl Args {
         pids.sort_unstable();
         if let Some(pair) = pids.windows(2).find(|pair| pair[0] == pair[1]) {
             return Err(format!("pid {} is given twice", pair[0]));
+        }
+        if let (None, Some(output)) = (self.format, &self.output) {
+            if crate::report::output::format_of(output).is_none() {
+                return Err(format!(
+                    "cannot tell the format of {} from its extension (.svg, .folded, .json, .txt): give --format",
+                    output.display()
+                ));
+            }
         }
         if self.symbols_prefix.as_deref() == Some("") {
             return Err("--symbols-prefix needs a prefix, such as je_".to_owned());

@@ -31,10 +31,12 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(error) => {
-            // clap's first line says what is wrong; its usage hint is noise.
+            // clap says what is wrong before its first blank line (sometimes
+            // over two lines); the usage hint after it is noise.
             let rendered = error.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            status::error(&first.trim_start_matches("error: ").replace('\'', "`"));
+            let message: Vec<&str> =
+                rendered.lines().take_while(|line| !line.trim().is_empty()).map(str::trim).collect();
+            status::error(&message.join(" ").trim_start_matches("error: ").replace('\'', "`"));
             return ExitCode::from(2);
         }
     };

@@ -24,7 +24,7 @@ use crate::{
     kernel_btf,
     mappings::{self, Regions},
     model::Frame,
-    report::{output, Report, ReportContext},
+    report::{output::Output, Report, ReportContext},
     status,
     symbolize::StackSymbolizer,
     target::{self, GatedCommand, SpawnedCommand, TargetEvent},
@@ -68,6 +68,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // cleanly instead of killing memleak with its probes half-placed.
     let mut stop = StopSignals::new()?;
     Tracer::check_privileges()?;
+    // Before anything is attached too: a file that may not be overwritten
+    // or cannot be written is an error now, not after the run.
+    let mut output = Output::open(args.output.as_deref(), args.force, args.format(), args.weight)?;
     let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
     let mut cgroup = None;
     let (tracer, targets, command) = match &args.command {
@@ -102,7 +105,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trace: if args.trace { Some(EventRing::new(tracer.take_events()?)?) } else { None },
         mappings: Some(EventRing::new(tracer.take_mapping_events()?)?),
     };
-    let result = trace(&args, &mut tracer, targets, cgroup, rings, &mut target_events, &mut stop).await;
+    let result =
+        trace(&args, &mut tracer, targets, cgroup, rings, &mut output, &mut target_events, &mut stop).await;
     drop(target_events);
     if let Some(command) = command {
         // A command memleak started does not outlive it.
@@ -110,7 +114,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     // Detaches every probe.
     drop(tracer);
-    result
+    result?;
+    output.finish()?;
+    Ok(())
 }
 
 /// No -p or -c: the kernel's own allocations, as one target with tgid 0.
@@ -262,6 +268,7 @@ async fn trace(
     mut targets: Vec<Target>,
     mut cgroup: Option<(Cgroup, UnboundedSender<TargetEvent>)>,
     mut rings: Rings,
+    output: &mut Output,
     target_events: &mut UnboundedReceiver<TargetEvent>,
     stop: &mut StopSignals,
 ) -> anyhow::Result<()> {
@@ -280,7 +287,7 @@ async fn trace(
                 continue;
             }
             ring = events::readable(&mut rings.trace) => {
-                if !output::print_trace(&ring?.drain(), wall_ns() - i128::from(monotonic_ns()), args.format)? {
+                if !output.trace(&ring?.drain(), wall_ns() - i128::from(monotonic_ns()))? {
                     return Ok(()); // stdout closed
                 }
                 continue;
@@ -299,7 +306,7 @@ async fn trace(
         };
         // Events that came before the report go out, or count, before it.
         if let Some(ring) = rings.trace.as_mut() {
-            if !output::print_trace(&ring.drain(), wall_ns() - i128::from(monotonic_ns()), args.format)? {
+            if !output.trace(&ring.drain(), wall_ns() - i128::from(monotonic_ns()))? {
                 return Ok(());
             }
         }
@@ -309,7 +316,7 @@ async fn trace(
         // The command stays at its exit stop until `exit_ack` is dropped.
         // An SVG is a whole document: only the final report is drawn.
         let final_round = last || due.is_some() || args.count.is_some_and(|count| printed + 1 >= count.get());
-        let skip_output = args.format == Format::Svg && !final_round;
+        let skip_output = args.format() == Format::Svg && !final_round;
         let mut reported = Vec::new();
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
@@ -317,7 +324,7 @@ async fn trace(
             if skip_output {
                 continue;
             }
-            if !output::print_report(&report, args.format, args.weight)? {
+            if !output.report(&report)? {
                 return Ok(()); // stdout closed: nobody is listening any more
             }
             reported.push((report.total_bytes, report.total_allocations));
@@ -333,7 +340,7 @@ async fn trace(
             continue;
         }
         if let Some((cgroup, _)) = &cgroup {
-            if !output::print_cgroup_total(&cgroup.path, &reported, args.format)? {
+            if !output.cgroup_total(&cgroup.path, &reported)? {
                 return Ok(());
             }
         }
@@ -427,7 +434,7 @@ fn take_report(
         namespace_pid: *namespace_pid,
         min_age_ms: options.min_age_ns / 1_000_000,
         // A flame graph needs every stack, not the top N.
-        top: if matches!(args.format, Format::Folded | Format::Svg) { usize::MAX } else { args.top },
+        top: if matches!(args.format(), Format::Folded | Format::Svg) { usize::MAX } else { args.top },
         sort: args.sort,
         sample_rate: args.sample_rate,
     };

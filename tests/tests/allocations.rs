@@ -264,3 +264,23 @@ fn an_svg_flame_graph_of_the_final_report() {
     assert!(svg.contains(">fibonacci") || svg.contains("fibonacci ("), "the leaking function is drawn");
     assert!(svg.contains("child"));
 }
+
+#[test]
+fn output_goes_to_a_file_named_by_its_format() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-output-file");
+    let svg = dir.path().join("leaks.svg");
+    std::fs::write(&svg, "old").unwrap();
+    let path = svg.to_str().unwrap();
+    let stdout = raw_output("seed 4", &["--output", path, "--force"]);
+    assert!(stdout.is_empty(), "reports go to the file, not stdout: {stdout}");
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawn.starts_with("<?xml") && drawn.contains("fibonacci"), "the extension chose SVG");
+    let leftovers: Vec<_> =
+        std::fs::read_dir(dir.path()).unwrap().map(|entry| entry.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "no temporary file is left behind: {leftovers:?}");
+    let json = dir.path().join("leaks.json");
+    raw_output("all", &["--output", json.to_str().unwrap()]);
+    let report: Value =
+        serde_json::from_str(std::fs::read_to_string(&json).unwrap().lines().last().unwrap()).unwrap();
+    assert_eq!(report["total_bytes"], 17_264);
+}

@@ -75,3 +75,21 @@ fn a_static_binary_with_no_known_allocator() {
         &format!("no known allocator (malloc and free, plain or with a je_ or _rjem_ prefix) in {command}"),
     );
 }
+
+#[test]
+fn output_files_are_refused_before_anything_is_attached() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-output");
+    let existing = dir.path().join("report.svg");
+    std::fs::write(&existing, "precious").unwrap();
+    let existing_path = existing.to_str().unwrap();
+    assert_one_line_error(&["-p", "1", "--output", existing_path], "exists: give --force to overwrite it");
+    assert_eq!(std::fs::read_to_string(&existing).unwrap(), "precious", "nothing the user had is lost");
+    let unwritable = "/proc/memleak-cannot-write-here.json";
+    assert_one_line_error(
+        &["-p", "1", "--output", unwritable],
+        "cannot write /proc/memleak-cannot-write-here.json",
+    );
+    let unknown = dir.path().join("report.pb");
+    assert_one_line_error(&["-p", "1", "--output", unknown.to_str().unwrap()], "cannot tell the format of");
+    assert_one_line_error(&["-p", "1", "--force"], "--output");
+}

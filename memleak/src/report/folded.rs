@@ -45,7 +45,7 @@ fn frame_name(function: Option<&str>, inlined: bool) -> String {
     }
 }
 
-pub fn render(report: &Report, weight: Weight, out: &mut impl Write) -> io::Result<()> {
+pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     for line in lines(report, weight) {
         writeln!(out, "{line}")?;
     }

@@ -4,7 +4,7 @@ use std::io::{self, Write};
 
 use super::Report;
 
-pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
+pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     serde_json::to_writer(&mut *out, report)?;
     writeln!(out)
 }

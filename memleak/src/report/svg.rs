@@ -8,7 +8,7 @@ use inferno::flamegraph::{self, Options};
 use super::{folded, Report};
 use crate::cli::Weight;
 
-pub fn render(report: &Report, weight: Weight, out: &mut impl Write) -> io::Result<()> {
+pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let lines = folded::lines(report, weight);
     let mut options = Options::default();
     let (what, unit) = match weight {

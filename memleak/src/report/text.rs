@@ -9,7 +9,7 @@ use crate::{
     trend::Trend,
 };
 
-pub fn render(report: &Report, out: &mut impl Write) -> io::Result<()> {
+pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let whose = if report.pid == memleak_common::KERNEL_TGID {
         "the kernel".to_owned()
     } else if let Some(inner) = report.namespace_pid {

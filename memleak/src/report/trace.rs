@@ -50,7 +50,7 @@ impl TraceLine {
     }
 }
 
-pub fn render(line: &TraceLine, format: Format, out: &mut impl Write) -> io::Result<()> {
+pub fn render(line: &TraceLine, format: Format, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     if format == Format::Json {
         serde_json::to_writer(&mut *out, line)?;
         return writeln!(out);
