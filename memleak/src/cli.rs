@@ -152,6 +152,22 @@ pub enum Format {
     Folded,
     /// A flame graph of the final report, as SVG; every stack.
     Svg,
+    /// The final report as a gzipped pprof profile (profile.proto), for
+    /// go tool pprof, Pyroscope, Parca and speedscope; every stack.
+    Pprof,
+}
+
+impl Format {
+    /// A whole document per report (not a stream): only the final report
+    /// is written, with every stack.
+    pub fn is_document(self) -> bool {
+        matches!(self, Format::Svg | Format::Pprof)
+    }
+
+    /// For flame graph tools: every stack, not the top N.
+    pub fn wants_every_stack(self) -> bool {
+        matches!(self, Format::Folded | Format::Svg | Format::Pprof)
+    }
 }
 
 /// What folded stacks and flame graphs weigh stacks by.
@@ -225,6 +241,9 @@ impl Args {
                     output.display()
                 ));
             }
+        }
+        if self.trace && !matches!(self.format(), Format::Text | Format::Json) {
+            return Err("--trace prints lines: use it with --format text or json".to_owned());
         }
         if self.symbols_prefix.as_deref() == Some("") {
             return Err("--symbols-prefix needs a prefix, such as je_".to_owned());

@@ -18,7 +18,7 @@ use tokio::{
 use crate::{
     allocator::{self, AttachPlan},
     cgroup::Cgroup,
-    cli::{Args, Format},
+    cli::Args,
     collector::{self, CollectOptions},
     events::{self, EventRing},
     kernel_btf,
@@ -314,9 +314,10 @@ async fn trace(
             apply_mappings(&mut targets, &ring.drain());
         }
         // The command stays at its exit stop until `exit_ack` is dropped.
-        // An SVG is a whole document: only the final report is drawn.
+        // An SVG or a pprof profile is a whole document: only the final
+        // report is written.
         let final_round = last || due.is_some() || args.count.is_some_and(|count| printed + 1 >= count.get());
-        let skip_output = args.format() == Format::Svg && !final_round;
+        let skip_output = args.format().is_document() && !final_round;
         let mut reported = Vec::new();
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
@@ -434,7 +435,7 @@ fn take_report(
         namespace_pid: *namespace_pid,
         min_age_ms: options.min_age_ns / 1_000_000,
         // A flame graph needs every stack, not the top N.
-        top: if matches!(args.format(), Format::Folded | Format::Svg) { usize::MAX } else { args.top },
+        top: if args.format().wants_every_stack() { usize::MAX } else { args.top },
         sort: args.sort,
         sample_rate: args.sample_rate,
     };

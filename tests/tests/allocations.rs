@@ -284,3 +284,35 @@ fn output_goes_to_a_file_named_by_its_format() {
         serde_json::from_str(std::fs::read_to_string(&json).unwrap().lines().last().unwrap()).unwrap();
     assert_eq!(report["total_bytes"], 17_264);
 }
+
+#[test]
+fn go_tool_pprof_reads_the_profile() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-pprof");
+    let profile = dir.path().join("leaks.pb.gz");
+    raw_output("all", &["--output", profile.to_str().unwrap()]);
+    let pprof = |args: &[&str]| -> String {
+        let output = std::process::Command::new("go")
+            .args(["tool", "pprof"])
+            .args(args)
+            .arg(&profile)
+            .env("HOME", dir.path())
+            .output()
+            .expect("run go tool pprof (cargo xtask test installs golang-go)");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let top = pprof(&["-top", "-unit=byte"]);
+    assert!(top.contains("of 17264B total"), "{top}");
+    let row = |function: &str| {
+        top.lines().find(|line| line.trim_end().ends_with(function)).unwrap_or("").to_owned()
+    };
+    assert!(row("leak_malloc").trim_start().starts_with("3000B"), "{top}");
+    assert!(row("leak_realloc").trim_start().starts_with("5300B"), "{top}");
+    let objects = pprof(&["-top", "-sample_index=inuse_objects"]);
+    assert!(
+        objects.lines().any(|line| line.trim_start().starts_with("3 ") && line.ends_with("leak_calloc")),
+        "{objects}"
+    );
+    let traces = pprof(&["-traces"]);
+    assert!(traces.contains("leak_malloc") && traces.contains("main"), "whole stacks: {traces}");
+}

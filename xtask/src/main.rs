@@ -128,8 +128,9 @@ fn demo() -> Result<()> {
 
 /// Debian packages the end-to-end tests use: compilers for the fixtures
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
-/// are run with, and redis-server as a real program.
-const TEST_PACKAGES: [&str; 8] = [
+/// are run with, redis-server as a real program, and go tool pprof to read
+/// memleak's profiles.
+const TEST_PACKAGES: [&str; 9] = [
     "gcc",
     "g++",
     "libc6-dev",
@@ -138,6 +139,7 @@ const TEST_PACKAGES: [&str; 8] = [
     "libtcmalloc-minimal4",
     "libmimalloc2.0",
     "redis-server",
+    "golang-go",
 ];
 
 fn test(test_args: &[String]) -> Result<()> {

@@ -4,6 +4,7 @@
 pub mod folded;
 pub mod json;
 pub mod output;
+pub mod pprof;
 pub mod svg;
 pub mod text;
 pub mod trace;

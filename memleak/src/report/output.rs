@@ -12,7 +12,7 @@ use std::{
 
 use memleak_common::TraceEvent;
 
-use super::{folded, json, svg, text, trace, trace::TraceLine, Report};
+use super::{folded, json, pprof, svg, text, trace, trace::TraceLine, Report};
 use crate::cli::{Format, Weight};
 
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +73,7 @@ impl Output {
             Format::Json => json::render(report, out),
             Format::Folded => folded::render(report, weight, out),
             Format::Svg => svg::render(report, weight, out),
+            Format::Pprof => pprof::render(report, out),
         })
     }
 
@@ -94,7 +95,7 @@ impl Output {
         let bytes: u64 = reported.iter().map(|(bytes, _)| bytes).sum();
         let allocations: u64 = reported.iter().map(|(_, allocations)| allocations).sum();
         let line = match self.format {
-            Format::Folded | Format::Svg => return Ok(true),
+            Format::Folded | Format::Svg | Format::Pprof => return Ok(true),
             Format::Json => serde_json::json!({
                 "cgroup": cgroup.display().to_string(),
                 "processes": reported.len(),
@@ -154,8 +155,12 @@ impl Drop for Output {
 /// The format a file name asks for, by its extension.
 pub fn format_of(path: &Path) -> Option<Format> {
     let name = path.file_name()?.to_str()?;
+    if name.ends_with(".pb.gz") {
+        return Some(Format::Pprof);
+    }
     let (_, extension) = name.rsplit_once('.')?;
     match extension {
+        "pprof" => Some(Format::Pprof),
         "svg" => Some(Format::Svg),
         "folded" => Some(Format::Folded),
         "json" | "jsonl" => Some(Format::Json),
@@ -173,7 +178,8 @@ mod tests {
         assert_eq!(format_of(Path::new("/tmp/leak.svg")), Some(Format::Svg));
         assert_eq!(format_of(Path::new("stacks.folded")), Some(Format::Folded));
         assert_eq!(format_of(Path::new("reports.json")), Some(Format::Json));
-        assert_eq!(format_of(Path::new("profile.pb.gz")), None);
+        assert_eq!(format_of(Path::new("profile.pb.gz")), Some(Format::Pprof));
+        assert_eq!(format_of(Path::new("archive.tar.gz")), None);
         assert_eq!(format_of(Path::new("noextension")), None);
     }
 }
