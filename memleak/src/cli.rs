@@ -139,6 +139,10 @@ pub enum SortKey {
     Size,
     /// Outstanding allocations, most first.
     Count,
+    /// Steady growth: the longest run of growing reports first, then the
+    /// fastest growth per report. Finds a slow leak behind big stable
+    /// caches.
+    Growth,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -16,14 +16,26 @@ pub struct Trend {
     pub delta_bytes: Option<i64>,
     /// Reports in a row, this one included, in which the stack grew.
     pub growing_reports: u32,
+    /// While growing: the average growth per report over that streak, in
+    /// bytes. A slow steady leak shows here behind a big stable cache.
+    pub growth_per_report: Option<i64>,
 }
 
 /// Remembers the previous report of one process.
 #[derive(Debug, Default)]
 pub struct TrendTracker {
-    /// Bytes and growth streak of each stack in the previous report; `None`
-    /// before the first report.
-    previous: Option<HashMap<u64, (u64, u32)>>,
+    /// Each stack of the previous report; `None` before the first report.
+    previous: Option<HashMap<u64, Seen>>,
+}
+
+/// What the tracker keeps of a stack between reports.
+#[derive(Clone, Copy, Debug, Default)]
+struct Seen {
+    bytes: u64,
+    /// Reports in a row in which it grew.
+    streak: u32,
+    /// Its bytes just before the streak began.
+    streak_start: u64,
 }
 
 impl TrendTracker {
@@ -32,19 +44,25 @@ impl TrendTracker {
         let mut current = HashMap::with_capacity(snapshot.stacks.len());
         let mut trends = HashMap::with_capacity(snapshot.stacks.len());
         for stack in &snapshot.stacks {
-            let trend = match &self.previous {
-                None => Trend::default(),
+            let (trend, seen) = match &self.previous {
+                None => (Trend::default(), Seen { bytes: stack.bytes, ..Seen::default() }),
                 Some(previous) => {
                     // A stack missing last time held nothing then.
-                    let (bytes_before, streak) = previous.get(&stack.stack_id).copied().unwrap_or((0, 0));
-                    let delta = stack.bytes as i64 - bytes_before as i64;
-                    Trend {
+                    let before = previous.get(&stack.stack_id).copied().unwrap_or_default();
+                    let delta = stack.bytes as i64 - before.bytes as i64;
+                    let streak = if delta > 0 { before.streak + 1 } else { 0 };
+                    let streak_start = if before.streak == 0 { before.bytes } else { before.streak_start };
+                    let growth =
+                        (streak > 0).then(|| (stack.bytes as i64 - streak_start as i64) / i64::from(streak));
+                    let trend = Trend {
                         delta_bytes: Some(delta),
-                        growing_reports: if delta > 0 { streak + 1 } else { 0 },
-                    }
+                        growing_reports: streak,
+                        growth_per_report: growth,
+                    };
+                    (trend, Seen { bytes: stack.bytes, streak, streak_start })
                 }
             };
-            current.insert(stack.stack_id, (stack.bytes, trend.growing_reports));
+            current.insert(stack.stack_id, seen);
             trends.insert(stack.stack_id, trend);
         }
         self.previous = Some(current);
@@ -76,13 +94,27 @@ mod tests {
     fn a_leak_grows_every_report_and_a_cache_stops() {
         let mut tracker = TrendTracker::default();
         let first = tracker.observe(&snapshot(&[(1, 100), (2, 100)]));
-        assert_eq!(first[&1], Trend { delta_bytes: None, growing_reports: 0 });
+        assert_eq!(first[&1], Trend { delta_bytes: None, growing_reports: 0, growth_per_report: None });
         tracker.observe(&snapshot(&[(1, 200), (2, 300)]));
         let third = tracker.observe(&snapshot(&[(1, 300), (2, 300), (3, 50)]));
-        assert_eq!(third[&1], Trend { delta_bytes: Some(100), growing_reports: 2 });
-        assert_eq!(third[&2], Trend { delta_bytes: Some(0), growing_reports: 0 });
-        assert_eq!(third[&3], Trend { delta_bytes: Some(50), growing_reports: 1 }, "new since last report");
+        assert_eq!(
+            third[&1],
+            Trend { delta_bytes: Some(100), growing_reports: 2, growth_per_report: Some(100) }
+        );
+        assert_eq!(third[&2], Trend { delta_bytes: Some(0), growing_reports: 0, growth_per_report: None });
+        let new = Trend { delta_bytes: Some(50), growing_reports: 1, growth_per_report: Some(50) };
+        assert_eq!(third[&3], new, "new since last report");
         let fourth = tracker.observe(&snapshot(&[(1, 250)]));
-        assert_eq!(fourth[&1], Trend { delta_bytes: Some(-50), growing_reports: 0 });
+        assert_eq!(fourth[&1], Trend { delta_bytes: Some(-50), growing_reports: 0, growth_per_report: None });
+    }
+
+    #[test]
+    fn growth_per_report_averages_the_streak() {
+        let mut tracker = TrendTracker::default();
+        tracker.observe(&snapshot(&[(1, 1000)]));
+        tracker.observe(&snapshot(&[(1, 1100)]));
+        tracker.observe(&snapshot(&[(1, 1400)]));
+        let trend = tracker.observe(&snapshot(&[(1, 1600)]))[&1];
+        assert_eq!((trend.growing_reports, trend.growth_per_report), (3, Some(200)));
     }
 }

@@ -36,6 +36,7 @@ mod tests {
         assert_eq!(value["health"]["stacks_lost"], 1);
         assert_eq!(value["sample_rate"], 1);
         assert_eq!((top["delta_bytes"].as_i64(), top["growing_reports"].as_u64()), (Some(8192), Some(3)));
-        assert_eq!(value["stacks"][1]["delta_bytes"], serde_json::Value::Null);
+        assert_eq!(top["growth_per_report"].as_i64(), Some(8192));
+        assert_eq!(value["stacks"][2]["delta_bytes"], serde_json::Value::Null, "a stack with no trend yet");
     }
 }

@@ -101,6 +101,13 @@ impl Report {
             SortKey::Count => usages.sort_by(|a, b| {
                 (b.allocations, b.bytes, a.stack_id).cmp(&(a.allocations, a.bytes, b.stack_id))
             }),
+            SortKey::Growth => {
+                let growth = |usage: &StackUsage| {
+                    let trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
+                    (trend.growing_reports, trend.growth_per_report.unwrap_or(0), usage.bytes)
+                };
+                usages.sort_by(|a, b| (growth(b), a.stack_id).cmp(&(growth(a), b.stack_id)));
+            }
         }
         usages.truncate(context.top);
         let stacks = usages
@@ -110,6 +117,7 @@ impl Report {
                 let scale = scale(&usage);
                 let mut trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
                 trend.delta_bytes = trend.delta_bytes.map(|delta| delta * scale as i64);
+                trend.growth_per_report = trend.growth_per_report.map(|growth| growth * scale as i64);
                 let frames = if stack_lost {
                     Vec::new()
                 } else {
@@ -200,7 +208,10 @@ pub(crate) mod tests {
             sort,
             sample_rate,
         };
-        let trends = HashMap::from([(2, Trend { delta_bytes: Some(8192), growing_reports: 3 })]);
+        let trends = HashMap::from([
+            (2, Trend { delta_bytes: Some(8192), growing_reports: 3, growth_per_report: Some(8192) }),
+            (3, Trend { delta_bytes: Some(50), growing_reports: 5, growth_per_report: Some(20) }),
+        ]);
         Report::build(snapshot, &context, &trends, |id| match id {
             2 => vec![frame("fibonacci", "/src/leaker.c", 9), frame("child", "/src/leaker.c", 20)].into(),
             _ => vec![frame("other", "/src/leaker.c", 30)].into(),
@@ -223,6 +234,14 @@ pub(crate) mod tests {
         let report = sample_report_with(2, SortKey::Count, 1);
         let order: Vec<_> = report.stacks.iter().map(|s| (s.allocations, s.bytes)).collect();
         assert_eq!(order, [(3, 24_576), (2, 100)]);
+    }
+
+    #[test]
+    fn growth_order_puts_the_steadiest_growth_first() {
+        let report = sample_report_with(3, SortKey::Growth, 1);
+        let order: Vec<_> = report.stacks.iter().map(|s| (s.bytes, s.allocations)).collect();
+        // 100 bytes growing for 5 reports beats 24576 growing for 3.
+        assert_eq!(order, [(100, 2), (24_576, 3), (100, 1)]);
     }
 
     #[test]

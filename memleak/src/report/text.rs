@@ -98,17 +98,19 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
     Ok(())
 }
 
-/// ` (+8192 bytes since last report, growing for 3 reports)`; nothing in
-/// the first report.
+/// ` (+8192 bytes since last report, growing for 3 reports, +8192 bytes
+/// per report)`; nothing in the first report.
 fn describe_trend(trend: &Trend) -> String {
     let Some(delta) = trend.delta_bytes else { return String::new() };
     let change = match delta {
         0 => "unchanged since last report".to_owned(),
         _ => format!("{delta:+} bytes since last report"),
     };
-    match trend.growing_reports {
-        0 | 1 => format!(" ({change})"),
-        reports => format!(" ({change}, growing for {reports} reports)"),
+    match (trend.growing_reports, trend.growth_per_report) {
+        (reports, Some(growth)) if reports >= 2 => {
+            format!(" ({change}, growing for {reports} reports, {growth:+} bytes per report)")
+        }
+        _ => format!(" ({change})"),
     }
 }
 
