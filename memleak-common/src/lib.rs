@@ -225,7 +225,9 @@ pub const OVERFLOWED_SIZE: u64 = u64::MAX;
 pub enum Counter {
     /// Allocation calls that returned a block and passed the size filters.
     Allocations = 0,
-    /// free() calls with a non-NULL pointer.
+    /// Releases seen: free-like calls with a non-NULL pointer, and the old
+    /// block of each realloc that gave it up (glibc's realloc(p, 0) also
+    /// calls free, so it counts twice).
     Frees = 1,
     /// Allocations that returned NULL.
     FailedAllocations = 2,

@@ -61,7 +61,7 @@ pub struct OutstandingAllocation {
 pub struct HealthCounters {
     /// Allocations recorded.
     pub allocations: u64,
-    /// free() calls seen.
+    /// Releases seen: free-like calls, and old blocks realloc gave up.
     pub frees: u64,
     /// Allocation calls that returned NULL (never counted as leaks).
     pub failed_allocations: u64,
