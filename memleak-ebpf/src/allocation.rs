@@ -5,6 +5,7 @@
 //! miss the caller's frame.
 
 use aya_ebpf::{
+    bindings::BPF_NOEXIST,
     helpers::{
         bpf_get_current_pid_tgid, bpf_probe_read_user,
         generated::{bpf_get_attach_cookie, bpf_ktime_get_ns},
@@ -20,6 +21,9 @@ use crate::{
     maps::{ALLOCATIONS, PENDING},
     stack, totals, tunables,
 };
+
+/// The map helpers' "key exists" error.
+const EEXIST: i32 = 17;
 
 /// malloc(size), valloc(size), pvalloc(size).
 #[uprobe]
@@ -183,16 +187,22 @@ fn record(ctx: &RetProbeContext, address: u64, size: u64) {
 /// Records an allocation under `key`, with its stack.
 pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
     counters::increment(Counter::Allocations);
-    // The allocator handed out an address we still hold: its free was not
-    // seen (bcc's --wa-missing-free case). The old block is gone.
-    let _ = free::forget(&key);
     let allocation = Allocation {
         size,
         // SAFETY: a helper without arguments.
         timestamp_ns: unsafe { bpf_ktime_get_ns() },
         stack_id,
     };
-    if ALLOCATIONS.insert(key, allocation, 0).is_err() {
+    // One map operation in the common case. Only when the address is
+    // still recorded does it take more: the allocator handed it out again,
+    // so its free was not seen (bcc's --wa-missing-free case) and the old
+    // block comes off its stack's totals first.
+    let mut inserted = ALLOCATIONS.insert(key, allocation, BPF_NOEXIST as u64);
+    if inserted == Err(-EEXIST) {
+        let _ = free::forget(&key);
+        inserted = ALLOCATIONS.insert(key, allocation, 0);
+    }
+    if inserted.is_err() {
         counters::increment(Counter::AllocationsNotTracked);
         return;
     }

@@ -24,12 +24,16 @@ pub fn free_enter(ctx: ProbeContext) -> u32 {
 /// Forgets the allocation at `address` of the current process, if it is
 /// one we recorded, and returns its size.
 pub fn release(address: u64) -> Option<u64> {
+    release_for(current_tgid(), address)
+}
+
+/// As `release`, for process `tgid` (0: the kernel).
+pub fn release_for(tgid: u32, address: u64) -> Option<u64> {
     if address == 0 {
         return None;
     }
     counters::increment(Counter::Frees);
-    let key = AllocationKey { tgid: current_tgid(), _padding: 0, address };
-    forget(&key)
+    forget(&AllocationKey { tgid, _padding: 0, address })
 }
 
 /// Removes a recorded allocation, takes it off its stack's totals and

@@ -90,9 +90,5 @@ fn record(ctx: &BtfTracePointContext, address: u64, size: u64) {
 }
 
 fn release(address: u64) {
-    if address == 0 {
-        return;
-    }
-    counters::increment(Counter::Frees);
-    let _ = free::forget(&AllocationKey { tgid: KERNEL_TGID, _padding: 0, address });
+    let _ = free::release_for(KERNEL_TGID, address);
 }

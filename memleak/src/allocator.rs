@@ -120,14 +120,9 @@ pub fn plan_for_process(pid: u32, object: Option<&Path>, prefix: &str) -> Result
             ranges.insert(file, line.split(' ').next().unwrap_or(""));
         }
     }
-    // /proc/PID/map_files opens the very file mapped, wherever the target's
-    // root is (a container, a chroot) and even once it is deleted.
     let open_path = |file: &str| {
-        let mapped_file = PathBuf::from(format!("/proc/{pid}/map_files/{}", ranges.get(file).unwrap_or(&"")));
-        [mapped_file, in_root(Path::new(file)), PathBuf::from(file)]
-            .into_iter()
-            .find(|path| path.exists())
-            .unwrap_or_else(|| PathBuf::from(file))
+        let candidates = mapped_file_paths(pid, ranges.get(file).unwrap_or(&""), file);
+        candidates.iter().find(|path| path.exists()).cloned().unwrap_or_else(|| PathBuf::from(file))
     };
     let binary = mapped.first().copied().unwrap_or("");
     let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
@@ -281,6 +276,20 @@ fn interpreter(file: &object::File) -> Option<String> {
         let bytes = header.interpreter(endian, data).ok()??;
         Some(String::from_utf8_lossy(bytes).into_owned())
     })
+}
+
+/// Where a file mapped by process `pid` at `range` ("start-end" from its
+/// maps) can be opened, best first: /proc/PID/map_files opens the very file
+/// mapped, wherever the target's root is (a container, a chroot) and even
+/// once it is deleted; then the path inside the target's root; then the
+/// path as the host sees it.
+pub fn mapped_file_paths(pid: u32, range: &str, path: &str) -> [PathBuf; 3] {
+    let inside = Path::new(path).strip_prefix("/").unwrap_or(Path::new(path));
+    [
+        PathBuf::from(format!("/proc/{pid}/map_files/{range}")),
+        PathBuf::from(format!("/proc/{pid}/root")).join(inside),
+        PathBuf::from(path),
+    ]
 }
 
 /// The file of a /proc/PID/maps line, if it maps one.

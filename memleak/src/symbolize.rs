@@ -20,7 +20,10 @@ use blazesym::symbolize::{
     Input, Symbolized,
 };
 
-use crate::{allocator::mapped_file, model::Frame};
+use crate::{
+    allocator::{mapped_file, mapped_file_paths},
+    model::Frame,
+};
 
 /// One file-backed mapping of the target.
 #[derive(Clone, Debug)]
@@ -91,12 +94,7 @@ impl ProcessModules {
     /// Opens a mapped file the way that works even for deleted files and
     /// files inside another mount namespace.
     fn open(&self, range: &str, path: &str) -> Option<File> {
-        let candidates = [
-            PathBuf::from(format!("/proc/{}/map_files/{range}", self.pid)),
-            PathBuf::from(format!("/proc/{}/root{path}", self.pid)),
-            PathBuf::from(path),
-        ];
-        candidates.iter().find_map(|candidate| File::open(candidate).ok())
+        mapped_file_paths(self.pid, range, path).iter().find_map(|candidate| File::open(candidate).ok())
     }
 
     fn find(&self, address: u64) -> Option<&Mapping> {
