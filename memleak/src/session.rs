@@ -408,6 +408,7 @@ fn take_report(
     target: &mut Target,
     stacks: &mut StackCatalog,
 ) -> anyhow::Result<Report> {
+    let started = std::time::Instant::now();
     let time_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let now_ns = monotonic_ns();
     let counters = tracer.counters()?;
@@ -439,7 +440,17 @@ fn take_report(
         sort: args.sort,
         sample_rate: args.sample_rate,
     };
-    Ok(Report::build(snapshot, &context, &trends, |stack_id| frames_of(symbolizer, stacks, stack_id)))
+    let report =
+        Report::build(snapshot, &context, &trends, |stack_id| frames_of(symbolizer, stacks, stack_id));
+    // `cargo xtask bench` reads this line for its report latencies.
+    log::debug!(
+        "report for pid {}: {} stacks, {} allocations in {} ms",
+        report.pid,
+        report.total_stacks,
+        report.total_allocations,
+        started.elapsed().as_millis()
+    );
+    Ok(report)
 }
 
 /// The symbolized frames of a stack, symbolized once.
