@@ -4,13 +4,17 @@
 
 use std::{num::NonZeroU64, path::PathBuf, time::Duration};
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 
 /// Trace outstanding allocations of processes (or, without -p and -c, of
 /// the kernel) and print the call stacks that hold the most memory.
 #[derive(Debug, Parser)]
-#[command(name = "memleak", version, about, after_help = EXAMPLES)]
+#[command(name = "memleak", version, about, after_help = EXAMPLES, args_conflicts_with_subcommands = true)]
 pub struct Args {
+    /// Render or compare saved snapshots instead of tracing.
+    #[command(subcommand)]
+    pub offline: Option<Offline>,
+
     /// Trace these running processes (-p 12,34 or -p 12 -p 34); each gets
     /// reports of its own.
     #[arg(short, long, value_name = "PID", value_delimiter = ',', conflicts_with = "command")]
@@ -34,10 +38,6 @@ pub struct Args {
     /// exits or memleak is interrupted).
     #[arg(value_name = "COUNT")]
     pub count: Option<NonZeroU64>,
-
-    /// Number of stacks to show in each report.
-    #[arg(short = 'T', long, value_name = "N", default_value_t = 10)]
-    pub top: usize,
 
     /// Show the address, size and age of each outstanding allocation.
     #[arg(short = 'a', long)]
@@ -110,27 +110,122 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 127, value_parser = clap::value_parser!(u32).range(1..=127))]
     pub max_stack_depth: u32,
 
+    #[command(flatten)]
+    pub rendering: Rendering,
+
+    /// Also save each report whole (every stack, each allocation, the
+    /// symbolized frames) to FILE, for `memleak report` and `memleak diff`.
+    /// Unless COUNT is 1, files are numbered: heap.1.snap, heap.2.snap...
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
+
+    /// Print debug logs (probe placement, skipped symbols) to stderr.
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+/// How reports are shown and where they go; for tracing and for the
+/// offline subcommands alike.
+#[derive(Debug, clap::Args)]
+pub struct Rendering {
+    /// Number of stacks to show in each report.
+    #[arg(short = 'T', long, value_name = "N", default_value_t = 10)]
+    pub top: usize,
+
     /// Report format (default: from the --output file's extension, else
     /// text).
     #[arg(long, value_enum)]
     pub format: Option<Format>,
 
-    /// Write reports to this file instead of stdout. It is written under a
-    /// temporary name and put in place when memleak ends.
+    /// Write reports to this file instead of stdout. Text, JSON and folded
+    /// reports go to one file, put in place when memleak ends; SVG and pprof
+    /// are a file per report, numbered unless COUNT is 1.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
 
-    /// Overwrite the --output file if it exists.
-    #[arg(long, requires = "output")]
+    /// Overwrite the --output (and --save) files if they exist.
+    #[arg(long)]
     pub force: bool,
 
     /// For --format folded and svg: weigh stacks by bytes or by count.
     #[arg(long, value_enum, default_value_t = Weight::Bytes)]
     pub weight: Weight,
+}
 
-    /// Print debug logs (probe placement, skipped symbols) to stderr.
-    #[arg(short, long)]
-    pub verbose: bool,
+impl Rendering {
+    /// --format, else what the --output file's extension names, else text.
+    pub fn format(&self) -> Format {
+        self.format
+            .or_else(|| self.output.as_deref().and_then(crate::report::output::format_of))
+            .unwrap_or(Format::Text)
+    }
+
+    /// How many stacks a report keeps: a flame graph needs every one.
+    pub fn stacks_kept(&self) -> usize {
+        if self.format().wants_every_stack() {
+            usize::MAX
+        } else {
+            self.top
+        }
+    }
+
+    /// `saving`: --save was given, which --force applies to as well.
+    pub fn validate(&self, saving: bool) -> Result<(), String> {
+        if self.force && self.output.is_none() && !saving {
+            return Err("--force is for overwriting the --output (or --save) files: give one".to_owned());
+        }
+        if let (None, Some(output)) = (self.format, &self.output) {
+            if crate::report::output::format_of(output).is_none() {
+                return Err(format!(
+                    "cannot tell the format of {} from its extension (.svg, .pb.gz, .folded, .json, .txt): give --format",
+                    output.display()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Work on snapshots saved with --save: no root, no process needed.
+#[derive(Debug, Subcommand)]
+pub enum Offline {
+    /// Render a snapshot saved with --save, in any format.
+    Report(ReportArgs),
+    /// Show what grew and what shrank between two snapshots, stack by
+    /// stack (jeprof's --base); as SVG, a differential flame graph.
+    Diff(DiffArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReportArgs {
+    /// A file written by --save.
+    #[arg(value_name = "SNAPSHOT")]
+    pub snapshot: PathBuf,
+
+    #[command(flatten)]
+    pub rendering: Rendering,
+
+    /// Show the address, size and age of each outstanding allocation.
+    #[arg(short = 'a', long)]
+    pub show_allocs: bool,
+
+    /// Order of the stacks.
+    #[arg(long, value_enum, default_value_t = SortKey::Size)]
+    pub sort: SortKey,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DiffArgs {
+    /// The earlier snapshot (from --save).
+    #[arg(value_name = "BASE")]
+    pub base: PathBuf,
+
+    /// The later snapshot.
+    #[arg(value_name = "NEW")]
+    pub new: PathBuf,
+
+    #[command(flatten)]
+    pub rendering: Rendering,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -154,9 +249,9 @@ pub enum Format {
     /// Collapsed stacks, root first, for flame graph tools; every stack,
     /// not only the top N.
     Folded,
-    /// A flame graph of the final report, as SVG; every stack.
+    /// A flame graph, as SVG; every stack.
     Svg,
-    /// The final report as a gzipped pprof profile (profile.proto), for
+    /// A gzipped pprof profile (profile.proto), for
     /// go tool pprof, Pyroscope, Parca and speedscope; every stack.
     Pprof,
 }
@@ -189,7 +284,9 @@ Examples:
   memleak -p 1234 -a 10 3      3 reports, 10 s apart, with each allocation
   memleak -c './app --flag'    run ./app and trace it from its start
   memleak --percpu 10          the kernel's allocations, per-CPU ones too
-  memleak -p 1234 --format json | jq .total_bytes";
+  memleak -p 1234 --format json | jq .total_bytes
+  memleak -p 1234 --save heap.snap 60 2
+  memleak diff heap.1.snap heap.2.snap --output growth.svg";
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
     match text.parse::<u64>() {
@@ -200,11 +297,8 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
 }
 
 impl Args {
-    /// --format, else what the --output file's extension names, else text.
     pub fn format(&self) -> Format {
-        self.format
-            .or_else(|| self.output.as_deref().and_then(crate::report::output::format_of))
-            .unwrap_or(Format::Text)
+        self.rendering.format()
     }
 
     /// Without -p, -c or --cgroup, memleak traces the kernel's allocations, as bcc's
@@ -238,14 +332,7 @@ impl Args {
         if let Some(pair) = pids.windows(2).find(|pair| pair[0] == pair[1]) {
             return Err(format!("pid {} is given twice", pair[0]));
         }
-        if let (None, Some(output)) = (self.format, &self.output) {
-            if crate::report::output::format_of(output).is_none() {
-                return Err(format!(
-                    "cannot tell the format of {} from its extension (.svg, .folded, .json, .txt): give --format",
-                    output.display()
-                ));
-            }
-        }
+        self.rendering.validate(self.save.is_some())?;
         if self.trace && !matches!(self.format(), Format::Text | Format::Json) {
             return Err("--trace prints lines: use it with --format text or json".to_owned());
         }

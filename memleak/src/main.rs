@@ -9,6 +9,7 @@ mod events;
 mod kernel_btf;
 mod mappings;
 mod model;
+mod offline;
 mod probe_placement;
 mod report;
 mod session;
@@ -23,7 +24,7 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 fn main() -> ExitCode {
-    let args = match cli::Args::try_parse() {
+    let mut args = match cli::Args::try_parse() {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {
             // --help and --version: not errors.
@@ -49,18 +50,11 @@ fn main() -> ExitCode {
             out.write_all(line.as_bytes())
         })
         .init();
-    if let Err(message) = args.validate() {
-        status::error(&message);
-        return ExitCode::from(2);
-    }
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            status::error(&format!("cannot start the runtime: {error}"));
-            return ExitCode::from(2);
-        }
+    let result = match args.offline.take() {
+        Some(offline) => offline::run(offline),
+        None => trace(args),
     };
-    match runtime.block_on(session::run(args)) {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // Every error names its own cause, so the chain is not repeated.
@@ -68,4 +62,13 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn trace(args: cli::Args) -> anyhow::Result<()> {
+    args.validate().map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
+    runtime.block_on(session::run(args))
 }

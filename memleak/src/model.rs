@@ -1,7 +1,7 @@
 //! The domain model: what a report is made of, independent of BPF and of
 //! output formats.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Outstanding memory of one process at one moment, grouped by stack.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -17,7 +17,7 @@ pub struct Snapshot {
 }
 
 /// What an mmap region is, when it is not plain program memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MappingKind {
     /// Mapped by the program itself.
@@ -30,7 +30,7 @@ pub enum MappingKind {
 }
 
 /// Bytes of the mmap regions a report does not show by default.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HiddenMappings {
     pub allocator_bytes: u64,
     pub thread_stack_bytes: u64,
@@ -49,7 +49,7 @@ pub struct StackUsage {
     pub mapping: Option<MappingKind>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutstandingAllocation {
     pub address: u64,
     pub size: u64,
@@ -57,7 +57,7 @@ pub struct OutstandingAllocation {
 }
 
 /// How much the tracer saw and what it could not keep, since attach.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthCounters {
     /// Allocations recorded.
     pub allocations: u64,
@@ -74,10 +74,10 @@ pub struct HealthCounters {
 }
 
 /// One frame of a symbolized stack. Unknown values are `None`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Frame {
     /// The return address in the process, as the stack recorded it.
-    #[serde(serialize_with = "hex_address")]
+    #[serde(serialize_with = "hex_address", deserialize_with = "address_from_hex")]
     pub address: u64,
     pub function: Option<String>,
     /// Bytes from the function's start to `address`; `None` for inlined
@@ -93,4 +93,27 @@ pub struct Frame {
 
 fn hex_address<S: serde::Serializer>(address: &u64, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&format!("{address:#x}"))
+}
+
+fn address_from_hex<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    let digits =
+        text.strip_prefix("0x").ok_or_else(|| serde::de::Error::custom("an address starts with 0x"))?;
+    u64::from_str_radix(digits, 16).map_err(serde::de::Error::custom)
+}
+
+/// One file-backed mapping of a process's address space, for the exporters
+/// that attribute addresses to binaries (pprof's Mapping).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleMapping {
+    #[serde(serialize_with = "hex_address", deserialize_with = "address_from_hex")]
+    pub start: u64,
+    #[serde(serialize_with = "hex_address", deserialize_with = "address_from_hex")]
+    pub end: u64,
+    /// Offset in the file of `start`.
+    pub file_offset: u64,
+    /// The file as the process names it.
+    pub path: String,
+    /// The GNU build id, in hex.
+    pub build_id: Option<String>,
 }

@@ -18,15 +18,18 @@ use tokio::{
 use crate::{
     allocator::{self, AttachPlan},
     cgroup::Cgroup,
-    cli::Args,
+    cli::{Args, Format},
     collector::{self, CollectOptions},
     events::{self, EventRing},
     kernel_btf,
     mappings::{self, Regions},
-    model::Frame,
-    report::{output::Output, Report, ReportContext},
+    model::{Frame, ModuleMapping},
+    report::{
+        output::{NumberedFiles, Output},
+        snapshot, Report, ReportContext,
+    },
     status,
-    symbolize::StackSymbolizer,
+    symbolize::{ProcessModules, StackSymbolizer},
     target::{self, GatedCommand, SpawnedCommand, TargetEvent},
     tracer::{Tracer, TracerConfig},
     trend::TrendTracker,
@@ -39,6 +42,8 @@ const MAPS_REFRESH: Duration = Duration::from_millis(250);
 /// A traced process and what its reports need.
 struct Target {
     pid: u32,
+    /// Its executable, as it names it.
+    program: String,
     plan: AttachPlan,
     /// Its pid inside its own pid namespace, when that differs.
     namespace_pid: Option<u32>,
@@ -52,8 +57,11 @@ impl Target {
         let mut symbolizer = StackSymbolizer::new(pid);
         symbolizer.modules.refresh();
         let namespace_pid = target::namespace_pid(pid);
+        let program = std::fs::read_link(format!("/proc/{pid}/exe"))
+            .map_or_else(|_| format!("pid {pid}"), |path| path.display().to_string());
         Self {
             pid,
+            program,
             plan,
             namespace_pid,
             symbolizer,
@@ -70,7 +78,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Tracer::check_privileges()?;
     // Before anything is attached too: a file that may not be overwritten
     // or cannot be written is an error now, not after the run.
-    let mut output = Output::open(args.output.as_deref(), args.force, args.format(), args.weight)?;
+    let rendering = &args.rendering;
+    let several = args.count.is_none_or(|count| count.get() > 1);
+    let mut output = Output::open(
+        rendering.output.as_deref(),
+        rendering.force,
+        several,
+        rendering.format(),
+        rendering.weight,
+    )?;
+    let mut saves =
+        args.save.as_deref().map(|path| NumberedFiles::new(path, several, rendering.force)).transpose()?;
     let (events, mut target_events) = tokio::sync::mpsc::unbounded_channel();
     let mut cgroup = None;
     let (tracer, targets, command) = match &args.command {
@@ -105,8 +123,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trace: if args.trace { Some(EventRing::new(tracer.take_events()?)?) } else { None },
         mappings: Some(EventRing::new(tracer.take_mapping_events()?)?),
     };
+    let mut sinks = Sinks { output: &mut output, saves: saves.as_mut() };
     let result =
-        trace(&args, &mut tracer, targets, cgroup, rings, &mut output, &mut target_events, &mut stop).await;
+        trace(&args, &mut tracer, targets, cgroup, rings, &mut sinks, &mut target_events, &mut stop).await;
     drop(target_events);
     if let Some(command) = command {
         // A command memleak started does not outlive it.
@@ -137,6 +156,7 @@ fn attach_kernel(args: &Args) -> anyhow::Result<(Tracer, Vec<Target>, Option<Spa
     let plan = AttachPlan { path: btf.to_path_buf(), display_path: "kernel".to_owned(), sites: Vec::new() };
     let target = Target {
         pid: KERNEL_TGID,
+        program: "kernel".to_owned(),
         plan,
         namespace_pid: None,
         symbolizer: StackSymbolizer::kernel(),
@@ -252,8 +272,10 @@ fn start_command(
     match prepared {
         Ok((plan, tracer)) => {
             let pid = gated.pid;
+            let program = gated.program.display().to_string();
             let command = gated.release(events)?;
-            Ok((tracer, Target::new(pid, plan), command))
+            // Not /proc/PID/exe: the command may not have reached its exec yet.
+            Ok((tracer, Target { program, ..Target::new(pid, plan) }, command))
         }
         Err(error) => {
             gated.abandon();
@@ -268,7 +290,7 @@ async fn trace(
     mut targets: Vec<Target>,
     mut cgroup: Option<(Cgroup, UnboundedSender<TargetEvent>)>,
     mut rings: Rings,
-    output: &mut Output,
+    sinks: &mut Sinks<'_>,
     target_events: &mut UnboundedReceiver<TargetEvent>,
     stop: &mut StopSignals,
 ) -> anyhow::Result<()> {
@@ -287,7 +309,7 @@ async fn trace(
                 continue;
             }
             ring = events::readable(&mut rings.trace) => {
-                if !output.trace(&ring?.drain(), wall_ns() - i128::from(monotonic_ns()))? {
+                if !sinks.output.trace(&ring?.drain(), wall_ns() - i128::from(monotonic_ns()))? {
                     return Ok(()); // stdout closed
                 }
                 continue;
@@ -306,7 +328,7 @@ async fn trace(
         };
         // Events that came before the report go out, or count, before it.
         if let Some(ring) = rings.trace.as_mut() {
-            if !output.trace(&ring.drain(), wall_ns() - i128::from(monotonic_ns()))? {
+            if !sinks.output.trace(&ring.drain(), wall_ns() - i128::from(monotonic_ns()))? {
                 return Ok(());
             }
         }
@@ -314,18 +336,24 @@ async fn trace(
             apply_mappings(&mut targets, &ring.drain());
         }
         // The command stays at its exit stop until `exit_ack` is dropped.
-        // An SVG or a pprof profile is a whole document: only the final
-        // report is written.
         let final_round = last || due.is_some() || args.count.is_some_and(|count| printed + 1 >= count.get());
-        let skip_output = args.format().is_document() && !final_round;
+        let skip_output = !sinks.output.takes_every_report() && !final_round;
         let mut reported = Vec::new();
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
-            let report = take_report(args, tracer, target, &mut stacks)?;
+            let mut report = take_report(args, tracer, target, &mut stacks)?;
+            if let Some(saves) = sinks.saves.as_mut() {
+                saves.write(|out| snapshot::write(&report, out))?;
+                // Saved whole; shown as asked.
+                if !args.show_allocs {
+                    report.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
+                }
+                report.keep_top(args.sort, args.rendering.stacks_kept());
+            }
             if skip_output {
                 continue;
             }
-            if !output.report(&report)? {
+            if !sinks.output.report(&report)? {
                 return Ok(()); // stdout closed: nobody is listening any more
             }
             reported.push((report.total_bytes, report.total_allocations));
@@ -341,7 +369,7 @@ async fn trace(
             continue;
         }
         if let Some((cgroup, _)) = &cgroup {
-            if !output.cgroup_total(&cgroup.path, &reported)? {
+            if !sinks.output.cgroup_total(&cgroup.path, &reported)? {
                 return Ok(());
             }
         }
@@ -350,6 +378,13 @@ async fn trace(
             return Ok(());
         }
     }
+}
+
+/// Where reports go.
+struct Sinks<'a> {
+    output: &'a mut Output,
+    /// --save's snapshots.
+    saves: Option<&'a mut NumberedFiles>,
 }
 
 /// The BPF ring buffers memleak reads.
@@ -414,7 +449,8 @@ fn take_report(
     let counters = tracer.counters()?;
     let options = CollectOptions {
         min_age_ns: if args.combined_only { 0 } else { args.older.saturating_mul(1_000_000) },
-        keep_allocations: args.show_allocs,
+        // A snapshot keeps each allocation.
+        keep_allocations: args.show_allocs || args.save.is_some(),
     };
     let mut snapshot = if args.combined_only {
         let totals = tracer.stack_totals()?;
@@ -424,7 +460,7 @@ fn take_report(
         let allocations = tracer.allocations()?;
         collector::aggregate(target.pid, time_unix_ms, now_ns, &allocations, counters, options)
     };
-    let Target { plan, namespace_pid, symbolizer, trends, regions, .. } = target;
+    let Target { program, plan, namespace_pid, symbolizer, trends, regions, .. } = target;
     stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;
     collector::add_regions(&mut snapshot, regions, now_ns, options, args.all_mmaps, |region| {
         mappings::classify(region, &frames_of(symbolizer, stacks, region.stack_id))
@@ -432,16 +468,20 @@ fn take_report(
     stacks.ensure(tracer, snapshot.stacks.iter().map(|stack| stack.stack_id))?;
     let trends = trends.observe(&snapshot);
     let context = ReportContext {
+        program,
         allocator: &plan.display_path,
         namespace_pid: *namespace_pid,
         min_age_ms: options.min_age_ns / 1_000_000,
-        // A flame graph needs every stack, not the top N.
-        top: if args.format().wants_every_stack() { usize::MAX } else { args.top },
+        // A snapshot keeps every stack; it is cut after it is saved.
+        top: if args.save.is_some() { usize::MAX } else { args.rendering.stacks_kept() },
         sort: args.sort,
         sample_rate: args.sample_rate,
     };
-    let report =
+    let mut report =
         Report::build(snapshot, &context, &trends, |stack_id| frames_of(symbolizer, stacks, stack_id));
+    if args.save.is_some() || args.format() == Format::Pprof {
+        report.modules = modules_of(&report, &mut symbolizer.modules);
+    }
     // `cargo xtask bench` reads this line for its report latencies.
     log::debug!(
         "report for pid {}: {} stacks, {} allocations in {} ms",
@@ -451,6 +491,18 @@ fn take_report(
         started.elapsed().as_millis()
     );
     Ok(report)
+}
+
+/// The file mappings the report's frames fall in, each once.
+fn modules_of(report: &Report, modules: &mut ProcessModules) -> Vec<ModuleMapping> {
+    let mut found: Vec<ModuleMapping> = Vec::new();
+    for frame in report.stacks.iter().flat_map(|stack| &stack.frames) {
+        if found.iter().any(|module| module.start <= frame.address && frame.address < module.end) {
+            continue;
+        }
+        found.extend(modules.module_mapping(frame.address));
+    }
+    found
 }
 
 /// The symbolized frames of a stack, symbolized once.

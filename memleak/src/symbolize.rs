@@ -22,7 +22,7 @@ use blazesym::symbolize::{
 
 use crate::{
     allocator::{mapped_file, mapped_file_paths},
-    model::Frame,
+    model::{Frame, ModuleMapping},
 };
 
 /// One file-backed mapping of the target.
@@ -46,11 +46,19 @@ pub struct ProcessModules {
     /// Open files by "device inode", so a library mapped five times is
     /// opened once.
     files: HashMap<String, Arc<File>>,
+    /// Build ids by path, read once.
+    build_ids: HashMap<String, Option<String>>,
 }
 
 impl ProcessModules {
     pub fn new(pid: u32) -> Self {
-        Self { pid, mappings: Vec::new(), last_maps: String::new(), files: HashMap::new() }
+        Self {
+            pid,
+            mappings: Vec::new(),
+            last_maps: String::new(),
+            files: HashMap::new(),
+            build_ids: HashMap::new(),
+        }
     }
 
     /// Re-reads /proc/PID/maps. Once the target is gone this keeps what it
@@ -95,6 +103,27 @@ impl ProcessModules {
     /// files inside another mount namespace.
     fn open(&self, range: &str, path: &str) -> Option<File> {
         mapped_file_paths(self.pid, range, path).iter().find_map(|candidate| File::open(candidate).ok())
+    }
+
+    /// The mapping `address` falls in, with the build id of its file.
+    pub fn module_mapping(&mut self, address: u64) -> Option<ModuleMapping> {
+        let mapping = self.find(address)?.clone();
+        let build_id = self
+            .build_ids
+            .entry(mapping.path.clone())
+            .or_insert_with(|| {
+                let opened = format!("/proc/self/fd/{}", mapping.file.as_raw_fd());
+                let bytes = blazesym::helper::read_elf_build_id(&opened).ok().flatten()?;
+                Some(bytes.iter().map(|byte| format!("{byte:02x}")).collect())
+            })
+            .clone();
+        Some(ModuleMapping {
+            start: mapping.start,
+            end: mapping.end,
+            file_offset: mapping.offset,
+            path: mapping.path,
+            build_id,
+        })
     }
 
     fn find(&self, address: u64) -> Option<&Mapping> {

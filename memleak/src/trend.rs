@@ -4,12 +4,12 @@
 
 use std::collections::HashMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::model::Snapshot;
 
 /// The movement of one stack since the previous report.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Trend {
     /// Change in outstanding bytes since the previous report; `None` in the
     /// first report, which has nothing to compare with.

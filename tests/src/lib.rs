@@ -73,6 +73,14 @@ pub fn musl_leaker() -> PathBuf {
 }
 
 /// The line of the fixture that carries `/* ALLOC(marker) */`.
+/// The GNU build id of an ELF file, in hex, as readelf prints it.
+pub fn build_id(binary: &Path) -> String {
+    let output = Command::new("readelf").arg("-n").arg(binary).output().expect("run readelf");
+    let notes = String::from_utf8_lossy(&output.stdout);
+    let line = notes.lines().find_map(|line| line.trim().strip_prefix("Build ID: "));
+    line.unwrap_or_else(|| panic!("{} has no build id: {notes}", binary.display())).to_owned()
+}
+
 pub fn marker_line(name: &str, marker: &str) -> u64 {
     let source = fs::read_to_string(workspace_root().join(format!("tests/fixtures/{name}.c"))).unwrap();
     let needle = format!("ALLOC({marker})");

@@ -268,16 +268,19 @@ fn an_svg_flame_graph_of_the_final_report() {
 #[test]
 fn output_goes_to_a_file_named_by_its_format() {
     let dir = memleak_tests::tempdir::TempDir::new("memleak-output-file");
+    // Without a COUNT there may be several reports: an SVG per report,
+    // numbered. The first is there from an earlier run: --force replaces it.
     let svg = dir.path().join("leaks.svg");
-    std::fs::write(&svg, "old").unwrap();
-    let path = svg.to_str().unwrap();
-    let stdout = raw_output("seed 4", &["--output", path, "--force"]);
+    let first = dir.path().join("leaks.1.svg");
+    std::fs::write(&first, "old").unwrap();
+    let stdout = raw_output("seed 4", &["--output", svg.to_str().unwrap(), "--force"]);
     assert!(stdout.is_empty(), "reports go to the file, not stdout: {stdout}");
-    let drawn = std::fs::read_to_string(&svg).unwrap();
+    let drawn = std::fs::read_to_string(&first).unwrap();
     assert!(drawn.starts_with("<?xml") && drawn.contains("fibonacci"), "the extension chose SVG");
-    let leftovers: Vec<_> =
+    let mut left: Vec<_> =
         std::fs::read_dir(dir.path()).unwrap().map(|entry| entry.unwrap().file_name()).collect();
-    assert_eq!(leftovers.len(), 1, "no temporary file is left behind: {leftovers:?}");
+    left.sort();
+    assert_eq!(left, ["leaks.1.svg"], "one report, and no temporary file left behind");
     let json = dir.path().join("leaks.json");
     raw_output("all", &["--output", json.to_str().unwrap()]);
     let report: Value =
@@ -288,8 +291,8 @@ fn output_goes_to_a_file_named_by_its_format() {
 #[test]
 fn go_tool_pprof_reads_the_profile() {
     let dir = memleak_tests::tempdir::TempDir::new("memleak-pprof");
-    let profile = dir.path().join("leaks.pb.gz");
-    raw_output("all", &["--output", profile.to_str().unwrap()]);
+    raw_output("all", &["--output", dir.path().join("leaks.pb.gz").to_str().unwrap()]);
+    let profile = dir.path().join("leaks.1.pb.gz");
     let pprof = |args: &[&str]| -> String {
         let output = std::process::Command::new("go")
             .args(["tool", "pprof"])
@@ -315,4 +318,11 @@ fn go_tool_pprof_reads_the_profile() {
     );
     let traces = pprof(&["-traces"]);
     assert!(traces.contains("leak_malloc") && traces.contains("main"), "whole stacks: {traces}");
+    // Mappings name the binaries, the program's first, with build ids.
+    assert!(top.starts_with("File: leaker\n"), "{top}");
+    let build_id = memleak_tests::build_id(&memleak_tests::fixture("leaker"));
+    assert!(top.contains(&format!("\nBuild ID: {build_id}\n")), "{top}");
+    let raw = pprof(&["-raw"]);
+    let mappings = raw.split("Mappings\n").nth(1).unwrap_or("");
+    assert!(mappings.lines().any(|line| line.contains("/libc.so.6 ")), "{mappings}");
 }

@@ -79,11 +79,18 @@ fn a_static_binary_with_no_known_allocator() {
 #[test]
 fn output_files_are_refused_before_anything_is_attached() {
     let dir = memleak_tests::tempdir::TempDir::new("memleak-output");
-    let existing = dir.path().join("report.svg");
+    let existing = dir.path().join("report.json");
     std::fs::write(&existing, "precious").unwrap();
     let existing_path = existing.to_str().unwrap();
     assert_one_line_error(&["-p", "1", "--output", existing_path], "exists: give --force to overwrite it");
     assert_eq!(std::fs::read_to_string(&existing).unwrap(), "precious", "nothing the user had is lost");
+    // Numbered files, one per report: any of an earlier run's is refused.
+    std::fs::write(dir.path().join("report.7.svg"), "precious").unwrap();
+    let numbered = dir.path().join("report.svg");
+    assert_one_line_error(&["-p", "1", "--output", numbered.to_str().unwrap()], "report.7.svg exists");
+    let snapshot = dir.path().join("report.snap");
+    std::fs::write(&snapshot, "precious").unwrap();
+    assert_one_line_error(&["-p", "1", "--save", snapshot.to_str().unwrap(), "1", "1"], "report.snap exists");
     let unwritable = "/proc/memleak-cannot-write-here.json";
     assert_one_line_error(
         &["-p", "1", "--output", unwritable],
@@ -91,5 +98,8 @@ fn output_files_are_refused_before_anything_is_attached() {
     );
     let unknown = dir.path().join("report.pb");
     assert_one_line_error(&["-p", "1", "--output", unknown.to_str().unwrap()], "cannot tell the format of");
-    assert_one_line_error(&["-p", "1", "--force"], "--output");
+    assert_one_line_error(
+        &["-p", "1", "--force"],
+        "--force is for overwriting the --output (or --save) files",
+    );
 }

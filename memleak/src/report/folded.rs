@@ -7,31 +7,49 @@ use std::{
     io::{self, Write},
 };
 
-use super::Report;
-use crate::cli::Weight;
+use super::{diff::Diff, Report};
+use crate::{cli::Weight, model::Frame};
 
 /// The folded lines of a report, identical stacks merged, in order.
 pub fn lines(report: &Report, weight: Weight) -> Vec<String> {
     let mut merged: BTreeMap<String, u64> = BTreeMap::new();
     for stack in &report.stacks {
-        let names: Vec<String> = if stack.stack_lost {
-            vec!["[stack lost]".to_owned()]
-        } else {
-            stack
-                .frames
-                .iter()
-                .rev()
-                .map(|frame| frame_name(frame.function.as_deref(), frame.inlined))
-                .collect()
-        };
-        let names = if names.is_empty() { vec!["[no frames]".to_owned()] } else { names };
         let amount = match weight {
             Weight::Bytes => stack.bytes,
             Weight::Count => stack.allocations,
         };
-        *merged.entry(names.join(";")).or_default() += amount;
+        *merged.entry(folded_stack(&stack.frames, stack.stack_lost)).or_default() += amount;
     }
     merged.into_iter().map(|(stack, amount)| format!("{stack} {amount}")).collect()
+}
+
+/// A diff's lines in the two-column form of difffolded.pl, `stack base
+/// new`, which flame graph tools draw as a differential flame graph.
+pub fn diff_lines(diff: &Diff, weight: Weight) -> Vec<String> {
+    let mut merged: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for stack in &diff.stacks {
+        let (base, new) = match weight {
+            Weight::Bytes => (stack.base_bytes, stack.new_bytes),
+            Weight::Count => (stack.base_allocations, stack.new_allocations),
+        };
+        let amounts = merged.entry(folded_stack(&stack.frames, stack.stack_lost)).or_default();
+        amounts.0 += base;
+        amounts.1 += new;
+    }
+    merged.into_iter().map(|(stack, (base, new))| format!("{stack} {base} {new}")).collect()
+}
+
+/// Frame names root first, joined by `;`.
+fn folded_stack(frames: &[Frame], stack_lost: bool) -> String {
+    if stack_lost {
+        return "[stack lost]".to_owned();
+    }
+    if frames.is_empty() {
+        return "[no frames]".to_owned();
+    }
+    let names: Vec<String> =
+        frames.iter().rev().map(|frame| frame_name(frame.function.as_deref(), frame.inlined)).collect();
+    names.join(";")
 }
 
 /// `;` separates frames and a space ends the stack, so neither may appear
@@ -46,10 +64,11 @@ fn frame_name(function: Option<&str>, inlined: bool) -> String {
 }
 
 pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    for line in lines(report, weight) {
-        writeln!(out, "{line}")?;
-    }
-    Ok(())
+    lines(report, weight).iter().try_for_each(|line| writeln!(out, "{line}"))
+}
+
+pub fn render_diff(diff: &Diff, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    diff_lines(diff, weight).iter().try_for_each(|line| writeln!(out, "{line}"))
 }
 
 #[cfg(test)]
@@ -69,6 +88,13 @@ mod tests {
         let lines = lines(&sample_report(10), Weight::Count);
         assert!(lines.contains(&"child;fibonacci 3".to_owned()), "{lines:?}");
         assert!(lines.contains(&"other 3".to_owned()), "two stacks with the same frames merge: {lines:?}");
+    }
+
+    #[test]
+    fn a_diff_matches_the_golden_file() {
+        let mut out = Vec::new();
+        render_diff(&crate::report::diff::tests::sample_diff(10), Weight::Bytes, &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), include_str!("../../tests/data/diff.folded"));
     }
 
     #[test]

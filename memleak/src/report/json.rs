@@ -2,10 +2,15 @@
 
 use std::io::{self, Write};
 
-use super::Report;
+use super::{diff::Diff, Report};
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     serde_json::to_writer(&mut *out, report)?;
+    writeln!(out)
+}
+
+pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, diff)?;
     writeln!(out)
 }
 

@@ -1,10 +1,12 @@
 //! Reports: a snapshot with symbolized stacks, sorted and cut to the top
 //! N, and the renderers that print it.
 
+pub mod diff;
 pub mod folded;
 pub mod json;
 pub mod output;
 pub mod pprof;
+pub mod snapshot;
 pub mod svg;
 pub mod text;
 pub mod trace;
@@ -12,19 +14,23 @@ pub mod trace;
 use std::{collections::HashMap, sync::Arc};
 
 use memleak_common::{lost_stack_owner, ALLOCATOR_FUNCTIONS};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     cli::SortKey,
     model::{
-        Frame, HealthCounters, HiddenMappings, MappingKind, OutstandingAllocation, Snapshot, StackUsage,
+        Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation, Snapshot,
+        StackUsage,
     },
     trend::Trend,
 };
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub pid: u32,
+    /// The traced program's executable, as the process names it; `kernel`
+    /// in kernel mode.
+    pub program: String,
     /// The pid the process has in its own pid namespace (a container's),
     /// when that differs from `pid`.
     pub namespace_pid: Option<u32>,
@@ -47,10 +53,16 @@ pub struct Report {
     pub health: HealthCounters,
     /// mmap regions not shown (--all-mmaps shows them).
     pub hidden_mappings: HiddenMappings,
+    /// The file mappings the frames' addresses fall in, when an exporter
+    /// needs them (pprof, saved snapshots).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub modules: Vec<ModuleMapping>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ReportStack {
+    /// The stack's id in this run; ids of different runs are unrelated.
+    pub stack_id: u64,
     pub bytes: u64,
     pub allocations: u64,
     /// Innermost first; `frames[0]` called the allocator. Empty when the
@@ -64,12 +76,13 @@ pub struct ReportStack {
     /// For mmap regions, which kind; null for malloc & co.
     pub mapping: Option<MappingKind>,
     /// Each allocation, with -a.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub outstanding: Vec<OutstandingAllocation>,
 }
 
 /// What a report is made with besides the snapshot.
 pub struct ReportContext<'a> {
+    pub program: &'a str,
     pub allocator: &'a str,
     pub namespace_pid: Option<u32>,
     pub min_age_ms: u64,
@@ -79,7 +92,8 @@ pub struct ReportContext<'a> {
 }
 
 impl Report {
-    /// Sorts the snapshot's stacks, keeps the top N and attaches frames.
+    /// Sorts the snapshot's stacks, keeps the top N and attaches their
+    /// frames: stacks cut off are never symbolized.
     pub fn build(
         snapshot: Snapshot,
         context: &ReportContext,
@@ -92,50 +106,34 @@ impl Report {
         let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
         let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
         let total_stacks = snapshot.stacks.len();
-        let mut usages = snapshot.stacks;
-        // Ties broken by id so that equal reports print identically.
-        match context.sort {
-            SortKey::Size => usages.sort_by(|a, b| {
-                (b.bytes, b.allocations, a.stack_id).cmp(&(a.bytes, a.allocations, b.stack_id))
-            }),
-            SortKey::Count => usages.sort_by(|a, b| {
-                (b.allocations, b.bytes, a.stack_id).cmp(&(a.allocations, a.bytes, b.stack_id))
-            }),
-            SortKey::Growth => {
-                let growth = |usage: &StackUsage| {
-                    let trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
-                    (trend.growing_reports, trend.growth_per_report.unwrap_or(0), usage.bytes)
-                };
-                usages.sort_by(|a, b| (growth(b), a.stack_id).cmp(&(growth(a), b.stack_id)));
-            }
-        }
-        usages.truncate(context.top);
-        let stacks = usages
+        let mut stacks: Vec<ReportStack> = snapshot
+            .stacks
             .into_iter()
             .map(|usage| {
-                let stack_lost = lost_stack_owner(usage.stack_id).is_some();
                 let scale = scale(&usage);
                 let mut trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
                 trend.delta_bytes = trend.delta_bytes.map(|delta| delta * scale as i64);
                 trend.growth_per_report = trend.growth_per_report.map(|growth| growth * scale as i64);
-                let frames = if stack_lost {
-                    Vec::new()
-                } else {
-                    without_allocator_frames(&frames_of(usage.stack_id), context.allocator)
-                };
                 ReportStack {
+                    stack_id: usage.stack_id,
                     bytes: usage.bytes * scale,
                     allocations: usage.allocations * scale,
-                    frames,
-                    stack_lost,
+                    frames: Vec::new(),
+                    stack_lost: lost_stack_owner(usage.stack_id).is_some(),
                     trend,
                     mapping: usage.mapping,
                     outstanding: usage.outstanding,
                 }
             })
             .collect();
+        sort_stacks(&mut stacks, context.sort);
+        stacks.truncate(context.top);
+        for stack in stacks.iter_mut().filter(|stack| !stack.stack_lost) {
+            stack.frames = without_allocator_frames(&frames_of(stack.stack_id), context.allocator);
+        }
         Report {
             pid: snapshot.pid,
+            program: context.program.to_owned(),
             namespace_pid: context.namespace_pid,
             time_unix_ms: snapshot.time_unix_ms,
             allocator: context.allocator.to_owned(),
@@ -147,8 +145,34 @@ impl Report {
             stacks,
             health: snapshot.counters,
             hidden_mappings: snapshot.hidden,
+            modules: Vec::new(),
         }
     }
+
+    /// Re-sorts the stacks and keeps the top N, as `build` does: for a
+    /// report built with every stack (to be saved) and shown cut.
+    pub fn keep_top(&mut self, sort: SortKey, top: usize) {
+        sort_stacks(&mut self.stacks, sort);
+        self.stacks.truncate(top);
+    }
+}
+
+/// Largest first by the sort key; ties broken by id so that equal reports
+/// print identically.
+fn sort_stacks(stacks: &mut [ReportStack], sort: SortKey) {
+    let rank = |stack: &ReportStack| -> [i128; 3] {
+        let (bytes, allocations) = (i128::from(stack.bytes), i128::from(stack.allocations));
+        match sort {
+            SortKey::Size => [bytes, allocations, 0],
+            SortKey::Count => [allocations, bytes, 0],
+            SortKey::Growth => [
+                i128::from(stack.trend.growing_reports),
+                i128::from(stack.trend.growth_per_report.unwrap_or(0)),
+                bytes,
+            ],
+        }
+    };
+    stacks.sort_by(|a, b| rank(b).cmp(&rank(a)).then(a.stack_id.cmp(&b.stack_id)));
 }
 
 /// Drops leading frames inside the allocator's own entry points, so that
@@ -201,6 +225,7 @@ pub(crate) mod tests {
             ..Snapshot::default()
         };
         let context = ReportContext {
+            program: "/app/leaker",
             allocator: "/usr/lib/libc.so.6",
             namespace_pid: None,
             min_age_ms: 500,

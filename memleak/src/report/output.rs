@@ -1,8 +1,10 @@
 //! Where reports go: stdout, or a file given with --output. A closed
 //! stdout (`memleak ... | head`) is not an error: the writers return
-//! `false` and the run ends quietly. A file is written under a temporary
-//! name and renamed into place when the run ends well, so a failed run
-//! leaves no half-written file behind.
+//! `false` and the run ends quietly. Nothing is left half-written: a
+//! stream of reports (text, JSON, folded) is written under a temporary name
+//! and renamed into place when the run ends well; a document (SVG, pprof,
+//! a snapshot) is written whole and renamed into place at once, one file
+//! per report, numbered when there may be several.
 
 use std::{
     fs::{self, File},
@@ -12,8 +14,11 @@ use std::{
 
 use memleak_common::TraceEvent;
 
-use super::{folded, json, pprof, svg, text, trace, trace::TraceLine, Report};
-use crate::cli::{Format, Weight};
+use super::{diff::Diff, folded, json, pprof, svg, text, trace, trace::TraceLine, Report};
+use crate::{
+    cli::{Format, Weight},
+    status,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OutputError {
@@ -31,31 +36,37 @@ pub struct Output {
 
 enum Sink {
     Stdout,
-    /// Written as `temporary`, renamed to `path` by `finish`.
+    /// A stream, written as `temporary` and renamed to `path` by `finish`.
     File {
         path: PathBuf,
         temporary: PathBuf,
         file: BufWriter<File>,
     },
+    /// A document per report.
+    Documents(NumberedFiles),
 }
 
 impl Output {
-    /// Reports to `path` if given, else to stdout. Fails now, before any
-    /// probe is placed, if the file exists (without `force`) or cannot be
-    /// written.
+    /// Reports to `path` if given, else to stdout. `several` says whether
+    /// there may be more than one report, so that documents are numbered.
+    /// Fails now, before any probe is placed, if a file exists (without
+    /// `force`) or cannot be written.
     pub fn open(
         path: Option<&Path>,
         force: bool,
+        several: bool,
         format: Format,
         weight: Weight,
     ) -> Result<Self, OutputError> {
         let Some(path) = path else { return Ok(Self { format, weight, sink: Sink::Stdout }) };
+        if format.is_document() {
+            let files = NumberedFiles::new(path, several, force)?;
+            return Ok(Self { format, weight, sink: Sink::Documents(files) });
+        }
         if path.exists() && !force {
             return Err(OutputError::Exists(path.to_path_buf()));
         }
-        let mut name = path.file_name().unwrap_or_default().to_os_string();
-        name.push(format!(".memleak-{}.tmp", std::process::id()));
-        let temporary = path.with_file_name(name);
+        let temporary = temporary_name(path);
         let write_error = |source| OutputError::Write { path: path.to_path_buf(), source };
         let file = File::create(&temporary).map_err(write_error)?;
         Ok(Self {
@@ -63,6 +74,12 @@ impl Output {
             weight,
             sink: Sink::File { path: path.to_path_buf(), temporary, file: BufWriter::new(file) },
         })
+    }
+
+    /// Documents (SVG, pprof) on stdout would run together: there, only
+    /// the final report is written.
+    pub fn takes_every_report(&self) -> bool {
+        !(self.format.is_document() && matches!(self.sink, Sink::Stdout))
     }
 
     /// Writes a report; `false` when stdout is a closed pipe.
@@ -74,6 +91,18 @@ impl Output {
             Format::Folded => folded::render(report, weight, out),
             Format::Svg => svg::render(report, weight, out),
             Format::Pprof => pprof::render(report, out),
+        })
+    }
+
+    /// Writes what changed between two snapshots.
+    pub fn diff(&mut self, diff: &Diff) -> anyhow::Result<bool> {
+        let (format, weight) = (self.format, self.weight);
+        self.write(|out| match format {
+            Format::Text => text::render_diff(diff, out),
+            Format::Json => json::render_diff(diff, out),
+            Format::Folded => folded::render_diff(diff, weight, out),
+            Format::Svg => svg::render_diff(diff, weight, out),
+            Format::Pprof => pprof::render_diff(diff, out),
         })
     }
 
@@ -126,6 +155,10 @@ impl Output {
 
     fn write(&mut self, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> anyhow::Result<bool> {
         let result = match &mut self.sink {
+            Sink::Documents(files) => {
+                files.write(write)?;
+                return Ok(true);
+            }
             Sink::Stdout => {
                 let mut out = io::stdout().lock();
                 write(&mut out).and_then(|()| out.flush())
@@ -150,6 +183,101 @@ impl Drop for Output {
             let _ = fs::remove_file(temporary);
         }
     }
+}
+
+/// Whole files, one per report: `heap.snap`, or `heap.1.snap`,
+/// `heap.2.snap`... when there may be several. Each is rendered in memory,
+/// written under a temporary name and renamed into place.
+pub struct NumberedFiles {
+    path: PathBuf,
+    numbered: bool,
+    written: u32,
+}
+
+impl NumberedFiles {
+    /// Fails if the file, or without `force` any numbered file of the same
+    /// name, exists: nothing the user had is overwritten unasked.
+    pub fn new(path: &Path, numbered: bool, force: bool) -> Result<Self, OutputError> {
+        let files = Self { path: path.to_path_buf(), numbered, written: 0 };
+        if !force {
+            let first = files.name(1);
+            if first.exists() {
+                return Err(OutputError::Exists(first));
+            }
+            if let Some(existing) = numbered.then(|| files.existing_numbered()).flatten() {
+                return Err(OutputError::Exists(existing));
+            }
+        }
+        // Whether the directory takes files, before anything is attached.
+        let probe = temporary_name(&files.name(1));
+        File::create(&probe).map_err(|source| OutputError::Write { path: files.name(1), source })?;
+        let _ = fs::remove_file(probe);
+        Ok(files)
+    }
+
+    /// Renders the next file and puts it in place; returns its name.
+    pub fn write(
+        &mut self,
+        render: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+    ) -> Result<PathBuf, OutputError> {
+        self.written += 1;
+        let path = self.name(self.written);
+        let write_error = |source| OutputError::Write { path: path.clone(), source };
+        let mut bytes = Vec::new();
+        render(&mut bytes).map_err(write_error)?;
+        let temporary = temporary_name(&path);
+        let written = File::create(&temporary)
+            .and_then(|mut file| file.write_all(&bytes).and_then(|()| file.sync_all()))
+            .and_then(|()| fs::rename(&temporary, &path));
+        if let Err(source) = written {
+            let _ = fs::remove_file(&temporary);
+            return Err(write_error(source));
+        }
+        status::say(&format!("wrote {}", path.display()));
+        Ok(path)
+    }
+
+    /// The name of the `number`th file.
+    fn name(&self, number: u32) -> PathBuf {
+        if !self.numbered {
+            return self.path.clone();
+        }
+        let (stem, extension) = split_extension(&self.path);
+        self.path.with_file_name(format!("{stem}.{number}{extension}"))
+    }
+
+    /// A file named as this run would name one, left by an earlier run.
+    fn existing_numbered(&self) -> Option<PathBuf> {
+        let (stem, extension) = split_extension(&self.path);
+        let directory = match self.path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        fs::read_dir(directory).ok()?.filter_map(Result::ok).map(|entry| entry.path()).find(|path| {
+            let name = path.file_name().and_then(|name| name.to_str()).unwrap_or("");
+            let number =
+                name.strip_prefix(&format!("{stem}.")).and_then(|rest| rest.strip_suffix(&extension));
+            number.is_some_and(|number| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))
+        })
+    }
+}
+
+/// `leak.pb.gz` -> (`leak`, `.pb.gz`); `heap.snap` -> (`heap`, `.snap`).
+fn split_extension(path: &Path) -> (String, String) {
+    let name = path.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default();
+    if let Some(stem) = name.strip_suffix(".pb.gz") {
+        return (stem.to_owned(), ".pb.gz".to_owned());
+    }
+    match name.rsplit_once('.') {
+        Some((stem, extension)) if !stem.is_empty() => (stem.to_owned(), format!(".{extension}")),
+        _ => (name, String::new()),
+    }
+}
+
+fn temporary_name(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".memleak-{}.tmp", std::process::id()));
+    path.with_file_name(name)
 }
 
 /// The format a file name asks for, by its extension.
@@ -181,5 +309,15 @@ mod tests {
         assert_eq!(format_of(Path::new("profile.pb.gz")), Some(Format::Pprof));
         assert_eq!(format_of(Path::new("archive.tar.gz")), None);
         assert_eq!(format_of(Path::new("noextension")), None);
+    }
+
+    #[test]
+    fn several_documents_are_numbered_before_the_extension() {
+        let files = |path: &str| NumberedFiles { path: PathBuf::from(path), numbered: true, written: 0 };
+        assert_eq!(files("/tmp/heap.snap").name(2), Path::new("/tmp/heap.2.snap"));
+        assert_eq!(files("leak.pb.gz").name(1), Path::new("leak.1.pb.gz"));
+        assert_eq!(files("graph").name(3), Path::new("graph.3"));
+        let single = NumberedFiles { path: PathBuf::from("leak.svg"), numbered: false, written: 0 };
+        assert_eq!(single.name(1), Path::new("leak.svg"));
     }
 }

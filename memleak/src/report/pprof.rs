@@ -15,39 +15,99 @@ use std::{
 
 use flate2::{write::GzEncoder, Compression};
 
-use super::Report;
+use super::{diff::Diff, Report};
+use crate::model::{Frame, ModuleMapping};
+
+/// What a profile is made of, from a report or from a diff.
+struct Profile<'a> {
+    /// (type, unit) of each value of a sample.
+    sample_types: [(&'static str, &'static str); 2],
+    /// Frames innermost first, and one value per sample type.
+    samples: Vec<(&'a [Frame], [i64; 2])>,
+    /// The main binary first: pprof takes the first mapping for it.
+    mappings: Vec<&'a ModuleMapping>,
+    time_unix_ms: u64,
+    /// The period between the profiles a diff compares, in ns.
+    duration_ns: u64,
+}
+
+const INUSE: [(&str, &str); 2] = [("inuse_objects", "count"), ("inuse_space", "bytes")];
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    let profile = encode(report);
+    write_gzipped(&encode_report(report), out)
+}
+
+/// The growth between two snapshots as a profile whose values are the
+/// changes, negative where a stack shrank: what `go tool pprof
+/// -diff_base` shows.
+pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let profile = Profile {
+        sample_types: INUSE,
+        samples: diff
+            .stacks
+            .iter()
+            .map(|stack| (&stack.frames[..], [stack.delta_allocations, stack.delta_bytes]))
+            .collect(),
+        mappings: main_binary_first(&diff.modules, &diff.new.program),
+        time_unix_ms: diff.new.time_unix_ms,
+        duration_ns: diff.new.time_unix_ms.saturating_sub(diff.base.time_unix_ms).saturating_mul(1_000_000),
+    };
+    write_gzipped(&encode(&profile), out)
+}
+
+/// The uncompressed profile.proto message of a report.
+pub fn encode_report(report: &Report) -> Vec<u8> {
+    let profile = Profile {
+        sample_types: INUSE,
+        samples: report
+            .stacks
+            .iter()
+            .map(|stack| (&stack.frames[..], [stack.allocations as i64, stack.bytes as i64]))
+            .collect(),
+        mappings: main_binary_first(&report.modules, &report.program),
+        time_unix_ms: report.time_unix_ms,
+        duration_ns: 0,
+    };
+    encode(&profile)
+}
+
+fn write_gzipped(profile: &[u8], out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let mut gzip = GzEncoder::new(Vec::new(), Compression::default());
-    gzip.write_all(&profile)?;
+    gzip.write_all(profile)?;
     out.write_all(&gzip.finish()?)
 }
 
-/// The uncompressed profile.proto message.
-pub fn encode(report: &Report) -> Vec<u8> {
+fn main_binary_first<'a>(modules: &'a [ModuleMapping], program: &str) -> Vec<&'a ModuleMapping> {
+    let mut mappings: Vec<&ModuleMapping> = modules.iter().collect();
+    mappings.sort_by_key(|mapping| (mapping.path != program, mapping.start));
+    mappings
+}
+
+fn encode(input: &Profile) -> Vec<u8> {
     let mut strings = Strings::default();
     let mut profile = Vec::new();
-    for (kind, unit) in [("inuse_objects", "count"), ("inuse_space", "bytes")] {
+    for (kind, unit) in input.sample_types {
         let mut value_type = Vec::new();
         field_varint(&mut value_type, 1, strings.index(kind));
         field_varint(&mut value_type, 2, strings.index(unit));
         field_bytes(&mut profile, 1, &value_type); // sample_type
     }
+    let mapping_of = |address: u64| {
+        let index = input.mappings.iter().position(|m| m.start <= address && address < m.end)?;
+        Some(index as u64 + 1)
+    };
     let mut functions: HashMap<(String, String), u64> = HashMap::new();
     let mut locations: HashMap<(u64, Vec<(u64, i64)>), u64> = HashMap::new();
     let mut function_messages = Vec::new();
     let mut location_messages = Vec::new();
-    for stack in &report.stacks {
+    for (frames, values) in &input.samples {
         let mut location_ids = Vec::new();
         // Frames of one address are consecutive: the inlined ones, then
         // the function that holds them.
-        let mut index = 0;
-        while index < stack.frames.len() {
-            let address = stack.frames[index].address;
+        for frames_at_address in frames.chunk_by(|a, b| a.address == b.address) {
+            let address = frames_at_address[0].address;
             let mut lines = Vec::new();
-            while index < stack.frames.len() && stack.frames[index].address == address {
-                let frame = &stack.frames[index];
+            for frame in frames_at_address {
                 let name = frame.function.clone().unwrap_or_else(|| format!("{address:#x}"));
                 let file = frame.file.clone().or_else(|| frame.module.clone()).unwrap_or_default();
                 let next_id = functions.len() as u64 + 1;
@@ -61,12 +121,14 @@ pub fn encode(report: &Report) -> Vec<u8> {
                     next_id
                 });
                 lines.push((function_id, i64::from(frame.line.unwrap_or(0))));
-                index += 1;
             }
             let next_id = locations.len() as u64 + 1;
             let location_id = *locations.entry((address, lines.clone())).or_insert_with(|| {
                 let mut location = Vec::new();
                 field_varint(&mut location, 1, next_id);
+                if let Some(mapping_id) = mapping_of(address) {
+                    field_varint(&mut location, 2, mapping_id);
+                }
                 field_varint(&mut location, 3, address);
                 for (function_id, line) in &lines {
                     let mut line_message = Vec::new();
@@ -81,8 +143,26 @@ pub fn encode(report: &Report) -> Vec<u8> {
         }
         let mut sample = Vec::new();
         field_packed(&mut sample, 1, &location_ids);
-        field_packed(&mut sample, 2, &[stack.allocations, stack.bytes]);
+        // int64 values: a negative one is its two's complement, as protobuf
+        // encodes int64.
+        field_packed(&mut sample, 2, &values.map(|value| value as u64));
         field_bytes(&mut profile, 2, &sample); // sample
+    }
+    for (index, mapping) in input.mappings.iter().enumerate() {
+        let mut message = Vec::new();
+        field_varint(&mut message, 1, index as u64 + 1);
+        field_varint(&mut message, 2, mapping.start);
+        field_varint(&mut message, 3, mapping.end);
+        field_varint(&mut message, 4, mapping.file_offset);
+        field_varint(&mut message, 5, strings.index(&mapping.path));
+        if let Some(build_id) = &mapping.build_id {
+            field_varint(&mut message, 6, strings.index(build_id));
+        }
+        // Already symbolized: pprof must not look for the binaries.
+        for has in [7, 8, 9, 10] {
+            field_varint(&mut message, has, 1);
+        }
+        field_bytes(&mut profile, 3, &message); // mapping
     }
     for location in &location_messages {
         field_bytes(&mut profile, 4, location);
@@ -90,8 +170,11 @@ pub fn encode(report: &Report) -> Vec<u8> {
     for function in &function_messages {
         field_bytes(&mut profile, 5, function);
     }
-    field_varint(&mut profile, 9, report.time_unix_ms.saturating_mul(1_000_000)); // time_nanos
-    let default_type = strings.index("inuse_space");
+    field_varint(&mut profile, 9, input.time_unix_ms.saturating_mul(1_000_000)); // time_nanos
+    if input.duration_ns > 0 {
+        field_varint(&mut profile, 10, input.duration_ns); // duration_nanos
+    }
+    let default_type = strings.index(input.sample_types[1].0);
     field_varint(&mut profile, 14, default_type); // default_sample_type
     for string in &strings.table {
         field_bytes(&mut profile, 6, string.as_bytes()); // string_table
@@ -164,7 +247,7 @@ mod tests {
 
     #[test]
     fn the_profile_holds_the_sample_types_and_names() {
-        let profile = encode(&sample_report(10));
+        let profile = encode_report(&sample_report(10));
         let text = String::from_utf8_lossy(&profile);
         for name in ["inuse_objects", "inuse_space", "count", "bytes", "fibonacci", "child", "/src/leaker.c"]
         {

@@ -5,22 +5,41 @@ use std::io::{self, Write};
 
 use inferno::flamegraph::{self, Options};
 
-use super::{folded, Report};
+use super::{diff::Diff, folded, Report};
 use crate::cli::Weight;
 
 pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    let lines = folded::lines(report, weight);
-    let mut options = Options::default();
-    let (what, unit) = match weight {
-        Weight::Bytes => ("bytes", "bytes"),
-        Weight::Count => ("allocations", "allocations"),
-    };
-    options.title = if report.pid == memleak_common::KERNEL_TGID {
+    let what = weight_name(weight);
+    let title = if report.pid == memleak_common::KERNEL_TGID {
         format!("memleak: outstanding {what} in the kernel")
     } else {
         format!("memleak: outstanding {what} in pid {} ({})", report.pid, report.allocator)
     };
-    options.count_name = unit.to_owned();
+    draw(&folded::lines(report, weight), title, weight, out)
+}
+
+/// A differential flame graph: widths are the newer snapshot's, red where
+/// a stack grew since the base and blue where it shrank.
+pub fn render_diff(diff: &Diff, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let title = format!(
+        "memleak: outstanding {} in pid {}, red: grew since the base, blue: shrank",
+        weight_name(weight),
+        diff.new.pid
+    );
+    draw(&folded::diff_lines(diff, weight), title, weight, out)
+}
+
+fn weight_name(weight: Weight) -> &'static str {
+    match weight {
+        Weight::Bytes => "bytes",
+        Weight::Count => "allocations",
+    }
+}
+
+fn draw(lines: &[String], title: String, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let mut options = Options::default();
+    options.title = title;
+    options.count_name = weight_name(weight).to_owned();
     options.name_type = "Function:".to_owned();
     if lines.is_empty() {
         // inferno refuses an empty graph; an empty report is still an answer.
@@ -43,5 +62,15 @@ mod tests {
         assert!(svg.contains("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("fibonacci") && svg.contains("child"), "frames are drawn");
         assert!(svg.contains("outstanding bytes in pid 4242"), "the title says what is drawn");
+    }
+
+    #[test]
+    fn a_diff_is_drawn_in_the_growth_colours() {
+        let mut out = Vec::new();
+        render_diff(&crate::report::diff::tests::sample_diff(10), Weight::Bytes, &mut out).unwrap();
+        let svg = String::from_utf8(out).unwrap();
+        assert!(svg.contains("cache_insert") && svg.contains("new_handler"), "grown stacks are drawn");
+        // inferno colours growth red and shrinkage blue, in proportion.
+        assert!(svg.contains("rgb(255,") && svg.contains(",255)"), "both colours are used");
     }
 }

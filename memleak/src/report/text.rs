@@ -3,7 +3,7 @@
 
 use std::io::{self, Write};
 
-use super::Report;
+use super::{diff::Diff, Report};
 use crate::{
     model::{Frame, MappingKind},
     trend::Trend,
@@ -31,17 +31,12 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
         )?;
     }
     for stack in &report.stacks {
-        let source = match stack.mapping {
-            None => "allocations",
-            Some(MappingKind::Mmap) => "mmap regions",
-            Some(MappingKind::AllocatorMmap) => "allocator mmap regions",
-            Some(MappingKind::ThreadStack) => "thread stacks",
-        };
         writeln!(
             out,
-            "\t{} bytes in {} {source} from stack{}",
+            "\t{} bytes in {} {} from stack{}",
             stack.bytes,
             stack.allocations,
+            source(stack.mapping),
             describe_trend(&stack.trend)
         )?;
         if stack.stack_lost {
@@ -96,6 +91,60 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
         writeln!(out, "{} allocations without a stack: raise --max-stacks", health.stacks_lost)?;
     }
     Ok(())
+}
+
+/// What grew and what shrank between two snapshots, growth first.
+pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let (base, new) = (&diff.base, &diff.new);
+    let seconds = new.time_unix_ms.abs_diff(base.time_unix_ms) / 1000;
+    let later = if new.time_unix_ms >= base.time_unix_ms { "later" } else { "earlier" };
+    writeln!(
+        out,
+        "Changes in outstanding memory: base pid {} ({}), new pid {} ({}), {seconds} s {later}:",
+        base.pid, base.program, new.pid, new.program
+    )?;
+    for stack in &diff.stacks {
+        writeln!(
+            out,
+            "\t{:+} bytes in {:+} {} from stack ({} -> {} bytes)",
+            stack.delta_bytes,
+            stack.delta_allocations,
+            source(stack.mapping),
+            stack.base_bytes,
+            stack.new_bytes
+        )?;
+        if stack.stack_lost {
+            writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
+        }
+        for frame in &stack.frames {
+            writeln!(out, "\t\t{}", describe(frame))?;
+        }
+    }
+    let shown = if diff.total_stacks > diff.stacks.len() {
+        format!(", {} shown", diff.stacks.len())
+    } else {
+        String::new()
+    };
+    writeln!(
+        out,
+        "Net: {:+} bytes ({} -> {} bytes, {} -> {} allocations), {} stacks changed{shown}",
+        diff.delta_bytes(),
+        base.total_bytes,
+        new.total_bytes,
+        base.total_allocations,
+        new.total_allocations,
+        diff.total_stacks
+    )
+}
+
+/// What a stack's amounts count.
+fn source(mapping: Option<MappingKind>) -> &'static str {
+    match mapping {
+        None => "allocations",
+        Some(MappingKind::Mmap) => "mmap regions",
+        Some(MappingKind::AllocatorMmap) => "allocator mmap regions",
+        Some(MappingKind::ThreadStack) => "thread stacks",
+    }
 }
 
 /// ` (+8192 bytes since last report, growing for 3 reports, +8192 bytes
@@ -167,5 +216,12 @@ mod tests {
         let masked = format!("[HH:MM:SS]{}", &text["[HH:MM:SS]".len()..]);
         let expected = include_str!("../../tests/data/report.txt");
         assert_eq!(masked, expected);
+    }
+
+    #[test]
+    fn a_diff_matches_the_golden_file() {
+        let mut out = Vec::new();
+        render_diff(&crate::report::diff::tests::sample_diff(10), &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), include_str!("../../tests/data/diff.txt"));
     }
 }
