@@ -49,6 +49,11 @@ pub struct StackTotals {
     pub bytes: u64,
     /// Allocations outstanding, likewise.
     pub allocations: u64,
+    /// Bytes ever allocated from the stack since attach, freed or not
+    /// (pprof's alloc_space).
+    pub allocated_bytes: u64,
+    /// Allocations ever made from the stack since attach (alloc_objects).
+    pub allocated_count: u64,
 }
 
 /// Stack id recorded when a stack of process `tgid` could not be stored
@@ -338,7 +343,7 @@ const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 32);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
-const _: () = assert!(core::mem::size_of::<StackTotals>() == 16);
+const _: () = assert!(core::mem::size_of::<StackTotals>() == 32);
 const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<MappingEvent>() == 64);
 const _: () = assert!(core::mem::size_of::<PendingMapping>() == 32);

@@ -10,15 +10,17 @@ use crate::maps::STACK_TOTALS;
 
 /// Adds an allocation of `size` bytes to its stack.
 pub fn add(stack_id: u64, size: u64) {
-    update(stack_id, size, 1);
+    update(stack_id, size, 1, true);
 }
 
 /// Takes an allocation of `size` bytes off its stack.
 pub fn subtract(stack_id: u64, size: u64) {
-    update(stack_id, size.wrapping_neg(), 1u64.wrapping_neg());
+    update(stack_id, size.wrapping_neg(), 1u64.wrapping_neg(), false);
 }
 
-fn update(stack_id: u64, bytes: u64, allocations: u64) {
+/// Adds to the outstanding amounts, and for a new allocation to the
+/// amounts ever allocated too: the same cache line, two more adds.
+fn update(stack_id: u64, bytes: u64, allocations: u64, allocated: bool) {
     let totals = match STACK_TOTALS.get_ptr_mut(stack_id) {
         Some(totals) => totals,
         None => {
@@ -36,6 +38,10 @@ fn update(stack_id: u64, bytes: u64, allocations: u64) {
     unsafe {
         atomic_add(&raw mut (*totals).bytes, bytes);
         atomic_add(&raw mut (*totals).allocations, allocations);
+        if allocated {
+            atomic_add(&raw mut (*totals).allocated_bytes, bytes);
+            atomic_add(&raw mut (*totals).allocated_count, 1);
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Command-line interface. Flags keep the meaning they have in bcc's
-//! memleak; where bcc's documentation and behaviour disagree (the `-o`
-//! default), the documentation wins.
+//! memleak, but for `-o`: bcc ages every allocation (500 ms by default),
+//! which means reading each one at every report; memleak reads per-stack
+//! totals unless `-o` is given.
 
 use std::{num::NonZeroU64, path::PathBuf, time::Duration};
 
@@ -43,9 +44,12 @@ pub struct Args {
     #[arg(short = 'a', long)]
     pub show_allocs: bool,
 
-    /// Report only allocations older than this many milliseconds.
-    #[arg(short = 'o', long, value_name = "MS", default_value_t = 500)]
-    pub older: u64,
+    /// Report only allocations older than this many milliseconds. Without
+    /// -o, reports count every outstanding allocation, from per-stack
+    /// totals kept in BPF: a report then costs the same for a thousand
+    /// allocations or a million. -o (and -a) read each allocation.
+    #[arg(short = 'o', long, value_name = "MS")]
+    pub older: Option<u64>,
 
     /// Also show the mmaps the allocator makes for itself and thread
     /// stacks, which are left out (and counted) by default.
@@ -69,9 +73,10 @@ pub struct Args {
     #[arg(short = 's', long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub sample_rate: u32,
 
-    /// Report the per-stack totals kept in BPF, without reading each
-    /// allocation: cheapest for processes with millions of them.
-    #[arg(long, conflicts_with_all = ["show_allocs", "older"])]
+    /// bcc's flag for reporting the per-stack totals kept in BPF, without
+    /// reading each allocation. memleak does so whenever -a, -o and --save
+    /// are not given.
+    #[arg(long, conflicts_with_all = ["show_allocs", "older", "save"])]
     pub combined_only: bool,
 
     /// bcc's workaround for allocators whose free is not seen: an address

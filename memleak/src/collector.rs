@@ -4,6 +4,8 @@ use std::collections::HashMap;
 
 use memleak_common::{Allocation, AllocationKey, StackTotals};
 
+use crate::model::Allocated;
+
 use crate::{
     mappings::{Region, Regions},
     model::{HealthCounters, MappingKind, OutstandingAllocation, Snapshot, StackUsage},
@@ -123,6 +125,36 @@ pub fn from_totals(
     Snapshot { pid, time_unix_ms, stacks, counters, ..Snapshot::default() }
 }
 
+/// Adds to each stack of `snapshot` what it allocated since attach, from
+/// the BPF totals. With `keep_freed`, stacks of the process that allocated
+/// but hold nothing now are added too, at zero: for pprof's alloc_space.
+pub fn add_allocated(
+    snapshot: &mut Snapshot,
+    totals: &[(u64, StackTotals)],
+    owner: impl Fn(u64) -> Option<u32>,
+    keep_freed: bool,
+) {
+    let allocated: HashMap<u64, Allocated> = totals
+        .iter()
+        .filter(|(stack_id, _)| owner(*stack_id) == Some(snapshot.pid))
+        .map(|(stack_id, totals)| {
+            (*stack_id, Allocated { bytes: totals.allocated_bytes, count: totals.allocated_count })
+        })
+        .collect();
+    for stack in snapshot.stacks.iter_mut().filter(|stack| stack.mapping.is_none()) {
+        stack.allocated = allocated.get(&stack.stack_id).copied();
+    }
+    if keep_freed {
+        let present: std::collections::HashSet<u64> = snapshot.stacks.iter().map(|s| s.stack_id).collect();
+        let freed = allocated.iter().filter(|(stack_id, _)| !present.contains(stack_id));
+        snapshot.stacks.extend(freed.map(|(&stack_id, &allocated)| StackUsage {
+            stack_id,
+            allocated: Some(allocated),
+            ..StackUsage::default()
+        }));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,13 +197,25 @@ mod tests {
     #[test]
     fn totals_keep_the_process_stacks_that_hold_memory() {
         let totals = [
-            (1, StackTotals { bytes: 300, allocations: 3 }),
-            (2, StackTotals { bytes: 0, allocations: 0 }), // all freed
-            (3, StackTotals { bytes: 64, allocations: 1 }), // another process
+            (1, StackTotals { bytes: 300, allocations: 3, allocated_bytes: 500, allocated_count: 5 }),
+            (2, StackTotals { bytes: 0, allocations: 0, allocated_bytes: 64, allocated_count: 2 }), // all freed
+            (3, StackTotals { bytes: 64, allocations: 1, allocated_bytes: 64, allocated_count: 1 }), // another process
         ];
         let owner = |id| Some(if id == 3 { 8 } else { 7 });
-        let snapshot = from_totals(7, 0, &totals, owner, HealthCounters::default());
+        let mut snapshot = from_totals(7, 0, &totals, owner, HealthCounters::default());
         assert_eq!(snapshot.stacks.len(), 1);
         assert_eq!((snapshot.stacks[0].stack_id, snapshot.stacks[0].bytes), (1, 300));
+        add_allocated(&mut snapshot, &totals, owner, false);
+        assert_eq!(snapshot.stacks[0].allocated, Some(Allocated { bytes: 500, count: 5 }));
+        assert_eq!(snapshot.stacks.len(), 1, "freed stacks only on request");
+        add_allocated(&mut snapshot, &totals, owner, true);
+        let freed: Vec<_> = snapshot.stacks.iter().map(|s| (s.stack_id, s.bytes, s.allocated)).collect();
+        assert_eq!(
+            freed,
+            [
+                (1, 300, Some(Allocated { bytes: 500, count: 5 })),
+                (2, 0, Some(Allocated { bytes: 64, count: 2 }))
+            ]
+        );
     }
 }

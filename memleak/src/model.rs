@@ -47,6 +47,16 @@ pub struct StackUsage {
     pub outstanding: Vec<OutstandingAllocation>,
     /// For mmap regions: which kind; `None` for malloc & co.
     pub mapping: Option<MappingKind>,
+    /// What the stack allocated since attach, when that is tracked.
+    pub allocated: Option<Allocated>,
+}
+
+/// What a stack allocated since memleak attached, freed or not: pprof's
+/// alloc_space and alloc_objects.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocated {
+    pub bytes: u64,
+    pub count: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

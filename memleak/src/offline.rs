@@ -2,7 +2,7 @@
 //! rendered or compared later, without root and without the process.
 
 use crate::{
-    cli::{DiffArgs, Offline, Rendering, ReportArgs},
+    cli::{DiffArgs, Format, Offline, Rendering, ReportArgs},
     report::{diff::Diff, output::Output, snapshot},
 };
 
@@ -19,6 +19,9 @@ fn report(args: ReportArgs) -> anyhow::Result<()> {
         report.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
     }
     report.keep_top(args.sort, args.rendering.stacks_kept());
+    if args.rendering.format() != Format::Pprof {
+        report.drop_freed_stacks();
+    }
     let mut output = open(&args.rendering)?;
     if output.report(&report)? {
         output.finish()?;

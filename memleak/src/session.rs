@@ -349,6 +349,9 @@ async fn trace(
                     report.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
                 }
                 report.keep_top(args.sort, args.rendering.stacks_kept());
+                if args.format() != Format::Pprof {
+                    report.drop_freed_stacks();
+                }
             }
             if skip_output {
                 continue;
@@ -448,18 +451,24 @@ fn take_report(
     let now_ns = monotonic_ns();
     let counters = tracer.counters()?;
     let options = CollectOptions {
-        min_age_ns: if args.combined_only { 0 } else { args.older.saturating_mul(1_000_000) },
+        min_age_ns: args.older.unwrap_or(0).saturating_mul(1_000_000),
         // A snapshot keeps each allocation.
         keep_allocations: args.show_allocs || args.save.is_some(),
     };
-    let mut snapshot = if args.combined_only {
-        let totals = tracer.stack_totals()?;
-        stacks.ensure(tracer, totals.iter().map(|(id, _)| *id))?;
-        collector::from_totals(target.pid, time_unix_ms, &totals, |id| stacks.owner(id), counters)
-    } else {
+    // Each allocation is read only when its age or address is wanted: the
+    // totals are one map entry per stack.
+    let per_allocation = options.keep_allocations || args.older.is_some();
+    let totals = tracer.stack_totals()?;
+    stacks.ensure(tracer, totals.iter().map(|(id, _)| *id))?;
+    let mut snapshot = if per_allocation {
         let allocations = tracer.allocations()?;
         collector::aggregate(target.pid, time_unix_ms, now_ns, &allocations, counters, options)
+    } else {
+        collector::from_totals(target.pid, time_unix_ms, &totals, |id| stacks.owner(id), counters)
     };
+    // pprof's alloc_space includes stacks whose every allocation was freed.
+    let keep_freed = args.format() == Format::Pprof;
+    collector::add_allocated(&mut snapshot, &totals, |id| stacks.owner(id), keep_freed);
     let Target { program, plan, namespace_pid, symbolizer, trends, regions, .. } = target;
     stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;
     collector::add_regions(&mut snapshot, regions, now_ns, options, args.all_mmaps, |region| {
@@ -493,9 +502,10 @@ fn take_report(
     Ok(report)
 }
 
-/// The file mappings the report's frames fall in, each once.
+/// The program's code and the file mappings the report's frames fall in,
+/// each once.
 fn modules_of(report: &Report, modules: &mut ProcessModules) -> Vec<ModuleMapping> {
-    let mut found: Vec<ModuleMapping> = Vec::new();
+    let mut found: Vec<ModuleMapping> = modules.executable_mapping(&report.program).into_iter().collect();
     for frame in report.stacks.iter().flat_map(|stack| &stack.frames) {
         if found.iter().any(|module| module.start <= frame.address && frame.address < module.end) {
             continue;

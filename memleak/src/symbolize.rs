@@ -32,6 +32,7 @@ struct Mapping {
     end: u64,
     /// File offset of `start`.
     offset: u64,
+    executable: bool,
     /// The file as the target names it.
     path: String,
     file: Arc<File>,
@@ -85,7 +86,7 @@ impl ProcessModules {
         let (start, end) = range.split_once('-')?;
         let start = u64::from_str_radix(start, 16).ok()?;
         let end = u64::from_str_radix(end, 16).ok()?;
-        let _permissions = fields.next()?;
+        let executable = fields.next()?.contains('x');
         let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
         let identity = format!("{} {}", fields.next()?, fields.next()?);
         let file = match self.files.get(&identity) {
@@ -96,7 +97,7 @@ impl ProcessModules {
                 file
             }
         };
-        Some(Mapping { start, end, offset, path, file })
+        Some(Mapping { start, end, offset, executable, path, file })
     }
 
     /// Opens a mapped file the way that works even for deleted files and
@@ -108,6 +109,17 @@ impl ProcessModules {
     /// The mapping `address` falls in, with the build id of its file.
     pub fn module_mapping(&mut self, address: u64) -> Option<ModuleMapping> {
         let mapping = self.find(address)?.clone();
+        Some(self.describe(mapping))
+    }
+
+    /// The executable code of the file at `path`, as the process names it.
+    pub fn executable_mapping(&mut self, path: &str) -> Option<ModuleMapping> {
+        let mapping =
+            self.mappings.iter().find(|mapping| mapping.path == path && mapping.executable)?.clone();
+        Some(self.describe(mapping))
+    }
+
+    fn describe(&mut self, mapping: Mapping) -> ModuleMapping {
         let build_id = self
             .build_ids
             .entry(mapping.path.clone())
@@ -117,13 +129,13 @@ impl ProcessModules {
                 Some(bytes.iter().map(|byte| format!("{byte:02x}")).collect())
             })
             .clone();
-        Some(ModuleMapping {
+        ModuleMapping {
             start: mapping.start,
             end: mapping.end,
             file_offset: mapping.offset,
             path: mapping.path,
             build_id,
-        })
+        }
     }
 
     fn find(&self, address: u64) -> Option<&Mapping> {

@@ -73,6 +73,20 @@ pub fn musl_leaker() -> PathBuf {
 }
 
 /// The line of the fixture that carries `/* ALLOC(marker) */`.
+/// Runs `go tool pprof ARGS PROFILE` and returns what it printed. Go
+/// keeps a cache under $HOME: the profile's directory serves.
+pub fn go_pprof(profile: &Path, args: &[&str]) -> String {
+    let output = Command::new("go")
+        .args(["tool", "pprof"])
+        .args(args)
+        .arg(profile)
+        .env("HOME", profile.parent().expect("a profile in a directory"))
+        .output()
+        .expect("run go tool pprof (cargo xtask test installs golang-go)");
+    assert!(output.status.success(), "go tool pprof {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// The GNU build id of an ELF file, in hex, as readelf prints it.
 pub fn build_id(binary: &Path) -> String {
     let output = Command::new("readelf").arg("-n").arg(binary).output().expect("run readelf");
@@ -231,11 +245,9 @@ pub fn trace_fixture_output_with_env(
 }
 
 fn run_traced_command(command: &str, memleak_args: &[&str], env: &[(&str, &str)]) -> Vec<Value> {
-    // All allocations, all stacks, one report at exit, unless told otherwise.
+    // All allocations (memleak's default: no -o), all stacks, one report at
+    // exit, unless told otherwise.
     let mut args = vec!["-c", command, "--format", "json", "-T", "1000", "3600"];
-    if !memleak_args.contains(&"-o") && !memleak_args.contains(&"--combined-only") {
-        args.extend(["-o", "0"]);
-    }
     args.extend_from_slice(memleak_args);
     let mut memleak = Memleak::start_with_env(&args, env);
     memleak.stderr.wait_for("the fixture to finish", |line| line == "done");

@@ -293,17 +293,7 @@ fn go_tool_pprof_reads_the_profile() {
     let dir = memleak_tests::tempdir::TempDir::new("memleak-pprof");
     raw_output("all", &["--output", dir.path().join("leaks.pb.gz").to_str().unwrap()]);
     let profile = dir.path().join("leaks.1.pb.gz");
-    let pprof = |args: &[&str]| -> String {
-        let output = std::process::Command::new("go")
-            .args(["tool", "pprof"])
-            .args(args)
-            .arg(&profile)
-            .env("HOME", dir.path())
-            .output()
-            .expect("run go tool pprof (cargo xtask test installs golang-go)");
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
+    let pprof = |args: &[&str]| memleak_tests::go_pprof(&profile, args);
     let top = pprof(&["-top", "-unit=byte"]);
     assert!(top.contains("of 17264B total"), "{top}");
     let row = |function: &str| {
@@ -325,4 +315,30 @@ fn go_tool_pprof_reads_the_profile() {
     let raw = pprof(&["-raw"]);
     let mappings = raw.split("Mappings\n").nth(1).unwrap_or("");
     assert!(mappings.lines().any(|line| line.contains("/libc.so.6 ")), "{mappings}");
+}
+
+/// alloc_space and alloc_objects count what was allocated since attach,
+/// freed or not: churn's 10000 blocks, all freed, and its one leak.
+#[test]
+fn pprof_profiles_count_what_was_allocated_too() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-pprof-alloc");
+    raw_output("churn", &["--output", dir.path().join("churn.pb.gz").to_str().unwrap()]);
+    let profile = dir.path().join("churn.1.pb.gz");
+    let line = memleak_tests::marker_line("leaker", "churn");
+    // 16 + i % 512 bytes for i in 0..10000.
+    let churned: u64 = (0..10_000).map(|i| 16 + i % 512).sum();
+    let allocated =
+        memleak_tests::go_pprof(&profile, &["-top", "-lines", "-unit=byte", "-sample_index=alloc_space"]);
+    let row =
+        format!("churn {}:{line}", memleak_tests::workspace_root().join("tests/fixtures/leaker.c").display());
+    assert!(
+        allocated
+            .lines()
+            .any(|text| text.trim_start().starts_with(&format!("{churned}B ")) && text.ends_with(&row)),
+        "{row} allocated {churned} bytes: {allocated}"
+    );
+    let objects = memleak_tests::go_pprof(&profile, &["-top", "-sample_index=alloc_objects"]);
+    assert!(objects.contains("\n     10001   100%   100%      10001   100%  churn\n"), "{objects}");
+    let in_use = memleak_tests::go_pprof(&profile, &["-top", "-unit=byte"]);
+    assert!(in_use.contains("Type: inuse_space") && in_use.contains("of 77B total"), "{in_use}");
 }

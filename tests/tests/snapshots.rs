@@ -129,23 +129,12 @@ fn a_diff_shows_exactly_what_leaked_between_two_snapshots() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let top = go_pprof_top(&profile, dir.path());
+    let top = memleak_tests::go_pprof(&profile, &["-top", "-unit=byte"]);
     assert!(top.contains("of 16384B total"), "{top}");
     assert!(
         top.lines().any(|line| line.trim_start().starts_with("16384B") && line.ends_with("step_leak")),
         "{top}"
     );
-}
-
-fn go_pprof_top(profile: &Path, home: &Path) -> String {
-    let output = Command::new("go")
-        .args(["tool", "pprof", "-top", "-unit=byte"])
-        .arg(profile)
-        .env("HOME", home)
-        .output()
-        .expect("run go tool pprof (cargo xtask test installs golang-go)");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// One snapshot to mangle, saved once per test.

@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use crate::{
     cli::SortKey,
     model::{
-        Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation, Snapshot,
-        StackUsage,
+        Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
+        Snapshot, StackUsage,
     },
     trend::Trend,
 };
@@ -75,6 +75,9 @@ pub struct ReportStack {
     pub trend: Trend,
     /// For mmap regions, which kind; null for malloc & co.
     pub mapping: Option<MappingKind>,
+    /// What the stack allocated since attach, freed or not, when tracked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated: Option<Allocated>,
     /// Each allocation, with -a.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub outstanding: Vec<OutstandingAllocation>,
@@ -105,7 +108,7 @@ impl Report {
         let scale = |usage: &StackUsage| if usage.mapping.is_some() { 1 } else { sampled };
         let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
         let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
-        let total_stacks = snapshot.stacks.len();
+        let total_stacks = snapshot.stacks.iter().filter(|stack| stack.allocations > 0).count();
         let mut stacks: Vec<ReportStack> = snapshot
             .stacks
             .into_iter()
@@ -122,6 +125,10 @@ impl Report {
                     stack_lost: lost_stack_owner(usage.stack_id).is_some(),
                     trend,
                     mapping: usage.mapping,
+                    allocated: usage.allocated.map(|allocated| Allocated {
+                        bytes: allocated.bytes * scale,
+                        count: allocated.count * scale,
+                    }),
                     outstanding: usage.outstanding,
                 }
             })
@@ -154,6 +161,12 @@ impl Report {
     pub fn keep_top(&mut self, sort: SortKey, top: usize) {
         sort_stacks(&mut self.stacks, sort);
         self.stacks.truncate(top);
+    }
+
+    /// Drops the stacks that hold nothing now, kept only for what they
+    /// allocated (pprof's alloc_space).
+    pub fn drop_freed_stacks(&mut self) {
+        self.stacks.retain(|stack| stack.allocations > 0);
     }
 }
 

@@ -4,7 +4,8 @@
 //! dependency and its build step.
 //!
 //! Sample types are inuse_objects and inuse_space (outstanding count and
-//! bytes). Frames sharing an address (a function and what was inlined
+//! bytes), after alloc_objects and alloc_space (made since attach, freed
+//! or not) when every stack has them. Frames sharing an address (a function and what was inlined
 //! into it) become one Location with several Lines, innermost first, as
 //! pprof expects.
 
@@ -16,14 +17,14 @@ use std::{
 use flate2::{write::GzEncoder, Compression};
 
 use super::{diff::Diff, Report};
-use crate::model::{Frame, ModuleMapping};
+use crate::model::{Allocated, Frame, ModuleMapping};
 
 /// What a profile is made of, from a report or from a diff.
 struct Profile<'a> {
     /// (type, unit) of each value of a sample.
-    sample_types: [(&'static str, &'static str); 2],
+    sample_types: Vec<(&'static str, &'static str)>,
     /// Frames innermost first, and one value per sample type.
-    samples: Vec<(&'a [Frame], [i64; 2])>,
+    samples: Vec<(&'a [Frame], Vec<i64>)>,
     /// The main binary first: pprof takes the first mapping for it.
     mappings: Vec<&'a ModuleMapping>,
     time_unix_ms: u64,
@@ -32,6 +33,7 @@ struct Profile<'a> {
 }
 
 const INUSE: [(&str, &str); 2] = [("inuse_objects", "count"), ("inuse_space", "bytes")];
+const ALLOC: [(&str, &str); 2] = [("alloc_objects", "count"), ("alloc_space", "bytes")];
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     write_gzipped(&encode_report(report), out)
@@ -42,11 +44,11 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
 /// -diff_base` shows.
 pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let profile = Profile {
-        sample_types: INUSE,
+        sample_types: INUSE.to_vec(),
         samples: diff
             .stacks
             .iter()
-            .map(|stack| (&stack.frames[..], [stack.delta_allocations, stack.delta_bytes]))
+            .map(|stack| (&stack.frames[..], vec![stack.delta_allocations, stack.delta_bytes]))
             .collect(),
         mappings: main_binary_first(&diff.modules, &diff.new.program),
         time_unix_ms: diff.new.time_unix_ms,
@@ -57,13 +59,33 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
 
 /// The uncompressed profile.proto message of a report.
 pub fn encode_report(report: &Report) -> Vec<u8> {
+    // alloc_* only when every stack has them: mmap regions do not.
+    let allocated: Option<Vec<Allocated>> = report.stacks.iter().map(|stack| stack.allocated).collect();
+    let (sample_types, samples) = match allocated {
+        Some(allocated) if !allocated.is_empty() => (
+            ALLOC.iter().chain(&INUSE).copied().collect(),
+            report
+                .stacks
+                .iter()
+                .zip(allocated)
+                .map(|(stack, allocated)| {
+                    let values = [allocated.count, allocated.bytes, stack.allocations, stack.bytes];
+                    (&stack.frames[..], values.map(|value| value as i64).to_vec())
+                })
+                .collect(),
+        ),
+        _ => (
+            INUSE.to_vec(),
+            report
+                .stacks
+                .iter()
+                .map(|stack| (&stack.frames[..], vec![stack.allocations as i64, stack.bytes as i64]))
+                .collect(),
+        ),
+    };
     let profile = Profile {
-        sample_types: INUSE,
-        samples: report
-            .stacks
-            .iter()
-            .map(|stack| (&stack.frames[..], [stack.allocations as i64, stack.bytes as i64]))
-            .collect(),
+        sample_types,
+        samples,
         mappings: main_binary_first(&report.modules, &report.program),
         time_unix_ms: report.time_unix_ms,
         duration_ns: 0,
@@ -86,7 +108,7 @@ fn main_binary_first<'a>(modules: &'a [ModuleMapping], program: &str) -> Vec<&'a
 fn encode(input: &Profile) -> Vec<u8> {
     let mut strings = Strings::default();
     let mut profile = Vec::new();
-    for (kind, unit) in input.sample_types {
+    for &(kind, unit) in &input.sample_types {
         let mut value_type = Vec::new();
         field_varint(&mut value_type, 1, strings.index(kind));
         field_varint(&mut value_type, 2, strings.index(unit));
@@ -145,7 +167,8 @@ fn encode(input: &Profile) -> Vec<u8> {
         field_packed(&mut sample, 1, &location_ids);
         // int64 values: a negative one is its two's complement, as protobuf
         // encodes int64.
-        field_packed(&mut sample, 2, &values.map(|value| value as u64));
+        let values: Vec<u64> = values.iter().map(|&value| value as u64).collect();
+        field_packed(&mut sample, 2, &values);
         field_bytes(&mut profile, 2, &sample); // sample
     }
     for (index, mapping) in input.mappings.iter().enumerate() {
@@ -174,7 +197,7 @@ fn encode(input: &Profile) -> Vec<u8> {
     if input.duration_ns > 0 {
         field_varint(&mut profile, 10, input.duration_ns); // duration_nanos
     }
-    let default_type = strings.index(input.sample_types[1].0);
+    let default_type = strings.index("inuse_space");
     field_varint(&mut profile, 14, default_type); // default_sample_type
     for string in &strings.table {
         field_bytes(&mut profile, 6, string.as_bytes()); // string_table

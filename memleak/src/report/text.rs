@@ -59,10 +59,14 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
     } else {
         String::new()
     };
+    let older = match report.min_age_ms {
+        0 => String::new(),
+        ms => format!(" older than {ms} ms"),
+    };
     writeln!(
         out,
-        "Outstanding: {} bytes in {} allocations older than {} ms{shown}",
-        report.total_bytes, report.total_allocations, report.min_age_ms,
+        "Outstanding: {} bytes in {} allocations{older}{shown}",
+        report.total_bytes, report.total_allocations,
     )?;
     writeln!(
         out,
@@ -96,7 +100,7 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
 /// What grew and what shrank between two snapshots, growth first.
 pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let (base, new) = (&diff.base, &diff.new);
-    let seconds = new.time_unix_ms.abs_diff(base.time_unix_ms) / 1000;
+    let seconds = (new.time_unix_ms.abs_diff(base.time_unix_ms) + 500) / 1000;
     let later = if new.time_unix_ms >= base.time_unix_ms { "later" } else { "earlier" };
     writeln!(
         out,
