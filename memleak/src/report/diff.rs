@@ -160,6 +160,7 @@ pub(crate) mod tests {
             stack_lost: false,
             trend: Default::default(),
             mapping: None,
+            allocated: None,
             outstanding: Vec::new(),
         }
     }
