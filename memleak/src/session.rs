@@ -272,7 +272,8 @@ fn start_command(
     match prepared {
         Ok((plan, tracer)) => {
             let pid = gated.pid;
-            let program = gated.program.display().to_string();
+            let program = std::fs::canonicalize(&gated.program).unwrap_or_else(|_| gated.program.clone());
+            let program = program.display().to_string();
             let command = gated.release(events)?;
             // Not /proc/PID/exe: the command may not have reached its exec yet.
             Ok((tracer, Target { program, ..Target::new(pid, plan) }, command))
