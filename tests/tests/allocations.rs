@@ -306,6 +306,8 @@ fn go_tool_pprof_reads_the_profile() {
         objects.lines().any(|line| line.trim_start().starts_with("3 ") && line.ends_with("leak_calloc")),
         "{objects}"
     );
+    let svg = pprof(&["-svg"]);
+    assert!(svg.contains("<svg") && svg.contains("leak_malloc"), "a call graph drawn by graphviz: {svg}");
     let traces = pprof(&["-traces"]);
     assert!(traces.contains("leak_malloc") && traces.contains("main"), "whole stacks: {traces}");
     // Mappings name the binaries, the program's first, with build ids.

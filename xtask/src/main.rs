@@ -128,9 +128,9 @@ fn demo() -> Result<()> {
 
 /// Debian packages the end-to-end tests use: compilers for the fixtures
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
-/// are run with, redis-server as a real program, and go tool pprof to read
-/// memleak's profiles.
-const TEST_PACKAGES: [&str; 9] = [
+/// are run with, redis-server as a real program, and go tool pprof (with
+/// graphviz for its -svg) to read memleak's profiles.
+const TEST_PACKAGES: [&str; 10] = [
     "gcc",
     "g++",
     "libc6-dev",
@@ -140,6 +140,7 @@ const TEST_PACKAGES: [&str; 9] = [
     "libmimalloc2.0",
     "redis-server",
     "golang-go",
+    "graphviz",
 ];
 
 fn test(test_args: &[String]) -> Result<()> {
