@@ -65,7 +65,8 @@ fn a_snapshot_renders_later_in_every_format() {
     let folded = offline_stdout(&["report", path(&snapshot), "--format", "folded"]);
     assert!(folded.lines().any(|line| line.ends_with(";all;leak_malloc 3000")), "{folded}");
     let svg = offline_stdout(&["report", path(&snapshot), "--format", "svg"]);
-    assert!(svg.starts_with("<?xml") && svg.contains("leak_calloc"), "an SVG flame graph");
+    let titles = memleak_tests::svg_titles(&svg);
+    assert!(titles.iter().any(|title| title.starts_with("leak_calloc (3,000 bytes, ")), "{titles:#?}");
 }
 
 /// A diff of two snapshots of one run: exactly what leaked in between.
@@ -120,7 +121,11 @@ fn a_diff_shows_exactly_what_leaked_between_two_snapshots() {
         "two columns, base then new: {folded}"
     );
     let svg = offline_stdout(&["diff", path(&base), path(&new), "--format", "svg"]);
-    assert!(svg.starts_with("<?xml") && svg.contains("step_leak"), "a differential flame graph");
+    let titles = memleak_tests::svg_titles(&svg);
+    // Widths are the new snapshot's; the title gives the growth.
+    let step = titles.iter().find(|title| title.starts_with("step_leak (")).expect("step_leak is drawn");
+    // inferno gives the change as a share of the new width: 16384 of 24576.
+    assert_eq!(step, "step_leak (24,576 bytes, 100.00%; +66.67%)");
 
     // go tool pprof reads the growth as a profile.
     let profile = dir.path().join("growth.pb.gz");
