@@ -138,6 +138,11 @@ impl ProcessModules {
         }
     }
 
+    /// `address` is in a file mapped without execute permission.
+    fn is_data(&self, address: u64) -> bool {
+        self.find(address).is_some_and(|mapping| !mapping.executable)
+    }
+
     fn find(&self, address: u64) -> Option<&Mapping> {
         let index = self.mappings.partition_point(|mapping| mapping.start <= address);
         let mapping = self.mappings.get(index.checked_sub(1)?)?;
@@ -185,9 +190,12 @@ impl StackSymbolizer {
     /// Symbolizes and caches a stack given as return addresses, innermost
     /// first, zero-terminated.
     pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64]) -> Arc<[Frame]> {
+        // A return address in a file's data, not its code, is what a frame
+        // pointer walk finds past code built without frame pointers: the
+        // stack is not known beyond it.
         let mut frames: Vec<Frame> = addresses
             .iter()
-            .take_while(|&&address| address != 0)
+            .take_while(|&&address| address != 0 && !self.modules.is_data(address))
             .flat_map(|&address| self.frames_at(address))
             .collect();
         if self.kernel {

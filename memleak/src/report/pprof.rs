@@ -30,6 +30,8 @@ struct Profile<'a> {
     time_unix_ms: u64,
     /// The period between the profiles a diff compares, in ns.
     duration_ns: u64,
+    /// One allocation in this many was recorded (values are scaled up).
+    sample_rate: u32,
 }
 
 const INUSE: [(&str, &str); 2] = [("inuse_objects", "count"), ("inuse_space", "bytes")];
@@ -53,6 +55,7 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
         mappings: main_binary_first(&diff.modules, &diff.new.program),
         time_unix_ms: diff.new.time_unix_ms,
         duration_ns: diff.new.time_unix_ms.saturating_sub(diff.base.time_unix_ms).saturating_mul(1_000_000),
+        sample_rate: 1,
     };
     write_gzipped(&encode(&profile), out)
 }
@@ -89,6 +92,7 @@ pub fn encode_report(report: &Report) -> Vec<u8> {
         mappings: main_binary_first(&report.modules, &report.program),
         time_unix_ms: report.time_unix_ms,
         duration_ns: 0,
+        sample_rate: report.sample_rate,
     };
     encode(&profile)
 }
@@ -129,8 +133,10 @@ fn encode(input: &Profile) -> Vec<u8> {
         for frames_at_address in frames.chunk_by(|a, b| a.address == b.address) {
             let address = frames_at_address[0].address;
             let mut lines = Vec::new();
-            for frame in frames_at_address {
-                let name = frame.function.clone().unwrap_or_else(|| format!("{address:#x}"));
+            // An address with no symbol gets no Line: the location stays a
+            // bare address in its mapping, which pprof shows as such.
+            let named = frames_at_address.iter().filter_map(|frame| Some((frame, frame.function.clone()?)));
+            for (frame, name) in named {
                 let file = frame.file.clone().or_else(|| frame.module.clone()).unwrap_or_default();
                 let next_id = functions.len() as u64 + 1;
                 let function_id = *functions.entry((name.clone(), file.clone())).or_insert_with(|| {
@@ -197,6 +203,12 @@ fn encode(input: &Profile) -> Vec<u8> {
     if input.duration_ns > 0 {
         field_varint(&mut profile, 10, input.duration_ns); // duration_nanos
     }
+    // As Go's heap profiles say it: what the samples count, and how often.
+    let mut period_type = Vec::new();
+    field_varint(&mut period_type, 1, strings.index("space"));
+    field_varint(&mut period_type, 2, strings.index("bytes"));
+    field_bytes(&mut profile, 11, &period_type); // period_type
+    field_varint(&mut profile, 12, u64::from(input.sample_rate.max(1))); // period
     let default_type = strings.index("inuse_space");
     field_varint(&mut profile, 14, default_type); // default_sample_type
     for string in &strings.table {
