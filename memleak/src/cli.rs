@@ -120,7 +120,8 @@ pub struct Args {
 
     /// Also save each report whole (every stack, each allocation, the
     /// symbolized frames) to FILE, for `memleak report` and `memleak diff`.
-    /// Unless COUNT is 1, files are numbered: heap.1.snap, heap.2.snap...
+    /// Unless there is one report (COUNT 1, one process), files are
+    /// numbered: heap.1.snap, heap.2.snap...
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
 
@@ -144,7 +145,7 @@ pub struct Rendering {
 
     /// Write reports to this file instead of stdout. Text, JSON and folded
     /// reports go to one file, put in place when memleak ends; SVG and pprof
-    /// are a file per report, numbered unless COUNT is 1.
+    /// are a file per report, numbered unless there is one report.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
 

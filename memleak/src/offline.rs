@@ -2,7 +2,7 @@
 //! rendered or compared later, without root and without the process.
 
 use crate::{
-    cli::{DiffArgs, Format, Offline, Rendering, ReportArgs},
+    cli::{DiffArgs, Offline, Rendering, ReportArgs},
     report::{diff::Diff, output::Output, snapshot},
 };
 
@@ -15,13 +15,8 @@ pub fn run(offline: Offline) -> anyhow::Result<()> {
 
 fn report(args: ReportArgs) -> anyhow::Result<()> {
     let mut report = snapshot::load(&args.snapshot)?;
-    if !args.show_allocs {
-        report.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
-    }
-    report.keep_top(args.sort, args.rendering.stacks_kept());
-    if args.rendering.format() != Format::Pprof {
-        report.drop_freed_stacks();
-    }
+    let rendering = &args.rendering;
+    report.cut_for_display(args.sort, rendering.stacks_kept(), rendering.format(), args.show_allocs);
     let mut output = open(&args.rendering)?;
     if output.report(&report)? {
         output.finish()?;

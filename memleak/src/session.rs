@@ -79,7 +79,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // Before anything is attached too: a file that may not be overwritten
     // or cannot be written is an error now, not after the run.
     let rendering = &args.rendering;
-    let several = args.count.is_none_or(|count| count.get() > 1);
+    // Each report of each process is a file of its own.
+    let several =
+        args.count.is_none_or(|count| count.get() > 1) || args.pid.len() > 1 || args.cgroup.is_some();
     let mut output = Output::open(
         rendering.output.as_deref(),
         rendering.force,
@@ -346,13 +348,8 @@ async fn trace(
             if let Some(saves) = sinks.saves.as_mut() {
                 saves.write(|out| snapshot::write(&report, out))?;
                 // Saved whole; shown as asked.
-                if !args.show_allocs {
-                    report.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
-                }
-                report.keep_top(args.sort, args.rendering.stacks_kept());
-                if args.format() != Format::Pprof {
-                    report.drop_freed_stacks();
-                }
+                let top = args.rendering.stacks_kept();
+                report.cut_for_display(args.sort, top, args.format(), args.show_allocs);
             }
             if skip_output {
                 continue;
@@ -467,8 +464,9 @@ fn take_report(
     } else {
         collector::from_totals(target.pid, time_unix_ms, &totals, |id| stacks.owner(id), counters)
     };
-    // pprof's alloc_space includes stacks whose every allocation was freed.
-    let keep_freed = args.format() == Format::Pprof;
+    // pprof's alloc_space includes stacks whose every allocation was freed;
+    // a snapshot keeps them for a pprof rendering later.
+    let keep_freed = args.format() == Format::Pprof || args.save.is_some();
     collector::add_allocated(&mut snapshot, &totals, |id| stacks.owner(id), keep_freed);
     let Target { program, plan, namespace_pid, symbolizer, trends, regions, .. } = target;
     stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;

@@ -17,7 +17,7 @@ use memleak_common::{lost_stack_owner, ALLOCATOR_FUNCTIONS};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    cli::SortKey,
+    cli::{Format, SortKey},
     model::{
         Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
         Snapshot, StackUsage,
@@ -156,17 +156,23 @@ impl Report {
         }
     }
 
-    /// Re-sorts the stacks and keeps the top N, as `build` does: for a
-    /// report built with every stack (to be saved) and shown cut.
-    pub fn keep_top(&mut self, sort: SortKey, top: usize) {
+    /// Re-sorts the stacks and keeps the top N, as `build` does.
+    fn keep_top(&mut self, sort: SortKey, top: usize) {
         sort_stacks(&mut self.stacks, sort);
         self.stacks.truncate(top);
     }
 
-    /// Drops the stacks that hold nothing now, kept only for what they
-    /// allocated (pprof's alloc_space).
-    pub fn drop_freed_stacks(&mut self) {
-        self.stacks.retain(|stack| stack.allocations > 0);
+    /// Cuts a report built whole (a snapshot) to what is shown: the top N,
+    /// each allocation only with -a, and stacks that hold nothing now (kept
+    /// for what they allocated) only in pprof's alloc_space.
+    pub fn cut_for_display(&mut self, sort: SortKey, top: usize, format: Format, show_allocs: bool) {
+        if !show_allocs {
+            self.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
+        }
+        if format != Format::Pprof {
+            self.stacks.retain(|stack| stack.allocations > 0);
+        }
+        self.keep_top(sort, top);
     }
 }
 
