@@ -1,111 +1,96 @@
-//! `cargo xtask bench`: the malloc-heavy workload untraced and under
-//! memleak, in one invocation, reported as ratios. Ratios, not absolute
-//! times, are what carry across machines.
+//! `cargo xtask bench`: in one invocation, the malloc-heavy workload
+//! untraced, under memleak (full and sampled), under the libbpf-tools probe
+//! set, under heaptrack and under empty probes at memleak's own sites (the
+//! floor), reported as ratios, and memleak's CPU and memory. Ratios, not
+//! absolute times, are what carry across machines. CI does not run this.
 
-use std::{path::Path, process::Command};
+mod empty_probes;
+mod overhead;
+mod process;
+mod workload;
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::Result;
 
-use crate::{build_fixture_with, cargo, require_root, root, run as run_command, setup};
+use self::{
+    overhead::{Contender, Tracer},
+    workload::{ProbePlan, Workload},
+};
+use crate::{
+    build_fixture_with, cargo, install_missing_packages, require_root, root, run as run_command, setup,
+};
 
-/// One timed run of the workload.
-struct Measurement {
-    elapsed_ns: u64,
-    leaked_bytes: u64,
-    /// What memleak reported under leak_one(), for traced runs.
-    reported_bytes: Option<u64>,
+/// How much to measure.
+struct Settings {
+    threads: u32,
+    iterations: u32,
+    runs: usize,
 }
+
+/// Under 2 minutes here, even with the machine busy. Most of the time
+/// goes in memleak's exits: closing each of its uprobes takes about
+/// 100 ms (an RCU grace period), about 2 s a run.
+const QUICK: Settings = Settings { threads: 2, iterations: 20_000, runs: 3 };
+const FULL: Settings = Settings { threads: 2, iterations: 100_000, runs: 5 };
+
+/// One allocation in this many is leaked through leak_one().
+const LEAK_EVERY: u32 = 100;
 
 pub fn run(quick: bool) -> Result<()> {
+    let settings = if quick { QUICK } else { FULL };
     setup::run()?;
     require_root("the benchmark")?;
+    install_missing_packages(&["bpftrace"], "the benchmark")?;
+    // heaptrack is only a comparison: the bench goes on without it.
+    let heaptrack_installed = match install_missing_packages(&["heaptrack"], "the benchmark") {
+        Ok(()) => true,
+        Err(error) => {
+            eprintln!(
+                "bench: heaptrack is missing and could not be installed, going on without it: {error:#}"
+            );
+            false
+        }
+    };
     run_command(cargo().args(["build", "--release", "--package", "memleak"]))?;
-    let workload = build_fixture_with("workload", &["-O2"])?;
-    let memleak = root().join("target/release/memleak");
-    let (threads, iterations, runs) = if quick { (2, 20_000, 3) } else { (2, 100_000, 5) };
-    let workload_args = [threads.to_string(), iterations.to_string(), "100".to_owned()];
+    let scratch = root().join("target/bench");
+    std::fs::create_dir_all(&scratch)?;
+    let workload = Workload {
+        path: build_fixture_with("workload", &["-O2"])?,
+        args: [settings.threads, settings.iterations, LEAK_EVERY].map(|n| n.to_string()).to_vec(),
+        memleak: root().join("target/release/memleak"),
+        scratch,
+    };
+    let plan = ProbePlan::read(&workload)?;
+    let mut contenders = contenders(&workload, &plan, heaptrack_installed)?;
+
     println!(
-        "workload: {threads} threads x {iterations} malloc/free pairs of 16..4096 bytes, 1% leaked via leak_one(); \
-         median of {runs} runs"
+        "workload: {} threads x {} malloc/free pairs of 16..4096 bytes, 1 in {LEAK_EVERY} leaked via \
+         leak_one(); median of {} runs",
+        settings.threads, settings.iterations, settings.runs
     );
+    println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
+    overhead::measure(&mut contenders, &workload, settings.runs)?;
+    overhead::print(&contenders);
+    overhead::print_memleak_usage(&contenders);
 
-    let mut untraced = Vec::new();
-    let mut traced = Vec::new();
-    // Interleaved, so that drift in the machine's speed hits both alike.
-    for run in 1..=runs {
-        eprintln!("bench: run {run}/{runs}");
-        untraced.push(run_untraced(&workload, &workload_args)?);
-        traced.push(run_traced(&memleak, &workload, &workload_args)?);
-    }
-    let base = median(&untraced);
-    let full = median(&traced);
-    let exact = traced.iter().all(|m| m.reported_bytes == Some(m.leaked_bytes));
-    println!();
-    println!("| run | median wall time | slowdown | leaked bytes exact |");
-    println!("|---|---|---|---|");
-    println!("| untraced | {:.1} ms | 1.0x | |", base as f64 / 1e6);
-    println!(
-        "| memleak | {:.1} ms | {:.1}x | {} |",
-        full as f64 / 1e6,
-        full as f64 / base as f64,
-        if exact { "yes".to_owned() } else { describe_misses(&traced) }
-    );
-    if !exact {
-        bail!("memleak's leaked bytes were not exact");
-    }
-    Ok(())
+    overhead::memleak_exact(&contenders)
 }
 
-fn median(measurements: &[Measurement]) -> u64 {
-    let mut times: Vec<u64> = measurements.iter().map(|m| m.elapsed_ns).collect();
-    times.sort_unstable();
-    times[times.len() / 2]
-}
-
-fn describe_misses(traced: &[Measurement]) -> String {
-    let misses: Vec<String> =
-        traced.iter().map(|m| format!("{:?} of {}", m.reported_bytes, m.leaked_bytes)).collect();
-    format!("no: {}", misses.join(", "))
-}
-
-fn run_untraced(workload: &Path, args: &[String]) -> Result<Measurement> {
-    let output = Command::new(workload).args(args).output().context("running the workload")?;
-    parse_workload(&String::from_utf8_lossy(&output.stderr))
-}
-
-fn run_traced(memleak: &Path, workload: &Path, args: &[String]) -> Result<Measurement> {
-    let command = format!("{} {}", workload.display(), args.join(" "));
-    let output = Command::new(memleak)
-        .args(["-c", &command, "--format", "json", "-o", "0", "-T", "1000", "3600"])
-        .output()
-        .context("running memleak")?;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    if !output.status.success() {
-        bail!("memleak failed: {stderr}");
-    }
-    let mut measurement = parse_workload(&stderr)?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let report = stdout.lines().last().context("memleak printed no report")?;
-    measurement.reported_bytes = Some(bytes_from(report, "leak_one")?);
-    Ok(measurement)
-}
-
-/// Reads "elapsed_ns N leaked_bytes N leaked_allocations N".
-fn parse_workload(stderr: &str) -> Result<Measurement> {
-    let line = stderr.lines().find(|line| line.starts_with("elapsed_ns ")).context("no workload summary")?;
-    let numbers: Vec<u64> =
-        line.split_whitespace().skip(1).step_by(2).filter_map(|n| n.parse().ok()).collect();
-    let [elapsed_ns, leaked_bytes, _] = numbers[..] else { bail!("cannot read {line:?}") };
-    Ok(Measurement { elapsed_ns, leaked_bytes, reported_bytes: None })
-}
-
-/// Bytes of the stacks whose first frame is `function`, from a JSON report.
-fn bytes_from(report: &str, function: &str) -> Result<u64> {
-    let report: serde_json::Value = serde_json::from_str(report).context("memleak's report is not JSON")?;
-    let stacks = report["stacks"].as_array().context("no stacks in the report")?;
-    Ok(stacks
-        .iter()
-        .filter(|stack| stack["frames"][0]["function"] == function)
-        .filter_map(|stack| stack["bytes"].as_u64())
-        .sum())
+/// The rows of the overhead table, untraced first.
+fn contenders(workload: &Workload, plan: &ProbePlan, heaptrack_installed: bool) -> Result<Vec<Contender>> {
+    let script = workload.scratch.join("libbpf-tools.bt");
+    std::fs::write(&script, workload::libbpf_tools_script(&plan.libc))?;
+    let heaptrack = if heaptrack_installed {
+        Contender::new("heaptrack", Tracer::Heaptrack)
+    } else {
+        Contender::unavailable("heaptrack", Tracer::Heaptrack, "not installed")
+    };
+    Ok(vec![
+        Contender::new("untraced", Tracer::Untraced),
+        Contender::new("memleak", Tracer::Memleak { sample_rate: 1 }),
+        Contender::new("memleak -s 10", Tracer::Memleak { sample_rate: 10 }),
+        Contender::new("memleak -s 100", Tracer::Memleak { sample_rate: 100 }),
+        Contender::new("libbpf-tools probe set (bpftrace)", Tracer::Bpftrace { script }),
+        heaptrack,
+        Contender::new("empty probes at memleak's sites (floor)", Tracer::EmptyProbes(plan.sites.clone())),
+    ])
 }
