@@ -1,10 +1,14 @@
 //! `cargo xtask bench`: in one invocation, the malloc-heavy workload
 //! untraced, under memleak (full and sampled), under the libbpf-tools probe
 //! set, under heaptrack and under empty probes at memleak's own sites (the
-//! floor), reported as ratios, and memleak's CPU and memory. Ratios, not
-//! absolute times, are what carry across machines. CI does not run this.
+//! floor), reported as ratios; then the time one report takes with up to a
+//! million allocations outstanding, memleak's CPU and memory, and its BPF
+//! maps' memory. Ratios, not absolute times, are what carry across
+//! machines. CI does not run this.
 
 mod empty_probes;
+mod latency;
+mod map_memory;
 mod overhead;
 mod process;
 mod workload;
@@ -24,13 +28,17 @@ struct Settings {
     threads: u32,
     iterations: u32,
     runs: usize,
+    /// Outstanding allocations to measure a report's latency at.
+    latency_allocations: &'static [u64],
 }
 
 /// Under 2 minutes here, even with the machine busy. Most of the time
 /// goes in memleak's exits: closing each of its uprobes takes about
-/// 100 ms (an RCU grace period), about 2 s a run.
-const QUICK: Settings = Settings { threads: 2, iterations: 20_000, runs: 3 };
-const FULL: Settings = Settings { threads: 2, iterations: 100_000, runs: 5 };
+/// 100 ms (an RCU grace period), about 2 s a run; 1M allocations take 40 s.
+const QUICK: Settings =
+    Settings { threads: 2, iterations: 20_000, runs: 3, latency_allocations: &[10_000, 100_000] };
+const FULL: Settings =
+    Settings { threads: 2, iterations: 100_000, runs: 5, latency_allocations: &[10_000, 100_000, 1_000_000] };
 
 /// One allocation in this many is leaked through leak_one().
 const LEAK_EVERY: u32 = 100;
@@ -39,7 +47,7 @@ pub fn run(quick: bool) -> Result<()> {
     let settings = if quick { QUICK } else { FULL };
     setup::run()?;
     require_root("the benchmark")?;
-    install_missing_packages(&["bpftrace"], "the benchmark")?;
+    install_missing_packages(&["bpftrace", "bpftool"], "the benchmark")?;
     // heaptrack is only a comparison: the bench goes on without it.
     let heaptrack_installed = match install_missing_packages(&["heaptrack"], "the benchmark") {
         Ok(()) => true,
@@ -59,6 +67,7 @@ pub fn run(quick: bool) -> Result<()> {
         memleak: root().join("target/release/memleak"),
         scratch,
     };
+    let spread = build_fixture_with("spread", &["-O2"])?;
     let plan = ProbePlan::read(&workload)?;
     let mut contenders = contenders(&workload, &plan, heaptrack_installed)?;
 
@@ -70,7 +79,10 @@ pub fn run(quick: bool) -> Result<()> {
     println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
     overhead::measure(&mut contenders, &workload, settings.runs)?;
     overhead::print(&contenders);
+    let latencies = latency::measure_all(&workload.memleak, &spread, settings.latency_allocations);
+    latency::print(&latencies);
     overhead::print_memleak_usage(&contenders);
+    latency::print_map_memory(&latencies);
 
     overhead::memleak_exact(&contenders)
 }

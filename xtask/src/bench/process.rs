@@ -3,10 +3,12 @@
 //! until probes are attached to them.
 
 use std::{
-    io::{Read, Write as _},
+    io::{BufRead, BufReader, Read, Write as _},
     os::unix::process::ExitStatusExt as _,
     process::{Child, ChildStdin, Command, ExitStatus, Stdio},
+    sync::mpsc::{self, Receiver},
     thread,
+    time::Instant,
 };
 
 use anyhow::{bail, Context as _, Result};
@@ -111,6 +113,33 @@ fn read_in_background(pipe: Option<impl Read + Send + 'static>) -> thread::JoinH
         }
         String::from_utf8_lossy(&text).into_owned()
     })
+}
+
+/// The lines of `pipe`, each with the moment it was read, as they come.
+pub fn lines_as_they_come(pipe: impl Read + Send + 'static) -> Receiver<(Instant, String)> {
+    let (sender, receiver) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if sender.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// Reads lines until one contains `marker`.
+pub fn wait_for_line(reader: &mut impl BufRead, marker: &str) -> Result<()> {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line)? == 0 {
+            bail!("the process ended before it printed {marker:?}");
+        }
+        if line.contains(marker) {
+            return Ok(());
+        }
+    }
 }
 
 fn program_name(command: &Command) -> String {
