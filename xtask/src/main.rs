@@ -77,8 +77,9 @@ pub fn require_root(what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Installs with apt-get whichever of `packages` dpkg does not have.
-fn install_missing_packages(packages: &[&str]) -> Result<()> {
+/// Installs with apt-get whichever of `packages` dpkg does not have;
+/// `purpose` says what for.
+pub fn install_missing_packages(packages: &[&str], purpose: &str) -> Result<()> {
     let installed = |package: &&str| {
         Command::new("dpkg-query")
             .args(["-W", "-f=${Status}", package])
@@ -89,7 +90,7 @@ fn install_missing_packages(packages: &[&str]) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    eprintln!("xtask: installing {} for the tests", missing.join(" "));
+    eprintln!("xtask: installing {} for {purpose}", missing.join(" "));
     run(Command::new("apt-get").arg("update"))?;
     run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(&missing))
 }
@@ -146,7 +147,7 @@ const TEST_PACKAGES: [&str; 10] = [
 fn test(test_args: &[String]) -> Result<()> {
     setup::run()?;
     require_root("the end-to-end tests")?;
-    install_missing_packages(&TEST_PACKAGES)?;
+    install_missing_packages(&TEST_PACKAGES, "the tests")?;
     // The end-to-end tests run the memleak binary this builds.
     run(cargo().args(["build", "--package", "memleak"]))?;
     run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))

@@ -1,0 +1,152 @@
+//! Running the commands the bench measures: to their end, with the CPU
+//! time and peak memory the kernel accounts to them, or held at the start
+//! until probes are attached to them.
+
+use std::{
+    io::{BufRead, BufReader, Read, Write as _},
+    os::unix::process::ExitStatusExt as _,
+    process::{Child, ChildStdin, Command, ExitStatus, Stdio},
+    sync::mpsc::{self, Receiver},
+    thread,
+    time::Instant,
+};
+
+use anyhow::{bail, Context as _, Result};
+
+/// What the kernel accounts to a process and the children it reaped.
+#[derive(Clone, Copy)]
+pub struct Usage {
+    /// User plus system time.
+    pub cpu_ns: u64,
+    pub max_rss_kib: u64,
+}
+
+/// A command that ran to its end.
+pub struct Finished {
+    pub stdout: String,
+    pub stderr: String,
+    pub usage: Usage,
+}
+
+/// Runs `command` to its end, failing with its stderr if it fails.
+pub fn run_to_end(command: &mut Command) -> Result<Finished> {
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run {}", program_name(command)))?;
+    finish(child, command)
+}
+
+/// Runs `program args`, held before its `exec` until `attach(pid)` is
+/// done: for probes that need the process to exist, yet must be in place
+/// before it runs. `attach`'s result lives until the program has ended.
+pub fn run_attached<T>(
+    program: &std::path::Path,
+    args: &[String],
+    attach: impl FnOnce(u32) -> Result<T>,
+) -> Result<Finished> {
+    // The shell's pid becomes the program's: `exec` keeps it.
+    let mut command = Command::new("sh");
+    command.args(["-c", "read -r _ && exec \"$0\" \"$@\""]).arg(program).args(args);
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot run sh")?;
+    let attached = match attach(child.id()) {
+        Ok(attached) => attached,
+        Err(error) => {
+            // Our own child, still waiting on its stdin.
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(error);
+        }
+    };
+    release(&mut child.stdin.take().context("no stdin")?)?;
+    let finished = finish(child, &command);
+    drop(attached);
+    finished
+}
+
+/// Lets a process waiting on its stdin for a line go on.
+pub fn release(stdin: &mut ChildStdin) -> Result<()> {
+    stdin.write_all(b"go\n").context("cannot release the process")
+}
+
+fn finish(mut child: Child, command: &Command) -> Result<Finished> {
+    let stdout = read_in_background(child.stdout.take());
+    let stderr = read_in_background(child.stderr.take());
+    let (status, usage) = wait_with_usage(&child)?;
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
+    if !status.success() {
+        bail!("{} failed with {status}: {}", program_name(command), last_line(&stderr));
+    }
+    Ok(Finished { stdout, stderr, usage })
+}
+
+/// Waits for `child` with wait4, which alone of the wait calls says what
+/// that one child used. The `Child` must not be waited for again.
+fn wait_with_usage(child: &Child) -> Result<(ExitStatus, Usage)> {
+    let pid = i32::try_from(child.id()).context("pid out of range")?;
+    let mut status = 0;
+    // SAFETY: rusage is plain old data; all zeroes is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are to live, writable locals.
+    if unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } < 0 {
+        return Err(std::io::Error::last_os_error()).context("wait4");
+    }
+    let ns = |time: libc::timeval| time.tv_sec as u64 * 1_000_000_000 + time.tv_usec as u64 * 1_000;
+    let usage =
+        Usage { cpu_ns: ns(usage.ru_utime) + ns(usage.ru_stime), max_rss_kib: usage.ru_maxrss as u64 };
+    Ok((ExitStatus::from_raw(status), usage))
+}
+
+fn read_in_background(pipe: Option<impl Read + Send + 'static>) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut text = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut text);
+        }
+        String::from_utf8_lossy(&text).into_owned()
+    })
+}
+
+/// The lines of `pipe`, each with the moment it was read, as they come.
+pub fn lines_as_they_come(pipe: impl Read + Send + 'static) -> Receiver<(Instant, String)> {
+    let (sender, receiver) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if sender.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// Reads lines until one contains `marker`.
+pub fn wait_for_line(reader: &mut impl BufRead, marker: &str) -> Result<()> {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line)? == 0 {
+            bail!("the process ended before it printed {marker:?}");
+        }
+        if line.contains(marker) {
+            return Ok(());
+        }
+    }
+}
+
+fn program_name(command: &Command) -> String {
+    command.get_program().to_string_lossy().into_owned()
+}
+
+/// The last non-empty line of a program's stderr: usually its error.
+pub fn last_line(text: &str) -> &str {
+    text.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("(no output)")
+}
