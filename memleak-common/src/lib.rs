@@ -10,19 +10,38 @@
 /// `perf_event_max_stack`, so `bpf_get_stack` never returns more.
 pub const MAX_STACK_DEPTH: usize = 127;
 
-/// A user stack as `bpf_get_stack` wrote it: return addresses, innermost
-/// first, the unused tail zeroed.
+/// Return addresses, innermost first. Only the first `depth` count: the
+/// rest is whatever the scratch buffer held.
 pub type StackFrames = [u64; MAX_STACK_DEPTH];
 
-/// Key of [`STACKS_MAP`]: the whole stack, so two different stacks can
-/// never share an id, and its process, since equal addresses in two
-/// processes need not mean the same code.
+/// Value of [`STACKS_MAP`]: the whole stack with its process, since equal
+/// addresses in two processes need not mean the same code. A stack's id
+/// is found through [`STACK_IDS_MAP`] by hash, and every hit is checked
+/// against this, so two different stacks never share an id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StackKey {
     pub tgid: u32,
-    pub _padding: u32,
+    /// Frames in `frames`, at most [`MAX_STACK_DEPTH`].
+    pub depth: u32,
     pub frames: StackFrames,
+}
+
+impl StackKey {
+    /// The recorded return addresses.
+    pub fn addresses(&self) -> &[u64] {
+        &self.frames[..(self.depth as usize).min(MAX_STACK_DEPTH)]
+    }
+}
+
+/// Key of [`STACK_IDS_MAP`]: a stack's hash and process. A stack whose
+/// slot holds another stack (a 64-bit collision) tries the next slots.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackSlot {
+    pub tgid: u32,
+    pub _padding: u32,
+    pub hash: u64,
 }
 
 /// The tgid under which kernel allocations are recorded (no process has
@@ -260,8 +279,10 @@ impl Counter {
 
 /// [`AllocationKey`] -> [`Allocation`].
 pub const ALLOCATIONS_MAP: &str = "ALLOCATIONS";
-/// [`StackKey`] -> stack id (u64).
+/// Stack id (u64) -> [`StackKey`].
 pub const STACKS_MAP: &str = "STACKS";
+/// [`StackSlot`] -> stack id (u64).
+pub const STACK_IDS_MAP: &str = "STACK_IDS";
 /// Stack id (u64) -> [`StackTotals`].
 pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
 /// Thread id (u32) -> [`PendingCall`].
@@ -343,6 +364,7 @@ const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 32);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
+const _: () = assert!(core::mem::size_of::<StackSlot>() == 16);
 const _: () = assert!(core::mem::size_of::<StackTotals>() == 32);
 const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<MappingEvent>() == 64);

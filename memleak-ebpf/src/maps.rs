@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use memleak_common::{
-    Allocation, AllocationKey, PendingCall, PendingMapping, StackKey, StackTotals, COUNTER_SLOTS,
+    Allocation, AllocationKey, PendingCall, PendingMapping, StackKey, StackSlot, StackTotals, COUNTER_SLOTS,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -16,11 +16,13 @@ use memleak_common::{
 pub static ALLOCATIONS: HashMap<AllocationKey, Allocation> =
     HashMap::with_max_entries(1_000_000, BPF_F_NO_PREALLOC);
 
-/// (process, whole user stack) -> stack id. Keyed by every frame so that
-/// distinct stacks can never collide (a kernel stack map would drop or
-/// merge them).
+/// Stack id -> (process, whole stack); see `stack`.
 #[map(name = "STACKS")]
-pub static STACKS: HashMap<StackKey, u64> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
+pub static STACKS: HashMap<u64, StackKey> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
+
+/// (process, stack hash) -> stack id; see `stack`.
+#[map(name = "STACK_IDS")]
+pub static STACK_IDS: HashMap<StackSlot, u64> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
 
 /// Stack id -> outstanding bytes and allocations. User space sizes it as
 /// STACKS plus room for each traced process's lost-stack entry.

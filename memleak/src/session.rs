@@ -519,7 +519,7 @@ fn frames_of(symbolizer: &mut StackSymbolizer, stacks: &StackCatalog, stack_id: 
     if let Some(frames) = symbolizer.cached(stack_id) {
         return frames;
     }
-    let addresses = stacks.stacks.get(&stack_id).map_or(&[][..], |key| &key.frames[..]);
+    let addresses = stacks.stacks.get(&stack_id).map_or(&[][..], StackKey::addresses);
     symbolizer.symbolize(stack_id, addresses)
 }
 

@@ -188,7 +188,7 @@ impl StackSymbolizer {
     }
 
     /// Symbolizes and caches a stack given as return addresses, innermost
-    /// first, zero-terminated.
+    /// first.
     pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64]) -> Arc<[Frame]> {
         // A return address in a file's data, not its code, is what a frame
         // pointer walk finds past code built without frame pointers: the

@@ -13,7 +13,7 @@ use aya::{
 };
 use memleak_common::{
     programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackTotals, ALLOCATIONS_MAP,
-    COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, STACKS_MAP, STACK_TOTALS_MAP,
+    COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
 };
 
 use crate::{allocator::AttachPlan, model::HealthCounters};
@@ -113,6 +113,7 @@ impl Tracer {
             .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
             .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
             .map_max_entries(STACKS_MAP, config.max_stacks)
+            .map_max_entries(STACK_IDS_MAP, config.max_stacks)
             .map_max_entries(STACK_TOTALS_MAP, config.max_stacks.saturating_add(config.processes))
             .load(BPF_OBJECT)
             .map_err(
@@ -204,8 +205,8 @@ impl Tracer {
 
     /// Every stored stack, with its id.
     pub fn stacks(&self) -> Result<Vec<(u64, StackKey)>, TracerError> {
-        let map: HashMap<&MapData, StackKey, u64> = self.map(STACKS_MAP)?;
-        Ok(map.iter().filter_map(Result::ok).map(|(key, id)| (id, key)).collect())
+        let map: HashMap<&MapData, u64, StackKey> = self.map(STACKS_MAP)?;
+        Ok(map.iter().filter_map(Result::ok).collect())
     }
 
     /// Outstanding totals of every stack, as the BPF side keeps them.
