@@ -141,18 +141,19 @@ fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
         return; // no pending call, so the return probe does nothing either
     }
     let tid = thread_id();
-    if let Some(pending) = PENDING.get_ptr_mut(tid) {
-        // An allocator entry point called from inside another one: only the
-        // outer call is the program's allocation.
-        // SAFETY: only this thread touches its own entry.
-        unsafe { (*pending).depth += 1 };
-        return;
-    }
     let sampled = tunables::sample() as u32;
     // SAFETY: reads this attachment's cookie: which function was called.
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function };
-    let _ = PENDING.insert(tid, call, 0);
+    // One map operation in the common case, an outer call.
+    if PENDING.insert(tid, call, BPF_NOEXIST as u64) == Err(-EEXIST) {
+        if let Some(pending) = PENDING.get_ptr_mut(tid) {
+            // An allocator entry point called from inside another one: only
+            // the outer call is the program's allocation.
+            // SAFETY: only this thread touches its own entry.
+            unsafe { (*pending).depth += 1 };
+        }
+    }
 }
 
 /// Pops this thread's call; `None` while still inside a nested one.

@@ -6,6 +6,7 @@ use aya_ebpf::{
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
+use crate::stack::LastStack;
 use memleak_common::{
     Allocation, AllocationKey, PendingCall, PendingMapping, StackKey, StackSlot, StackTotals, COUNTER_SLOTS,
 };
@@ -44,6 +45,11 @@ pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SL
 /// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]
 pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(1, 0);
+
+/// The stack this CPU stored or found last, with its id: a loop that
+/// allocates from one place finds its stack here without a hash lookup.
+#[map(name = "LAST_STACK")]
+pub static LAST_STACK: PerCpuArray<LastStack> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
 #[map(name = "STACK_ID_COUNTERS")]

@@ -27,12 +27,21 @@ use memleak_common::{lost_stack_id, Counter, StackFrames, StackKey, StackSlot, M
 
 use crate::{
     counters,
-    maps::{STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
+    maps::{LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
     tunables,
 };
 
 /// Slots a stack may take after its own, for hash collisions.
 const PROBE_SLOTS: u64 = 4;
+
+/// A stack and its id, remembered per CPU.
+#[repr(C)]
+pub struct LastStack {
+    /// 0 until a stack is remembered (ids start at 0).
+    known: u64,
+    id: u64,
+    key: StackKey,
+}
 
 /// Returns the id of the current user stack of process `tgid`, storing
 /// the stack if it is new, or its process's `lost_stack_id` (counted) if
@@ -66,7 +75,20 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     key.tgid = tgid;
     key.depth =
         if user { walk_user_stack(ctx, &mut key.frames)? } else { kernel_stack(ctx, &mut key.frames)? };
-    let hash = hash_of(key);
+    let last = LAST_STACK.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot, like the scratch key.
+    let last: &mut LastStack = unsafe { &mut *last };
+    if last.known != 0 && same_stack(&last.key, key) {
+        return Some(last.id);
+    }
+    let id = find_or_insert(key)?;
+    remember(last, key, id);
+    Some(id)
+}
+
+/// The id of stack `key`, stored under a new id if it is new.
+fn find_or_insert(key: &StackKey) -> Option<u64> {
+    let (tgid, hash) = (key.tgid, hash_of(key));
     for slot in 0..PROBE_SLOTS {
         let slot = StackSlot { tgid, _padding: 0, hash: hash.wrapping_add(slot) };
         match STACK_IDS.get_ptr(&slot) {
@@ -90,6 +112,19 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
         }
     }
     None
+}
+
+fn remember(last: &mut LastStack, key: &StackKey, id: u64) {
+    last.key.tgid = key.tgid;
+    last.key.depth = key.depth;
+    for index in 0..MAX_STACK_DEPTH {
+        if index >= key.depth as usize {
+            break;
+        }
+        last.key.frames[index] = key.frames[index];
+    }
+    last.id = id;
+    last.known = 1;
 }
 
 /// `Some(id)` if stack `id` is `key`.
