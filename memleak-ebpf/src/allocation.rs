@@ -145,31 +145,44 @@ fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
     // SAFETY: reads this attachment's cookie: which function was called.
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function };
-    // One map operation in the common case, an outer call.
-    if PENDING.insert(tid, call, BPF_NOEXIST as u64) == Err(-EEXIST) {
-        if let Some(pending) = PENDING.get_ptr_mut(tid) {
-            // An allocator entry point called from inside another one: only
-            // the outer call is the program's allocation.
-            // SAFETY: only this thread touches its own entry.
-            unsafe { (*pending).depth += 1 };
+    // A thread keeps its entry between calls (at depth 0), so that a call
+    // costs one lookup, not an insert and a delete.
+    match PENDING.get_ptr_mut(tid) {
+        // SAFETY: only this thread touches its own entry.
+        Some(pending) => unsafe {
+            if (*pending).depth > 0 {
+                // An allocator entry point called from inside another one:
+                // only the outer call is the program's allocation.
+                (*pending).depth += 1;
+            } else {
+                *pending = call;
+            }
+        },
+        None => {
+            let _ = PENDING.insert(tid, call, 0);
         }
     }
 }
 
-/// Pops this thread's call; `None` while still inside a nested one.
+/// Ends this thread's call; `None` while still inside a nested one, or
+/// when no call was seen starting (memleak attached during it).
 fn leave() -> Option<PendingCall> {
     let tid = thread_id();
     let pending = PENDING.get_ptr_mut(tid)?;
     // SAFETY: only this thread touches its own entry.
-    let call = unsafe {
-        if (*pending).depth > 1 {
-            (*pending).depth -= 1;
-            return None;
+    unsafe {
+        match (*pending).depth {
+            0 => None,
+            1 => {
+                (*pending).depth = 0;
+                Some(*pending)
+            }
+            _ => {
+                (*pending).depth -= 1;
+                None
+            }
         }
-        *pending
-    };
-    let _ = PENDING.remove(tid);
-    Some(call)
+    }
 }
 
 fn kind_of(raw: u32) -> CallKind {

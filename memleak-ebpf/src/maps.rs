@@ -1,12 +1,12 @@
 //! The maps, sized here for the verifier; user space resizes
 //! ALLOCATIONS and STACKS at load time from --max-allocs and --max-stacks.
 
+use crate::stack::LastStack;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
-use crate::stack::LastStack;
 use memleak_common::{
     Allocation, AllocationKey, PendingCall, PendingMapping, StackKey, StackSlot, StackTotals, COUNTER_SLOTS,
 };
@@ -30,13 +30,11 @@ pub static STACK_IDS: HashMap<StackSlot, u64> = HashMap::with_max_entries(65_536
 #[map(name = "STACK_TOTALS")]
 pub static STACK_TOTALS: HashMap<u64, StackTotals> = HashMap::with_max_entries(65_537, BPF_F_NO_PREALLOC);
 
-/// Thread id -> allocation call in flight. A plain preallocated hash, not
-/// an LRU one: its update and delete cost about 100 ns less per call on
-/// this hot path. An entry left by a thread killed inside malloc stays
-/// until its thread id is reused; 16384 calls in flight at once never
-/// happen, so it cannot fill up.
+/// Thread id -> allocation call in flight, or the thread's idle entry
+/// (depth 0), which its next call reuses in place: no insert or delete per
+/// call. LRU, so that the entries of threads gone make room for new ones.
 #[map(name = "PENDING")]
-pub static PENDING: HashMap<u32, PendingCall> = HashMap::with_max_entries(16_384, 0);
+pub static PENDING: LruHashMap<u32, PendingCall> = LruHashMap::with_max_entries(16_384, 0);
 
 /// Health counters, see `memleak_common::Counter`.
 #[map(name = "COUNTERS")]

@@ -75,7 +75,8 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         event.new_length = call.new_length;
     }
     // malloc & co. in progress on this thread: the allocator's own mapping.
-    event.inside_allocator = PENDING.get_ptr(tid).is_some() as u32;
+    // SAFETY: this thread's own entry.
+    event.inside_allocator = PENDING.get_ptr(tid).is_some_and(|call| unsafe { (*call).depth } > 0) as u32;
     send(event);
     0
 }
