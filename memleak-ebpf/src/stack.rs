@@ -73,8 +73,13 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // program runs; the maps copy it before returning.
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
-    key.depth =
+    let depth =
         if user { walk_user_stack(ctx, &mut key.frames)? } else { kernel_stack(ctx, &mut key.frames)? };
+    // SAFETY: a field of the scratch key. Volatile, so that the depth is
+    // read back from the map, where the verifier knows only its bounds:
+    // otherwise it checks all that follows once per way the walk can end,
+    // which made loading take seconds.
+    unsafe { core::ptr::write_volatile(&mut key.depth, depth) };
     let last = LAST_STACK.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, like the scratch key.
     let last: &mut LastStack = unsafe { &mut *last };
@@ -115,10 +120,11 @@ fn find_or_insert(key: &StackKey) -> Option<u64> {
 }
 
 fn remember(last: &mut LastStack, key: &StackKey, id: u64) {
+    let depth = depth_of(key);
     last.key.tgid = key.tgid;
-    last.key.depth = key.depth;
+    last.key.depth = depth as u32;
     for index in 0..MAX_STACK_DEPTH {
-        if index >= key.depth as usize {
+        if index >= depth {
             break;
         }
         last.key.frames[index] = key.frames[index];
@@ -208,8 +214,9 @@ fn kernel_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Option<u32
 fn hash_of(key: &StackKey) -> u64 {
     const PRIME: u64 = 0x100_0000_01b3;
     let mut hash = (0xcbf2_9ce4_8422_2325 ^ u64::from(key.tgid)).wrapping_mul(PRIME);
+    let depth = depth_of(key);
     for index in 0..MAX_STACK_DEPTH {
-        if index >= key.depth as usize {
+        if index >= depth {
             break;
         }
         hash = (hash ^ key.frames[index]).wrapping_mul(PRIME);
@@ -217,12 +224,19 @@ fn hash_of(key: &StackKey) -> u64 {
     hash
 }
 
+/// `key.depth`, read from memory (see `store_current_stack`).
+fn depth_of(key: &StackKey) -> usize {
+    // SAFETY: a field of a live key.
+    unsafe { core::ptr::read_volatile(&key.depth) as usize }
+}
+
 fn same_stack(a: &StackKey, b: &StackKey) -> bool {
-    if a.tgid != b.tgid || a.depth != b.depth {
+    let depth = depth_of(a);
+    if a.tgid != b.tgid || depth != depth_of(b) {
         return false;
     }
     for index in 0..MAX_STACK_DEPTH {
-        if index >= a.depth as usize {
+        if index >= depth {
             break;
         }
         if a.frames[index] != b.frames[index] {
