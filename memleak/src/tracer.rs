@@ -138,7 +138,11 @@ impl Tracer {
         let scope = NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
         let fail =
             |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
-        for site in &plan.sites {
+        // Frees (and munmap) first: an allocation recorded while its free is
+        // not probed yet would stay outstanding for good.
+        let (frees, allocations): (Vec<_>, Vec<_>) =
+            plan.sites.iter().partition(|site| site.return_program.is_none());
+        for site in frees.into_iter().chain(allocations) {
             // The cookie tells the shared programs which function fired.
             let point = |offset| UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
@@ -164,18 +168,22 @@ impl Tracer {
             detail: error.to_string(),
         })?;
         let percpu_programs: &[&'static str] = if percpu { &programs::KERNEL_PERCPU } else { &[] };
-        for &tracepoint in programs::KERNEL.iter().chain(percpu_programs) {
-            let program: &mut BtfTracePoint = self
-                .ebpf
-                .program_mut(tracepoint)
-                .and_then(|program| program.try_into().ok())
-                .ok_or(TracerError::Missing(tracepoint))?;
-            let missing = |error: ProgramError| TracerError::KernelFeature {
-                feature: format!("the {tracepoint} tracepoint"),
-                detail: error.to_string(),
-            };
-            program.load(tracepoint, &btf).map_err(missing)?;
-            program.attach().map_err(missing)?;
+        let wanted: Vec<&'static str> = programs::KERNEL.iter().chain(percpu_programs).copied().collect();
+        let missing = |tracepoint: &str, error: ProgramError| TracerError::KernelFeature {
+            feature: format!("the {tracepoint} tracepoint"),
+            detail: error.to_string(),
+        };
+        // All loaded before any is attached, and frees attached first: an
+        // allocation recorded while its free is not traced yet would stay
+        // outstanding for good.
+        for &tracepoint in &wanted {
+            let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
+            program.load(tracepoint, &btf).map_err(|error| missing(tracepoint, error))?;
+        }
+        let (frees, allocations): (Vec<_>, Vec<_>) = wanted.iter().partition(|name| name.contains("free"));
+        for &tracepoint in frees.into_iter().chain(allocations) {
+            let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
+            program.attach().map_err(|error| missing(tracepoint, error))?;
             log::debug!("attached to the {tracepoint} tracepoint");
         }
         Ok(())
@@ -246,6 +254,12 @@ impl Tracer {
 fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, TracerError> {
     ebpf.program_mut(name)
         .and_then(|program| <&mut UProbe>::try_from(program).ok())
+        .ok_or(TracerError::Missing(name))
+}
+
+fn btf_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut BtfTracePoint, TracerError> {
+    ebpf.program_mut(name)
+        .and_then(|program| <&mut BtfTracePoint>::try_from(program).ok())
         .ok_or(TracerError::Missing(name))
 }
 
