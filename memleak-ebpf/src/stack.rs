@@ -119,6 +119,7 @@ fn find_or_insert(key: &StackKey) -> Option<u64> {
     None
 }
 
+/// Makes `key`, stored as `id`, this CPU's last stack.
 fn remember(last: &mut LastStack, key: &StackKey, id: u64) {
     let depth = depth_of(key);
     last.key.tgid = key.tgid;
