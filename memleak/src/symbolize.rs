@@ -49,6 +49,9 @@ pub struct ProcessModules {
     files: HashMap<String, Arc<File>>,
     /// Build ids by path, read once.
     build_ids: HashMap<String, Option<String>>,
+    /// Every mapping with execute permission, files and anonymous memory
+    /// (JIT code) alike, sorted: return addresses point there.
+    code: Vec<(u64, u64)>,
 }
 
 impl ProcessModules {
@@ -59,6 +62,7 @@ impl ProcessModules {
             last_maps: String::new(),
             files: HashMap::new(),
             build_ids: HashMap::new(),
+            code: Vec::new(),
         }
     }
 
@@ -76,6 +80,7 @@ impl ProcessModules {
         fresh.extend(kept);
         fresh.sort_by_key(|mapping| mapping.start);
         self.mappings = fresh;
+        self.code = maps.lines().filter_map(code_range).collect();
         self.last_maps = maps;
     }
 
@@ -138,9 +143,15 @@ impl ProcessModules {
         }
     }
 
-    /// `address` is in a file mapped without execute permission.
-    fn is_data(&self, address: u64) -> bool {
-        self.find(address).is_some_and(|mapping| !mapping.executable)
+    /// Whether `address` can be a return address: it is in code the
+    /// process maps, or mapped before (a library since unloaded). Not in
+    /// its data, heap or stacks, and not in memory it never mapped. With
+    /// no mappings known, anything can be.
+    fn may_be_code(&self, address: u64) -> bool {
+        let index = self.code.partition_point(|&(start, _)| start <= address);
+        self.code.is_empty()
+            || index.checked_sub(1).is_some_and(|index| address < self.code[index].1)
+            || self.find(address).is_some_and(|mapping| mapping.executable)
     }
 
     fn find(&self, address: u64) -> Option<&Mapping> {
@@ -148,6 +159,14 @@ impl ProcessModules {
         let mapping = self.mappings.get(index.checked_sub(1)?)?;
         (address < mapping.end).then_some(mapping)
     }
+}
+
+/// The range of a /proc/PID/maps line mapped with execute permission.
+fn code_range(line: &str) -> Option<(u64, u64)> {
+    let mut fields = line.split_whitespace();
+    let (start, end) = fields.next()?.split_once('-')?;
+    let executable = fields.next()?.contains('x');
+    executable.then_some((u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?))
 }
 
 /// Symbolizes stacks of one process, or of the kernel, each once.
@@ -190,12 +209,12 @@ impl StackSymbolizer {
     /// Symbolizes and caches a stack given as return addresses, innermost
     /// first.
     pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64]) -> Arc<[Frame]> {
-        // A return address in a file's data, not its code, is what a frame
-        // pointer walk finds past code built without frame pointers: the
-        // stack is not known beyond it.
+        // A "return address" outside code (in data, the heap, a stack, or
+        // nothing mapped) is what a frame pointer walk finds past code built
+        // without frame pointers: the stack is not known beyond it.
         let mut frames: Vec<Frame> = addresses
             .iter()
-            .take_while(|&&address| address != 0 && !self.modules.is_data(address))
+            .take_while(|&&address| address != 0 && (self.kernel || self.modules.may_be_code(address)))
             .flat_map(|&address| self.frames_at(address))
             .collect();
         if self.kernel {
@@ -272,5 +291,29 @@ impl StackSymbolizer {
             module,
         });
         frames
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn return_addresses_point_into_code() {
+        let maps = "\
+55d0a0000000-55d0a0001000 r--p 00000000 08:01 42 /usr/bin/app
+55d0a0001000-55d0a0002000 r-xp 00001000 08:01 42 /usr/bin/app
+55d0a1000000-55d0a1021000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000010000 rwxp 00000000 00:00 0
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0 [stack]";
+        let mut modules = ProcessModules::new(0);
+        assert!(modules.may_be_code(0x400), "nothing known: anything goes");
+        modules.code = maps.lines().filter_map(code_range).collect();
+        assert!(modules.may_be_code(0x55d0a0001010), "a binary's code");
+        assert!(modules.may_be_code(0x7f0000000100), "JIT code");
+        assert!(!modules.may_be_code(0x55d0a0000010), "a file's read-only data");
+        assert!(!modules.may_be_code(0x55d0a1000070), "the heap");
+        assert!(!modules.may_be_code(0x7ffc00000008), "a stack");
+        assert!(!modules.may_be_code(0x400), "nothing mapped");
     }
 }
