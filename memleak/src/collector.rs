@@ -1,14 +1,12 @@
 //! Turns the raw BPF maps into one `Snapshot` per traced process.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use memleak_common::{Allocation, AllocationKey, StackTotals};
 
-use crate::model::Allocated;
-
 use crate::{
     mappings::{Region, Regions},
-    model::{HealthCounters, MappingKind, OutstandingAllocation, Snapshot, StackUsage},
+    model::{Allocated, HealthCounters, MappingKind, OutstandingAllocation, Snapshot, StackUsage},
 };
 
 /// What to keep of each allocation.
@@ -145,7 +143,7 @@ pub fn add_allocated(
         stack.allocated = allocated.get(&stack.stack_id).copied();
     }
     if keep_freed {
-        let present: std::collections::HashSet<u64> = snapshot.stacks.iter().map(|s| s.stack_id).collect();
+        let present: HashSet<u64> = snapshot.stacks.iter().map(|stack| stack.stack_id).collect();
         let freed = allocated.iter().filter(|(stack_id, _)| !present.contains(stack_id));
         snapshot.stacks.extend(freed.map(|(&stack_id, &allocated)| StackUsage {
             stack_id,
