@@ -243,39 +243,28 @@ pub const FREE_FUNCTIONS: u32 = 1 << 9 | 1 << 12 | 1 << 13 | 1 << 14 | 1 << 15;
 /// call fails, so it is never recorded as an allocation.
 pub const OVERFLOWED_SIZE: u64 = u64::MAX;
 
-/// Health counters, slots of the per-CPU [`COUNTERS_MAP`].
+/// Health counters, slots of the per-CPU [`COUNTERS_MAP`]. Allocations
+/// recorded are not among them: the per-stack totals count those already
+/// ([`StackTotals::allocated_count`]).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
-    /// Allocation calls that returned a block and passed the size filters.
-    Allocations = 0,
     /// Releases seen: free-like calls with a non-NULL pointer, and the old
     /// block of each realloc that gave it up (glibc's realloc(p, 0) also
     /// calls free, so it counts twice).
-    Frees = 1,
+    Frees = 0,
     /// Allocations that returned NULL.
-    FailedAllocations = 2,
+    FailedAllocations = 1,
     /// Allocations not recorded because [`ALLOCATIONS_MAP`] was full.
-    AllocationsNotTracked = 3,
+    AllocationsNotTracked = 2,
     /// Allocations recorded under a [`lost_stack_id`].
-    StacksLost = 4,
+    StacksLost = 3,
     /// --trace or mapping events dropped because a ring buffer was full.
-    EventsLost = 5,
+    EventsLost = 4,
 }
 
 /// Number of slots in [`COUNTERS_MAP`].
-pub const COUNTER_SLOTS: u32 = 6;
-
-impl Counter {
-    pub const ALL: [Counter; COUNTER_SLOTS as usize] = [
-        Counter::Allocations,
-        Counter::Frees,
-        Counter::FailedAllocations,
-        Counter::AllocationsNotTracked,
-        Counter::StacksLost,
-        Counter::EventsLost,
-    ];
-}
+pub const COUNTER_SLOTS: u32 = 5;
 
 /// [`AllocationKey`] -> [`Allocation`].
 pub const ALLOCATIONS_MAP: &str = "ALLOCATIONS";

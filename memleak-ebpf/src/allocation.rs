@@ -141,23 +141,24 @@ fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
         return; // no pending call, so the return probe does nothing either
     }
     let tid = thread_id();
+    // A thread keeps its entry between calls (at depth 0), so that a call
+    // costs one lookup, not an insert and a delete.
+    let pending = PENDING.get_ptr_mut(tid);
+    // SAFETY: only this thread touches its own entry.
+    if let Some(pending) = pending.filter(|pending| unsafe { (**pending).depth } > 0) {
+        // An allocator entry point called from inside another one: only the
+        // outer call is the program's allocation.
+        // SAFETY: as above.
+        unsafe { (*pending).depth += 1 };
+        return;
+    }
     let sampled = tunables::sample() as u32;
     // SAFETY: reads this attachment's cookie: which function was called.
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function };
-    // A thread keeps its entry between calls (at depth 0), so that a call
-    // costs one lookup, not an insert and a delete.
-    match PENDING.get_ptr_mut(tid) {
-        // SAFETY: only this thread touches its own entry.
-        Some(pending) => unsafe {
-            if (*pending).depth > 0 {
-                // An allocator entry point called from inside another one:
-                // only the outer call is the program's allocation.
-                (*pending).depth += 1;
-            } else {
-                *pending = call;
-            }
-        },
+    match pending {
+        // SAFETY: as above.
+        Some(pending) => unsafe { *pending = call },
         None => {
             let _ = PENDING.insert(tid, call, 0);
         }
@@ -200,7 +201,6 @@ fn record(ctx: &RetProbeContext, address: u64, size: u64) {
 
 /// Records an allocation under `key`, with its stack.
 pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
-    counters::increment(Counter::Allocations);
     let allocation = Allocation {
         size,
         // SAFETY: a helper without arguments.

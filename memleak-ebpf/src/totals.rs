@@ -1,7 +1,7 @@
-//! Per-stack outstanding totals, kept in BPF so that a report (and
-//! --combined-only) reads one entry per stack instead of one per
-//! allocation. Updated with atomic adds: many threads of the target
-//! allocate from the same stack at once.
+//! Per-stack totals, kept in BPF so that a report reads one entry per
+//! stack instead of one per allocation: what each stack holds now, and
+//! what it allocated since attach. Updated with atomic adds: many threads
+//! of the target allocate from the same stack at once.
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use memleak_common::StackTotals;

@@ -9,7 +9,9 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use memleak_common::{lost_stack_owner, MappingEvent, StackKey, KERNEL_TGID};
+use memleak_common::{
+    lost_stack_owner, Allocation, AllocationKey, MappingEvent, StackKey, StackTotals, KERNEL_TGID,
+};
 use tokio::{
     signal::unix::{signal, Signal, SignalKind},
     sync::mpsc::{UnboundedReceiver, UnboundedSender},
@@ -23,7 +25,7 @@ use crate::{
     events::{self, EventRing},
     kernel_btf,
     mappings::{self, Regions},
-    model::{Frame, ModuleMapping},
+    model::{Frame, HealthCounters, ModuleMapping},
     report::{
         output::{NumberedFiles, Output},
         snapshot, Report, ReportContext,
@@ -342,9 +344,11 @@ async fn trace(
         let final_round = last || due.is_some() || args.count.is_some_and(|count| printed + 1 >= count.get());
         let skip_output = !sinks.output.takes_every_report() && !final_round;
         let mut reported = Vec::new();
+        // Read once for every process reported on.
+        let maps = MapContents::read(args, tracer)?;
         for target in targets.iter_mut().filter(|target| due.is_none_or(|pid| pid == target.pid)) {
             target.symbolizer.modules.refresh();
-            let mut report = take_report(args, tracer, target, &mut stacks)?;
+            let mut report = take_report(args, tracer, &maps, target, &mut stacks)?;
             if let Some(saves) = sinks.saves.as_mut() {
                 saves.write(|out| snapshot::write(&report, out))?;
                 // Saved whole; shown as asked.
@@ -438,36 +442,64 @@ impl StackCatalog {
     }
 }
 
-fn take_report(
-    args: &Args,
-    tracer: &Tracer,
-    target: &mut Target,
-    stacks: &mut StackCatalog,
-) -> anyhow::Result<Report> {
-    let started = std::time::Instant::now();
-    let time_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    let now_ns = monotonic_ns();
-    let counters = tracer.counters()?;
-    let options = CollectOptions {
+/// What the BPF maps hold at one report round, read once for all the
+/// processes reported on.
+struct MapContents {
+    started: std::time::Instant,
+    time_unix_ms: u64,
+    /// CLOCK_MONOTONIC, the clock of the BPF timestamps.
+    now_ns: u64,
+    counters: HealthCounters,
+    totals: Vec<(u64, StackTotals)>,
+    /// Each allocation, read only when its age or address is wanted: the
+    /// totals are one map entry per stack.
+    allocations: Option<Vec<(AllocationKey, Allocation)>>,
+}
+
+impl MapContents {
+    fn read(args: &Args, tracer: &Tracer) -> anyhow::Result<Self> {
+        let started = std::time::Instant::now();
+        let per_allocation = collect_options(args).keep_allocations || args.older.is_some();
+        let totals = tracer.stack_totals()?;
+        Ok(Self {
+            started,
+            time_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            now_ns: monotonic_ns(),
+            counters: tracer.counters(&totals)?,
+            totals,
+            allocations: if per_allocation { Some(tracer.allocations()?) } else { None },
+        })
+    }
+}
+
+fn collect_options(args: &Args) -> CollectOptions {
+    CollectOptions {
         min_age_ns: args.older.unwrap_or(0).saturating_mul(1_000_000),
         // A snapshot keeps each allocation.
         keep_allocations: args.show_allocs || args.save.is_some(),
-    };
-    // Each allocation is read only when its age or address is wanted: the
-    // totals are one map entry per stack.
-    let per_allocation = options.keep_allocations || args.older.is_some();
-    let totals = tracer.stack_totals()?;
+    }
+}
+
+fn take_report(
+    args: &Args,
+    tracer: &Tracer,
+    maps: &MapContents,
+    target: &mut Target,
+    stacks: &mut StackCatalog,
+) -> anyhow::Result<Report> {
+    let MapContents { time_unix_ms, now_ns, counters, ref totals, .. } = *maps;
+    let options = collect_options(args);
     stacks.ensure(tracer, totals.iter().map(|(id, _)| *id))?;
-    let mut snapshot = if per_allocation {
-        let allocations = tracer.allocations()?;
-        collector::aggregate(target.pid, time_unix_ms, now_ns, &allocations, counters, options)
-    } else {
-        collector::from_totals(target.pid, time_unix_ms, &totals, |id| stacks.owner(id), counters)
+    let mut snapshot = match &maps.allocations {
+        Some(allocations) => {
+            collector::aggregate(target.pid, time_unix_ms, now_ns, allocations, counters, options)
+        }
+        None => collector::from_totals(target.pid, time_unix_ms, totals, |id| stacks.owner(id), counters),
     };
     // pprof's alloc_space includes stacks whose every allocation was freed;
     // a snapshot keeps them for a pprof rendering later.
     let keep_freed = args.format() == Format::Pprof || args.save.is_some();
-    collector::add_allocated(&mut snapshot, &totals, |id| stacks.owner(id), keep_freed);
+    collector::add_allocated(&mut snapshot, totals, |id| stacks.owner(id), keep_freed);
     let Target { program, plan, namespace_pid, symbolizer, trends, regions, .. } = target;
     stacks.ensure(tracer, regions.iter().map(|(_, region)| region.stack_id))?;
     collector::add_regions(&mut snapshot, regions, now_ns, options, args.all_mmaps, |region| {
@@ -490,13 +522,14 @@ fn take_report(
     if args.save.is_some() || args.format() == Format::Pprof {
         report.modules = modules_of(&report, &mut symbolizer.modules);
     }
-    // `cargo xtask bench` reads this line for its report latencies.
+    // `cargo xtask bench` reads this line for its report latencies: from
+    // the maps' reading, for one process, to the report.
     log::debug!(
         "report for pid {}: {} stacks, {} allocations in {} ms",
         report.pid,
         report.total_stacks,
         report.total_allocations,
-        started.elapsed().as_millis()
+        maps.started.elapsed().as_millis()
     );
     Ok(report)
 }

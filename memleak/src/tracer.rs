@@ -224,7 +224,9 @@ impl Tracer {
     }
 
     /// Health counters, summed over CPUs and over every traced process.
-    pub fn counters(&self) -> Result<HealthCounters, TracerError> {
+    /// The allocations recorded come from the per-stack `totals`, which
+    /// count them already.
+    pub fn counters(&self, totals: &[(u64, StackTotals)]) -> Result<HealthCounters, TracerError> {
         let counters: PerCpuArray<&MapData, u64> = self.map(COUNTERS_MAP)?;
         let read = |counter: Counter| -> Result<u64, TracerError> {
             let per_cpu = counters
@@ -232,11 +234,13 @@ impl Tracer {
                 .map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
             Ok(per_cpu.iter().sum())
         };
+        let allocations_not_tracked = read(Counter::AllocationsNotTracked)?;
+        let tracked: u64 = totals.iter().map(|(_, totals)| totals.allocated_count).sum();
         Ok(HealthCounters {
-            allocations: read(Counter::Allocations)?,
+            allocations: tracked + allocations_not_tracked,
             frees: read(Counter::Frees)?,
             failed_allocations: read(Counter::FailedAllocations)?,
-            allocations_not_tracked: read(Counter::AllocationsNotTracked)?,
+            allocations_not_tracked,
             stacks_lost: read(Counter::StacksLost)?,
             events_lost: read(Counter::EventsLost)?,
         })

@@ -17,7 +17,7 @@ use std::{
 use flate2::{write::GzEncoder, Compression};
 
 use super::{diff::Diff, Report};
-use crate::model::{Allocated, Frame, ModuleMapping};
+use crate::model::{Frame, ModuleMapping};
 
 /// What a profile is made of, from a report or from a diff.
 struct Profile<'a> {
@@ -63,29 +63,19 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
 /// The uncompressed profile.proto message of a report.
 pub fn encode_report(report: &Report) -> Vec<u8> {
     // alloc_* only when every stack has them: mmap regions do not.
-    let allocated: Option<Vec<Allocated>> = report.stacks.iter().map(|stack| stack.allocated).collect();
-    let (sample_types, samples) = match allocated {
-        Some(allocated) if !allocated.is_empty() => (
-            ALLOC.iter().chain(&INUSE).copied().collect(),
-            report
-                .stacks
-                .iter()
-                .zip(allocated)
-                .map(|(stack, allocated)| {
-                    let values = [allocated.count, allocated.bytes, stack.allocations, stack.bytes];
-                    (&stack.frames[..], values.map(|value| value as i64).to_vec())
-                })
-                .collect(),
-        ),
-        _ => (
-            INUSE.to_vec(),
-            report
-                .stacks
-                .iter()
-                .map(|stack| (&stack.frames[..], vec![stack.allocations as i64, stack.bytes as i64]))
-                .collect(),
-        ),
-    };
+    let with_allocated = !report.stacks.is_empty() && report.stacks.iter().all(|s| s.allocated.is_some());
+    let sample_types =
+        if with_allocated { ALLOC.iter().chain(&INUSE).copied().collect() } else { INUSE.to_vec() };
+    let samples = report
+        .stacks
+        .iter()
+        .map(|stack| {
+            let allocated = stack.allocated.filter(|_| with_allocated);
+            let values = allocated.into_iter().flat_map(|allocated| [allocated.count, allocated.bytes]);
+            let values = values.chain([stack.allocations, stack.bytes]).map(|value| value as i64).collect();
+            (&stack.frames[..], values)
+        })
+        .collect();
     let profile = Profile {
         sample_types,
         samples,
