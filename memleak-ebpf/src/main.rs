@@ -3,6 +3,12 @@
 //!
 //! The layout of every record and the name of every map and program come
 //! from `memleak-common`, the only contract with user space.
+//!
+//! - `probes`: the entry points, thin, one file per kind of function;
+//! - `calls`: allocator calls in flight between entry and return;
+//! - `record`: recording and forgetting allocations, with `totals`;
+//! - `unwind`: the stack walkers; `stack`: storing a walked stack once;
+//! - `maps`, `tunables`, `counters`, `events`: state and plumbing.
 #![no_std]
 #![no_main]
 // Inline assembly for the atomic add in totals.rs: core's atomics offer no
@@ -10,16 +16,16 @@
 // (RUSTC_BOOTSTRAP) for -Z build-std, and aya-ebpf uses this one too.
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
-mod allocation;
+mod calls;
 mod counters;
 mod events;
-mod free;
-mod kernel;
 mod maps;
-mod mmap;
+mod probes;
+mod record;
 mod stack;
 mod totals;
 mod tunables;
+mod unwind;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -1,7 +1,7 @@
-//! The maps, sized here for the verifier; user space resizes
-//! ALLOCATIONS and STACKS at load time from --max-allocs and --max-stacks.
+//! The maps. The sizes here are what the verifier sees; user space sets
+//! those of ALLOCATIONS, STACKS, STACK_IDS and STACK_TOTALS at load time
+//! from --max-allocs, --max-stacks and the number of processes traced.
 
-use crate::stack::LastStack;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
@@ -26,7 +26,8 @@ pub static STACKS: HashMap<u64, StackKey> = HashMap::with_max_entries(65_536, BP
 pub static STACK_IDS: HashMap<StackSlot, u64> = HashMap::with_max_entries(65_536, BPF_F_NO_PREALLOC);
 
 /// Stack id -> outstanding bytes and allocations. User space sizes it as
-/// STACKS plus room for each traced process's lost-stack entry.
+/// STACKS plus room for the lost-stack entry of each process it may trace
+/// at once.
 #[map(name = "STACK_TOTALS")]
 pub static STACK_TOTALS: HashMap<u64, StackTotals> = HashMap::with_max_entries(65_537, BPF_F_NO_PREALLOC);
 
@@ -53,7 +54,8 @@ pub static LAST_STACK: PerCpuArray<LastStack> = PerCpuArray::with_max_entries(1,
 #[map(name = "STACK_ID_COUNTERS")]
 pub static STACK_ID_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// --trace events for user space; sized by the loader.
+/// --trace events for user space: 1 MiB, about 26,000 events between two
+/// reads; more are counted as lost.
 #[map(name = "EVENTS")]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
 
@@ -64,3 +66,12 @@ pub static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(256 << 10, 0);
 /// Thread id -> mmap or mremap in flight.
 #[map(name = "PENDING_MAPPINGS")]
 pub static PENDING_MAPPINGS: LruHashMap<u32, PendingMapping> = LruHashMap::with_max_entries(16_384, 0);
+
+/// A stack and its id, the value of LAST_STACK.
+#[repr(C)]
+pub struct LastStack {
+    /// 0 until a stack is remembered (ids start at 0).
+    pub known: u64,
+    pub id: u64,
+    pub key: StackKey,
+}

@@ -10,51 +10,33 @@
 //! stack are a full map and PROBE_SLOTS collisions in a row, and both are
 //! counted.
 //!
-//! User stacks are walked here, through the frame pointers, rather than
-//! with `bpf_get_stack`: the helper costs about 0.7 µs per call on this
-//! path, mostly setting up the perf callchain buffer, where a walk of a
-//! few frames costs a fraction of that. Both follow the same chain.
+//! The frames come from a walker in `unwind`; this module only stores
+//! them.
 
-use aya_ebpf::{
-    bindings::{pt_regs, BPF_NOEXIST},
-    helpers::{
-        bpf_probe_read_user,
-        generated::{bpf_get_smp_processor_id, bpf_get_stack},
-    },
-    EbpfContext,
-};
-use memleak_common::{lost_stack_id, Counter, StackFrames, StackKey, StackSlot, MAX_STACK_DEPTH};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_get_smp_processor_id, EbpfContext};
+use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, KERNEL_TGID, MAX_STACK_DEPTH};
 
 use crate::{
     counters,
-    maps::{LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
-    tunables,
+    maps::{LastStack, LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
+    unwind,
 };
 
 /// Slots a stack may take after its own, for hash collisions.
 const PROBE_SLOTS: u64 = 4;
 
-/// A stack and its id, remembered per CPU.
-#[repr(C)]
-pub struct LastStack {
-    /// 0 until a stack is remembered (ids start at 0).
-    known: u64,
-    id: u64,
-    key: StackKey,
-}
-
 /// Returns the id of the current user stack of process `tgid`, storing
 /// the stack if it is new, or its process's `lost_stack_id` (counted) if
 /// it cannot be stored. Only for return probes: there the registers are
 /// the caller's, so its frame is the first.
-pub fn current_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
+pub fn current_user_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
     stack_id(ctx, tgid, true)
 }
 
-/// Like `current_stack_id`, for the kernel stack (kernel allocations are
-/// recorded under tgid 0).
+/// Like `current_user_stack_id`, for the kernel stack (kernel allocations
+/// are recorded under tgid 0).
 pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
-    stack_id(ctx, 0, false)
+    stack_id(ctx, KERNEL_TGID, false)
 }
 
 fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
@@ -73,8 +55,11 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // program runs; the maps copy it before returning.
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
-    let depth =
-        if user { walk_user_stack(ctx, &mut key.frames)? } else { kernel_stack(ctx, &mut key.frames)? };
+    let depth = if user {
+        unwind::walk_user_stack(ctx, &mut key.frames)?
+    } else {
+        unwind::kernel_stack(ctx, &mut key.frames)?
+    };
     // SAFETY: a field of the scratch key. Volatile, so that the depth is
     // read back from the map, where the verifier knows only its bounds:
     // otherwise it checks all that follows once per way the walk can end,
@@ -165,50 +150,6 @@ fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
     } else {
         Inserted::Full
     }
-}
-
-/// The caller's return address, then each saved return address along the
-/// frame-pointer chain, as `bpf_get_stack` would give them. Stops at a
-/// frame pointer that is null, misaligned or does not move up the stack,
-/// or that cannot be read. Returns the number of frames.
-fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Option<u32> {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: a uprobe's context is the task's saved user registers.
-    let (ip, mut frame_pointer) = unsafe { ((*regs).rip, (*regs).rbp) };
-    frames[0] = ip;
-    let depth_limit = tunables::stack_depth() as usize;
-    let mut depth = 1;
-    for index in 1..MAX_STACK_DEPTH {
-        if index >= depth_limit || frame_pointer == 0 || frame_pointer % 8 != 0 {
-            break;
-        }
-        // SAFETY: a read of user memory, which the helper makes fault-safe.
-        let Ok([caller_frame, return_address]) =
-            (unsafe { bpf_probe_read_user(frame_pointer as *const [u64; 2]) })
-        else {
-            break;
-        };
-        if return_address == 0 {
-            break;
-        }
-        frames[index] = return_address;
-        depth = index + 1;
-        if caller_frame <= frame_pointer {
-            break;
-        }
-        frame_pointer = caller_frame;
-    }
-    Some(depth as u32)
-}
-
-/// The kernel stack, through the helper (kernel frames are few and the
-/// helper knows the kernel's own unwinder).
-fn kernel_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Option<u32> {
-    let size = tunables::stack_depth() * 8;
-    // SAFETY: `frames` holds MAX_STACK_DEPTH u64s, and `size` is at most
-    // that many bytes.
-    let copied = unsafe { bpf_get_stack(ctx.as_ptr(), frames.as_mut_ptr().cast(), size, 0) };
-    (copied >= 0).then_some((copied / 8) as u32)
 }
 
 /// FNV-1a over the process and the frames in use.

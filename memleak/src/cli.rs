@@ -1,11 +1,14 @@
-//! Command-line interface. Flags keep the meaning they have in bcc's
-//! memleak, but for `-o`: bcc ages every allocation (500 ms by default),
-//! which means reading each one at every report; memleak reads per-stack
-//! totals unless `-o` is given.
+//! The command line, as clap parses it, and nothing more: `config` turns
+//! it into what each stage needs. Flags keep the meaning they have in
+//! bcc's memleak, but for `-o`: bcc ages every allocation (500 ms by
+//! default), which means reading each one at every report; memleak reads
+//! per-stack totals unless `-o` is given.
 
 use std::{num::NonZeroU64, path::PathBuf, time::Duration};
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
+
+use crate::report::options::{Choice, Format, SortKey, Weight};
 
 /// Trace outstanding allocations of processes (or, without -p and -c, of
 /// the kernel) and print the call stacks that hold the most memory.
@@ -116,6 +119,12 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 127, value_parser = clap::value_parser!(u32).range(1..=127))]
     pub max_stack_depth: u32,
 
+    /// Processes traced at once at most (a cgroup's come and go); more
+    /// are counted and left untraced. Each may hold one entry of kernel
+    /// memory for allocations whose stack could not be stored.
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_processes: u32,
+
     #[command(flatten)]
     pub rendering: Rendering,
 
@@ -125,6 +134,11 @@ pub struct Args {
     /// numbered: heap.1.snap, heap.2.snap...
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
+
+    /// Write what memleak did to FILE, as JSON lines for programs to read:
+    /// each probe placed, and each report's size and how long it took.
+    #[arg(long, value_name = "FILE")]
+    pub stats: Option<PathBuf>,
 
     /// Print debug logs (probe placement, skipped symbols) to stderr.
     #[arg(short, long)]
@@ -157,40 +171,6 @@ pub struct Rendering {
     /// For --format folded and svg: weigh stacks by bytes or by count.
     #[arg(long, value_enum, default_value_t = Weight::Bytes)]
     pub weight: Weight,
-}
-
-impl Rendering {
-    /// --format, else what the --output file's extension names, else text.
-    pub fn format(&self) -> Format {
-        self.format
-            .or_else(|| self.output.as_deref().and_then(crate::report::output::format_of))
-            .unwrap_or(Format::Text)
-    }
-
-    /// How many stacks a report keeps: a flame graph needs every one.
-    pub fn stacks_kept(&self) -> usize {
-        if self.format().wants_every_stack() {
-            usize::MAX
-        } else {
-            self.top
-        }
-    }
-
-    /// `saving`: --save was given, which --force applies to as well.
-    pub fn validate(&self, saving: bool) -> Result<(), String> {
-        if self.force && self.output.is_none() && !saving {
-            return Err("--force is for overwriting the --output (or --save) files: give one".to_owned());
-        }
-        if let (None, Some(output)) = (self.format, &self.output) {
-            if crate::report::output::format_of(output).is_none() {
-                return Err(format!(
-                    "cannot tell the format of {} from its extension (.svg, .pb.gz, .folded, .json, .txt): give --format",
-                    output.display()
-                ));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Work on snapshots saved with --save: no root, no process needed.
@@ -235,55 +215,23 @@ pub struct DiffArgs {
     pub rendering: Rendering,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum SortKey {
-    /// Outstanding bytes, largest first.
-    Size,
-    /// Outstanding allocations, most first.
-    Count,
-    /// Steady growth: the longest run of growing reports first, then the
-    /// fastest growth per report. Finds a slow leak behind big stable
-    /// caches.
-    Growth,
+/// The report vocabulary's choices, offered as clap values with their
+/// descriptions as help.
+macro_rules! choice_values {
+    ($($choice:ty),*) => {$(
+        impl ValueEnum for $choice {
+            fn value_variants<'a>() -> &'a [Self] {
+                <$choice as Choice>::ALL
+            }
+
+            fn to_possible_value(&self) -> Option<PossibleValue> {
+                Some(PossibleValue::new(self.name()).help(self.description()))
+            }
+        }
+    )*};
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    /// bcc-style text.
-    Text,
-    /// One JSON object per report, one per line.
-    Json,
-    /// Collapsed stacks, root first, for flame graph tools; every stack,
-    /// not only the top N.
-    Folded,
-    /// A flame graph, as SVG; every stack.
-    Svg,
-    /// A gzipped pprof profile (profile.proto), for
-    /// go tool pprof, Pyroscope, Parca and speedscope; every stack.
-    Pprof,
-}
-
-impl Format {
-    /// A whole document per report (not a stream): only the final report
-    /// is written, with every stack.
-    pub fn is_document(self) -> bool {
-        matches!(self, Format::Svg | Format::Pprof)
-    }
-
-    /// For flame graph tools: every stack, not the top N.
-    pub fn wants_every_stack(self) -> bool {
-        matches!(self, Format::Folded | Format::Svg | Format::Pprof)
-    }
-}
-
-/// What folded stacks and flame graphs weigh stacks by.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Weight {
-    /// Outstanding bytes.
-    Bytes,
-    /// Outstanding allocations.
-    Count,
-}
+choice_values!(Format, SortKey, Weight);
 
 const EXAMPLES: &str = "\
 Examples:
@@ -300,52 +248,5 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
         Ok(0) => Err("the interval must be at least 1 second".to_owned()),
         Ok(seconds) => Ok(Duration::from_secs(seconds)),
         Err(_) => Err(format!("`{text}` is not a whole number of seconds")),
-    }
-}
-
-impl Args {
-    pub fn format(&self) -> Format {
-        self.rendering.format()
-    }
-
-    /// Without -p, -c or --cgroup, memleak traces the kernel's allocations, as bcc's
-    /// memleak does.
-    pub fn kernel_mode(&self) -> bool {
-        self.pid.is_empty() && self.command.is_none() && self.cgroup.is_none()
-    }
-
-    /// Checks that clap's declarations cannot express.
-    pub fn validate(&self) -> Result<(), String> {
-        let kernel = self.kernel_mode();
-        if !kernel && self.percpu {
-            return Err("--percpu is for kernel tracing: leave out -p and -c".to_owned());
-        }
-        let user_only = [
-            (self.object.is_some(), "-O"),
-            (self.symbols_prefix.is_some(), "--symbols-prefix"),
-            (self.trace, "--trace"),
-            (self.all_mmaps, "--all-mmaps"),
-        ];
-        if let Some((_, flag)) = user_only.iter().find(|(given, _)| kernel && *given) {
-            return Err(format!("{flag} needs a process: give -p PID or -c \"CMD ARGS\""));
-        }
-        if let (Some(min), Some(max)) = (self.min_size, self.max_size) {
-            if min > max {
-                return Err(format!("--min-size {min} is larger than --max-size {max}"));
-            }
-        }
-        let mut pids = self.pid.clone();
-        pids.sort_unstable();
-        if let Some(pair) = pids.windows(2).find(|pair| pair[0] == pair[1]) {
-            return Err(format!("pid {} is given twice", pair[0]));
-        }
-        self.rendering.validate(self.save.is_some())?;
-        if self.trace && !matches!(self.format(), Format::Text | Format::Json) {
-            return Err("--trace prints lines: use it with --format text or json".to_owned());
-        }
-        if self.symbols_prefix.as_deref() == Some("") {
-            return Err("--symbols-prefix needs a prefix, such as je_".to_owned());
-        }
-        Ok(())
     }
 }

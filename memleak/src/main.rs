@@ -1,30 +1,41 @@
 //! memleak: trace a process's outstanding allocations with eBPF uprobes
 //! and report the call stacks that hold the most memory.
+//!
+//! The modules follow the data: `config` resolves the command line;
+//! `process` and `attach` find what to probe; `bpf` loads the tracer and
+//! reads its maps; `collect` turns them into snapshots; `symbolize` names
+//! the frames; `report` and `output` write the reports. `session` holds a
+//! run's state, and `report_loop` drives it for the command line.
+//!
+//! Exit codes: 0 when the run ended as asked (a closed stdout included),
+//! 2 on any error, which is one line on stderr.
 
-mod allocator;
-mod cgroup;
+mod attach;
+mod bpf;
 mod cli;
-mod collector;
-mod events;
-mod kernel_btf;
-mod mappings;
+mod clock;
+mod collect;
+mod config;
+mod elf;
 mod model;
 mod offline;
-mod probe_placement;
+mod output;
+mod process;
 mod report;
+mod report_loop;
 mod session;
+mod stats;
 mod status;
 mod symbolize;
-mod target;
-mod tracer;
-mod trend;
 
 use std::process::ExitCode;
 
 use clap::Parser as _;
 
+use config::Run;
+
 fn main() -> ExitCode {
-    let mut args = match cli::Args::try_parse() {
+    let args = match cli::Args::try_parse() {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {
             // --help and --version: not errors.
@@ -41,18 +52,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    env_logger::Builder::new()
-        .filter_level(log::LevelFilter::Warn)
-        .filter_module("memleak", if args.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
-        .format(|out, record| {
-            use std::io::Write as _;
-            let line = format!("memleak: {}: {}\n", record.level().as_str().to_lowercase(), record.args());
-            out.write_all(line.as_bytes())
-        })
-        .init();
-    let result = match args.offline.take() {
-        Some(offline) => offline::run(offline),
-        None => trace(args),
+    init_logging(args.verbose);
+    let result = match config::resolve(args) {
+        Ok(Run::Trace(config)) => trace(&config),
+        Ok(Run::Report(config)) => offline::report(&config).map_err(anyhow::Error::from),
+        Ok(Run::Diff(config)) => offline::diff(&config).map_err(anyhow::Error::from),
+        Err(message) => Err(anyhow::Error::msg(message)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -64,11 +69,24 @@ fn main() -> ExitCode {
     }
 }
 
-fn trace(args: cli::Args) -> anyhow::Result<()> {
-    args.validate().map_err(anyhow::Error::msg)?;
+/// Logs are `memleak: LEVEL: message` lines on stderr: warnings, and with
+/// -v memleak's own debug lines.
+fn init_logging(verbose: bool) {
+    env_logger::Builder::new()
+        .filter_level(log::LevelFilter::Warn)
+        .filter_module("memleak", if verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn })
+        .format(|out, record| {
+            use std::io::Write as _;
+            let line = format!("memleak: {}: {}\n", record.level().as_str().to_lowercase(), record.args());
+            out.write_all(line.as_bytes())
+        })
+        .init();
+}
+
+fn trace(config: &config::TraceConfig) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
-    runtime.block_on(session::run(args))
+    Ok(runtime.block_on(report_loop::run(config))?)
 }

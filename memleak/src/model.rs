@@ -16,6 +16,19 @@ pub struct Snapshot {
     pub hidden: HiddenMappings,
 }
 
+/// The movement of one stack since the previous report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trend {
+    /// Change in outstanding bytes since the previous report; `None` in the
+    /// first report, which has nothing to compare with.
+    pub delta_bytes: Option<i64>,
+    /// Reports in a row, this one included, in which the stack grew.
+    pub growing_reports: u32,
+    /// While growing: the average growth per report over that streak, in
+    /// bytes. A slow steady leak shows here behind a big stable cache.
+    pub growth_per_report: Option<i64>,
+}
+
 /// What an mmap region is, when it is not plain program memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

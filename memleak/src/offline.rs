@@ -2,31 +2,32 @@
 //! rendered or compared later, without root and without the process.
 
 use crate::{
-    cli::{DiffArgs, Offline, Rendering, ReportArgs},
-    report::{diff::Diff, output::Output, snapshot},
+    config::{DiffConfig, ReportConfig},
+    output::{Documents, Output, OutputError},
+    report::{
+        diff::Diff,
+        saved::{self, SavedError},
+    },
 };
 
-pub fn run(offline: Offline) -> anyhow::Result<()> {
-    match offline {
-        Offline::Report(args) => report(args),
-        Offline::Diff(args) => diff(args),
-    }
+#[derive(Debug, thiserror::Error)]
+pub enum OfflineError {
+    #[error(transparent)]
+    Saved(#[from] SavedError),
+    #[error(transparent)]
+    Output(#[from] OutputError),
 }
 
-fn report(args: ReportArgs) -> anyhow::Result<()> {
-    let mut report = snapshot::load(&args.snapshot)?;
-    let rendering = &args.rendering;
-    report.cut_for_display(args.sort, rendering.stacks_kept(), rendering.format(), args.show_allocs);
-    let mut output = open(&args.rendering)?;
-    if output.report(&report)? {
-        output.finish()?;
-    }
-    Ok(())
+pub fn report(config: &ReportConfig) -> Result<(), OfflineError> {
+    let mut report = saved::load(&config.snapshot)?;
+    report.cut_for_display(&config.shown, config.output.rendering.format);
+    let mut output = Output::open(&config.output, Documents::One)?;
+    finish(output.report(&report), output)
 }
 
-fn diff(args: DiffArgs) -> anyhow::Result<()> {
-    let base = snapshot::load(&args.base)?;
-    let new = snapshot::load(&args.new)?;
+pub fn diff(config: &DiffConfig) -> Result<(), OfflineError> {
+    let base = saved::load(&config.base)?;
+    let new = saved::load(&config.new)?;
     if base.program != new.program {
         log::warn!(
             "the snapshots are of different programs ({} and {}): stacks are compared by function names",
@@ -37,8 +38,8 @@ fn diff(args: DiffArgs) -> anyhow::Result<()> {
     if base.time_unix_ms > new.time_unix_ms {
         log::warn!(
             "{} was taken after {}: growth shows as shrinking",
-            args.base.display(),
-            args.new.display()
+            config.base.display(),
+            config.new.display()
         );
     }
     if base.sample_rate != new.sample_rate {
@@ -48,23 +49,16 @@ fn diff(args: DiffArgs) -> anyhow::Result<()> {
             new.sample_rate
         );
     }
-    let diff = Diff::between(&base, &new, args.rendering.stacks_kept());
-    let mut output = open(&args.rendering)?;
-    if output.diff(&diff)? {
-        output.finish()?;
-    }
-    Ok(())
+    let diff = Diff::between(&base, &new, config.top);
+    let mut output = Output::open(&config.output, Documents::One)?;
+    finish(output.diff(&diff), output)
 }
 
-/// One rendering: a single file, never numbered.
-fn open(rendering: &Rendering) -> anyhow::Result<Output> {
-    rendering.validate(false).map_err(anyhow::Error::msg)?;
-    let output = Output::open(
-        rendering.output.as_deref(),
-        rendering.force,
-        false,
-        rendering.format(),
-        rendering.weight,
-    )?;
-    Ok(output)
+/// Puts the output in place once written; a closed stdout is no error.
+fn finish(written: Result<(), OutputError>, output: Output) -> Result<(), OfflineError> {
+    match written {
+        Ok(()) => Ok(output.finish()?),
+        Err(OutputError::ReaderGone) => Ok(()),
+        Err(error) => Err(error.into()),
+    }
 }

@@ -7,8 +7,8 @@ use std::{
     io::{self, Write},
 };
 
-use super::{diff::Diff, Report};
-use crate::{cli::Weight, model::Frame};
+use super::{diff::Diff, options::Weight, Report};
+use crate::model::Frame;
 
 /// The folded lines of a report, identical stacks merged, in order.
 pub fn lines(report: &Report, weight: Weight) -> Vec<String> {

@@ -2,7 +2,7 @@
 
 use std::io::{self, Write};
 
-use super::{diff::Diff, Report};
+use super::{diff::Diff, CgroupTotal, Report};
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     serde_json::to_writer(&mut *out, report)?;
@@ -11,6 +11,11 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
 
 pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     serde_json::to_writer(&mut *out, diff)?;
+    writeln!(out)
+}
+
+pub fn render_cgroup_total(total: &CgroupTotal, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, total)?;
     writeln!(out)
 }
 

@@ -1,29 +1,56 @@
 //! Reports: a snapshot with symbolized stacks, sorted and cut to the top
-//! N, and the renderers that print it.
+//! N, and the renderers that write it, each format in a file of its own.
+//! `render` and `render_diff` write any report into any `Write`, with no
+//! stdout or file involved (`crate::output` is where reports go).
+//!
+//! - `options`: the vocabulary (format, weight, sort, top N);
+//! - `text`, `json`, `folded`, `svg`, `pprof`: the renderers;
+//! - `diff`: what changed between two reports; `saved`: the --save file
+//!   format; `trace`: --trace's event lines.
 
 pub mod diff;
 pub mod folded;
 pub mod json;
-pub mod output;
+pub mod options;
 pub mod pprof;
-pub mod snapshot;
+pub mod saved;
 pub mod svg;
 pub mod text;
 pub mod trace;
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, io, sync::Arc};
 
 use memleak_common::{lost_stack_owner, ALLOCATOR_FUNCTIONS};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    cli::{Format, SortKey},
-    model::{
-        Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
-        Snapshot, StackUsage,
-    },
-    trend::Trend,
+use crate::model::{
+    Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation, Snapshot,
+    StackUsage, Trend,
 };
+use diff::Diff;
+use options::{Format, Rendering, ReportOptions, SortKey};
+
+/// Writes `report` as `rendering` says.
+pub fn render(rendering: Rendering, report: &Report, out: &mut dyn io::Write) -> io::Result<()> {
+    match rendering.format {
+        Format::Text => text::render(report, out),
+        Format::Json => json::render(report, out),
+        Format::Folded => folded::render(report, rendering.weight, out),
+        Format::Svg => svg::render(report, rendering.weight, out),
+        Format::Pprof => pprof::render(report, out),
+    }
+}
+
+/// Writes what changed between two reports as `rendering` says.
+pub fn render_diff(rendering: Rendering, diff: &Diff, out: &mut dyn io::Write) -> io::Result<()> {
+    match rendering.format {
+        Format::Text => text::render_diff(diff, out),
+        Format::Json => json::render_diff(diff, out),
+        Format::Folded => folded::render_diff(diff, rendering.weight, out),
+        Format::Svg => svg::render_diff(diff, rendering.weight, out),
+        Format::Pprof => pprof::render_diff(diff, out),
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
@@ -81,6 +108,38 @@ pub struct ReportStack {
     /// Each allocation, with -a.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub outstanding: Vec<OutstandingAllocation>,
+}
+
+/// A cgroup's total over the processes reported in one round, written
+/// after their reports. Fields in the order JSON has always had them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CgroupTotal {
+    pub cgroup: String,
+    pub processes: usize,
+    pub total_allocations: u64,
+    pub total_bytes: u64,
+}
+
+impl CgroupTotal {
+    /// The total of `reports`, the processes of cgroup `cgroup`.
+    pub fn of(cgroup: &std::path::Path, reports: &[Report]) -> Self {
+        Self {
+            cgroup: cgroup.display().to_string(),
+            processes: reports.len(),
+            total_allocations: reports.iter().map(|report| report.total_allocations).sum(),
+            total_bytes: reports.iter().map(|report| report.total_bytes).sum(),
+        }
+    }
+}
+
+/// Writes a cgroup's total: a line in text and JSON; nothing in the other
+/// formats, which it would break.
+pub fn render_cgroup_total(format: Format, total: &CgroupTotal, out: &mut dyn io::Write) -> io::Result<()> {
+    match format {
+        Format::Folded | Format::Svg | Format::Pprof => Ok(()),
+        Format::Json => json::render_cgroup_total(total, out),
+        Format::Text => text::render_cgroup_total(total, out),
+    }
 }
 
 /// What a report is made with besides the snapshot.
@@ -162,17 +221,18 @@ impl Report {
         self.stacks.truncate(top);
     }
 
-    /// Cuts a report built whole (a snapshot) to what is shown: the top N,
-    /// each allocation only with -a, and stacks that hold nothing now (kept
-    /// for what they allocated) only in pprof's alloc_space.
-    pub fn cut_for_display(&mut self, sort: SortKey, top: usize, format: Format, show_allocs: bool) {
-        if !show_allocs {
+    /// Cuts a report built whole (a snapshot) to what is shown in
+    /// `format`: the top N, each allocation only with -a, and stacks that
+    /// hold nothing now (kept for what they allocated) only where the
+    /// format shows freed stacks (pprof's alloc_space).
+    pub fn cut_for_display(&mut self, options: &ReportOptions, format: Format) {
+        if !options.show_allocs {
             self.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
         }
-        if format != Format::Pprof {
+        if !format.shows_freed_stacks() {
             self.stacks.retain(|stack| stack.allocations > 0);
         }
-        self.keep_top(sort, top);
+        self.keep_top(options.sort, options.top);
     }
 }
 
@@ -199,7 +259,7 @@ fn sort_stacks(stacks: &mut [ReportStack], sort: SortKey) {
 fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
     let is_allocator_entry = |frame: &Frame| {
         frame.module.as_deref() == Some(allocator)
-            && frame.function.as_deref().is_some_and(|name| ALLOCATOR_FUNCTIONS.contains(&name))
+            && frame.function.as_deref().is_some_and(|name| ALLOCATOR_FUNCTIONS.iter().any(|f| f.name == name))
     };
     let skip = frames.iter().take_while(|frame| is_allocator_entry(frame)).count();
     frames[skip..].to_vec()
@@ -313,3 +373,6 @@ pub(crate) mod tests {
         assert_eq!(kept[0].function.as_deref(), Some("main"));
     }
 }
+
+#[cfg(test)]
+mod golden_tests;

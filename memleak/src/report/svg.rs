@@ -5,8 +5,7 @@ use std::io::{self, Write};
 
 use inferno::flamegraph::{self, Options};
 
-use super::{diff::Diff, folded, Report};
-use crate::cli::Weight;
+use super::{diff::Diff, folded, options::Weight, Report};
 
 pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let what = weight_name(weight);

@@ -3,10 +3,10 @@
 
 use std::io::{self, Write};
 
-use super::{diff::Diff, Report};
+use super::{diff::Diff, CgroupTotal, Report};
 use crate::{
-    model::{Frame, MappingKind},
-    trend::Trend,
+    clock,
+    model::{Frame, MappingKind, Trend},
 };
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
@@ -20,7 +20,7 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
     writeln!(
         out,
         "[{}] Top {} stacks with outstanding allocations in {whose}:",
-        local_time(report.time_unix_ms),
+        clock::local_time(report.time_unix_ms),
         report.stacks.len(),
     )?;
     if report.sample_rate > 1 {
@@ -141,6 +141,14 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
     )
 }
 
+pub fn render_cgroup_total(total: &CgroupTotal, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    writeln!(
+        out,
+        "Cgroup {}: {} bytes in {} allocations outstanding in {} processes",
+        total.cgroup, total.total_bytes, total.total_allocations, total.processes
+    )
+}
+
 /// What a stack's amounts count.
 fn source(mapping: Option<MappingKind>) -> &'static str {
     match mapping {
@@ -187,23 +195,6 @@ fn describe(frame: &Frame) -> String {
         text.push_str(&format!(" [{module}]"));
     }
     text
-}
-
-/// HH:MM:SS in the local time zone, as bcc prints it.
-/// HH:MM:SS.mmm, for trace lines.
-pub fn local_time_ms(unix_ms: u64) -> String {
-    format!("{}.{:03}", local_time(unix_ms), unix_ms % 1000)
-}
-
-fn local_time(unix_ms: u64) -> String {
-    let seconds = (unix_ms / 1000) as libc::time_t;
-    // SAFETY: `tm` is plain data that localtime_r fills in.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    // SAFETY: both pointers are valid for the call.
-    if unsafe { libc::localtime_r(&seconds, &mut tm) }.is_null() {
-        return "??:??:??".to_owned();
-    }
-    format!("{:02}:{:02}:{:02}", tm.tm_hour, tm.tm_min, tm.tm_sec)
 }
 
 #[cfg(test)]

@@ -2,10 +2,11 @@
 
 use std::io::{self, Write};
 
-use memleak_common::{TraceEvent, ALLOCATOR_FUNCTIONS, FREE_FUNCTIONS};
+use memleak_common::{FunctionSet, TraceEvent};
 use serde::Serialize;
 
-use crate::cli::Format;
+use super::options::Format;
+use crate::clock;
 
 /// A trace event as printed.
 #[derive(Debug, PartialEq, Eq, Serialize)]
@@ -30,13 +31,9 @@ pub struct TraceLine {
 impl TraceLine {
     /// `wall_minus_monotonic_ns` converts the BPF clock to wall time.
     pub fn new(event: &TraceEvent, wall_minus_monotonic_ns: i128) -> TraceLine {
-        let names: Vec<&str> = ALLOCATOR_FUNCTIONS
-            .iter()
-            .enumerate()
-            .filter(|(index, _)| event.function & (1 << index) != 0)
-            .map(|(_, name)| *name)
-            .collect();
-        let is_free = event.function & FREE_FUNCTIONS != 0;
+        let functions = FunctionSet(event.function);
+        let names: Vec<&str> = functions.functions().map(|function| function.name).collect();
+        let is_free = functions.intersects(FunctionSet::RELEASING);
         let wall_ns = i128::from(event.timestamp_ns) + wall_minus_monotonic_ns;
         TraceLine {
             time_unix_ms: (wall_ns / 1_000_000).max(0) as u64,
@@ -55,7 +52,7 @@ pub fn render(line: &TraceLine, format: Format, out: &mut (impl Write + ?Sized))
         serde_json::to_writer(&mut *out, line)?;
         return writeln!(out);
     }
-    let time = super::text::local_time_ms(line.time_unix_ms);
+    let time = clock::local_time_ms(line.time_unix_ms);
     let address = line.address.as_deref().unwrap_or("NULL");
     match (line.is_free, line.size) {
         (true, Some(size)) => {

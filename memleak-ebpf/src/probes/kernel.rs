@@ -6,7 +6,7 @@
 use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::btf_tracepoint, programs::BtfTracePointContext};
 use memleak_common::{AllocationKey, Counter, KERNEL_TGID};
 
-use crate::{allocation, counters, free, stack, tunables};
+use crate::{counters, record, stack, tunables};
 
 const PAGE_SIZE: u64 = 4096;
 
@@ -86,9 +86,9 @@ fn record(ctx: &BtfTracePointContext, address: u64, size: u64) {
         return;
     }
     let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };
-    allocation::store(key, size, stack::current_kernel_stack_id(ctx));
+    record::store(key, size, stack::current_kernel_stack_id(ctx));
 }
 
 fn release(address: u64) {
-    let _ = free::release_for(KERNEL_TGID, address);
+    let _ = record::release(KERNEL_TGID, address);
 }

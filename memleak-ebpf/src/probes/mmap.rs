@@ -2,15 +2,15 @@
 //! regions (a partial munmap splits them, which a hash map cannot do).
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, generated::bpf_ktime_get_ns},
+    helpers::generated::bpf_ktime_get_ns,
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
 use memleak_common::{Counter, MappingChange, MappingEvent, PendingMapping};
 
 use crate::{
-    counters,
-    maps::{MAPPING_EVENTS, PENDING, PENDING_MAPPINGS},
+    calls, counters,
+    maps::{MAPPING_EVENTS, PENDING_MAPPINGS},
     stack, tunables,
 };
 
@@ -25,7 +25,7 @@ pub fn mmap_enter(ctx: ProbeContext) -> u32 {
     }
     let length: u64 = ctx.arg(1).unwrap_or(0);
     let call = PendingMapping { length, change: MappingChange::Map as u32, ..PendingMapping::default() };
-    let _ = PENDING_MAPPINGS.insert(bpf_get_current_pid_tgid() as u32, call, 0);
+    let _ = PENDING_MAPPINGS.insert(calls::thread_id(), call, 0);
     0
 }
 
@@ -42,7 +42,7 @@ pub fn mremap_enter(ctx: ProbeContext) -> u32 {
         change: MappingChange::Remap as u32,
         _padding: 0,
     };
-    let _ = PENDING_MAPPINGS.insert(bpf_get_current_pid_tgid() as u32, call, 0);
+    let _ = PENDING_MAPPINGS.insert(calls::thread_id(), call, 0);
     0
 }
 
@@ -50,9 +50,7 @@ pub fn mremap_enter(ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn mapping_return(ctx: RetProbeContext) -> u32 {
     let returned: u64 = ctx.ret();
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let tid = pid_tgid as u32;
-    let tgid = (pid_tgid >> 32) as u32;
+    let (tid, tgid) = (calls::thread_id(), calls::process_id());
     let Some(call) = PENDING_MAPPINGS.get_ptr(tid) else { return 0 };
     // SAFETY: this thread's own entry, copied before it is removed.
     let call = unsafe { *call };
@@ -61,13 +59,13 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         return 0;
     }
     let mut event = MappingEvent { tgid, change: call.change, ..MappingEvent::default() };
-    if call.change == MappingChange::Map as u32 {
+    if MappingChange::try_from(call.change) == Ok(MappingChange::Map) {
         if call.length < tunables::min_size() || call.length > tunables::max_size() {
             return 0;
         }
         event.address = returned;
         event.length = call.length;
-        event.stack_id = stack::current_stack_id(&ctx, tgid);
+        event.stack_id = stack::current_user_stack_id(&ctx, tgid);
     } else {
         event.address = call.address;
         event.length = call.length;
@@ -75,8 +73,7 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         event.new_length = call.new_length;
     }
     // malloc & co. in progress on this thread: the allocator's own mapping.
-    // SAFETY: this thread's own entry.
-    event.inside_allocator = PENDING.get_ptr(tid).is_some_and(|call| unsafe { (*call).depth } > 0) as u32;
+    event.inside_allocator = calls::inside_allocator() as u32;
     send(event);
     0
 }
@@ -87,11 +84,10 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
     if !tunables::in_scope() {
         return 0;
     }
-    let pid_tgid = bpf_get_current_pid_tgid();
     let event = MappingEvent {
         address: ctx.arg(0).unwrap_or(0),
         length: ctx.arg(1).unwrap_or(0),
-        tgid: (pid_tgid >> 32) as u32,
+        tgid: calls::process_id(),
         change: MappingChange::Unmap as u32,
         ..MappingEvent::default()
     };

@@ -37,13 +37,12 @@ impl EventRing {
     }
 }
 
-/// Waits until `ring` has records; forever if there is no ring.
-pub async fn readable(ring: &mut Option<EventRing>) -> io::Result<&mut EventRing> {
+/// Waits until `ring` has records; forever if there is no ring. The
+/// caller drains it right away: the next wait then blocks until the
+/// kernel wakes us again.
+pub async fn readable(ring: &mut Option<EventRing>) -> io::Result<()> {
     let Some(ring) = ring.as_mut() else { return std::future::pending().await };
     let mut guard = ring.ring.readable_mut().await?;
-    // The caller drains the ring right away; the next wait then blocks
-    // until the kernel wakes us again.
     guard.clear_ready();
-    drop(guard);
-    Ok(ring)
+    Ok(())
 }

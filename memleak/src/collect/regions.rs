@@ -33,8 +33,8 @@ pub struct Regions {
 impl Regions {
     pub fn apply(&mut self, event: &MappingEvent) {
         let end = |start: u64, length: u64| start.saturating_add(round_up_to_page(length));
-        match event.change {
-            change if change == MappingChange::Map as u32 => {
+        match MappingChange::try_from(event.change) {
+            Ok(MappingChange::Map) => {
                 // MAP_FIXED may map over regions we know: those parts are gone.
                 self.unmap(event.address, end(event.address, event.length));
                 let region = Region {
@@ -45,10 +45,10 @@ impl Regions {
                 };
                 self.by_start.insert(event.address, region);
             }
-            change if change == MappingChange::Unmap as u32 => {
+            Ok(MappingChange::Unmap) => {
                 self.unmap(event.address, end(event.address, event.length));
             }
-            change if change == MappingChange::Remap as u32 => {
+            Ok(MappingChange::Remap) => {
                 let removed = self.unmap(event.address, end(event.address, event.length));
                 // A region we did not see mapped stays unknown.
                 let Some(&(_, moved)) = removed.first() else { return };
@@ -56,7 +56,7 @@ impl Regions {
                 self.unmap(event.new_address, new_end);
                 self.by_start.insert(event.new_address, Region { end: new_end, ..moved });
             }
-            _ => {}
+            Err(unknown) => log::debug!("unknown mapping change {unknown}: ignored"),
         }
     }
 

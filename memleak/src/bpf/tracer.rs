@@ -1,22 +1,24 @@
-//! Loading memleak's BPF object, attaching it per the attach plan, and
-//! reading its maps. Dropping the tracer detaches every probe.
+//! Loading memleak's BPF object, attaching it per the attach plan,
+//! reading its maps and forgetting what a gone process left in them.
+//! Dropping the tracer detaches every probe.
 
-use std::num::NonZeroU32;
+use std::collections::HashSet;
 
 use aya::{
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
     programs::{
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
     },
     Ebpf, EbpfError, EbpfLoader,
 };
 use memleak_common::{
-    programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackTotals, ALLOCATIONS_MAP,
-    COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackSlot, StackTotals,
+    ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
+    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
 };
 
-use crate::{allocator::AttachPlan, model::HealthCounters};
+use crate::{attach::AttachPlan, model::HealthCounters};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TracerError {
@@ -36,20 +38,30 @@ pub enum TracerError {
     Missing(&'static str),
 }
 
-/// Load-time settings of the BPF side.
+/// What the user decides about the BPF side: filters and limits.
 #[derive(Clone, Debug)]
-pub struct TracerConfig {
+pub struct TracerSettings {
+    /// Smallest and largest allocation recorded, in bytes.
     pub min_size: u64,
     pub max_size: u64,
+    /// Frames kept per stack.
     pub stack_depth: u32,
     pub max_allocations: u32,
     pub max_stacks: u32,
+    /// Processes traced at once at most: each may need a lost-stack entry
+    /// in the totals map.
+    pub max_processes: u32,
+    /// Record about one allocation in this many.
     pub sample_rate: u32,
-    /// How many processes will be traced: each may need a lost-stack
-    /// entry in the totals map.
-    pub processes: u32,
     /// Send an event per allocation and free (--trace).
-    pub trace: bool,
+    pub trace_events: bool,
+}
+
+/// Load-time settings of the BPF side: the user's, and what the target
+/// adds.
+#[derive(Clone, Debug)]
+pub struct TracerConfig {
+    pub settings: TracerSettings,
     /// Offset of `size` in the kernel's struct kmem_cache (kernel mode).
     pub cache_size_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
@@ -58,26 +70,36 @@ pub struct TracerConfig {
     pub cgroup_id: u64,
 }
 
+impl TracerConfig {
+    pub fn new(settings: TracerSettings) -> Self {
+        Self { settings, cache_size_offset: 0, ignored_callers: 0..0, cgroup_id: 0 }
+    }
+}
+
+/// The probes one `attach` placed, to take them out again.
+#[derive(Debug, Default)]
+pub struct Links {
+    links: Vec<(&'static str, UProbeLinkId)>,
+}
+
 pub struct Tracer {
     ebpf: Ebpf,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
 
-const PROGRAMS: [&str; 12] = [
-    programs::MALLOC_ENTER,
-    programs::CALLOC_ENTER,
-    programs::REALLOC_ENTER,
-    programs::REALLOCARRAY_ENTER,
-    programs::MEMALIGN_ENTER,
-    programs::POSIX_MEMALIGN_ENTER,
-    programs::ALLOCATION_RETURN,
-    programs::FREE_ENTER,
-    programs::MMAP_ENTER,
-    programs::MREMAP_ENTER,
-    programs::MAPPING_RETURN,
-    programs::MUNMAP_ENTER,
-];
+/// Every uprobe program of the function tables, each once.
+fn uprobe_programs() -> Vec<&'static str> {
+    let allocator = ALLOCATOR_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program()]);
+    let mapping = MAPPING_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program]);
+    let mut programs: Vec<&'static str> = Vec::new();
+    for program in allocator.chain(mapping).flatten() {
+        if !programs.contains(&program) {
+            programs.push(program);
+        }
+    }
+    programs
+}
 
 impl Tracer {
     /// Fails early, before any work, when memleak cannot load BPF programs:
@@ -101,31 +123,31 @@ impl Tracer {
     }
 
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
+        let settings = &config.settings;
         let mut ebpf = EbpfLoader::new()
-            .override_global(tunables::MIN_SIZE, &config.min_size, true)
-            .override_global(tunables::MAX_SIZE, &config.max_size, true)
-            .override_global(tunables::STACK_DEPTH, &config.stack_depth, true)
-            .override_global(tunables::SAMPLE_RATE, &config.sample_rate, true)
-            .override_global(tunables::TRACE, &u32::from(config.trace), true)
+            .override_global(tunables::MIN_SIZE, &settings.min_size, true)
+            .override_global(tunables::MAX_SIZE, &settings.max_size, true)
+            .override_global(tunables::STACK_DEPTH, &settings.stack_depth, true)
+            .override_global(tunables::SAMPLE_RATE, &settings.sample_rate, true)
+            .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
             .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
             .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
             .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
-            .map_max_entries(ALLOCATIONS_MAP, config.max_allocations)
-            .map_max_entries(STACKS_MAP, config.max_stacks)
-            .map_max_entries(STACK_IDS_MAP, config.max_stacks)
-            .map_max_entries(STACK_TOTALS_MAP, config.max_stacks.saturating_add(config.processes))
+            .map_max_entries(ALLOCATIONS_MAP, settings.max_allocations)
+            .map_max_entries(STACKS_MAP, settings.max_stacks)
+            .map_max_entries(STACK_IDS_MAP, settings.max_stacks)
+            .map_max_entries(STACK_TOTALS_MAP, settings.max_stacks.saturating_add(settings.max_processes))
             .load(BPF_OBJECT)
-            .map_err(
-                |error| if is_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) },
-            )?;
-        for program in PROGRAMS {
+            .map_err(|error| if caused_by_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) })?;
+        for program in uprobe_programs() {
             let probe = uprobe(&mut ebpf, program)?;
-            probe.load().map_err(|source| match &source {
-                ProgramError::SyscallError(call) if call.io_error.raw_os_error() == Some(libc::EPERM) => {
+            probe.load().map_err(|source| {
+                if caused_by_eperm(&source) {
                     TracerError::NotPermitted
+                } else {
+                    TracerError::Verifier { program, source }
                 }
-                _ => TracerError::Verifier { program, source },
             })?;
         }
         Ok(Self { ebpf })
@@ -133,30 +155,72 @@ impl Tracer {
 
     /// Attaches the probes of `plan`, firing only for process `pid` and
     /// its threads (the kernel filters uprobes by address space), or for
-    /// every process that maps the object if `pid` is 0.
-    pub fn attach(&mut self, plan: &AttachPlan, pid: u32) -> Result<(), TracerError> {
-        let scope = NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
+    /// every process that maps the object with `UProbeScope::AllProcesses`.
+    pub fn attach(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
         let fail =
             |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
         // Frees (and munmap) first: an allocation recorded while its free is
         // not probed yet would stay outstanding for good.
         let (frees, allocations): (Vec<_>, Vec<_>) =
             plan.sites.iter().partition(|site| site.return_program.is_none());
+        let mut links = Links::default();
         for site in frees.into_iter().chain(allocations) {
             // The cookie tells the shared programs which function fired.
             let point = |offset| UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(site.cookie),
+                cookie: Some(u64::from(site.functions.0)),
             };
             let entry = site.file_offset + site.entry_skip;
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
-            probe.attach(point(entry), &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            let link = probe.attach(point(entry), &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            links.links.push((site.entry_program, link));
             log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
             if let Some(return_program) = site.return_program {
                 let ret = uprobe(&mut self.ebpf, return_program)?;
-                ret.attach(point(site.file_offset), &plan.path, scope)
+                let link = ret
+                    .attach(point(site.file_offset), &plan.path, scope)
                     .map_err(|source| fail(site.function, source))?;
+                links.links.push((return_program, link));
             }
+        }
+        Ok(links)
+    }
+
+    /// Takes out the probes of one `attach`.
+    pub fn detach(&mut self, links: Links) {
+        for (program, link) in links.links {
+            if let Ok(probe) = uprobe(&mut self.ebpf, program) {
+                // A probe on a process that is gone may already be gone too.
+                let _ = probe.detach(link);
+            }
+        }
+    }
+
+    /// Deletes every entry process `tgid` left in the maps: its
+    /// allocations, stacks, stack ids and per-stack totals. For a process
+    /// that has exited and had its final report; nothing of it is kept.
+    pub fn forget_process(&mut self, tgid: u32) -> Result<(), TracerError> {
+        let mut allocations: HashMap<&mut MapData, AllocationKey, Allocation> = self.map_mut(ALLOCATIONS_MAP)?;
+        let keys: Vec<AllocationKey> =
+            allocations.keys().filter_map(Result::ok).filter(|key| key.tgid == tgid).collect();
+        for key in &keys {
+            let _ = allocations.remove(key);
+        }
+        let mut stacks: HashMap<&mut MapData, u64, StackKey> = self.map_mut(STACKS_MAP)?;
+        let ids: HashSet<u64> =
+            stacks.iter().filter_map(Result::ok).filter(|(_, key)| key.tgid == tgid).map(|(id, _)| id).collect();
+        for id in &ids {
+            let _ = stacks.remove(id);
+        }
+        let mut stack_ids: HashMap<&mut MapData, StackSlot, u64> = self.map_mut(STACK_IDS_MAP)?;
+        let slots: Vec<StackSlot> =
+            stack_ids.keys().filter_map(Result::ok).filter(|slot| slot.tgid == tgid).collect();
+        for slot in &slots {
+            let _ = stack_ids.remove(slot);
+        }
+        let mut totals: HashMap<&mut MapData, u64, StackTotals> = self.map_mut(STACK_TOTALS_MAP)?;
+        for id in ids.iter().chain([&lost_stack_id(tgid)]) {
+            let _ = totals.remove(id);
         }
         Ok(())
     }
@@ -180,7 +244,8 @@ impl Tracer {
             let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
             program.load(tracepoint, &btf).map_err(|error| missing(tracepoint, error))?;
         }
-        let (frees, allocations): (Vec<_>, Vec<_>) = wanted.iter().partition(|name| name.contains("free"));
+        let (frees, allocations): (Vec<_>, Vec<_>) =
+            wanted.iter().partition(|name| programs::KERNEL_RELEASES.contains(name));
         for &tracepoint in frees.into_iter().chain(allocations) {
             let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
             program.attach().map_err(|error| missing(tracepoint, error))?;
@@ -253,6 +318,14 @@ impl Tracer {
         let map = self.ebpf.map(name).ok_or(TracerError::Missing(name))?;
         T::try_from(map).map_err(|source| TracerError::ReadMap { map: name, source })
     }
+
+    fn map_mut<'a, T>(&'a mut self, name: &'static str) -> Result<T, TracerError>
+    where
+        T: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
+    {
+        let map = self.ebpf.map_mut(name).ok_or(TracerError::Missing(name))?;
+        T::try_from(map).map_err(|source| TracerError::ReadMap { map: name, source })
+    }
 }
 
 fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, TracerError> {
@@ -267,7 +340,16 @@ fn btf_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut 
         .ok_or(TracerError::Missing(name))
 }
 
-fn is_eperm(error: &EbpfError) -> bool {
-    let text = format!("{error:?}");
-    text.contains("Operation not permitted") || text.contains("EPERM")
+/// Whether `error` comes down to EPERM from the kernel: memleak lacks the
+/// privileges to load BPF. Read from the error's chain of sources, each an
+/// error value, so rewording a message cannot break it.
+fn caused_by_eperm(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if error.downcast_ref::<std::io::Error>().is_some_and(|io| io.raw_os_error() == Some(libc::EPERM)) {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }

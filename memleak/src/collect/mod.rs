@@ -1,21 +1,102 @@
-//! Turns the raw BPF maps into one `Snapshot` per traced process.
+//! From what the BPF maps hold to one `Snapshot` per traced process:
+//! outstanding memory grouped by stack, from the per-stack totals or from
+//! each allocation, with the process's live mmap regions (`regions`) and
+//! how each stack moved since the previous report (`trend`).
+
+pub mod regions;
+pub mod trend;
 
 use std::collections::{HashMap, HashSet};
 
 use memleak_common::{Allocation, AllocationKey, StackTotals};
 
 use crate::{
-    mappings::{Region, Regions},
+    bpf::MapContents,
     model::{Allocated, HealthCounters, MappingKind, OutstandingAllocation, Snapshot, StackUsage},
 };
+use regions::{Region, Regions};
 
-/// What to keep of each allocation.
-#[derive(Clone, Copy, Debug)]
+/// What a snapshot holds beyond each stack's outstanding totals.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CollectOptions {
-    /// Allocations younger than this are left out (bcc's `-o`).
-    pub min_age_ns: u64,
-    /// Keep each allocation, not just per-stack totals (bcc's `-a`).
-    pub keep_allocations: bool,
+    /// bcc's `-o`: only allocations at least this old (ns) count. Ages
+    /// need each allocation read, so any value, 0 included, reads them.
+    pub min_age_ns: Option<u64>,
+    /// Each allocation's address, size and age (`-a`, a saved snapshot).
+    pub each_allocation: bool,
+    /// The stacks whose every allocation was freed, with what they
+    /// allocated: pprof's alloc_space shows them, and a saved snapshot
+    /// keeps them for it.
+    pub freed_stacks: bool,
+    /// The file mappings the frames fall in (pprof, a saved snapshot).
+    pub modules: bool,
+    /// The allocator's own mmaps and thread stacks, which are otherwise
+    /// left out and counted (`--all-mmaps`).
+    pub all_mmaps: bool,
+}
+
+impl CollectOptions {
+    /// Whether the maps must be read allocation by allocation, not only
+    /// per stack.
+    pub fn reads_each_allocation(&self) -> bool {
+        self.each_allocation || self.min_age_ns.is_some()
+    }
+
+    fn min_age(&self) -> u64 {
+        self.min_age_ns.unwrap_or(0)
+    }
+}
+
+/// The snapshot of process `pid` from the maps: from each allocation when
+/// they were read, else from the per-stack totals kept in BPF. `owner`
+/// tells which process a stack id belongs to.
+pub fn snapshot(
+    pid: u32,
+    maps: &MapContents,
+    owner: impl Fn(u64) -> Option<u32>,
+    options: &CollectOptions,
+) -> Snapshot {
+    let mut snapshot = match &maps.allocations {
+        Some(allocations) => {
+            aggregate(pid, maps.time_unix_ms, maps.now_ns, allocations, maps.counters, options)
+        }
+        None => from_totals(pid, maps.time_unix_ms, &maps.totals, &owner, maps.counters),
+    };
+    add_allocated(&mut snapshot, &maps.totals, &owner, options.freed_stacks);
+    snapshot
+}
+
+/// Outstanding memory being summed up per stack (and, for mmap regions,
+/// per kind).
+struct ByStack {
+    usage: HashMap<(u64, Option<MappingKind>), StackUsage>,
+    each_allocation: bool,
+}
+
+impl ByStack {
+    fn new(options: &CollectOptions) -> Self {
+        Self { usage: HashMap::new(), each_allocation: options.each_allocation }
+    }
+
+    fn add(&mut self, stack_id: u64, mapping: Option<MappingKind>, address: u64, size: u64, age_ns: u64) {
+        let usage = self.usage.entry((stack_id, mapping)).or_insert_with(|| StackUsage {
+            stack_id,
+            mapping,
+            ..StackUsage::default()
+        });
+        usage.bytes += size;
+        usage.allocations += 1;
+        if self.each_allocation {
+            usage.outstanding.push(OutstandingAllocation { address, size, age_ms: age_ns / 1_000_000 });
+        }
+    }
+
+    fn into_stacks(self) -> impl Iterator<Item = StackUsage> {
+        self.usage.into_values().map(|mut stack| {
+            stack.outstanding.sort_by_key(|allocation| allocation.address);
+            stack
+        })
+    }
 }
 
 /// Groups the allocations of process `pid` by stack. `now_ns` is
@@ -26,80 +107,47 @@ pub fn aggregate(
     now_ns: u64,
     allocations: &[(AllocationKey, Allocation)],
     counters: HealthCounters,
-    options: CollectOptions,
+    options: &CollectOptions,
 ) -> Snapshot {
-    let mut by_stack: HashMap<u64, StackUsage> = HashMap::new();
+    let mut by_stack = ByStack::new(options);
     for (key, allocation) in allocations.iter().filter(|(key, _)| key.tgid == pid) {
         let age_ns = now_ns.saturating_sub(allocation.timestamp_ns);
-        if age_ns < options.min_age_ns {
-            continue;
-        }
-        let usage = by_stack
-            .entry(allocation.stack_id)
-            .or_insert_with(|| StackUsage { stack_id: allocation.stack_id, ..StackUsage::default() });
-        usage.bytes += allocation.size;
-        usage.allocations += 1;
-        if options.keep_allocations {
-            usage.outstanding.push(OutstandingAllocation {
-                address: key.address,
-                size: allocation.size,
-                age_ms: age_ns / 1_000_000,
-            });
+        if age_ns >= options.min_age() {
+            by_stack.add(allocation.stack_id, None, key.address, allocation.size, age_ns);
         }
     }
-    let mut stacks: Vec<StackUsage> = by_stack.into_values().collect();
-    for stack in &mut stacks {
-        stack.outstanding.sort_by_key(|allocation| allocation.address);
-    }
-    Snapshot { pid, time_unix_ms, stacks, counters, ..Snapshot::default() }
+    Snapshot { pid, time_unix_ms, stacks: by_stack.into_stacks().collect(), counters, ..Snapshot::default() }
 }
 
 /// Adds the process's live mmap regions to `snapshot`, one entry per stack
 /// and kind. Allocator-internal regions and thread stacks are counted in
-/// `hidden` instead, unless `show_all`.
+/// `hidden` instead, unless `options.all_mmaps`.
 pub fn add_regions(
     snapshot: &mut Snapshot,
     regions: &Regions,
     now_ns: u64,
-    options: CollectOptions,
-    show_all: bool,
+    options: &CollectOptions,
     mut kind_of: impl FnMut(&Region) -> MappingKind,
 ) {
-    let mut by_stack: HashMap<(u64, MappingKind), StackUsage> = HashMap::new();
+    let mut by_stack = ByStack::new(options);
     for (start, region) in regions.iter() {
         let age_ns = now_ns.saturating_sub(region.timestamp_ns);
-        if age_ns < options.min_age_ns {
+        if age_ns < options.min_age() {
             continue;
         }
         let size = region.end - start;
-        let kind = kind_of(region);
-        match kind {
-            MappingKind::AllocatorMmap if !show_all => snapshot.hidden.allocator_bytes += size,
-            MappingKind::ThreadStack if !show_all => snapshot.hidden.thread_stack_bytes += size,
-            _ => {
-                let usage = by_stack.entry((region.stack_id, kind)).or_insert_with(|| StackUsage {
-                    stack_id: region.stack_id,
-                    mapping: Some(kind),
-                    ..StackUsage::default()
-                });
-                usage.bytes += size;
-                usage.allocations += 1;
-                if options.keep_allocations {
-                    usage.outstanding.push(OutstandingAllocation {
-                        address: start,
-                        size,
-                        age_ms: age_ns / 1_000_000,
-                    });
-                }
-            }
+        match kind_of(region) {
+            MappingKind::AllocatorMmap if !options.all_mmaps => snapshot.hidden.allocator_bytes += size,
+            MappingKind::ThreadStack if !options.all_mmaps => snapshot.hidden.thread_stack_bytes += size,
+            kind => by_stack.add(region.stack_id, Some(kind), start, size, age_ns),
         }
     }
-    snapshot.stacks.extend(by_stack.into_values());
+    snapshot.stacks.extend(by_stack.into_stacks());
 }
 
 /// Builds the snapshot of process `pid` from the per-stack totals kept in
-/// BPF (--combined-only): one map entry per stack, none per allocation.
-/// `owner` tells which process a stack id belongs to.
+/// BPF: one map entry per stack, none per allocation. `owner` tells which
+/// process a stack id belongs to.
 pub fn from_totals(
     pid: u32,
     time_unix_ms: u64,
@@ -174,8 +222,8 @@ mod tests {
             (key(42, 0x4000), allocation(1_000, 9_500, 9)), // 500 ns old: too young
             (key(43, 0x1000), allocation(64, 0, 11)),       // another process
         ];
-        let options = CollectOptions { min_age_ns: 1_000, keep_allocations: true };
-        let snapshot = aggregate(42, 0, 10_000, &allocations, HealthCounters::default(), options);
+        let options = CollectOptions { min_age_ns: Some(1_000), each_allocation: true, ..CollectOptions::default() };
+        let snapshot = aggregate(42, 0, 10_000, &allocations, HealthCounters::default(), &options);
         let mut stacks = snapshot.stacks.clone();
         stacks.sort_by_key(|stack| stack.stack_id);
         assert_eq!(stacks.len(), 2);
@@ -187,8 +235,8 @@ mod tests {
     #[test]
     fn per_allocation_detail_is_kept_only_on_request() {
         let allocations = [(key(1, 0x1000), allocation(100, 0, 1))];
-        let options = CollectOptions { min_age_ns: 0, keep_allocations: false };
-        let snapshot = aggregate(1, 0, 5, &allocations, HealthCounters::default(), options);
+        let options = CollectOptions::default();
+        let snapshot = aggregate(1, 0, 5, &allocations, HealthCounters::default(), &options);
         assert!(snapshot.stacks[0].outstanding.is_empty());
     }
 

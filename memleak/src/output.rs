@@ -1,10 +1,13 @@
-//! Where reports go: stdout, or a file given with --output. A closed
-//! stdout (`memleak ... | head`) is not an error: the writers return
-//! `false` and the run ends quietly. Nothing is left half-written: a
-//! stream of reports (text, JSON, folded) is written under a temporary name
-//! and renamed into place when the run ends well; a document (SVG, pprof,
-//! a snapshot) is written whole and renamed into place at once, one file
-//! per report, numbered when there may be several.
+//! Where reports go: stdout, or a file given with --output. Rendering is
+//! `report::render`'s; this module only decides where the bytes land.
+//!
+//! A closed stdout (`memleak ... | head`) ends the run quietly: writers
+//! return `OutputError::ReaderGone`, which callers treat as the end, not as
+//! a failure. Nothing is left half-written: a stream of reports (text,
+//! JSON, folded) is written under a temporary name and renamed into place
+//! when the run ends well; a document (SVG, pprof, a snapshot) is written
+//! whole and renamed into place at once, one file per report, numbered
+//! when there may be several.
 
 use std::{
     fs::{self, File},
@@ -14,9 +17,14 @@ use std::{
 
 use memleak_common::TraceEvent;
 
-use super::{diff::Diff, folded, json, pprof, svg, text, trace, trace::TraceLine, Report};
 use crate::{
-    cli::{Format, Weight},
+    report::{
+        self,
+        diff::Diff,
+        options::{Format, Rendering},
+        trace::{self, TraceLine},
+        CgroupTotal, Report,
+    },
     status,
 };
 
@@ -26,52 +34,63 @@ pub enum OutputError {
     Exists(PathBuf),
     #[error("cannot write {path}: {source}")]
     Write { path: PathBuf, source: io::Error },
+    #[error("cannot write to stdout: {0}")]
+    Stdout(io::Error),
+    /// stdout is a pipe whose reader has gone: nobody is listening.
+    #[error("stdout was closed")]
+    ReaderGone,
+}
+
+/// Where and how reports are written, as the user asked.
+#[derive(Clone, Debug)]
+pub struct OutputConfig {
+    /// A file, or stdout.
+    pub path: Option<PathBuf>,
+    /// Overwrite files that exist.
+    pub force: bool,
+    pub rendering: Rendering,
+}
+
+/// Whether a run writes one document or may write several, which are
+/// then numbered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Documents {
+    One,
+    Several,
 }
 
 pub struct Output {
-    format: Format,
-    weight: Weight,
+    rendering: Rendering,
     sink: Sink,
 }
 
 enum Sink {
     Stdout,
     /// A stream, written as `temporary` and renamed to `path` by `finish`.
-    File {
-        path: PathBuf,
-        temporary: PathBuf,
-        file: BufWriter<File>,
-    },
+    File { path: PathBuf, temporary: PathBuf, file: BufWriter<File> },
     /// A document per report.
     Documents(NumberedFiles),
 }
 
 impl Output {
-    /// Reports to `path` if given, else to stdout. `several` says whether
-    /// there may be more than one report, so that documents are numbered.
-    /// Fails now, before any probe is placed, if a file exists (without
-    /// `force`) or cannot be written.
-    pub fn open(
-        path: Option<&Path>,
-        force: bool,
-        several: bool,
-        format: Format,
-        weight: Weight,
-    ) -> Result<Self, OutputError> {
-        let Some(path) = path else { return Ok(Self { format, weight, sink: Sink::Stdout }) };
-        if format.is_document() {
-            let files = NumberedFiles::new(path, several, force)?;
-            return Ok(Self { format, weight, sink: Sink::Documents(files) });
+    /// Reports to the configured file, else to stdout. Fails now, before
+    /// any probe is placed, if a file exists (without `force`) or cannot
+    /// be written.
+    pub fn open(config: &OutputConfig, documents: Documents) -> Result<Self, OutputError> {
+        let rendering = config.rendering;
+        let Some(path) = config.path.as_deref() else { return Ok(Self { rendering, sink: Sink::Stdout }) };
+        if rendering.format.is_document() {
+            let files = NumberedFiles::new(path, documents, config.force)?;
+            return Ok(Self { rendering, sink: Sink::Documents(files) });
         }
-        if path.exists() && !force {
+        if path.exists() && !config.force {
             return Err(OutputError::Exists(path.to_path_buf()));
         }
         let temporary = temporary_name(path);
         let write_error = |source| OutputError::Write { path: path.to_path_buf(), source };
         let file = File::create(&temporary).map_err(write_error)?;
         Ok(Self {
-            format,
-            weight,
+            rendering,
             sink: Sink::File { path: path.to_path_buf(), temporary, file: BufWriter::new(file) },
         })
     }
@@ -79,66 +98,36 @@ impl Output {
     /// Documents (SVG, pprof) on stdout would run together: there, only
     /// the final report is written.
     pub fn takes_every_report(&self) -> bool {
-        !(self.format.is_document() && matches!(self.sink, Sink::Stdout))
+        !(self.rendering.format.is_document() && matches!(self.sink, Sink::Stdout))
     }
 
-    /// Writes a report; `false` when stdout is a closed pipe.
-    pub fn report(&mut self, report: &Report) -> anyhow::Result<bool> {
-        let (format, weight) = (self.format, self.weight);
-        self.write(|out| match format {
-            Format::Text => text::render(report, out),
-            Format::Json => json::render(report, out),
-            Format::Folded => folded::render(report, weight, out),
-            Format::Svg => svg::render(report, weight, out),
-            Format::Pprof => pprof::render(report, out),
-        })
+    pub fn report(&mut self, report: &Report) -> Result<(), OutputError> {
+        let rendering = self.rendering;
+        self.write(|out| report::render(rendering, report, out))
     }
 
     /// Writes what changed between two snapshots.
-    pub fn diff(&mut self, diff: &Diff) -> anyhow::Result<bool> {
-        let (format, weight) = (self.format, self.weight);
-        self.write(|out| match format {
-            Format::Text => text::render_diff(diff, out),
-            Format::Json => json::render_diff(diff, out),
-            Format::Folded => folded::render_diff(diff, weight, out),
-            Format::Svg => svg::render_diff(diff, weight, out),
-            Format::Pprof => pprof::render_diff(diff, out),
-        })
+    pub fn diff(&mut self, diff: &Diff) -> Result<(), OutputError> {
+        let rendering = self.rendering;
+        self.write(|out| report::render_diff(rendering, diff, out))
     }
 
     /// Writes trace events. `wall_minus_monotonic_ns` turns their BPF
     /// timestamps into wall-clock time.
-    pub fn trace(&mut self, events: &[TraceEvent], wall_minus_monotonic_ns: i128) -> anyhow::Result<bool> {
-        let format = self.format;
+    pub fn trace(&mut self, events: &[TraceEvent], wall_minus_monotonic_ns: i128) -> Result<(), OutputError> {
+        let format = self.rendering.format;
         self.write(|out| {
-            events.iter().try_for_each(|event| {
-                trace::render(&TraceLine::new(event, wall_minus_monotonic_ns), format, out)
-            })
+            events.iter().try_for_each(|event| trace::render(&TraceLine::new(event, wall_minus_monotonic_ns), format, out))
         })
     }
 
-    /// After the per-process reports of one round, a cgroup's total;
-    /// `reported` holds (bytes, allocations) of each report. Only in text
-    /// and JSON: it would break folded stacks and SVG.
-    pub fn cgroup_total(&mut self, cgroup: &Path, reported: &[(u64, u64)]) -> anyhow::Result<bool> {
-        let bytes: u64 = reported.iter().map(|(bytes, _)| bytes).sum();
-        let allocations: u64 = reported.iter().map(|(_, allocations)| allocations).sum();
-        let line = match self.format {
-            Format::Folded | Format::Svg | Format::Pprof => return Ok(true),
-            Format::Json => serde_json::json!({
-                "cgroup": cgroup.display().to_string(),
-                "processes": reported.len(),
-                "total_bytes": bytes,
-                "total_allocations": allocations,
-            })
-            .to_string(),
-            Format::Text => format!(
-                "Cgroup {}: {bytes} bytes in {allocations} allocations outstanding in {} processes",
-                cgroup.display(),
-                reported.len()
-            ),
-        };
-        self.write(|out| writeln!(out, "{line}"))
+    /// After the per-process reports of one round, a cgroup's total.
+    pub fn cgroup_total(&mut self, total: &CgroupTotal) -> Result<(), OutputError> {
+        if !matches!(self.rendering.format, Format::Text | Format::Json) {
+            return Ok(()); // it would break folded stacks and documents
+        }
+        let format = self.rendering.format;
+        self.write(|out| report::render_cgroup_total(format, total, out))
     }
 
     /// Puts the file in place; a run that fails drops the output instead,
@@ -153,26 +142,20 @@ impl Output {
         fs::rename(&temporary, &path).map_err(write_error)
     }
 
-    fn write(&mut self, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> anyhow::Result<bool> {
-        let result = match &mut self.sink {
-            Sink::Documents(files) => {
-                files.write(write)?;
-                return Ok(true);
+    fn write(&mut self, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<(), OutputError> {
+        match &mut self.sink {
+            Sink::Documents(files) => files.write(write).map(drop),
+            Sink::File { file, path, .. } => {
+                write(file).map_err(|source| OutputError::Write { path: path.clone(), source })
             }
             Sink::Stdout => {
                 let mut out = io::stdout().lock();
-                write(&mut out).and_then(|()| out.flush())
+                match write(&mut out).and_then(|()| out.flush()) {
+                    Ok(()) => Ok(()),
+                    Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Err(OutputError::ReaderGone),
+                    Err(error) => Err(OutputError::Stdout(error)),
+                }
             }
-            Sink::File { file, path, .. } => {
-                return write(file)
-                    .map(|()| true)
-                    .map_err(|source| OutputError::Write { path: path.clone(), source }.into());
-            }
-        };
-        match result {
-            Ok(()) => Ok(true),
-            Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Ok(false),
-            Err(error) => Err(error.into()),
         }
     }
 }
@@ -197,7 +180,8 @@ pub struct NumberedFiles {
 impl NumberedFiles {
     /// Fails if the file, or without `force` any numbered file of the same
     /// name, exists: nothing the user had is overwritten unasked.
-    pub fn new(path: &Path, numbered: bool, force: bool) -> Result<Self, OutputError> {
+    pub fn new(path: &Path, documents: Documents, force: bool) -> Result<Self, OutputError> {
+        let numbered = documents == Documents::Several;
         let files = Self { path: path.to_path_buf(), numbered, written: 0 };
         if !force {
             let first = files.name(1);
@@ -280,36 +264,9 @@ fn temporary_name(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// The format a file name asks for, by its extension.
-pub fn format_of(path: &Path) -> Option<Format> {
-    let name = path.file_name()?.to_str()?;
-    if name.ends_with(".pb.gz") {
-        return Some(Format::Pprof);
-    }
-    let (_, extension) = name.rsplit_once('.')?;
-    match extension {
-        "pprof" => Some(Format::Pprof),
-        "svg" => Some(Format::Svg),
-        "folded" => Some(Format::Folded),
-        "json" | "jsonl" => Some(Format::Json),
-        "txt" | "text" => Some(Format::Text),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn extensions_name_formats() {
-        assert_eq!(format_of(Path::new("/tmp/leak.svg")), Some(Format::Svg));
-        assert_eq!(format_of(Path::new("stacks.folded")), Some(Format::Folded));
-        assert_eq!(format_of(Path::new("reports.json")), Some(Format::Json));
-        assert_eq!(format_of(Path::new("profile.pb.gz")), Some(Format::Pprof));
-        assert_eq!(format_of(Path::new("archive.tar.gz")), None);
-        assert_eq!(format_of(Path::new("noextension")), None);
-    }
 
     #[test]
     fn several_documents_are_numbered_before_the_extension() {

@@ -1,9 +1,9 @@
 //! Where on a function to put its entry probe.
 //!
 //! The kernel emulates some instructions under a uprobe (push, jumps) and
-//! single-steps the rest, at about ten times the cost here (0.8 µs against
-//! 10 µs, ebpf-notes.md). glibc's free starts with `test %rdi,%rdi`, which
-//! is single-stepped, and free runs as often as malloc. The probe can go on
+//! single-steps the rest, at about ten times the cost (0.8 µs against
+//! 10 µs, measured on our machines). glibc's free starts with `test
+//! %rdi,%rdi`, which is single-stepped, and free runs as often as malloc. The probe can go on
 //! the next instruction instead, when that is provably the same for the
 //! BPF program: the skipped instruction only reads the pointer argument
 //! and sets flags, and the next one is the conditional jump for a NULL

@@ -33,7 +33,7 @@ struct Header {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum SnapshotError {
+pub enum SavedError {
     #[error("cannot read {path}: {source}")]
     Read { path: PathBuf, source: io::Error },
     #[error("{path} is not a memleak snapshot (written with --save): {reason}")]
@@ -60,15 +60,15 @@ pub fn write(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()>
 }
 
 /// Reads the snapshot at `path`.
-pub fn load(path: &Path) -> Result<Report, SnapshotError> {
-    let file = File::open(path).map_err(|source| SnapshotError::Read { path: path.to_path_buf(), source })?;
+pub fn load(path: &Path) -> Result<Report, SavedError> {
+    let file = File::open(path).map_err(|source| SavedError::Read { path: path.to_path_buf(), source })?;
     read(file, path)
 }
 
-fn read(mut input: impl Read, path: &Path) -> Result<Report, SnapshotError> {
+fn read(mut input: impl Read, path: &Path) -> Result<Report, SavedError> {
     let not_a_snapshot =
-        |reason: &str| SnapshotError::NotASnapshot { path: path.to_path_buf(), reason: reason.to_owned() };
-    let corrupt = |reason: String| SnapshotError::Corrupt { path: path.to_path_buf(), reason };
+        |reason: &str| SavedError::NotASnapshot { path: path.to_path_buf(), reason: reason.to_owned() };
+    let corrupt = |reason: String| SavedError::Corrupt { path: path.to_path_buf(), reason };
     let mut magic = [0u8; 2];
     match input.read_exact(&mut magic) {
         Ok(()) if magic == [0x1f, 0x8b] => {}
@@ -76,7 +76,7 @@ fn read(mut input: impl Read, path: &Path) -> Result<Report, SnapshotError> {
         Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
             return Err(not_a_snapshot("it is empty or too short"))
         }
-        Err(source) => return Err(SnapshotError::Read { path: path.to_path_buf(), source }),
+        Err(source) => return Err(SavedError::Read { path: path.to_path_buf(), source }),
     }
     let mut lines = BufReader::new(GzDecoder::new(io::Cursor::new(magic).chain(input)));
     let mut header_line = String::new();
@@ -87,7 +87,7 @@ fn read(mut input: impl Read, path: &Path) -> Result<Report, SnapshotError> {
         return Err(not_a_snapshot(&format!("its header says {:?}", header.format)));
     }
     if header.version != VERSION {
-        return Err(SnapshotError::Version {
+        return Err(SavedError::Version {
             path: path.to_path_buf(),
             found: header.version,
             written_by: header.written_by,
@@ -109,7 +109,7 @@ mod tests {
         bytes
     }
 
-    fn read_bytes(bytes: &[u8]) -> Result<Report, SnapshotError> {
+    fn read_bytes(bytes: &[u8]) -> Result<Report, SavedError> {
         read(bytes, Path::new("heap.snap"))
     }
 

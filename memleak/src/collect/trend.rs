@@ -4,22 +4,7 @@
 
 use std::collections::HashMap;
 
-use serde::{Deserialize, Serialize};
-
-use crate::model::Snapshot;
-
-/// The movement of one stack since the previous report.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Trend {
-    /// Change in outstanding bytes since the previous report; `None` in the
-    /// first report, which has nothing to compare with.
-    pub delta_bytes: Option<i64>,
-    /// Reports in a row, this one included, in which the stack grew.
-    pub growing_reports: u32,
-    /// While growing: the average growth per report over that streak, in
-    /// bytes. A slow steady leak shows here behind a big stable cache.
-    pub growth_per_report: Option<i64>,
-}
+use crate::model::{Snapshot, Trend};
 
 /// Remembers the previous report of one process.
 #[derive(Debug, Default)]

@@ -1,5 +1,6 @@
-//! The process being traced: validating a PID, spawning a command held at
-//! the door until the probes are in, and noticing when the target exits.
+//! `-c`: a command spawned and held at the door until the probes are in,
+//! then followed through ptrace so that it is held at its exit until its
+//! final report is taken.
 
 use std::{
     ffi::CString,
@@ -12,47 +13,16 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use super::lifecycle::TargetEvent;
+
 #[derive(Debug, thiserror::Error)]
-pub enum TargetError {
-    #[error("no process with pid {0}: check the pid with `ps -p {0}`")]
-    NoSuchProcess(u32),
-    #[error("pid {0} is a kernel thread: it has no user-space allocator to trace")]
-    KernelThread(u32),
+pub enum CommandError {
     #[error("the command to run is empty or has unbalanced quotes: {0:?}")]
     BadCommandLine(String),
     #[error("cannot run `{program}`: {source}")]
     Spawn { program: String, source: io::Error },
     #[error("cannot run `{0}`: not found in PATH")]
     NotInPath(String),
-}
-
-/// PF_KTHREAD from include/linux/sched.h: set in /proc/PID/stat's flags.
-const PF_KTHREAD: u64 = 0x0020_0000;
-
-/// The pid the process has in its own pid namespace (a container's), if
-/// that differs from `pid`: the last field of NSpid in /proc/PID/status.
-pub fn namespace_pid(pid: u32) -> Option<u32> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find_map(|line| line.strip_prefix("NSpid:"))?;
-    let inner: u32 = line.split_whitespace().last()?.parse().ok()?;
-    (inner != pid).then_some(inner)
-}
-
-/// Checks that `pid` is a live user-space process.
-pub fn check_process(pid: u32) -> Result<(), TargetError> {
-    let stat =
-        fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| TargetError::NoSuchProcess(pid))?;
-    // Fields after the command name, which is in parentheses and may itself
-    // contain spaces or parentheses: state is field 3, flags field 9.
-    let after_name = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
-    let flags: u64 = after_name.split(' ').nth(6).and_then(|f| f.parse().ok()).unwrap_or(0);
-    if flags & PF_KTHREAD != 0 {
-        return Err(TargetError::KernelThread(pid));
-    }
-    if after_name.starts_with('Z') {
-        return Err(TargetError::NoSuchProcess(pid));
-    }
-    Ok(())
 }
 
 /// A command forked and held just before `execve` until `release`, so the
@@ -74,15 +44,15 @@ pub struct GatedCommand {
 
 impl GatedCommand {
     /// Splits `command_line` like a shell and forks it, held before exec.
-    pub fn spawn(command_line: &str) -> Result<Self, TargetError> {
+    pub fn spawn(command_line: &str) -> Result<Self, CommandError> {
         let words = shlex::split(command_line)
             .filter(|words| !words.is_empty())
-            .ok_or_else(|| TargetError::BadCommandLine(command_line.to_owned()))?;
+            .ok_or_else(|| CommandError::BadCommandLine(command_line.to_owned()))?;
         let name = words[0].clone();
         let program = find_program(&name)?;
-        let spawn_error = |source| TargetError::Spawn { program: name.clone(), source };
+        let spawn_error = |source| CommandError::Spawn { program: name.clone(), source };
         let to_c = |text: &[u8]| {
-            CString::new(text).map_err(|_| TargetError::BadCommandLine(command_line.to_owned()))
+            CString::new(text).map_err(|_| CommandError::BadCommandLine(command_line.to_owned()))
         };
         let program_c = to_c(program.as_os_str().as_bytes())?;
         let argv_c: Vec<CString> =
@@ -119,8 +89,8 @@ impl GatedCommand {
     pub fn release(
         self,
         events: tokio::sync::mpsc::UnboundedSender<TargetEvent>,
-    ) -> Result<SpawnedCommand, TargetError> {
-        let spawn_error = |source| TargetError::Spawn { program: self.name.clone(), source };
+    ) -> Result<SpawnedCommand, CommandError> {
+        let spawn_error = |source| CommandError::Spawn { program: self.name.clone(), source };
         let watcher = match watch_command(self.pid, events) {
             Ok(watcher) => watcher,
             Err(source) => {
@@ -151,16 +121,6 @@ impl GatedCommand {
         // SAFETY: reaps our own child.
         unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, 0) };
     }
-}
-
-/// Something that happened to the target.
-#[derive(Debug)]
-pub enum TargetEvent {
-    /// The target is exiting. A command memleak started is held at its
-    /// last breath, mappings intact, until `ack` is dropped or sent to, so
-    /// that its stacks can still be symbolized; a `-p` target is already
-    /// gone (`ack` is `None`).
-    Exiting { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
 }
 
 /// A command memleak started, watched through ptrace for its exit; it does
@@ -271,16 +231,6 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
     }
 }
 
-/// Notices the exit of a process memleak did not start.
-pub fn watch_process(pid: u32, events: tokio::sync::mpsc::UnboundedSender<TargetEvent>) {
-    std::thread::spawn(move || match wait_for_exit(pid) {
-        Ok(()) => {
-            let _ = events.send(TargetEvent::Exiting { pid, ack: None });
-        }
-        Err(error) => log::warn!("cannot watch pid {pid} for exit, stop memleak with Ctrl-C: {error}"),
-    });
-}
-
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
@@ -292,47 +242,21 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Resolves a program name the way execvp would.
-fn find_program(name: &str) -> Result<PathBuf, TargetError> {
+fn find_program(name: &str) -> Result<PathBuf, CommandError> {
     if name.contains('/') {
         return match fs::metadata(name) {
             Ok(_) => Ok(PathBuf::from(name)),
-            Err(source) => Err(TargetError::Spawn { program: name.to_owned(), source }),
+            Err(source) => Err(CommandError::Spawn { program: name.to_owned(), source }),
         };
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .map(|dir| dir.join(name))
         .find(|candidate| is_executable(candidate))
-        .ok_or_else(|| TargetError::NotInPath(name.to_owned()))
+        .ok_or_else(|| CommandError::NotInPath(name.to_owned()))
 }
 
 fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt as _;
     fs::metadata(path).is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
-}
-
-/// Blocks until process `pid` exits. Uses a pidfd, so a recycled pid
-/// cannot be mistaken for the target.
-pub fn wait_for_exit(pid: u32) -> io::Result<()> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
-    if fd < 0 {
-        let error = io::Error::last_os_error();
-        // ESRCH: it is already gone.
-        return if error.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(error) };
-    }
-    // SAFETY: a fresh descriptor that nobody else owns.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let mut poll = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    loop {
-        // SAFETY: one valid pollfd.
-        let ready = unsafe { libc::poll(&mut poll, 1, -1) };
-        if ready > 0 {
-            return Ok(());
-        }
-        let error = io::Error::last_os_error();
-        if error.kind() != io::ErrorKind::Interrupted {
-            return Err(error);
-        }
-    }
 }

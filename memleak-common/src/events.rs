@@ -1,0 +1,74 @@
+//! The records BPF sends to user space through ring buffers.
+
+/// One allocation or free, sent through [`EVENTS_MAP`](crate::EVENTS_MAP)
+/// with --trace.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceEvent {
+    /// CLOCK_MONOTONIC nanoseconds.
+    pub timestamp_ns: u64,
+    /// The block returned, or the one freed.
+    pub address: u64,
+    /// Bytes requested; for a free, the size recorded at allocation or 0
+    /// if it was not recorded.
+    pub size: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    /// The function called, a [`FunctionSet`](crate::FunctionSet), as in
+    /// [`PendingCall`](crate::PendingCall).
+    pub function: u32,
+    pub _padding: u32,
+}
+
+/// What a [`MappingEvent`] reports.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MappingChange {
+    /// mmap returned `address`, `length` bytes.
+    Map = 0,
+    /// munmap(`address`, `length`) was called.
+    Unmap = 1,
+    /// mremap moved or resized `address`, `length` to `new_address`,
+    /// `new_length`.
+    Remap = 2,
+}
+
+impl TryFrom<u32> for MappingChange {
+    type Error = u32;
+
+    fn try_from(raw: u32) -> Result<Self, u32> {
+        match raw {
+            0 => Ok(MappingChange::Map),
+            1 => Ok(MappingChange::Unmap),
+            2 => Ok(MappingChange::Remap),
+            _ => Err(raw),
+        }
+    }
+}
+
+/// An mmap, munmap or mremap of a traced process, sent through
+/// [`MAPPING_EVENTS_MAP`](crate::MAPPING_EVENTS_MAP). These are rare next
+/// to malloc and free, and a partial munmap needs interval bookkeeping
+/// that a BPF hash map cannot do, so user space keeps the regions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MappingEvent {
+    /// CLOCK_MONOTONIC nanoseconds.
+    pub timestamp_ns: u64,
+    pub address: u64,
+    /// Bytes.
+    pub length: u64,
+    pub new_address: u64,
+    /// Bytes.
+    pub new_length: u64,
+    /// For `Map`: the stack of the mmap call, as in
+    /// [`Allocation`](crate::Allocation).
+    pub stack_id: u64,
+    pub tgid: u32,
+    /// A [`MappingChange`] as u32.
+    pub change: u32,
+    /// 1 if the call came from inside malloc & co.: the allocator's own
+    /// arenas and large blocks, already counted as what malloc returned.
+    pub inside_allocator: u32,
+    pub _padding: u32,
+}

@@ -1,0 +1,71 @@
+//! The names both sides look each other's maps, programs and tunables up
+//! by.
+
+/// [`AllocationKey`](crate::AllocationKey) -> [`Allocation`](crate::Allocation).
+pub const ALLOCATIONS_MAP: &str = "ALLOCATIONS";
+/// Stack id (u64) -> [`StackKey`](crate::StackKey).
+pub const STACKS_MAP: &str = "STACKS";
+/// [`StackSlot`](crate::StackSlot) -> stack id (u64).
+pub const STACK_IDS_MAP: &str = "STACK_IDS";
+/// Stack id (u64) -> [`StackTotals`](crate::StackTotals).
+pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
+/// Thread id (u32) -> [`PendingCall`](crate::PendingCall).
+pub const PENDING_MAP: &str = "PENDING";
+/// Per-CPU u64 array indexed by [`Counter`](crate::Counter).
+pub const COUNTERS_MAP: &str = "COUNTERS";
+/// Ring buffer of [`TraceEvent`](crate::TraceEvent)s, written only with --trace.
+pub const EVENTS_MAP: &str = "EVENTS";
+/// Ring buffer of [`MappingEvent`](crate::MappingEvent)s.
+pub const MAPPING_EVENTS_MAP: &str = "MAPPING_EVENTS";
+
+/// Load-time tunables: read-only globals in the BPF object, set by the
+/// loader (libbpf-tools' `const volatile` pattern).
+pub mod tunables {
+    /// u64: smallest allocation recorded, in bytes.
+    pub const MIN_SIZE: &str = "MIN_SIZE";
+    /// u64: largest allocation recorded, in bytes.
+    pub const MAX_SIZE: &str = "MAX_SIZE";
+    /// u32: frames kept per stack, at most [`crate::MAX_STACK_DEPTH`].
+    pub const STACK_DEPTH: &str = "STACK_DEPTH";
+    /// u32: record about one allocation in this many (1: all).
+    pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
+    /// u32: 1 to send a [`crate::TraceEvent`] per allocation and free.
+    pub const TRACE: &str = "TRACE";
+    /// u64: with --cgroup, the cgroup v2 id whose tasks are recorded; 0
+    /// records every task the probes fire for.
+    pub const CGROUP_ID: &str = "CGROUP_ID";
+    /// u32: offset of `size` in the kernel's struct kmem_cache.
+    pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
+    /// u64, u64: kernel code range whose allocations are left out (the BPF
+    /// memory allocator's refill, which serves memleak's own maps).
+    pub const IGNORED_CALLER_START: &str = "IGNORED_CALLER_START";
+    pub const IGNORED_CALLER_END: &str = "IGNORED_CALLER_END";
+}
+
+/// The BPF programs, by name. Which allocator function each uprobe
+/// program serves is said in [`crate::ALLOCATOR_FUNCTIONS`] and
+/// [`crate::MAPPING_FUNCTIONS`].
+pub mod programs {
+    pub const MALLOC_ENTER: &str = "malloc_enter";
+    pub const CALLOC_ENTER: &str = "calloc_enter";
+    pub const REALLOC_ENTER: &str = "realloc_enter";
+    pub const REALLOCARRAY_ENTER: &str = "reallocarray_enter";
+    pub const MEMALIGN_ENTER: &str = "memalign_enter";
+    pub const POSIX_MEMALIGN_ENTER: &str = "posix_memalign_enter";
+    /// The one return probe of every allocation function.
+    pub const ALLOCATION_RETURN: &str = "allocation_return";
+    pub const FREE_ENTER: &str = "free_enter";
+    pub const MMAP_ENTER: &str = "mmap_enter";
+    pub const MREMAP_ENTER: &str = "mremap_enter";
+    /// The return probe of mmap and mremap.
+    pub const MAPPING_RETURN: &str = "mapping_return";
+    pub const MUNMAP_ENTER: &str = "munmap_enter";
+    /// Kernel allocations: program name and tracepoint name are the same.
+    pub const KERNEL: [&str; 6] =
+        ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];
+    /// The kernel tracepoints that release memory, attached before the
+    /// others.
+    pub const KERNEL_RELEASES: [&str; 4] = ["kfree", "kmem_cache_free", "mm_page_free", "percpu_free_percpu"];
+    /// Per-CPU kernel allocations (--percpu).
+    pub const KERNEL_PERCPU: [&str; 2] = ["percpu_alloc_percpu", "percpu_free_percpu"];
+}

@@ -1,0 +1,215 @@
+//! The records the BPF maps hold: stacks, allocations, per-stack totals
+//! and calls in flight.
+
+/// Deepest user stack recorded, in frames. It is also the kernel's default
+/// `perf_event_max_stack`, so `bpf_get_stack` never returns more.
+pub const MAX_STACK_DEPTH: usize = 127;
+
+/// Return addresses, innermost first. Only the first `depth` count: the
+/// rest is whatever the scratch buffer held.
+pub type StackFrames = [u64; MAX_STACK_DEPTH];
+
+/// Value of [`STACKS_MAP`](crate::STACKS_MAP): the whole stack with its
+/// process, since equal addresses in two processes need not mean the same
+/// code. A stack's id is found through [`STACK_IDS_MAP`](crate::STACK_IDS_MAP)
+/// by hash, and every hit is checked against this, so two different
+/// stacks never share an id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackKey {
+    pub tgid: u32,
+    /// Frames in `frames`, at most [`MAX_STACK_DEPTH`].
+    pub depth: u32,
+    pub frames: StackFrames,
+}
+
+impl StackKey {
+    /// The recorded return addresses.
+    pub fn addresses(&self) -> &[u64] {
+        &self.frames[..(self.depth as usize).min(MAX_STACK_DEPTH)]
+    }
+}
+
+/// Key of [`STACK_IDS_MAP`](crate::STACK_IDS_MAP): a stack's hash and
+/// process. A stack whose slot holds another stack (a 64-bit collision)
+/// tries the next slots.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackSlot {
+    pub tgid: u32,
+    pub _padding: u32,
+    pub hash: u64,
+}
+
+/// The tgid under which kernel allocations are recorded (no process has
+/// it: it is the idle task's).
+pub const KERNEL_TGID: u32 = 0;
+
+/// Key of [`ALLOCATIONS_MAP`](crate::ALLOCATIONS_MAP): equal addresses in
+/// two traced processes are two allocations.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AllocationKey {
+    pub tgid: u32,
+    pub _padding: u32,
+    pub address: u64,
+}
+
+/// Outstanding memory of one stack, the value of
+/// [`STACK_TOTALS_MAP`](crate::STACK_TOTALS_MAP), kept up to date in BPF
+/// with atomic adds so that a report need not walk every allocation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackTotals {
+    /// Bytes outstanding (wrapping: a free is added as a negative amount).
+    pub bytes: u64,
+    /// Allocations outstanding, likewise.
+    pub allocations: u64,
+    /// Bytes ever allocated from the stack since attach, freed or not
+    /// (pprof's alloc_space).
+    pub allocated_bytes: u64,
+    /// Allocations ever made from the stack since attach (alloc_objects).
+    pub allocated_count: u64,
+}
+
+/// Stack id recorded when a stack of process `tgid` could not be stored
+/// (the stack map was full or the unwinder failed). Allocations keep their
+/// bytes under it and [`Counter::StacksLost`] counts them, so nothing is
+/// dropped silently. Ordinary ids never reach the top 32 bits being all
+/// ones (that would take 2^48 stacks).
+pub const fn lost_stack_id(tgid: u32) -> u64 {
+    (0xffff_ffff << 32) | tgid as u64
+}
+
+/// The process of a [`lost_stack_id`], or `None` for an ordinary id.
+pub const fn lost_stack_owner(stack_id: u64) -> Option<u32> {
+    if stack_id >> 32 == 0xffff_ffff {
+        Some(stack_id as u32)
+    } else {
+        None
+    }
+}
+
+/// One outstanding allocation, the value of
+/// [`ALLOCATIONS_MAP`](crate::ALLOCATIONS_MAP) keyed by its address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Allocation {
+    /// Bytes the caller asked for.
+    pub size: u64,
+    /// When the allocation returned, in CLOCK_MONOTONIC nanoseconds.
+    pub timestamp_ns: u64,
+    /// Value of the stack in [`STACKS_MAP`](crate::STACKS_MAP), or a
+    /// [`lost_stack_id`].
+    pub stack_id: u64,
+}
+
+/// What an allocation call does with its result; see [`PendingCall`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallKind {
+    /// Returns a new block (malloc, calloc, memalign, valloc, ...).
+    Allocate = 0,
+    /// Returns a new block and releases `PendingCall::argument` (realloc,
+    /// reallocarray).
+    Reallocate = 1,
+    /// Returns 0 and stores the block through `PendingCall::argument`
+    /// (posix_memalign).
+    AllocateThroughPointer = 2,
+}
+
+impl TryFrom<u32> for CallKind {
+    type Error = u32;
+
+    fn try_from(raw: u32) -> Result<Self, u32> {
+        match raw {
+            0 => Ok(CallKind::Allocate),
+            1 => Ok(CallKind::Reallocate),
+            2 => Ok(CallKind::AllocateThroughPointer),
+            _ => Err(raw),
+        }
+    }
+}
+
+/// An allocation call between its entry and its return, the value of
+/// [`PENDING_MAP`](crate::PENDING_MAP) keyed by thread id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PendingCall {
+    /// Bytes requested, already multiplied out for calloc/reallocarray.
+    /// [`OVERFLOWED_SIZE`] when that multiplication overflowed.
+    pub size: u64,
+    /// The old block for realloc, the out-pointer for posix_memalign.
+    pub argument: u64,
+    /// A [`CallKind`] as u32.
+    pub kind: u32,
+    /// How many allocator entry points this thread is inside. Allocators
+    /// call each other (glibc's reallocarray calls realloc); only the
+    /// outermost call is recorded.
+    pub depth: u32,
+    /// 1 if sampling (--sample-rate) picked this call for recording.
+    pub sampled: u32,
+    /// The function called, a [`FunctionSet`](crate::FunctionSet): aliases
+    /// share one probe, so this names them all.
+    pub function: u32,
+}
+
+/// Size recorded for a calloc/reallocarray whose `n * size` overflows; the
+/// call fails, so it is never recorded as an allocation.
+pub const OVERFLOWED_SIZE: u64 = u64::MAX;
+
+/// An mmap or mremap between entry and return, per thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PendingMapping {
+    pub address: u64,
+    pub length: u64,
+    pub new_length: u64,
+    /// A [`MappingChange`](crate::MappingChange) as u32.
+    pub change: u32,
+    pub _padding: u32,
+}
+
+/// Health counters, slots of the per-CPU
+/// [`COUNTERS_MAP`](crate::COUNTERS_MAP). Allocations recorded are not
+/// among them: the per-stack totals count those already
+/// ([`StackTotals::allocated_count`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Releases seen: free-like calls with a non-NULL pointer, and the old
+    /// block of each realloc that gave it up (glibc's realloc(p, 0) also
+    /// calls free, so it counts twice).
+    Frees = 0,
+    /// Allocations that returned NULL.
+    FailedAllocations = 1,
+    /// Allocations not recorded because
+    /// [`ALLOCATIONS_MAP`](crate::ALLOCATIONS_MAP) was full.
+    AllocationsNotTracked = 2,
+    /// Allocations recorded under a [`lost_stack_id`].
+    StacksLost = 3,
+    /// --trace or mapping events dropped because a ring buffer was full.
+    EventsLost = 4,
+}
+
+impl Counter {
+    /// Every counter, in slot order.
+    pub const ALL: [Counter; 5] = [
+        Counter::Frees,
+        Counter::FailedAllocations,
+        Counter::AllocationsNotTracked,
+        Counter::StacksLost,
+        Counter::EventsLost,
+    ];
+}
+
+impl TryFrom<u32> for Counter {
+    type Error = u32;
+
+    fn try_from(raw: u32) -> Result<Self, u32> {
+        Counter::ALL.get(raw as usize).copied().ok_or(raw)
+    }
+}
+
+/// Number of slots in [`COUNTERS_MAP`](crate::COUNTERS_MAP).
+pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;

@@ -1,0 +1,82 @@
+//! Allocator calls in flight, per thread: what the entry probe read, for
+//! the return probe that sees the result. Allocators call each other
+//! (glibc's reallocarray calls realloc), so each thread also counts how
+//! deep inside the allocator it is, and only the outermost call is the
+//! program's allocation.
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, generated::bpf_get_attach_cookie},
+    programs::ProbeContext,
+    EbpfContext as _,
+};
+use memleak_common::{CallKind, PendingCall};
+
+use crate::{maps::PENDING, tunables};
+
+/// The current thread's id.
+pub fn thread_id() -> u32 {
+    bpf_get_current_pid_tgid() as u32
+}
+
+/// The current thread's process id.
+pub fn process_id() -> u32 {
+    (bpf_get_current_pid_tgid() >> 32) as u32
+}
+
+/// Starts an allocator call on this thread: `size` bytes asked for, and
+/// the call's `argument` (realloc's old block, posix_memalign's
+/// out-pointer).
+pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
+    if !tunables::in_scope() {
+        return; // no pending call, so the return probe does nothing either
+    }
+    let tid = thread_id();
+    // A thread keeps its entry between calls (at depth 0), so that a call
+    // costs one lookup, not an insert and a delete.
+    let pending = PENDING.get_ptr_mut(tid);
+    // SAFETY: only this thread touches its own entry.
+    if let Some(pending) = pending.filter(|pending| unsafe { (**pending).depth } > 0) {
+        // An allocator entry point called from inside another one: only the
+        // outer call is the program's allocation.
+        // SAFETY: as above.
+        unsafe { (*pending).depth += 1 };
+        return;
+    }
+    let sampled = tunables::sample() as u32;
+    // SAFETY: reads this attachment's cookie: which function was called.
+    let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function };
+    match pending {
+        // SAFETY: as above.
+        Some(pending) => unsafe { *pending = call },
+        None => {
+            let _ = PENDING.insert(tid, call, 0);
+        }
+    }
+}
+
+/// Ends this thread's call; `None` while still inside a nested one, or
+/// when no call was seen starting (memleak attached during it).
+pub fn leave() -> Option<PendingCall> {
+    let pending = PENDING.get_ptr_mut(thread_id())?;
+    // SAFETY: only this thread touches its own entry.
+    unsafe {
+        match (*pending).depth {
+            0 => None,
+            1 => {
+                (*pending).depth = 0;
+                Some(*pending)
+            }
+            _ => {
+                (*pending).depth -= 1;
+                None
+            }
+        }
+    }
+}
+
+/// Whether this thread is inside malloc & co. now.
+pub fn inside_allocator() -> bool {
+    // SAFETY: this thread's own entry.
+    PENDING.get_ptr(thread_id()).is_some_and(|call| unsafe { (*call).depth } > 0)
+}

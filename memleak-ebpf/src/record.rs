@@ -1,0 +1,59 @@
+//! Recording and forgetting allocations: the core that the uprobes on an
+//! allocator and the kernel tracepoints share. An allocation is one entry
+//! in ALLOCATIONS plus its stack's totals; forgetting it takes both back.
+
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_ktime_get_ns};
+use memleak_common::{Allocation, AllocationKey, Counter};
+
+use crate::{counters, maps::ALLOCATIONS, totals};
+
+/// The map helpers' "key exists" error.
+const EEXIST: i32 = 17;
+
+/// Records an allocation under `key`, with its stack.
+pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
+    let allocation = Allocation {
+        size,
+        // SAFETY: a helper without arguments.
+        timestamp_ns: unsafe { bpf_ktime_get_ns() },
+        stack_id,
+    };
+    // One map operation in the common case. Only when the address is
+    // still recorded does it take more: the allocator handed it out again,
+    // so its free was not seen (bcc's --wa-missing-free case) and the old
+    // block comes off its stack's totals first.
+    let mut inserted = ALLOCATIONS.insert(key, allocation, BPF_NOEXIST as u64);
+    if inserted == Err(-EEXIST) {
+        let _ = forget(&key);
+        inserted = ALLOCATIONS.insert(key, allocation, 0);
+    }
+    if inserted.is_err() {
+        counters::increment(Counter::AllocationsNotTracked);
+        return;
+    }
+    totals::add(allocation.stack_id, size);
+}
+
+/// A release of the block at `address` by process `tgid` (0: the kernel):
+/// counted, and the allocation forgotten if it was recorded. Returns its
+/// size then.
+pub fn release(tgid: u32, address: u64) -> Option<u64> {
+    if address == 0 {
+        return None;
+    }
+    counters::increment(Counter::Frees);
+    forget(&AllocationKey { tgid, _padding: 0, address })
+}
+
+/// Removes a recorded allocation, takes it off its stack's totals and
+/// returns its size.
+fn forget(key: &AllocationKey) -> Option<u64> {
+    let allocation = ALLOCATIONS.get_ptr(key)?;
+    // SAFETY: a live entry; copied out before the entry is removed.
+    let allocation = unsafe { *allocation };
+    // Only the caller that really removed it updates the totals, so a block
+    // freed twice at once is not subtracted twice.
+    ALLOCATIONS.remove(key).ok()?;
+    totals::subtract(allocation.stack_id, allocation.size);
+    Some(allocation.size)
+}

@@ -1,0 +1,46 @@
+//! The user stack, walked through the frame pointers.
+//!
+//! Walked here rather than with `bpf_get_stack`: the helper costs about
+//! 0.7 µs per call on this path, mostly setting up the perf callchain
+//! buffer, where a walk of a few frames costs a fraction of that. Both
+//! follow the same chain.
+
+use aya_ebpf::{bindings::pt_regs, helpers::bpf_probe_read_user, EbpfContext};
+use memleak_common::{StackFrames, MAX_STACK_DEPTH};
+
+use crate::tunables;
+
+/// The caller's return address, then each saved return address along the
+/// frame-pointer chain, as `bpf_get_stack` would give them. Stops at a
+/// frame pointer that is null, misaligned or does not move up the stack,
+/// or that cannot be read. Returns the number of frames. Only for return
+/// probes: there the registers are the caller's, so its frame is the first.
+pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Option<u32> {
+    let regs = ctx.as_ptr() as *const pt_regs;
+    // SAFETY: a uprobe's context is the task's saved user registers.
+    let (ip, mut frame_pointer) = unsafe { ((*regs).rip, (*regs).rbp) };
+    frames[0] = ip;
+    let depth_limit = tunables::stack_depth() as usize;
+    let mut depth = 1;
+    for index in 1..MAX_STACK_DEPTH {
+        if index >= depth_limit || frame_pointer == 0 || frame_pointer % 8 != 0 {
+            break;
+        }
+        // SAFETY: a read of user memory, which the helper makes fault-safe.
+        let Ok([caller_frame, return_address]) =
+            (unsafe { bpf_probe_read_user(frame_pointer as *const [u64; 2]) })
+        else {
+            break;
+        };
+        if return_address == 0 {
+            break;
+        }
+        frames[index] = return_address;
+        depth = index + 1;
+        if caller_frame <= frame_pointer {
+            break;
+        }
+        frame_pointer = caller_frame;
+    }
+    Some(depth as u32)
+}

@@ -1,0 +1,15 @@
+//! The attach plan: from a target to the object that serves its
+//! allocations and the file offsets of the functions to probe in it.
+//!
+//! - `plan`: which object, and the probe sites in it;
+//! - `link_order`: the dynamic linker's order, which decides whose malloc
+//!   a program calls;
+//! - `placement`: where on a function its entry probe goes;
+//! - `kernel_btf`: what kernel tracing needs to know of the kernel.
+
+pub mod kernel_btf;
+pub mod link_order;
+pub mod placement;
+pub mod plan;
+
+pub use plan::{AllocatorChoice, AttachPlan, PlanError};

@@ -1,0 +1,328 @@
+//! The attach plan: which object serves the target's allocations, and at
+//! which file offsets each allocator function starts.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
+
+use super::{link_order, placement};
+use crate::{elf, process::address_space::{self, AddressSpace}};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{0} is not an ELF file: give -O the allocator library or binary")]
+    NotElf(PathBuf),
+    #[error("{0} has no malloc and free symbols: give -O the object that provides the allocator")]
+    NoAllocator(PathBuf),
+    #[error("no known allocator (malloc and free, plain or with a je_ or _rjem_ prefix) in {searched}: give -O the object, or --symbols-prefix")]
+    NoKnownAllocator { searched: String },
+    #[error(
+        "no {prefix}malloc and {prefix}free in {searched}: check --symbols-prefix, or give -O the object"
+    )]
+    NoPrefixedAllocator { prefix: String, searched: String },
+    #[error("cannot run `{0}`: it is neither an ELF executable nor a #! script")]
+    NotExecutable(PathBuf),
+    #[error("cannot find the libc that {program} will load: `{loader} --list` failed: {reason}")]
+    Loader { program: PathBuf, loader: String, reason: String },
+}
+
+/// Which allocator to probe, as the user chose it.
+#[derive(Clone, Debug, Default)]
+pub struct AllocatorChoice {
+    /// This object (-O), instead of the one the target's link map finds.
+    pub object: Option<PathBuf>,
+    /// Functions are named with this prefix (--symbols-prefix); `None`
+    /// tries the plain names, then the prefixes of `AUTO_PREFIXES`.
+    pub prefix: Option<String>,
+}
+
+/// A function of the allocator and where it starts in its file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeSite {
+    pub function: &'static str,
+    pub entry_program: &'static str,
+    /// The program for the function's return, if it has one.
+    pub return_program: Option<&'static str>,
+    /// Where the function starts in its file.
+    pub file_offset: u64,
+    /// Bytes past the start the entry probe goes; see `placement`.
+    pub entry_skip: u64,
+    /// The function and each alias sharing its code; given to the probes
+    /// as their attach cookie. Empty for the mapping functions.
+    pub functions: FunctionSet,
+}
+
+/// The object to probe and the probe sites in it.
+#[derive(Clone, Debug)]
+pub struct AttachPlan {
+    /// Path that opens the object from memleak's own mount namespace.
+    pub path: PathBuf,
+    /// The object as the target names it, for reports.
+    pub display_path: String,
+    pub sites: Vec<ProbeSite>,
+}
+
+/// Symbol prefixes tried when the user names none: plain names, then
+/// jemalloc's `je_` and tikv-jemallocator's `_rjem_` builds.
+const AUTO_PREFIXES: [&str; 3] = ["", "je_", "_rjem_"];
+
+/// Plans probes for a running process: the chosen object if there is one,
+/// else the first object in link-map order that defines the allocator.
+/// That order is the binary, then LD_PRELOAD, then the binary's DT_NEEDED
+/// libraries, so a preloaded or linked-in jemalloc wins over libc, as it
+/// does in the dynamic linker.
+pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
+    let prefix = choice.prefix.as_deref();
+    if let Some(object) = &choice.object {
+        // A path on the host, or else inside the target's mount namespace.
+        let path = address_space::object_path(space.pid(), object);
+        return plan_for_object(&path, &object.display().to_string(), prefix.unwrap_or(""));
+    }
+    let objects = space.objects();
+    let needed = objects
+        .first()
+        .and_then(|binary| fs::read(binary.fd_path()).ok())
+        .map(|data| elf::needed_libraries(&data))
+        .unwrap_or_default();
+    let environ = fs::read(format!("/proc/{}/environ", space.pid())).unwrap_or_default();
+    let mapped: Vec<&str> = objects.iter().map(|object| object.path.as_str()).collect();
+    let ordered = link_order::link_order(&mapped, &link_order::preloads(&environ), &needed);
+    let candidates: Vec<(PathBuf, String)> = ordered
+        .iter()
+        .filter_map(|path| objects.iter().find(|object| object.path == *path))
+        .map(|object| (object.opened_from.clone(), object.path.clone()))
+        .collect();
+    first_allocator(&candidates, prefix)
+}
+
+/// Plans probes for a program about to be run: the chosen object if there
+/// is one, else the first object in the link map its dynamic loader will
+/// build (asked of the loader itself, so LD_PRELOAD, LD_LIBRARY_PATH and
+/// the ld.so cache count) that defines the allocator.
+pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
+    if let Some(object) = &choice.object {
+        return plan_for_object(object, &object.display().to_string(), choice.prefix.as_deref().unwrap_or(""));
+    }
+    let data = fs::read(program).map_err(|source| PlanError::Read { path: program.to_path_buf(), source })?;
+    if let Some(interpreter) = script_interpreter(&data) {
+        // A script: the allocator is its interpreter's.
+        return plan_for_program(&interpreter, choice);
+    }
+    let file = object::File::parse(&*data).map_err(|_| PlanError::NotExecutable(program.to_path_buf()))?;
+    let mut candidates = vec![(program.to_path_buf(), program.display().to_string())];
+    if let Some(loader) = elf::interpreter(&file) {
+        for library in loaded_libraries(program, &loader)? {
+            candidates.push((PathBuf::from(&library), library));
+        }
+    }
+    first_allocator(&candidates, choice.prefix.as_deref())
+}
+
+/// The libraries `program` will load, in load order, as its dynamic loader
+/// resolves them (`ld.so --list` loads them but runs none of their code).
+fn loaded_libraries(program: &Path, loader: &str) -> Result<Vec<String>, PlanError> {
+    let fail =
+        |reason: String| PlanError::Loader { program: program.to_path_buf(), loader: loader.to_owned(), reason };
+    let output = Command::new(loader).arg("--list").arg(program).output();
+    let output = output.map_err(|error| fail(error.to_string()))?;
+    if !output.status.success() {
+        return Err(fail(String::from_utf8_lossy(&output.stderr).trim().to_owned()));
+    }
+    // Lines look like "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x7f...)",
+    // or "\t/usr/lib/libjemalloc.so.2 (0x7f...)" for a preloaded object.
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| line.split_once("=> ").map_or(line, |(_, rest)| rest))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .filter(|path| path.starts_with('/'))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// The first candidate that defines PREFIXmalloc and PREFIXfree; with no
+/// prefix given, the first that does so under any of `AUTO_PREFIXES`.
+fn first_allocator(candidates: &[(PathBuf, String)], prefix: Option<&str>) -> Result<AttachPlan, PlanError> {
+    let prefixes: &[&str] = match prefix {
+        Some(prefix) => &[prefix],
+        None => &AUTO_PREFIXES,
+    };
+    let found = candidates.iter().find_map(|(path, display)| {
+        prefixes.iter().find_map(|prefix| plan_for_object(path, display, prefix).ok())
+    });
+    found.ok_or_else(|| {
+        let searched = candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", ");
+        match prefix {
+            None => PlanError::NoKnownAllocator { searched },
+            Some(prefix) => PlanError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched },
+        }
+    })
+}
+
+/// The interpreter named on a script's `#!` line.
+fn script_interpreter(data: &[u8]) -> Option<PathBuf> {
+    let line = data.strip_prefix(b"#!")?.split(|&byte| byte == b'\n').next()?;
+    let line = std::str::from_utf8(line).ok()?;
+    line.split_whitespace().next().map(PathBuf::from)
+}
+
+/// Finds the allocator functions, named PREFIXmalloc and so on, in one ELF
+/// object, and the mapping functions beside them.
+pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<AttachPlan, PlanError> {
+    let data = fs::read(path).map_err(|source| PlanError::Read { path: path.to_path_buf(), source })?;
+    let file = object::File::parse(&*data).map_err(|_| PlanError::NotElf(path.to_path_buf()))?;
+    let (mut sites, missing) = allocator_sites(&file, &data, prefix, display_path);
+    // An allocator needs malloc and a way to free. A binary linked with
+    // tikv-jemallocator keeps only what Rust calls: _rjem_sdallocx, no free.
+    let frees = ["free", "sdallocx", "dallocx"];
+    if missing.contains(&"malloc") || frees.iter().all(|free| missing.contains(free)) {
+        return Err(if prefix.is_empty() {
+            PlanError::NoAllocator(path.to_path_buf())
+        } else {
+            PlanError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched: display_path.to_owned() }
+        });
+    }
+    for function in &missing {
+        log::debug!("{display_path} does not define {function}: not probed");
+    }
+    let mapping = mapping_sites(&file, &sites);
+    sites.extend(mapping);
+    Ok(AttachPlan { path: path.to_path_buf(), display_path: display_path.to_owned(), sites })
+}
+
+/// A site for each allocator function the object defines, aliases probed
+/// once; and the names of those it does not define.
+fn allocator_sites(
+    file: &object::File,
+    data: &[u8],
+    prefix: &str,
+    display_path: &str,
+) -> (Vec<ProbeSite>, Vec<&'static str>) {
+    let names = ALLOCATOR_FUNCTIONS.map(|function| function.name);
+    let addresses = elf::function_addresses(file, prefix, &names);
+    let mut sites: Vec<ProbeSite> = Vec::new();
+    let mut missing = Vec::new();
+    for (index, function) in ALLOCATOR_FUNCTIONS.iter().enumerate() {
+        let offset = addresses.get(function.name).and_then(|&address| elf::file_offset(file, address));
+        let Some(file_offset) = offset else {
+            missing.push(function.name);
+            continue;
+        };
+        // Aliases (glibc's aligned_alloc and memalign share code) are probed
+        // once, or every call would count twice; the cookie names them all.
+        if let Some(first) = sites.iter_mut().find(|site| site.file_offset == file_offset) {
+            log::debug!("{} is an alias of {} in {display_path}: probed once", function.name, first.function);
+            first.functions = first.functions.union(FunctionSet::of(index));
+            continue;
+        }
+        // A return probe needs the entry (it takes over the return address
+        // there); a free has none and may skip a costly first instruction.
+        let entry_skip = if function.releases {
+            let code = data.get(file_offset as usize..).unwrap_or(&[]);
+            placement::entry_probe_offset(&code[..code.len().min(32)])
+        } else {
+            0
+        };
+        if entry_skip > 0 {
+            log::debug!(
+                "{}: entry probe at +{entry_skip}, past `test %rdi,%rdi`, on the NULL check's jump, which the kernel emulates instead of single-stepping",
+                function.name
+            );
+        }
+        sites.push(ProbeSite {
+            function: function.name,
+            entry_program: function.entry_program,
+            return_program: function.return_program(),
+            file_offset,
+            entry_skip,
+            functions: FunctionSet::of(index),
+        });
+    }
+    (sites, missing)
+}
+
+/// A site for each mapping function the object defines that is not
+/// already among `sites`. mmap & co. are the C library's, never prefixed.
+fn mapping_sites(file: &object::File, sites: &[ProbeSite]) -> Vec<ProbeSite> {
+    let names = MAPPING_FUNCTIONS.map(|function| function.name);
+    let addresses = elf::function_addresses(file, "", &names);
+    let mut mapping: Vec<ProbeSite> = Vec::new();
+    for function in MAPPING_FUNCTIONS {
+        let offset = addresses.get(function.name).and_then(|&address| elf::file_offset(file, address));
+        let Some(file_offset) = offset else { continue };
+        if sites.iter().chain(&mapping).any(|site| site.file_offset == file_offset) {
+            continue; // mmap64 is mmap
+        }
+        mapping.push(ProbeSite {
+            function: function.name,
+            entry_program: function.entry_program,
+            return_program: function.return_program,
+            file_offset,
+            entry_skip: 0,
+            functions: FunctionSet::default(),
+        });
+    }
+    mapping
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glibc_plan_probes_every_function_once() {
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let plan = plan_for_object(libc, "libc.so.6", "").expect("the host libc has an allocator");
+        let functions: Vec<_> = plan.sites.iter().map(|site| site.function).collect();
+        for function in ["malloc", "calloc", "realloc", "free", "posix_memalign", "valloc", "mmap", "munmap"]
+        {
+            assert!(functions.contains(&function), "{function} missing from {functions:?}");
+        }
+        let free = plan.sites.iter().find(|site| site.function == "free").unwrap();
+        assert_eq!(free.entry_skip, 3, "glibc's free starts with test %rdi,%rdi; je");
+        assert!(plan
+            .sites
+            .iter()
+            .filter(|site| site.return_program.is_some())
+            .all(|site| site.entry_skip == 0));
+        let mut offsets: Vec<_> = plan.sites.iter().map(|site| site.file_offset).collect();
+        offsets.sort_unstable();
+        offsets.dedup();
+        assert_eq!(offsets.len(), plan.sites.len(), "an offset is probed twice: {:?}", plan.sites);
+    }
+
+    #[test]
+    fn a_file_that_is_not_elf_is_refused() {
+        let error = plan_for_object(Path::new("/etc/hostname"), "/etc/hostname", "").unwrap_err();
+        assert!(matches!(error, PlanError::NotElf(_)), "{error}");
+    }
+}
+
+#[cfg(test)]
+mod prefix_tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_that_matches_nothing_names_the_object() {
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let error = plan_for_object(libc, "/lib/x86_64-linux-gnu/libc.so.6", "je_").unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "no je_malloc and je_free in /lib/x86_64-linux-gnu/libc.so.6: check --symbols-prefix, or give -O the object"
+        );
+    }
+
+    #[test]
+    fn a_prefix_is_stripped_before_matching() {
+        // glibc exports __libc_malloc and __libc_free beside malloc and free.
+        let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+        let plan = plan_for_object(libc, "libc.so.6", "__libc_").expect("glibc has __libc_malloc");
+        let functions: Vec<_> = plan.sites.iter().map(|site| site.function).collect();
+        assert!(functions.contains(&"malloc") && functions.contains(&"free"), "{functions:?}");
+    }
+}

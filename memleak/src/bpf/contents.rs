@@ -1,0 +1,77 @@
+//! What the BPF maps hold, read once per report round for every process
+//! reported on, and the stacks read from the stack map so far.
+
+use std::collections::HashMap;
+
+use memleak_common::{lost_stack_owner, Allocation, AllocationKey, StackKey, StackTotals};
+
+use super::{Tracer, TracerError};
+use crate::{clock, model::HealthCounters};
+
+/// The maps at one moment.
+pub struct MapContents {
+    pub time_unix_ms: u64,
+    /// CLOCK_MONOTONIC, the clock of the BPF timestamps.
+    pub now_ns: u64,
+    pub counters: HealthCounters,
+    pub totals: Vec<(u64, StackTotals)>,
+    /// Each allocation, read only when its age or address is wanted: the
+    /// totals are one map entry per stack.
+    pub allocations: Option<Vec<(AllocationKey, Allocation)>>,
+}
+
+impl MapContents {
+    pub fn read(tracer: &Tracer, each_allocation: bool) -> Result<Self, TracerError> {
+        let totals = tracer.stack_totals()?;
+        Ok(Self {
+            time_unix_ms: clock::wall_ms(),
+            now_ns: clock::monotonic_ns(),
+            counters: tracer.counters(&totals)?,
+            allocations: if each_allocation { Some(tracer.allocations()?) } else { None },
+            totals,
+        })
+    }
+
+    /// Every stack id the contents mention.
+    pub fn stack_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        let allocations = self.allocations.iter().flatten().map(|(_, allocation)| allocation.stack_id);
+        self.totals.iter().map(|(id, _)| *id).chain(allocations)
+    }
+}
+
+/// The stacks read from the BPF stack map so far, by id. The map is read
+/// again only when a report meets an id not seen yet.
+#[derive(Default)]
+pub struct StackCatalog {
+    stacks: HashMap<u64, StackKey>,
+}
+
+impl StackCatalog {
+    /// Makes sure every stack of `stack_ids` is known, if it is stored.
+    pub fn ensure(
+        &mut self,
+        tracer: &Tracer,
+        stack_ids: impl IntoIterator<Item = u64>,
+    ) -> Result<(), TracerError> {
+        let mut ids = stack_ids.into_iter().filter(|id| lost_stack_owner(*id).is_none());
+        if ids.any(|id| !self.stacks.contains_key(&id)) {
+            self.stacks.extend(tracer.stacks()?);
+        }
+        Ok(())
+    }
+
+    /// The process a stack id belongs to.
+    pub fn owner(&self, stack_id: u64) -> Option<u32> {
+        lost_stack_owner(stack_id).or_else(|| self.stacks.get(&stack_id).map(|key| key.tgid))
+    }
+
+    /// The return addresses of a stack, innermost first; none if unknown.
+    pub fn addresses(&self, stack_id: u64) -> &[u64] {
+        self.stacks.get(&stack_id).map_or(&[], StackKey::addresses)
+    }
+
+    /// Drops the stacks of process `tgid`.
+    pub fn forget(&mut self, tgid: u32) {
+        self.stacks.retain(|_, key| key.tgid != tgid);
+    }
+}

@@ -1,0 +1,296 @@
+//! The command line, resolved once into what each stage needs (ripgrep's
+//! low-level and high-level arguments): a target, the tracer's settings,
+//! what to collect, what to show and where to write it. Every check that
+//! clap cannot express is made here, so nothing below `main` sees `Args`.
+
+use std::{num::NonZeroU64, path::PathBuf, time::Duration};
+
+use crate::{
+    attach::AllocatorChoice,
+    bpf::TracerSettings,
+    cli::{Args, DiffArgs, Offline, Rendering as RenderingArgs, ReportArgs},
+    collect::CollectOptions,
+    output::{Documents, OutputConfig},
+    report::options::{Format, Rendering, ReportOptions},
+    session::{ReportRequest, SessionConfig, TargetSpec},
+};
+
+/// What memleak was asked to do.
+pub enum Run {
+    Trace(Box<TraceConfig>),
+    /// `memleak report`: render a saved snapshot.
+    Report(ReportConfig),
+    /// `memleak diff`: compare two saved snapshots.
+    Diff(DiffConfig),
+}
+
+/// A tracing run.
+pub struct TraceConfig {
+    pub target: TargetSpec,
+    pub session: SessionConfig,
+    /// Time between reports.
+    pub interval: Duration,
+    /// Reports to print before exiting; until the end otherwise.
+    pub count: Option<NonZeroU64>,
+    pub collect: CollectOptions,
+    /// What a report shows.
+    pub shown: ReportOptions,
+    pub output: OutputConfig,
+    /// --save: where each report is saved whole.
+    pub save: Option<PathBuf>,
+    /// --stats: where machine-readable records of the run go.
+    pub stats: Option<PathBuf>,
+}
+
+impl TraceConfig {
+    /// What each round's reports are built with: every stack when they
+    /// are saved (they are cut to what is shown after saving).
+    pub fn request(&self) -> ReportRequest {
+        let top = if self.save.is_some() { usize::MAX } else { self.shown.top };
+        ReportRequest { collect: self.collect, sort: self.shown.sort, top }
+    }
+
+    /// Whether the run may write several documents, which are then
+    /// numbered: several reports, or several processes.
+    pub fn documents(&self) -> Documents {
+        let several_reports = self.count.is_none_or(|count| count.get() > 1);
+        let several_processes = match &self.target {
+            TargetSpec::Pids(pids) => pids.len() > 1,
+            TargetSpec::Cgroup(_) => true,
+            TargetSpec::Kernel { .. } | TargetSpec::Command(_) => false,
+        };
+        if several_reports || several_processes {
+            Documents::Several
+        } else {
+            Documents::One
+        }
+    }
+}
+
+/// `memleak report SNAPSHOT`.
+pub struct ReportConfig {
+    pub snapshot: PathBuf,
+    pub shown: ReportOptions,
+    pub output: OutputConfig,
+}
+
+/// `memleak diff BASE NEW`.
+pub struct DiffConfig {
+    pub base: PathBuf,
+    pub new: PathBuf,
+    /// Stacks kept of those that grew, and of those that shrank.
+    pub top: usize,
+    pub output: OutputConfig,
+}
+
+/// Resolves the command line; the error is one line for the user.
+pub fn resolve(args: Args) -> Result<Run, String> {
+    match args.offline {
+        Some(Offline::Report(report)) => resolve_report(report).map(Run::Report),
+        Some(Offline::Diff(diff)) => resolve_diff(diff).map(Run::Diff),
+        None => resolve_trace(args).map(|config| Run::Trace(Box::new(config))),
+    }
+}
+
+fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
+    let target = target_of(&args)?;
+    check_filters(&args)?;
+    let output = output_of(&args.rendering, args.save.is_some())?;
+    let format = output.rendering.format;
+    if args.trace && !matches!(format, Format::Text | Format::Json) {
+        return Err("--trace prints lines: use it with --format text or json".to_owned());
+    }
+    let saving = args.save.is_some();
+    let collect = CollectOptions {
+        min_age_ns: args.older.map(|ms| ms.saturating_mul(1_000_000)),
+        // A snapshot keeps each allocation, the stacks that freed
+        // everything, and the mappings, for any rendering later.
+        each_allocation: args.show_allocs || saving,
+        freed_stacks: format.shows_freed_stacks() || saving,
+        modules: format.needs_modules() || saving,
+        all_mmaps: args.all_mmaps,
+    };
+    let session = SessionConfig {
+        tracer: TracerSettings {
+            min_size: args.min_size.unwrap_or(0),
+            max_size: args.max_size.unwrap_or(u64::MAX),
+            stack_depth: args.max_stack_depth,
+            max_allocations: args.max_allocs,
+            max_stacks: args.max_stacks,
+            max_processes: args.max_processes,
+            sample_rate: args.sample_rate,
+            trace_events: args.trace,
+        },
+        allocator: AllocatorChoice { object: args.object, prefix: args.symbols_prefix },
+    };
+    Ok(TraceConfig {
+        target,
+        session,
+        interval: args.interval,
+        count: args.count,
+        collect,
+        shown: shown(&args.rendering, args.sort, args.show_allocs, format),
+        output,
+        save: args.save,
+        stats: args.stats,
+    })
+}
+
+/// The one target the flags name: without -p, -c or --cgroup, memleak
+/// traces the kernel's allocations, as bcc's memleak does.
+fn target_of(args: &Args) -> Result<TargetSpec, String> {
+    let target = match (&args.command, &args.cgroup, args.pid.is_empty()) {
+        (Some(command), _, _) => TargetSpec::Command(command.clone()),
+        (None, Some(cgroup), _) => TargetSpec::Cgroup(cgroup.clone()),
+        (None, None, false) => TargetSpec::Pids(args.pid.clone()),
+        (None, None, true) => TargetSpec::Kernel { percpu: args.percpu },
+    };
+    if args.percpu && !matches!(target, TargetSpec::Kernel { .. }) {
+        return Err("--percpu is for kernel tracing: leave out -p and -c".to_owned());
+    }
+    if let TargetSpec::Kernel { .. } = target {
+        let user_only = [
+            (args.object.is_some(), "-O"),
+            (args.symbols_prefix.is_some(), "--symbols-prefix"),
+            (args.trace, "--trace"),
+            (args.all_mmaps, "--all-mmaps"),
+        ];
+        if let Some((_, flag)) = user_only.iter().find(|(given, _)| *given) {
+            return Err(format!("{flag} needs a process: give -p PID or -c \"CMD ARGS\""));
+        }
+    }
+    if let TargetSpec::Pids(pids) = &target {
+        let mut sorted = pids.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(format!("pid {} is given twice", pair[0]));
+        }
+    }
+    Ok(target)
+}
+
+fn check_filters(args: &Args) -> Result<(), String> {
+    if let (Some(min), Some(max)) = (args.min_size, args.max_size) {
+        if min > max {
+            return Err(format!("--min-size {min} is larger than --max-size {max}"));
+        }
+    }
+    if args.symbols_prefix.as_deref() == Some("") {
+        return Err("--symbols-prefix needs a prefix, such as je_".to_owned());
+    }
+    Ok(())
+}
+
+/// Where reports go and in which format: --format, else what the --output
+/// file's extension names, else text. `saving`: --save was given, which
+/// --force applies to as well.
+fn output_of(rendering: &RenderingArgs, saving: bool) -> Result<OutputConfig, String> {
+    if rendering.force && rendering.output.is_none() && !saving {
+        return Err("--force is for overwriting the --output (or --save) files: give one".to_owned());
+    }
+    let format = match (rendering.format, &rendering.output) {
+        (Some(format), _) => format,
+        (None, None) => Format::Text,
+        (None, Some(output)) => Format::of_file(output).ok_or_else(|| {
+            format!(
+                "cannot tell the format of {} from its extension (.svg, .pb.gz, .folded, .json, .txt): give --format",
+                output.display()
+            )
+        })?,
+    };
+    Ok(OutputConfig {
+        path: rendering.output.clone(),
+        force: rendering.force,
+        rendering: Rendering { format, weight: rendering.weight },
+    })
+}
+
+/// What a report shows: a flame graph needs every stack, not the top N.
+fn shown(
+    rendering: &RenderingArgs,
+    sort: crate::report::options::SortKey,
+    show_allocs: bool,
+    format: Format,
+) -> ReportOptions {
+    let top = if format.wants_every_stack() { usize::MAX } else { rendering.top };
+    ReportOptions { sort, top, show_allocs }
+}
+
+fn resolve_report(args: ReportArgs) -> Result<ReportConfig, String> {
+    let output = output_of(&args.rendering, false)?;
+    let shown = shown(&args.rendering, args.sort, args.show_allocs, output.rendering.format);
+    Ok(ReportConfig { snapshot: args.snapshot, shown, output })
+}
+
+fn resolve_diff(args: DiffArgs) -> Result<DiffConfig, String> {
+    let output = output_of(&args.rendering, false)?;
+    let top = if output.rendering.format.wants_every_stack() { usize::MAX } else { args.rendering.top };
+    Ok(DiffConfig { base: args.base, new: args.new, top, output })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn resolved(line: &str) -> Result<Run, String> {
+        let args = Args::try_parse_from(std::iter::once("memleak").chain(line.split_whitespace()))
+            .map_err(|error| error.to_string())?;
+        resolve(args)
+    }
+
+    fn trace(line: &str) -> TraceConfig {
+        match resolved(line) {
+            Ok(Run::Trace(config)) => *config,
+            Ok(_) => panic!("{line}: not a trace"),
+            Err(error) => panic!("{line}: {error}"),
+        }
+    }
+
+    #[test]
+    fn the_flags_name_one_target() {
+        assert_eq!(trace("").target, TargetSpec::Kernel { percpu: false });
+        assert_eq!(trace("--percpu").target, TargetSpec::Kernel { percpu: true });
+        assert_eq!(trace("-p 1,2").target, TargetSpec::Pids(vec![1, 2]));
+        assert_eq!(trace("--cgroup /sys/fs/cgroup/x").target, TargetSpec::Cgroup("/sys/fs/cgroup/x".into()));
+        assert_eq!(trace("-c ls").target, TargetSpec::Command("ls".to_owned()));
+    }
+
+    #[test]
+    fn what_a_round_collects_follows_the_flags() {
+        let plain = trace("-p 1");
+        assert_eq!(plain.collect, CollectOptions::default(), "per-stack totals only");
+        assert_eq!((plain.request().top, plain.shown.top), (10, 10));
+        let pprof = trace("-p 1 --format pprof");
+        assert!(pprof.collect.freed_stacks && pprof.collect.modules && !pprof.collect.each_allocation);
+        assert_eq!(pprof.shown.top, usize::MAX);
+        let saved = trace("-p 1 --save heap.snap -T 3");
+        assert!(saved.collect.each_allocation && saved.collect.freed_stacks && saved.collect.modules);
+        assert_eq!((saved.request().top, saved.shown.top), (usize::MAX, 3), "saved whole, shown cut");
+        assert_eq!(trace("-p 1 -o 0").collect.min_age_ns, Some(0), "-o 0 still ages each allocation");
+        assert!(trace("-p 1 -o 0").collect.reads_each_allocation());
+    }
+
+    #[test]
+    fn several_documents_are_numbered() {
+        assert_eq!(trace("-p 1 1 1").documents(), Documents::One);
+        assert_eq!(trace("-p 1 1 2").documents(), Documents::Several);
+        assert_eq!(trace("-p 1,2 1 1").documents(), Documents::Several);
+        assert_eq!(trace("--cgroup /x 1 1").documents(), Documents::Several);
+        assert_eq!(trace("-c ls").documents(), Documents::Several, "no count: a report per interval");
+    }
+
+    #[test]
+    fn contradictions_are_refused_in_one_line() {
+        let error = |line: &str| resolved(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
+        assert_eq!(error("-p 1 --percpu"), "--percpu is for kernel tracing: leave out -p and -c");
+        assert_eq!(error("--trace"), "--trace needs a process: give -p PID or -c \"CMD ARGS\"");
+        assert_eq!(error("-p 1,1"), "pid 1 is given twice");
+        assert_eq!(error("-p 1 -z 10 -Z 5"), "--min-size 10 is larger than --max-size 5");
+        assert_eq!(error("-p 1 --force"), "--force is for overwriting the --output (or --save) files: give one");
+        assert!(error("-p 1 --output x.bin").starts_with("cannot tell the format of x.bin"));
+        assert_eq!(error("-p 1 --trace --format svg"), "--trace prints lines: use it with --format text or json");
+        assert_eq!(error("-p 1 --symbols-prefix="), "--symbols-prefix needs a prefix, such as je_");
+    }
+}

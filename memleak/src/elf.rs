@@ -1,0 +1,89 @@
+//! What memleak reads from ELF files: function symbols and the file
+//! offsets uprobes are placed by, the program interpreter and the needed
+//! libraries that decide link order, and build ids. The attach planner,
+//! the address-space model and the exporters share these.
+
+use std::{collections::BTreeMap, path::Path};
+
+use object::{
+    read::elf::{Dyn as _, FileHeader as _, ProgramHeader as _},
+    Object as _, ObjectSegment as _, ObjectSymbol as _,
+};
+
+/// Addresses of the defined functions among `names`, by unprefixed name,
+/// from .dynsym first (what a stripped library still has), then .symtab.
+pub fn function_addresses(file: &object::File, prefix: &str, names: &[&str]) -> BTreeMap<String, u64> {
+    let mut addresses = BTreeMap::new();
+    for symbol in file.dynamic_symbols().chain(file.symbols()) {
+        if symbol.is_undefined() || symbol.address() == 0 || symbol.kind() != object::SymbolKind::Text {
+            continue;
+        }
+        let Some(name) = symbol.name().ok().and_then(|name| name.strip_prefix(prefix)) else { continue };
+        if names.contains(&name) {
+            addresses.entry(name.to_owned()).or_insert(symbol.address());
+        }
+    }
+    addresses
+}
+
+/// Converts a virtual address to the file offset uprobes are placed by.
+pub fn file_offset(file: &object::File, address: u64) -> Option<u64> {
+    file.segments().find_map(|segment| {
+        let (offset, size) = segment.file_range();
+        let start = segment.address();
+        (address >= start && address < start + size).then(|| address - start + offset)
+    })
+}
+
+/// The DT_NEEDED entries of an ELF file, in order.
+pub fn needed_libraries(data: &[u8]) -> Vec<String> {
+    let Ok(header) = object::elf::FileHeader64::<object::Endianness>::parse(data) else { return Vec::new() };
+    let Ok(endian) = header.endian() else { return Vec::new() };
+    let Ok(sections) = header.sections(endian, data) else { return Vec::new() };
+    let Ok(Some((entries, strings_index))) = sections.dynamic(endian, data) else { return Vec::new() };
+    let Ok(strings) = sections.strings(endian, data, strings_index) else { return Vec::new() };
+    entries
+        .iter()
+        .filter(|entry| entry.tag32(endian) == Some(object::elf::DT_NEEDED))
+        .filter_map(|entry| entry.string(endian, strings).ok())
+        .map(|name| String::from_utf8_lossy(name).into_owned())
+        .collect()
+}
+
+/// The PT_INTERP of an ELF file, if it is dynamically linked.
+pub fn interpreter(file: &object::File) -> Option<String> {
+    let object::File::Elf64(elf) = file else { return None };
+    let endian = elf.endian();
+    let data = elf.data();
+    elf.elf_program_headers().iter().find_map(|header| {
+        let bytes = header.interpreter(endian, data).ok()??;
+        Some(String::from_utf8_lossy(bytes).into_owned())
+    })
+}
+
+/// The GNU build id of the ELF file at `path`, in hex.
+pub fn build_id(path: &Path) -> Option<String> {
+    let bytes = blazesym::helper::read_elf_build_id(path).ok().flatten()?;
+    Some(bytes.iter().map(|byte| format!("{byte:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn needed_libraries_come_in_order() {
+        let data = std::fs::read("/proc/self/exe").unwrap();
+        let needed = needed_libraries(&data);
+        assert!(needed.iter().any(|name| name == "libc.so.6"), "{needed:?}");
+    }
+
+    #[test]
+    fn a_dynamic_executable_names_its_interpreter_and_build_id() {
+        let data = std::fs::read("/proc/self/exe").unwrap();
+        let file = object::File::parse(&*data).unwrap();
+        assert_eq!(interpreter(&file).as_deref(), Some("/lib64/ld-linux-x86-64.so.2"));
+        let id = build_id(Path::new("/proc/self/exe")).expect("rustc links a build id");
+        assert!(id.len() >= 32 && id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+    }
+}

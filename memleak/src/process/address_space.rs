@@ -1,0 +1,314 @@
+//! A process's address space as memleak needs it: the files it maps, each
+//! opened once and kept open, with their build ids.
+//!
+//! Files are opened through /proc/PID/map_files (then the process's root):
+//! that works for files that exist only inside a container and for files
+//! deleted since they were mapped. Kept open, they serve the symbolizer
+//! and the pprof mappings after the process has exited. The attach planner
+//! reads the same objects, and `refresh` says which objects came and went
+//! so that whatever follows them (a table of unwind rows, say) can too.
+
+use std::{
+    collections::HashMap,
+    fs::File,
+    os::fd::AsRawFd as _,
+    path::{Path, PathBuf},
+    sync::{Arc, OnceLock},
+};
+
+use super::maps::{self, MapsEntry};
+use crate::{elf, model::ModuleMapping};
+
+/// What tells two files apart whatever their paths: device and inode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileId {
+    pub device: (u32, u32),
+    pub inode: u64,
+}
+
+/// A file mapped by the process, opened once.
+#[derive(Debug)]
+pub struct MappedObject {
+    pub id: FileId,
+    /// The file as the process names it.
+    pub path: String,
+    /// Where it was opened from; valid while the process maps it.
+    pub opened_from: PathBuf,
+    file: File,
+    build_id: OnceLock<Option<String>>,
+}
+
+impl MappedObject {
+    /// A path that reopens this very file from memleak's own process, for
+    /// as long as memleak holds it, whatever happens to the process.
+    pub fn fd_path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+    }
+
+    /// The GNU build id, in hex, read once.
+    pub fn build_id(&self) -> Option<&str> {
+        self.build_id.get_or_init(|| elf::build_id(&self.fd_path())).as_deref()
+    }
+}
+
+/// One file-backed mapping.
+#[derive(Clone, Debug)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// File offset of `start`.
+    pub offset: u64,
+    pub executable: bool,
+    pub object: Arc<MappedObject>,
+}
+
+impl Mapping {
+    /// The file offset of `address`, which must lie in this mapping.
+    pub fn file_offset(&self, address: u64) -> u64 {
+        address - self.start + self.offset
+    }
+
+    fn describe(&self) -> ModuleMapping {
+        ModuleMapping {
+            start: self.start,
+            end: self.end,
+            file_offset: self.offset,
+            path: self.object.path.clone(),
+            build_id: self.object.build_id().map(str::to_owned),
+        }
+    }
+}
+
+/// What a `refresh` found changed.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// Objects mapped now that were not before.
+    pub added: Vec<Arc<MappedObject>>,
+    /// Objects mapped before that are not any more (a dlclose).
+    pub removed: Vec<Arc<MappedObject>>,
+}
+
+/// The file mappings of one process, refreshed while it lives and kept
+/// after it exits.
+pub struct AddressSpace {
+    pid: u32,
+    /// Sorted by start. Mappings that disappeared stay unless a new one
+    /// covers their addresses: old stacks may still point there.
+    mappings: Vec<Mapping>,
+    /// The objects mapped now, by file.
+    objects: HashMap<FileId, Arc<MappedObject>>,
+    /// Every range mapped with execute permission, files and anonymous
+    /// memory (JIT code) alike, sorted: return addresses point there.
+    code: Vec<(u64, u64)>,
+    /// The maps text last read, to skip work when nothing changed.
+    last_maps: String,
+}
+
+impl AddressSpace {
+    /// An empty model of process `pid`; `refresh` fills it in.
+    pub fn new(pid: u32) -> Self {
+        Self { pid, mappings: Vec::new(), objects: HashMap::new(), code: Vec::new(), last_maps: String::new() }
+    }
+
+    /// The model of process `pid` as it is now.
+    pub fn read(pid: u32) -> std::io::Result<Self> {
+        let mut space = Self::new(pid);
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+        space.update(&maps);
+        Ok(space)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Re-reads /proc/PID/maps and says which objects came and went. Once
+    /// the process is gone this keeps what it last saw.
+    pub fn refresh(&mut self) -> Changes {
+        match std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) {
+            Ok(maps) if !maps.is_empty() && maps != self.last_maps => self.update(&maps),
+            _ => Changes::default(),
+        }
+    }
+
+    fn update(&mut self, maps: &str) -> Changes {
+        let entries = maps::parse(maps);
+        let mut objects = HashMap::new();
+        let mut fresh = Vec::new();
+        for entry in &entries {
+            let Some(object) = self.object_of(entry, &mut objects) else { continue };
+            fresh.push(Mapping {
+                start: entry.start,
+                end: entry.end,
+                offset: entry.offset,
+                executable: entry.executable,
+                object,
+            });
+        }
+        let overlaps = |old: &Mapping| fresh.iter().any(|new| new.start < old.end && old.start < new.end);
+        let kept: Vec<Mapping> = self.mappings.iter().filter(|old| !overlaps(old)).cloned().collect();
+        fresh.extend(kept);
+        fresh.sort_by_key(|mapping| mapping.start);
+        let changes = Changes {
+            added: objects.iter().filter(|(id, _)| !self.objects.contains_key(id)).map(|(_, o)| o.clone()).collect(),
+            removed: self.objects.iter().filter(|(id, _)| !objects.contains_key(id)).map(|(_, o)| o.clone()).collect(),
+        };
+        self.mappings = fresh;
+        self.objects = objects;
+        self.code = entries.iter().filter(|entry| entry.executable).map(|entry| (entry.start, entry.end)).collect();
+        self.last_maps = maps.to_owned();
+        changes
+    }
+
+    /// The object `entry` maps: known already, or opened now.
+    fn object_of(
+        &self,
+        entry: &MapsEntry,
+        objects: &mut HashMap<FileId, Arc<MappedObject>>,
+    ) -> Option<Arc<MappedObject>> {
+        let path = entry.file()?;
+        let id = FileId { device: entry.device, inode: entry.inode };
+        if let Some(object) = objects.get(&id).or_else(|| self.objects.get(&id)) {
+            let object = object.clone();
+            objects.insert(id, object.clone());
+            return Some(object);
+        }
+        let (file, opened_from) = entry
+            .open_paths(self.pid)
+            .into_iter()
+            .find_map(|candidate| File::open(&candidate).ok().map(|file| (file, candidate)))?;
+        let object = Arc::new(MappedObject {
+            id,
+            path: path.to_owned(),
+            opened_from,
+            file,
+            build_id: OnceLock::new(),
+        });
+        objects.insert(id, object.clone());
+        Some(object)
+    }
+
+    /// Every object mapped now, each once, in the order of its first
+    /// mapping's address: the executable first.
+    pub fn objects(&self) -> Vec<Arc<MappedObject>> {
+        let mut seen = Vec::new();
+        for mapping in &self.mappings {
+            let current = self.objects.contains_key(&mapping.object.id);
+            if current && !seen.iter().any(|object: &Arc<MappedObject>| object.id == mapping.object.id) {
+                seen.push(mapping.object.clone());
+            }
+        }
+        seen
+    }
+
+    /// The mapping `address` falls in.
+    pub fn find(&self, address: u64) -> Option<&Mapping> {
+        let index = self.mappings.partition_point(|mapping| mapping.start <= address);
+        let mapping = self.mappings.get(index.checked_sub(1)?)?;
+        (address < mapping.end).then_some(mapping)
+    }
+
+    /// The mapping `address` falls in, described for an exporter.
+    pub fn module_mapping(&self, address: u64) -> Option<ModuleMapping> {
+        self.find(address).map(Mapping::describe)
+    }
+
+    /// The executable code of the file at `path`, as the process names it.
+    pub fn executable_mapping(&self, path: &str) -> Option<ModuleMapping> {
+        let mapping = self.mappings.iter().find(|mapping| mapping.object.path == path && mapping.executable)?;
+        Some(mapping.describe())
+    }
+
+    /// The leading part of a walked stack that can be trusted: up to the
+    /// first zero, and the first "return address" outside code (in data,
+    /// the heap, a stack, or nothing mapped), which is what a frame-pointer
+    /// walk finds past code built without frame pointers.
+    pub fn code_prefix<'a>(&self, addresses: &'a [u64]) -> &'a [u64] {
+        let end = addresses.iter().position(|&address| address == 0 || !self.may_be_code(address));
+        &addresses[..end.unwrap_or(addresses.len())]
+    }
+
+    /// Whether `address` can be a return address: it is in code the
+    /// process maps, or mapped before (a library since unloaded). Not in
+    /// its data, heap or stacks, and not in memory it never mapped. With
+    /// no mappings known, anything can be.
+    pub fn may_be_code(&self, address: u64) -> bool {
+        let index = self.code.partition_point(|&(start, _)| start <= address);
+        self.code.is_empty()
+            || index.checked_sub(1).is_some_and(|index| address < self.code[index].1)
+            || self.find(address).is_some_and(|mapping| mapping.executable)
+    }
+}
+
+/// `object` as given with -O for process `pid`: a path on the host if it
+/// exists there, else inside the process's root.
+pub fn object_path(pid: u32, object: &Path) -> PathBuf {
+    if object.exists() {
+        object.to_path_buf()
+    } else {
+        maps::in_root(pid, &object.to_string_lossy())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This test's own process: its binary and libc are real files.
+    fn own_space() -> AddressSpace {
+        AddressSpace::read(std::process::id()).expect("read own maps")
+    }
+
+    #[test]
+    fn return_addresses_point_into_code() {
+        let maps = "\
+55d0a0000000-55d0a0001000 r--p 00000000 08:01 42 /nonexistent/app
+55d0a0001000-55d0a0002000 r-xp 00001000 08:01 42 /nonexistent/app
+55d0a1000000-55d0a1021000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0000010000 rwxp 00000000 00:00 0
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0 [stack]";
+        let mut space = AddressSpace::new(0);
+        assert!(space.may_be_code(0x400), "nothing known: anything goes");
+        space.update(maps);
+        assert!(space.may_be_code(0x55d0a0001010), "a binary's code");
+        assert!(space.may_be_code(0x7f0000000100), "JIT code");
+        assert!(!space.may_be_code(0x55d0a0000010), "a file's read-only data");
+        assert!(!space.may_be_code(0x55d0a1000070), "the heap");
+        assert!(!space.may_be_code(0x7ffc00000008), "a stack");
+        assert!(!space.may_be_code(0x400), "nothing mapped");
+        let stack = [0x55d0a0001010, 0x7f0000000100, 0x55d0a1000070, 0x55d0a0001010];
+        assert_eq!(space.code_prefix(&stack), &stack[..2], "the walk is not trusted past the heap");
+        assert_eq!(space.code_prefix(&[0x55d0a0001010, 0, 0x55d0a0001010]), &[0x55d0a0001010]);
+    }
+
+    #[test]
+    fn objects_are_opened_once_with_the_executable_first() {
+        let space = own_space();
+        let objects = space.objects();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        assert_eq!(Path::new(&objects[0].path), exe, "the executable is mapped first");
+        let mut ids: Vec<FileId> = objects.iter().map(|object| object.id).collect();
+        ids.dedup();
+        assert_eq!(ids.len(), objects.len(), "each object once");
+        assert!(objects[0].opened_from.starts_with("/proc"), "{:?}", objects[0].opened_from);
+        let function = own_space as fn() -> AddressSpace as usize as u64;
+        let mapping = space.find(function).expect("this function's code is mapped");
+        assert!(mapping.executable && mapping.object.id == objects[0].id);
+    }
+
+    #[test]
+    fn refresh_says_what_came_and_went() {
+        let mut space = own_space();
+        assert!(space.refresh().added.is_empty(), "nothing new since the read");
+        let libc_line = space.last_maps.lines().find(|line| line.contains("libc.so")).unwrap().to_owned();
+        let without_libc: String =
+            space.last_maps.lines().filter(|line| !line.contains("libc.so")).map(|l| format!("{l}\n")).collect();
+        let changes = space.update(&without_libc);
+        assert_eq!(changes.removed.len(), 1);
+        assert!(changes.removed[0].path.contains("libc.so"));
+        let address = u64::from_str_radix(libc_line.split('-').next().unwrap(), 16).unwrap();
+        assert!(space.find(address).is_some(), "a gone library's mappings stay for old stacks");
+        let changes = space.refresh();
+        assert_eq!(changes.added.len(), 1, "{:?}", changes.added);
+    }
+}

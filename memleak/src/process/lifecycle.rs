@@ -1,0 +1,143 @@
+//! A process's life as memleak follows it: checking a pid, naming the
+//! program, the pid it has in its own namespace, and noticing its exit.
+
+use std::{
+    fs, io,
+    os::fd::{FromRawFd as _, OwnedFd},
+};
+
+use tokio::{
+    io::{unix::AsyncFd, Interest},
+    sync::mpsc::UnboundedSender,
+    task::AbortHandle,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("no process with pid {0}: check the pid with `ps -p {0}`")]
+    NoSuchProcess(u32),
+    #[error("pid {0} is a kernel thread: it has no user-space allocator to trace")]
+    KernelThread(u32),
+}
+
+/// PF_KTHREAD from include/linux/sched.h: set in /proc/PID/stat's flags.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// Something that happened to a traced process.
+#[derive(Debug)]
+pub enum TargetEvent {
+    /// The process is exiting. A command memleak started is held at its
+    /// last breath, mappings intact, until `ack` is dropped or sent to, so
+    /// that its stacks can still be symbolized; a process memleak did not
+    /// start is already gone (`ack` is `None`).
+    Exiting { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
+}
+
+/// Checks that `pid` is a live user-space process.
+pub fn check_process(pid: u32) -> Result<(), ProcessError> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| ProcessError::NoSuchProcess(pid))?;
+    // Fields after the command name, which is in parentheses and may itself
+    // contain spaces or parentheses: state is field 3, flags field 9.
+    let after_name = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
+    let flags: u64 = after_name.split(' ').nth(6).and_then(|f| f.parse().ok()).unwrap_or(0);
+    if flags & PF_KTHREAD != 0 {
+        return Err(ProcessError::KernelThread(pid));
+    }
+    if after_name.starts_with('Z') {
+        return Err(ProcessError::NoSuchProcess(pid));
+    }
+    Ok(())
+}
+
+/// The pid the process has in its own pid namespace (a container's), if
+/// that differs from `pid`: the last field of NSpid in /proc/PID/status.
+pub fn namespace_pid(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|line| line.strip_prefix("NSpid:"))?;
+    let inner: u32 = line.split_whitespace().last()?.parse().ok()?;
+    (inner != pid).then_some(inner)
+}
+
+/// The process's executable, as it names it, or `pid N` if that cannot be
+/// read.
+pub fn program(pid: u32) -> String {
+    fs::read_link(format!("/proc/{pid}/exe")).map_or_else(|_| format!("pid {pid}"), |path| path.display().to_string())
+}
+
+/// Sends `TargetEvent::Exiting` for process `pid` once it has exited.
+/// Waits on a pidfd, so a recycled pid cannot be mistaken for the process,
+/// from a task on the caller's tokio runtime: watching costs no thread.
+/// Abort the handle to stop watching.
+pub fn watch_exit(pid: u32, events: UnboundedSender<TargetEvent>) -> io::Result<AbortHandle> {
+    let pidfd = match pidfd_open(pid) {
+        // SAFETY: an OwnedFd keeps its descriptor open, and always the same
+        // one, until the AsyncFd that owns it is dropped.
+        Ok(pidfd) => Some(
+            unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+                .map_err(|error| error.into_parts().1)?,
+        ),
+        // Already gone.
+        Err(error) if error.raw_os_error() == Some(libc::ESRCH) => None,
+        Err(error) => return Err(error),
+    };
+    let task = tokio::spawn(async move {
+        if let Some(pidfd) = pidfd {
+            // A pidfd polls readable once the process has exited.
+            if let Err(error) = pidfd.readable().await {
+                log::warn!("cannot watch pid {pid} for exit, stop memleak with Ctrl-C: {error}");
+                return;
+            }
+        }
+        let _ = events.send(TargetEvent::Exiting { pid, ack: None });
+    });
+    Ok(task.abort_handle())
+}
+
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, libc::O_NONBLOCK) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_is_a_live_user_process_and_pid_1_is_not_a_kernel_thread() {
+        assert!(check_process(std::process::id()).is_ok());
+        let kthreadd = 2;
+        assert!(matches!(check_process(kthreadd), Err(ProcessError::KernelThread(2))));
+        assert!(matches!(check_process(u32::MAX), Err(ProcessError::NoSuchProcess(_))));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_exit_is_noticed_without_a_thread_per_process() {
+        let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+        let mut children: Vec<std::process::Child> = (0..3)
+            .map(|_| std::process::Command::new("sleep").arg("30").spawn().expect("run sleep"))
+            .collect();
+        let threads_before = fs::read_dir("/proc/self/task").unwrap().count();
+        let handles: Vec<AbortHandle> =
+            children.iter().map(|child| watch_exit(child.id(), sender.clone()).unwrap()).collect();
+        assert_eq!(fs::read_dir("/proc/self/task").unwrap().count(), threads_before, "no thread per process");
+        let second = children.remove(1);
+        let second_pid = second.id();
+        let mut second = second;
+        second.kill().unwrap();
+        second.wait().unwrap();
+        let TargetEvent::Exiting { pid, ack } = receiver.recv().await.unwrap();
+        assert_eq!((pid, ack.is_none()), (second_pid, true));
+        for handle in handles {
+            handle.abort();
+        }
+        for mut child in children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

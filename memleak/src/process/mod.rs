@@ -1,0 +1,12 @@
+//! The processes memleak traces, seen from outside: their address space
+//! (`maps`, `address_space`), their life (`lifecycle`), a command memleak
+//! starts itself (`command`), and cgroups of them (`cgroup`).
+
+pub mod address_space;
+pub mod cgroup;
+pub mod command;
+pub mod lifecycle;
+pub mod maps;
+
+pub use address_space::AddressSpace;
+pub use lifecycle::TargetEvent;

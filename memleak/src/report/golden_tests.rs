@@ -1,0 +1,111 @@
+//! Golden files: two snapshots saved by memleak tracing the leaker
+//! fixture, and what `memleak report` and `memleak diff` made of them in
+//! every format before the code was reorganised. Every rendering must stay
+//! byte for byte the same (pprof compared before gzip, whose bytes depend
+//! on the compressor). Text's header clock is local time: it is masked.
+
+use std::path::{Path, PathBuf};
+
+use super::{
+    diff::Diff,
+    options::{Format, Rendering, ReportOptions, SortKey, Weight},
+    saved, Report,
+};
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/golden").join(name)
+}
+
+fn load(name: &str) -> Report {
+    saved::load(&data(name)).unwrap_or_else(|error| panic!("{error}"))
+}
+
+fn rendering(format: Format) -> Rendering {
+    Rendering { format, weight: Weight::Bytes }
+}
+
+/// What `memleak report` shows: the top 10, every stack for flame graphs.
+fn shown(format: Format, sort: SortKey, top: usize, show_allocs: bool) -> ReportOptions {
+    ReportOptions { sort, top: if format.wants_every_stack() { usize::MAX } else { top }, show_allocs }
+}
+
+fn expected(name: &str) -> Vec<u8> {
+    std::fs::read(data(name)).unwrap_or_else(|error| panic!("{name}: {error}"))
+}
+
+/// A rendering as compared: pprof gunzipped (the golden file is stored
+/// so), text's clock masked.
+fn comparable(format: Format, bytes: Vec<u8>) -> Vec<u8> {
+    match format {
+        Format::Pprof => {
+            let mut plain = Vec::new();
+            std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut plain).unwrap();
+            plain
+        }
+        Format::Text => mask_clock(bytes),
+        Format::Json | Format::Folded | Format::Svg => bytes,
+    }
+}
+
+/// `[09:45:28]` at the start of a report's header becomes `[HH:MM:SS]`.
+fn mask_clock(mut text: Vec<u8>) -> Vec<u8> {
+    if text.first() == Some(&b'[') && text.get(9) == Some(&b']') {
+        text[1..9].copy_from_slice(b"HH:MM:SS");
+    }
+    text
+}
+
+fn extension(format: Format) -> &'static str {
+    match format {
+        Format::Text => "text",
+        Format::Json => "json",
+        Format::Folded => "folded",
+        Format::Svg => "svg",
+        Format::Pprof => "pb",
+    }
+}
+
+fn assert_same(name: &str, format: Format, rendered: Vec<u8>) {
+    let file = format!("{name}.{}", extension(format));
+    let want = if format == Format::Pprof { expected(&file) } else { comparable(format, expected(&file)) };
+    let got = comparable(format, rendered);
+    assert!(
+        want == got,
+        "{file} differs:\n--- expected\n{}\n--- rendered\n{}",
+        String::from_utf8_lossy(&want),
+        String::from_utf8_lossy(&got)
+    );
+}
+
+#[test]
+fn a_saved_report_renders_as_before_in_every_format() {
+    for &format in <Format as super::options::Choice>::ALL {
+        let mut report = load("base.snap");
+        report.cut_for_display(&shown(format, SortKey::Size, 10, false), format);
+        let mut out = Vec::new();
+        super::render(rendering(format), &report, &mut out).unwrap();
+        assert_same("report", format, out);
+    }
+}
+
+#[test]
+fn each_allocation_sorted_by_count_renders_as_before() {
+    for &format in <Format as super::options::Choice>::ALL {
+        let mut report = load("new.snap");
+        report.cut_for_display(&shown(format, SortKey::Count, 2, true), format);
+        let mut out = Vec::new();
+        super::render(rendering(format), &report, &mut out).unwrap();
+        assert_same("report-a", format, out);
+    }
+}
+
+#[test]
+fn a_diff_renders_as_before_in_every_format() {
+    let (base, new) = (load("base.snap"), load("new.snap"));
+    for &format in <Format as super::options::Choice>::ALL {
+        let top = if format.wants_every_stack() { usize::MAX } else { 10 };
+        let mut out = Vec::new();
+        super::render_diff(rendering(format), &Diff::between(&base, &new, top), &mut out).unwrap();
+        assert_same("diff", format, out);
+    }
+}

@@ -1,0 +1,223 @@
+//! The command line's driver of a session: attach, then a report every
+//! interval until the count is reached, the targets exit, or memleak is
+//! told to stop; each report to the output, to --save and to --stats.
+
+use std::time::{Duration, Instant};
+
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+use crate::{
+    bpf::{Tracer, TracerError},
+    clock,
+    config::TraceConfig,
+    output::{NumberedFiles, Output, OutputError},
+    report::{saved, CgroupTotal, Report},
+    session::{Session, SessionError, SessionEvent, Target, TargetSpec},
+    stats::{Stats, StatsError},
+    status,
+};
+
+/// How often the targets' mappings are re-read, so that libraries loaded
+/// later can be symbolized even if a target exits before the next report,
+/// and how soon a process that joins a cgroup is traced.
+const REFRESH: Duration = Duration::from_millis(250);
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Tracer(#[from] TracerError),
+    #[error(transparent)]
+    Output(#[from] OutputError),
+    #[error(transparent)]
+    Stats(#[from] StatsError),
+    #[error("cannot handle signals: {0}")]
+    Signals(std::io::Error),
+}
+
+/// Runs the trace `config` describes, to its end.
+pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
+    // Before anything is attached: a signal from now on ends the run
+    // cleanly instead of killing memleak with its probes half-placed.
+    let mut stop = StopSignals::new().map_err(RunError::Signals)?;
+    Tracer::check_privileges()?;
+    // Before anything is attached too: a file that may not be overwritten
+    // or cannot be written is an error now, not after the run.
+    let documents = config.documents();
+    let mut output = Output::open(&config.output, documents)?;
+    let mut saves =
+        config.save.as_deref().map(|path| NumberedFiles::new(path, documents, config.output.force)).transpose()?;
+    let mut stats = Stats::open(config.stats.as_deref())?;
+    let mut session = Session::start(&config.target, &config.session)?;
+    announce(&session, &config.target, &mut stats)?;
+    let mut sinks = Sinks { output: &mut output, saves: saves.as_mut(), stats: &mut stats };
+    let ended = drive(config, &mut session, &mut sinks, &mut stop).await;
+    // Ends a command memleak started and detaches every probe.
+    drop(session);
+    match ended {
+        // Nobody is listening any more: not an error.
+        Ok(()) | Err(RunError::Output(OutputError::ReaderGone)) => Ok(output.finish()?),
+        Err(error) => Err(error),
+    }
+}
+
+/// Says what is traced, on stderr and in --stats.
+fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result<(), RunError> {
+    for traced in session.targets() {
+        if !traced.is_kernel() {
+            stats.probes(traced.pid, &traced.plan)?;
+        }
+        match target {
+            TargetSpec::Kernel { .. } => status::say("tracing kernel allocations; Ctrl-C to stop"),
+            TargetSpec::Cgroup(_) => say_joined(traced),
+            TargetSpec::Pids(_) | TargetSpec::Command(_) => status::say(&format!(
+                "tracing pid {} through {} ({} functions probed); Ctrl-C to stop",
+                traced.pid,
+                traced.plan.display_path,
+                traced.plan.sites.len()
+            )),
+        }
+    }
+    if let Some(cgroup) = session.cgroup() {
+        status::say(&format!("tracing cgroup {} (id {}); Ctrl-C to stop", cgroup.path.display(), cgroup.id));
+    }
+    Ok(())
+}
+
+fn say_joined(target: &Target) {
+    status::say(&format!("pid {} is in the cgroup: tracing it through {}", target.pid, target.plan.display_path));
+}
+
+/// Where reports go.
+struct Sinks<'a> {
+    output: &'a mut Output,
+    /// --save's snapshots.
+    saves: Option<&'a mut NumberedFiles>,
+    stats: &'a mut Stats,
+}
+
+/// Why reports are due now.
+enum Round {
+    /// The interval passed.
+    Interval,
+    /// memleak was told to stop: a final report for every target.
+    Last,
+    /// A target is exiting: its final report. The command memleak started
+    /// stays at its exit stop until `ack` is dropped.
+    Exit { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
+}
+
+async fn drive(
+    config: &TraceConfig,
+    session: &mut Session,
+    sinks: &mut Sinks<'_>,
+    stop: &mut StopSignals,
+) -> Result<(), RunError> {
+    let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
+    let mut refresh = tokio::time::interval(REFRESH);
+    let mut printed = 0u64;
+    loop {
+        let round = tokio::select! {
+            _ = refresh.tick() => {
+                for joined in session.refresh()? {
+                    say_joined(joined);
+                    sinks.stats.probes(joined.pid, &joined.plan)?;
+                }
+                continue;
+            }
+            event = session.next_event() => match event? {
+                SessionEvent::Trace(events) => {
+                    sinks.output.trace(&events, clock::wall_minus_monotonic_ns())?;
+                    continue;
+                }
+                SessionEvent::Exiting { pid, ack } => {
+                    status::say(&format!("pid {pid} exited"));
+                    Round::Exit { pid, ack }
+                }
+            },
+            _ = interval.tick() => Round::Interval,
+            _ = stop.interrupt.recv() => Round::Last,
+            _ = stop.terminate.recv() => Round::Last,
+        };
+        // Events that came before the report go out before it.
+        let events = session.drain_trace_events();
+        if !events.is_empty() {
+            sinks.output.trace(&events, clock::wall_minus_monotonic_ns())?;
+        }
+        let count_reached = |printed: u64| config.count.is_some_and(|count| printed >= count.get());
+        let final_round = !matches!(round, Round::Interval) || count_reached(printed + 1);
+        let exiting = match &round {
+            Round::Exit { pid, .. } => Some(*pid),
+            Round::Interval | Round::Last => None,
+        };
+        let reports = report_round(config, session, sinks, exiting, final_round)?;
+        if let Round::Exit { pid, ack } = round {
+            drop(ack);
+            // Its final report is out; the others go on. A cgroup's run goes
+            // on even with none: processes may join it later.
+            session.remove_target(pid)?;
+            if session.is_done() {
+                return Ok(());
+            }
+            continue;
+        }
+        if let Some(cgroup) = session.cgroup() {
+            sinks.output.cgroup_total(&CgroupTotal::of(&cgroup.path, &reports))?;
+        }
+        printed += 1;
+        if matches!(round, Round::Last) || count_reached(printed) {
+            return Ok(());
+        }
+    }
+}
+
+/// Takes the reports of one round (of process `only`, or of all) and
+/// writes them; returns those written.
+fn report_round(
+    config: &TraceConfig,
+    session: &mut Session,
+    sinks: &mut Sinks<'_>,
+    only: Option<u32>,
+    final_round: bool,
+) -> Result<Vec<Report>, RunError> {
+    let started = Instant::now();
+    let reports = session.collect(only, &config.request())?;
+    let latency = started.elapsed();
+    // A document on stdout is written once, at the end.
+    let skip_output = !sinks.output.takes_every_report() && !final_round;
+    let mut written = Vec::new();
+    for mut report in reports {
+        log::debug!(
+            "report for pid {}: {} stacks, {} allocations in {} ms",
+            report.pid,
+            report.total_stacks,
+            report.total_allocations,
+            latency.as_millis()
+        );
+        sinks.stats.report(&report, latency)?;
+        if let Some(saves) = sinks.saves.as_mut() {
+            saves.write(|out| saved::write(&report, out))?;
+            // Saved whole; shown as asked.
+            report.cut_for_display(&config.shown, config.output.rendering.format);
+        }
+        if skip_output {
+            continue;
+        }
+        sinks.output.report(&report)?;
+        written.push(report);
+    }
+    Ok(written)
+}
+
+/// SIGINT and SIGTERM, which end the run with a final report.
+struct StopSignals {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<Self> {
+        Ok(Self { interrupt: signal(SignalKind::interrupt())?, terminate: signal(SignalKind::terminate())? })
+    }
+}

@@ -1,0 +1,378 @@
+//! A tracing session: the loaded tracer, the processes it traces with
+//! their per-process state, and the stacks read so far. Drivers add and
+//! remove targets and ask for reports; nothing here prints to stdout or
+//! decides when reports are due. `crate::report_loop` is the command
+//! line's driver: a report every interval until the end.
+
+mod targets;
+
+use std::{collections::HashSet, io, path::Path};
+
+use memleak_common::{MappingEvent, TraceEvent, KERNEL_TGID};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+
+pub use targets::{ReportRequest, Target, TargetSpec};
+
+use crate::{
+    attach::{self, kernel_btf, AllocatorChoice, AttachPlan},
+    bpf::{rings, EventRing, Links, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings},
+    process::{
+        cgroup::{Cgroup, CgroupError},
+        command::{CommandError, GatedCommand, SpawnedCommand},
+        lifecycle::{self, ProcessError},
+        AddressSpace, TargetEvent,
+    },
+    report::Report,
+};
+use aya::programs::uprobe::UProbeScope;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Process(#[from] ProcessError),
+    #[error(transparent)]
+    Command(#[from] CommandError),
+    #[error(transparent)]
+    Plan(#[from] attach::PlanError),
+    #[error(transparent)]
+    Tracer(#[from] TracerError),
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Btf(#[from] kernel_btf::BtfError),
+    #[error("cannot read the mappings of pid {pid}: {source}")]
+    Maps { pid: u32, source: io::Error },
+    #[error("cannot watch pid {pid} for its exit: {source}")]
+    Watch { pid: u32, source: io::Error },
+    #[error("cannot read the BPF ring buffers: {0}")]
+    Rings(io::Error),
+    #[error("{pids} processes given, more than --max-processes {max}")]
+    TooManyProcesses { pids: usize, max: u32 },
+}
+
+/// How a session traces, whatever it traces.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    pub tracer: TracerSettings,
+    pub allocator: AllocatorChoice,
+}
+
+/// What a session has to say between reports.
+#[derive(Debug)]
+pub enum SessionEvent {
+    /// --trace events, in the order they happened.
+    Trace(Vec<TraceEvent>),
+    /// A target is exiting: its final report is due. See
+    /// `TargetEvent::Exiting` for `ack`.
+    Exiting { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
+}
+
+pub struct Session {
+    tracer: Tracer,
+    allocator: AllocatorChoice,
+    sample_rate: u32,
+    max_processes: u32,
+    /// In the order they were added.
+    targets: Vec<Target>,
+    stacks: StackCatalog,
+    /// With --cgroup: the cgroup whose processes are followed.
+    cgroup: Option<Cgroup>,
+    /// With --cgroup: the probes on each allocator file its processes map,
+    /// which serve all of them.
+    shared_links: Vec<Links>,
+    /// With -c: the command memleak started.
+    command: Option<SpawnedCommand>,
+    exits: UnboundedSender<TargetEvent>,
+    exit_events: UnboundedReceiver<TargetEvent>,
+    /// --trace events, if asked for.
+    trace_events: Option<EventRing>,
+    /// mmap, munmap and mremap calls.
+    mapping_events: Option<EventRing>,
+}
+
+impl Session {
+    /// Loads the tracer and attaches it to what `spec` names. For `-p`,
+    /// every pid is checked and planned before the BPF object is loaded,
+    /// so a wrong pid is reported as such even without privileges.
+    pub fn start(spec: &TargetSpec, config: &SessionConfig) -> Result<Self, SessionError> {
+        match spec {
+            TargetSpec::Kernel { percpu } => Self::start_kernel(*percpu, config),
+            TargetSpec::Pids(pids) => Self::start_processes(pids, config),
+            TargetSpec::Cgroup(path) => Self::start_cgroup(path, config),
+            TargetSpec::Command(command_line) => Self::start_command(command_line, config),
+        }
+    }
+
+    fn new(tracer: Tracer, config: &SessionConfig) -> Result<Self, SessionError> {
+        let (exits, exit_events) = tokio::sync::mpsc::unbounded_channel();
+        let mut session = Self {
+            tracer,
+            allocator: config.allocator.clone(),
+            sample_rate: config.tracer.sample_rate,
+            max_processes: config.tracer.max_processes,
+            targets: Vec::new(),
+            stacks: StackCatalog::default(),
+            cgroup: None,
+            shared_links: Vec::new(),
+            command: None,
+            exits,
+            exit_events,
+            trace_events: None,
+            mapping_events: None,
+        };
+        if config.tracer.trace_events {
+            session.trace_events = Some(EventRing::new(session.tracer.take_events()?).map_err(SessionError::Rings)?);
+        }
+        session.mapping_events =
+            Some(EventRing::new(session.tracer.take_mapping_events()?).map_err(SessionError::Rings)?);
+        Ok(session)
+    }
+
+    /// The kernel's own allocations, as one target with tgid 0.
+    fn start_kernel(percpu: bool, config: &SessionConfig) -> Result<Self, SessionError> {
+        let btf = Path::new(kernel_btf::VMLINUX_BTF);
+        let cache_size_offset = kernel_btf::member_offset(btf, "kmem_cache", "size")?;
+        // Inserting into memleak's own maps makes the BPF memory allocator
+        // refill them with kmalloc, from alloc_bulk: counting those would
+        // feed on itself.
+        let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        let ignored_callers = kernel_btf::function_range(&kallsyms, "alloc_bulk").unwrap_or_else(|| {
+            log::warn!("alloc_bulk is not in /proc/kallsyms: memleak's own map refills may be counted");
+            0..0
+        });
+        let tracer_config =
+            TracerConfig { cache_size_offset, ignored_callers, ..TracerConfig::new(config.tracer.clone()) };
+        let mut tracer = Tracer::load(&tracer_config)?;
+        tracer.attach_kernel(percpu)?;
+        let mut session = Self::new(tracer, config)?;
+        let plan = AttachPlan { path: btf.to_path_buf(), display_path: "kernel".to_owned(), sites: Vec::new() };
+        session.targets.push(Target::kernel(plan));
+        Ok(session)
+    }
+
+    fn start_processes(pids: &[u32], config: &SessionConfig) -> Result<Self, SessionError> {
+        if pids.len() > config.tracer.max_processes as usize {
+            return Err(SessionError::TooManyProcesses { pids: pids.len(), max: config.tracer.max_processes });
+        }
+        let mut planned = Vec::new();
+        for &pid in pids {
+            lifecycle::check_process(pid)?;
+            let space = AddressSpace::read(pid).map_err(|source| SessionError::Maps { pid, source })?;
+            let plan = attach::plan::plan_for_process(&space, &config.allocator)?;
+            planned.push((pid, plan, space));
+        }
+        let tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+        let mut session = Self::new(tracer, config)?;
+        for (pid, plan, space) in planned {
+            session.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
+        }
+        Ok(session)
+    }
+
+    /// `--cgroup`: the processes in the cgroup now; `refresh` picks up
+    /// those that join later.
+    fn start_cgroup(path: &Path, config: &SessionConfig) -> Result<Self, SessionError> {
+        let cgroup = Cgroup::open(path)?;
+        let tracer_config = TracerConfig { cgroup_id: cgroup.id, ..TracerConfig::new(config.tracer.clone()) };
+        let tracer = Tracer::load(&tracer_config)?;
+        let mut session = Self::new(tracer, config)?;
+        session.cgroup = Some(cgroup);
+        session.follow_cgroup()?;
+        Ok(session)
+    }
+
+    /// `-c`: forks the command held before exec, attaches, then lets it run.
+    fn start_command(command_line: &str, config: &SessionConfig) -> Result<Self, SessionError> {
+        let gated = GatedCommand::spawn(command_line)?;
+        let prepared = attach::plan::plan_for_program(&gated.program, &config.allocator)
+            .map_err(SessionError::from)
+            .and_then(|plan| {
+                let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+                let links = tracer.attach(&plan, UProbeScope::OneProcess(nonzero(gated.pid)))?;
+                Ok((plan, tracer, links))
+            });
+        let (plan, tracer, links) = match prepared {
+            Ok(prepared) => prepared,
+            Err(error) => {
+                gated.abandon();
+                return Err(error);
+            }
+        };
+        let pid = gated.pid;
+        let program = std::fs::canonicalize(&gated.program).unwrap_or_else(|_| gated.program.clone());
+        let mut session = Self::new(tracer, config)?;
+        let command = gated.release(session.exits.clone())?;
+        // The command has not exec'd yet: its address space and program
+        // are read as it runs, not from memleak's fork of itself.
+        let mut target = Target::process(pid, plan, AddressSpace::new(pid));
+        // Not /proc/PID/exe: the command may not have reached its exec yet.
+        target.program = program.display().to_string();
+        target.links = Some(links);
+        session.targets.push(target);
+        session.command = Some(command);
+        Ok(session)
+    }
+
+    /// Attaches to process `pid` and follows it until it exits.
+    fn add(&mut self, mut target: Target, scope: UProbeScope) -> Result<(), SessionError> {
+        let pid = target.pid;
+        if matches!(scope, UProbeScope::OneProcess(_)) {
+            target.links = Some(self.tracer.attach(&target.plan, scope)?);
+        }
+        target.exit_watch = Some(
+            lifecycle::watch_exit(pid, self.exits.clone()).map_err(|source| SessionError::Watch { pid, source })?,
+        );
+        self.targets.push(target);
+        Ok(())
+    }
+
+    /// Starts following the cgroup's processes not followed yet, probing
+    /// each allocator file once, for every process that maps it. Returns
+    /// how many were added.
+    fn follow_cgroup(&mut self) -> Result<usize, SessionError> {
+        let Some(cgroup) = self.cgroup.as_ref() else { return Ok(0) };
+        let known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
+        let joined: Vec<u32> = cgroup.processes().into_iter().filter(|pid| !known.contains(pid)).collect();
+        let mut added = 0;
+        for pid in joined {
+            if lifecycle::check_process(pid).is_err() {
+                continue;
+            }
+            if self.targets.len() >= self.max_processes as usize {
+                log::warn!("not tracing pid {pid} of the cgroup: --max-processes {} reached", self.max_processes);
+                continue;
+            }
+            let planned = AddressSpace::read(pid)
+                .map_err(|source| SessionError::Maps { pid, source })
+                .and_then(|space| Ok((attach::plan::plan_for_process(&space, &self.allocator)?, space)));
+            let (plan, space) = match planned {
+                Ok(planned) => planned,
+                Err(error) => {
+                    log::warn!("not tracing pid {pid} of the cgroup: {error}");
+                    continue;
+                }
+            };
+            if self.cgroup.as_mut().is_some_and(|cgroup| cgroup.first_probe_of(&plan.path)) {
+                // Held for the whole session: these probes serve every
+                // process of the cgroup that maps the file.
+                self.shared_links.push(self.tracer.attach(&plan, UProbeScope::AllProcesses)?);
+                log::debug!("probed {} for the cgroup", plan.display_path);
+            }
+            self.add(Target::process(pid, plan, space), UProbeScope::AllProcesses)?;
+            added += 1;
+        }
+        Ok(added)
+    }
+
+    /// The processes traced, in the order they were added.
+    pub fn targets(&self) -> &[Target] {
+        &self.targets
+    }
+
+    /// The cgroup followed, with --cgroup.
+    pub fn cgroup(&self) -> Option<&Cgroup> {
+        self.cgroup.as_ref()
+    }
+
+    /// Re-reads the targets' mappings, and picks up processes that joined
+    /// the cgroup followed. Returns the targets added.
+    pub fn refresh(&mut self) -> Result<&[Target], SessionError> {
+        self.targets.iter_mut().for_each(Target::refresh);
+        let added = self.follow_cgroup()?;
+        Ok(&self.targets[self.targets.len() - added..])
+    }
+
+    /// Waits for the next thing to say: trace events, or a target's exit.
+    /// mmap events are taken in as they come.
+    pub async fn next_event(&mut self) -> Result<SessionEvent, SessionError> {
+        loop {
+            tokio::select! {
+                ready = rings::readable(&mut self.trace_events) => {
+                    ready.map_err(SessionError::Rings)?;
+                    return Ok(SessionEvent::Trace(self.drain_trace_events()));
+                }
+                ready = rings::readable(&mut self.mapping_events) => {
+                    ready.map_err(SessionError::Rings)?;
+                    self.take_mapping_events();
+                }
+                Some(TargetEvent::Exiting { pid, ack }) = self.exit_events.recv() => {
+                    return Ok(SessionEvent::Exiting { pid, ack });
+                }
+            }
+        }
+    }
+
+    /// The --trace events waiting, if any.
+    pub fn drain_trace_events(&mut self) -> Vec<TraceEvent> {
+        self.trace_events.as_mut().map(EventRing::drain).unwrap_or_default()
+    }
+
+    fn take_mapping_events(&mut self) {
+        let Some(ring) = self.mapping_events.as_mut() else { return };
+        let events: Vec<MappingEvent> = ring.drain();
+        for event in &events {
+            if let Some(target) = self.targets.iter_mut().find(|target| target.pid == event.tgid) {
+                target.regions.apply(event);
+            }
+        }
+    }
+
+    /// A report for each target, or only for `pid`, from one read of the
+    /// maps.
+    pub fn collect(&mut self, pid: Option<u32>, request: &ReportRequest) -> Result<Vec<Report>, SessionError> {
+        // mmap events that came before the report count in it.
+        self.take_mapping_events();
+        let maps = MapContents::read(&self.tracer, request.collect.reads_each_allocation())?;
+        let region_stacks = self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
+        let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
+        self.stacks.ensure(&self.tracer, ids)?;
+        let sample_rate = self.sample_rate;
+        Ok(self
+            .targets
+            .iter_mut()
+            .filter(|target| pid.is_none_or(|pid| pid == target.pid))
+            .map(|target| target.report(&maps, &self.stacks, request, sample_rate))
+            .collect())
+    }
+
+    /// Stops tracing process `pid` and forgets it: its probes, what it
+    /// left in every BPF map and its stacks. For a process that has exited
+    /// and had its final report.
+    pub fn remove_target(&mut self, pid: u32) -> Result<(), SessionError> {
+        let Some(index) = self.targets.iter().position(|target| target.pid == pid) else { return Ok(()) };
+        let target = self.targets.remove(index);
+        if let Some(watch) = &target.exit_watch {
+            watch.abort();
+        }
+        if let Some(links) = target.links {
+            self.tracer.detach(links);
+        }
+        if pid != KERNEL_TGID {
+            self.tracer.forget_process(pid)?;
+            self.stacks.forget(pid);
+        }
+        Ok(())
+    }
+
+    /// Whether the session still has something to trace: a cgroup may be
+    /// joined later, so its session goes on even with no process.
+    pub fn is_done(&self) -> bool {
+        self.targets.is_empty() && self.cgroup.is_none()
+    }
+
+}
+
+impl Drop for Session {
+    /// A command memleak started does not outlive the session; then the
+    /// tracer, dropped with it, detaches every probe.
+    fn drop(&mut self) {
+        if let Some(command) = self.command.take() {
+            command.finish();
+        }
+    }
+}
+
+fn nonzero(pid: u32) -> std::num::NonZeroU32 {
+    // A user-space process never has pid 0 (the idle task's).
+    std::num::NonZeroU32::new(pid).unwrap_or(std::num::NonZeroU32::MIN)
+}

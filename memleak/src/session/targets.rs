@@ -1,0 +1,175 @@
+//! What a session traces: the target the user named, and per process
+//! traced, the state its reports need.
+
+use std::{path::PathBuf, sync::Arc};
+
+use tokio::task::AbortHandle;
+
+use crate::{
+    attach::AttachPlan,
+    bpf::{Links, MapContents, StackCatalog},
+    collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
+    model::{Frame, ModuleMapping},
+    process::{lifecycle, AddressSpace},
+    report::{options::SortKey, Report, ReportContext},
+    symbolize::StackSymbolizer,
+};
+
+/// What to trace, as the user named it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TargetSpec {
+    /// The kernel's own allocations; with `percpu`, per-CPU ones too.
+    Kernel { percpu: bool },
+    /// Running processes.
+    Pids(Vec<u32>),
+    /// Every process of a cgroup v2 directory, those that join later too.
+    Cgroup(PathBuf),
+    /// A command line to run and trace from its first instruction.
+    Command(String),
+}
+
+/// Which stacks a round of reports keeps, and how many.
+#[derive(Clone, Copy, Debug)]
+pub struct ReportRequest {
+    pub collect: CollectOptions,
+    pub sort: SortKey,
+    /// Stacks kept per report; `usize::MAX` for all.
+    pub top: usize,
+}
+
+/// A traced process (or the kernel) and what its reports need.
+pub struct Target {
+    pub pid: u32,
+    /// Its executable, as it names it.
+    pub program: String,
+    pub plan: AttachPlan,
+    /// Its pid inside its own pid namespace, when that differs.
+    pub namespace_pid: Option<u32>,
+    pub(super) space: AddressSpace,
+    symbolizer: StackSymbolizer,
+    trends: TrendTracker,
+    pub(super) regions: Regions,
+    /// The probes placed for this process alone (`-p`), taken out when it
+    /// is forgotten; none when its probes serve others too.
+    pub(super) links: Option<Links>,
+    /// Its exit watch, for a process memleak did not start.
+    pub(super) exit_watch: Option<AbortHandle>,
+}
+
+impl Target {
+    /// A process, with its address space read now.
+    pub fn process(pid: u32, plan: AttachPlan, space: AddressSpace) -> Self {
+        Self {
+            pid,
+            program: lifecycle::program(pid),
+            plan,
+            namespace_pid: lifecycle::namespace_pid(pid),
+            space,
+            symbolizer: StackSymbolizer::new(pid),
+            trends: TrendTracker::default(),
+            regions: Regions::default(),
+            links: None,
+            exit_watch: None,
+        }
+    }
+
+    /// The kernel, as a target of pid 0.
+    pub fn kernel(plan: AttachPlan) -> Self {
+        let pid = memleak_common::KERNEL_TGID;
+        Self {
+            pid,
+            program: "kernel".to_owned(),
+            plan,
+            namespace_pid: None,
+            // Never refreshed: kernel addresses are symbolized through
+            // kallsyms, and every one is code.
+            space: AddressSpace::new(pid),
+            symbolizer: StackSymbolizer::kernel(),
+            trends: TrendTracker::default(),
+            regions: Regions::default(),
+            links: None,
+            exit_watch: None,
+        }
+    }
+
+    pub fn is_kernel(&self) -> bool {
+        self.pid == memleak_common::KERNEL_TGID
+    }
+
+    /// Re-reads the process's mappings, so that libraries loaded since can
+    /// be symbolized even if it exits before its next report.
+    pub fn refresh(&mut self) {
+        if self.is_kernel() {
+            return;
+        }
+        let changes = self.space.refresh();
+        for object in &changes.added {
+            log::debug!("pid {} maps {}", self.pid, object.path);
+        }
+        for object in &changes.removed {
+            log::debug!("pid {} no longer maps {}", self.pid, object.path);
+        }
+    }
+
+    /// The process's report from `maps`; `stacks` must know every stack
+    /// id they mention.
+    pub fn report(
+        &mut self,
+        maps: &MapContents,
+        stacks: &StackCatalog,
+        request: &ReportRequest,
+        sample_rate: u32,
+    ) -> Report {
+        self.refresh();
+        let options = &request.collect;
+        let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
+        let Self { space, symbolizer, regions, trends, .. } = self;
+        collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |region| {
+            collect::regions::classify(region, &frames_of(symbolizer, space, stacks, region.stack_id))
+        });
+        let trends = trends.observe(&snapshot);
+        let context = ReportContext {
+            program: &self.program,
+            allocator: &self.plan.display_path,
+            namespace_pid: self.namespace_pid,
+            min_age_ms: options.min_age_ns.unwrap_or(0) / 1_000_000,
+            top: request.top,
+            sort: request.sort,
+            sample_rate,
+        };
+        let (space, symbolizer) = (&self.space, &mut self.symbolizer);
+        let mut report =
+            Report::build(snapshot, &context, &trends, |stack_id| frames_of(symbolizer, space, stacks, stack_id));
+        if options.modules {
+            report.modules = modules_of(&report, space);
+        }
+        report
+    }
+}
+
+/// The symbolized frames of a stack, symbolized once.
+fn frames_of(
+    symbolizer: &mut StackSymbolizer,
+    space: &AddressSpace,
+    stacks: &StackCatalog,
+    stack_id: u64,
+) -> Arc<[Frame]> {
+    if let Some(frames) = symbolizer.cached(stack_id) {
+        return frames;
+    }
+    let addresses = space.code_prefix(stacks.addresses(stack_id));
+    symbolizer.symbolize(stack_id, addresses, space)
+}
+
+/// The program's code and the file mappings the report's frames fall in,
+/// each once.
+fn modules_of(report: &Report, space: &AddressSpace) -> Vec<ModuleMapping> {
+    let mut found: Vec<ModuleMapping> = space.executable_mapping(&report.program).into_iter().collect();
+    for frame in report.stacks.iter().flat_map(|stack| &stack.frames) {
+        if found.iter().any(|module| module.start <= frame.address && frame.address < module.end) {
+            continue;
+        }
+        found.extend(space.module_mapping(frame.address));
+    }
+    found
+}

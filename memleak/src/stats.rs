@@ -1,0 +1,92 @@
+//! --stats: what memleak did, as JSON lines for programs to read (the
+//! benchmark, say) instead of log lines meant for people. One object per
+//! line, each with an `event` naming what it records:
+//!
+//! - `probes`: where the probes for a process went;
+//! - `report`: a report's size, and how long it took from reading the maps
+//!   to the report.
+//!
+//! Fields are only ever added.
+
+use std::{
+    fs::File,
+    io::{self, BufWriter, Write as _},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::Serialize;
+
+use crate::{attach::AttachPlan, report::Report};
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write the --stats file {path}: {source}")]
+pub struct StatsError {
+    path: PathBuf,
+    source: io::Error,
+}
+
+/// The --stats file, or nothing.
+pub struct Stats {
+    sink: Option<(PathBuf, BufWriter<File>)>,
+}
+
+#[derive(Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+enum Record<'a> {
+    Probes { pid: u32, object: &'a str, path: &'a Path, probes: Vec<Probe<'a>> },
+    Report { pid: u32, stacks: usize, allocations: u64, bytes: u64, latency_ms: f64 },
+}
+
+#[derive(Serialize)]
+struct Probe<'a> {
+    function: &'a str,
+    /// Where the function starts in the object's file.
+    file_offset: u64,
+    /// Where its entry probe is, past the start.
+    entry_offset: u64,
+    /// Whether its return is probed too.
+    return_probe: bool,
+}
+
+impl Stats {
+    pub fn open(path: Option<&Path>) -> Result<Self, StatsError> {
+        let Some(path) = path else { return Ok(Self { sink: None }) };
+        let file = File::create(path).map_err(|source| StatsError { path: path.to_path_buf(), source })?;
+        Ok(Self { sink: Some((path.to_path_buf(), BufWriter::new(file))) })
+    }
+
+    /// Where the probes for process `pid` went.
+    pub fn probes(&mut self, pid: u32, plan: &AttachPlan) -> Result<(), StatsError> {
+        let probes = plan
+            .sites
+            .iter()
+            .map(|site| Probe {
+                function: site.function,
+                file_offset: site.file_offset,
+                entry_offset: site.entry_skip,
+                return_probe: site.return_program.is_some(),
+            })
+            .collect();
+        self.write(&Record::Probes { pid, object: &plan.display_path, path: &plan.path, probes })
+    }
+
+    /// A report, `latency` after the maps were read for it.
+    pub fn report(&mut self, report: &Report, latency: Duration) -> Result<(), StatsError> {
+        self.write(&Record::Report {
+            pid: report.pid,
+            stacks: report.total_stacks,
+            allocations: report.total_allocations,
+            bytes: report.total_bytes,
+            latency_ms: latency.as_secs_f64() * 1000.0,
+        })
+    }
+
+    fn write(&mut self, record: &Record) -> Result<(), StatsError> {
+        let Some((path, out)) = self.sink.as_mut() else { return Ok(()) };
+        let error = |source| StatsError { path: path.clone(), source };
+        serde_json::to_writer(&mut *out, record).map_err(|e| error(e.into()))?;
+        // Flushed at once: a reader follows the file as the run goes on.
+        out.write_all(b"\n").and_then(|()| out.flush()).map_err(error)
+    }
+}
