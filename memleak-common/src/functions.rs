@@ -87,7 +87,11 @@ impl FunctionSet {
 
     /// The functions in the set, in table order.
     pub fn functions(self) -> impl Iterator<Item = &'static AllocatorFunction> {
-        ALLOCATOR_FUNCTIONS.iter().enumerate().filter(move |(index, _)| self.0 & (1 << index) != 0).map(|(_, f)| f)
+        ALLOCATOR_FUNCTIONS
+            .iter()
+            .enumerate()
+            .filter(move |(index, _)| self.0 & (1 << index) != 0)
+            .map(|(_, f)| f)
     }
 
     /// Every function that gives memory back.
@@ -116,10 +120,22 @@ pub struct MappingFunction {
 /// The mapping functions memleak probes (mmap64 is mmap on 64-bit
 /// systems; where it is a symbol of its own, it is probed once).
 pub const MAPPING_FUNCTIONS: [MappingFunction; 4] = [
-    MappingFunction { name: "mmap", entry_program: programs::MMAP_ENTER, return_program: Some(programs::MAPPING_RETURN) },
-    MappingFunction { name: "mmap64", entry_program: programs::MMAP_ENTER, return_program: Some(programs::MAPPING_RETURN) },
+    MappingFunction {
+        name: "mmap",
+        entry_program: programs::MMAP_ENTER,
+        return_program: Some(programs::MAPPING_RETURN),
+    },
+    MappingFunction {
+        name: "mmap64",
+        entry_program: programs::MMAP_ENTER,
+        return_program: Some(programs::MAPPING_RETURN),
+    },
     MappingFunction { name: "munmap", entry_program: programs::MUNMAP_ENTER, return_program: None },
-    MappingFunction { name: "mremap", entry_program: programs::MREMAP_ENTER, return_program: Some(programs::MAPPING_RETURN) },
+    MappingFunction {
+        name: "mremap",
+        entry_program: programs::MREMAP_ENTER,
+        return_program: Some(programs::MAPPING_RETURN),
+    },
 ];
 
 // Cookies are u32 bit sets.

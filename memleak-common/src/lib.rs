@@ -14,14 +14,17 @@ pub mod names;
 pub mod records;
 
 pub use events::{MappingChange, MappingEvent, TraceEvent};
-pub use functions::{AllocatorFunction, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
+pub use functions::{
+    AllocatorFunction, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
+};
 pub use names::{
-    programs, tunables, ALLOCATIONS_MAP, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, PENDING_MAP, STACKS_MAP,
-    STACK_IDS_MAP, STACK_TOTALS_MAP,
+    programs, tunables, ALLOCATIONS_MAP, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, PENDING_MAP,
+    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
 };
 pub use records::{
-    lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall, PendingMapping,
-    StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE,
+    lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall,
+    PendingMapping, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID,
+    MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
 
 #[cfg(feature = "user")]
@@ -46,7 +49,7 @@ mod pod {
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 32);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 40);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackSlot>() == 16);
@@ -77,7 +80,8 @@ mod tests {
 
     #[test]
     fn the_releasing_set_is_the_free_like_functions() {
-        let names: [&str; 5] = core::array::from_fn(|i| FunctionSet::RELEASING.functions().nth(i).unwrap().name);
+        let names: [&str; 5] =
+            core::array::from_fn(|i| FunctionSet::RELEASING.functions().nth(i).unwrap().name);
         assert_eq!(names, ["free", "dallocx", "sdallocx", "free_sized", "free_aligned_sized"]);
         assert_eq!(FunctionSet::RELEASING.functions().count(), 5);
         assert_eq!(FunctionSet::named("memalign"), Some(FunctionSet::of(6)));
@@ -88,7 +92,12 @@ mod tests {
     #[test]
     fn every_releasing_function_enters_through_the_free_program() {
         for function in ALLOCATOR_FUNCTIONS {
-            assert_eq!(function.releases, function.entry_program == programs::FREE_ENTER, "{}", function.name);
+            assert_eq!(
+                function.releases,
+                function.entry_program == programs::FREE_ENTER,
+                "{}",
+                function.name
+            );
             assert_eq!(function.return_program().is_none(), function.releases, "{}", function.name);
         }
     }

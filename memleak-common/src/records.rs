@@ -152,6 +152,10 @@ pub struct PendingCall {
     /// The function called, a [`FunctionSet`](crate::FunctionSet): aliases
     /// share one probe, so this names them all.
     pub function: u32,
+    /// The thread's process, so that user space can delete the entries of
+    /// a process that has exited.
+    pub tgid: u32,
+    pub _padding: u32,
 }
 
 /// Size recorded for a calloc/reallocarray whose `n * size` overflows; the

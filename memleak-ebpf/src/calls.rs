@@ -30,7 +30,8 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
     if !tunables::in_scope() {
         return; // no pending call, so the return probe does nothing either
     }
-    let tid = thread_id();
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
     // A thread keeps its entry between calls (at depth 0), so that a call
     // costs one lookup, not an insert and a delete.
     let pending = PENDING.get_ptr_mut(tid);
@@ -45,7 +46,8 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
     let sampled = tunables::sample() as u32;
     // SAFETY: reads this attachment's cookie: which function was called.
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    let call = PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function };
+    let call =
+        PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function, tgid, _padding: 0 };
     match pending {
         // SAFETY: as above.
         Some(pending) => unsafe { *pending = call },

@@ -288,9 +288,15 @@ mod tests {
         assert_eq!(error("--trace"), "--trace needs a process: give -p PID or -c \"CMD ARGS\"");
         assert_eq!(error("-p 1,1"), "pid 1 is given twice");
         assert_eq!(error("-p 1 -z 10 -Z 5"), "--min-size 10 is larger than --max-size 5");
-        assert_eq!(error("-p 1 --force"), "--force is for overwriting the --output (or --save) files: give one");
+        assert_eq!(
+            error("-p 1 --force"),
+            "--force is for overwriting the --output (or --save) files: give one"
+        );
         assert!(error("-p 1 --output x.bin").starts_with("cannot tell the format of x.bin"));
-        assert_eq!(error("-p 1 --trace --format svg"), "--trace prints lines: use it with --format text or json");
+        assert_eq!(
+            error("-p 1 --trace --format svg"),
+            "--trace prints lines: use it with --format text or json"
+        );
         assert_eq!(error("-p 1 --symbols-prefix="), "--symbols-prefix needs a prefix, such as je_");
     }
 }

@@ -67,7 +67,11 @@ pub struct Output {
 enum Sink {
     Stdout,
     /// A stream, written as `temporary` and renamed to `path` by `finish`.
-    File { path: PathBuf, temporary: PathBuf, file: BufWriter<File> },
+    File {
+        path: PathBuf,
+        temporary: PathBuf,
+        file: BufWriter<File>,
+    },
     /// A document per report.
     Documents(NumberedFiles),
 }
@@ -117,7 +121,9 @@ impl Output {
     pub fn trace(&mut self, events: &[TraceEvent], wall_minus_monotonic_ns: i128) -> Result<(), OutputError> {
         let format = self.rendering.format;
         self.write(|out| {
-            events.iter().try_for_each(|event| trace::render(&TraceLine::new(event, wall_minus_monotonic_ns), format, out))
+            events.iter().try_for_each(|event| {
+                trace::render(&TraceLine::new(event, wall_minus_monotonic_ns), format, out)
+            })
         })
     }
 

@@ -46,8 +46,11 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
     // or cannot be written is an error now, not after the run.
     let documents = config.documents();
     let mut output = Output::open(&config.output, documents)?;
-    let mut saves =
-        config.save.as_deref().map(|path| NumberedFiles::new(path, documents, config.output.force)).transpose()?;
+    let mut saves = config
+        .save
+        .as_deref()
+        .map(|path| NumberedFiles::new(path, documents, config.output.force))
+        .transpose()?;
     let mut stats = Stats::open(config.stats.as_deref())?;
     let mut session = Session::start(&config.target, &config.session)?;
     announce(&session, &config.target, &mut stats)?;
@@ -86,7 +89,10 @@ fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result
 }
 
 fn say_joined(target: &Target) {
-    status::say(&format!("pid {} is in the cgroup: tracing it through {}", target.pid, target.plan.display_path));
+    status::say(&format!(
+        "pid {} is in the cgroup: tracing it through {}",
+        target.pid, target.plan.display_path
+    ));
 }
 
 /// Where reports go.
@@ -114,7 +120,8 @@ async fn drive(
     sinks: &mut Sinks<'_>,
     stop: &mut StopSignals,
 ) -> Result<(), RunError> {
-    let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
+    let mut interval =
+        tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
     let mut refresh = tokio::time::interval(REFRESH);
     let mut printed = 0u64;
     loop {

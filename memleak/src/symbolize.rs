@@ -55,7 +55,8 @@ impl StackSymbolizer {
     /// Symbolizes and caches a stack given as return addresses, innermost
     /// first, of the process whose address space is `space`.
     pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64], space: &AddressSpace) -> Arc<[Frame]> {
-        let mut frames: Vec<Frame> = addresses.iter().flat_map(|&address| self.frames_at(address, space)).collect();
+        let mut frames: Vec<Frame> =
+            addresses.iter().flat_map(|&address| self.frames_at(address, space)).collect();
         if self.kernel {
             // A kernel stack starts in memleak's own BPF program and the
             // tracepoint's dispatch; the allocator comes after them.

@@ -3,7 +3,7 @@
 
 use std::{fs, path::PathBuf};
 
-use memleak_tests::{usage_at, Leaker, Memleak};
+use memleak_tests::{bpf_maps::map_entries, usage_at, Leaker, Memleak, PATIENCE};
 use serde_json::Value;
 
 /// A fresh cgroup v2 directory, removed when dropped.
@@ -18,7 +18,9 @@ impl TestCgroup {
             .map(PathBuf::from)
             .find(|root| root.join("cgroup.procs").exists() && root.join("cgroup.controllers").exists())
             .expect("a cgroup v2 hierarchy");
-        let path = root.join(format!("memleak-test-{}", std::process::id()));
+        // Tests run in parallel threads of one process: each its own cgroup.
+        let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_alphanumeric(), "");
+        let path = root.join(format!("memleak-test-{}-{thread}", std::process::id()));
         fs::create_dir_all(&path).expect("create a cgroup");
         Self(path)
     }
@@ -70,6 +72,66 @@ fn processes_that_join_later_are_traced_and_others_are_not() {
     for leaker in [first, second, outsider] {
         leaker.exit();
     }
+}
+
+/// memleak may trace for days while processes come and go: each one's
+/// entries in the BPF maps are deleted once it has exited and had its
+/// final report, so that the maps hold only what live processes hold.
+#[test]
+fn processes_that_come_and_go_leave_nothing_behind_in_the_maps() {
+    let cgroup = TestCgroup::new();
+    let path = cgroup.0.to_str().unwrap();
+    let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "1", "3600"]);
+    memleak.wait_attached();
+    let memleak_pid = memleak.child.id();
+    let join = |leaker: &mut Leaker, memleak: &mut Memleak| {
+        cgroup.join(leaker.pid());
+        let joined = format!("memleak: pid {} is in the cgroup", leaker.pid());
+        memleak.stderr.wait_for("memleak to pick the process up", |line| line.starts_with(&joined));
+        leaker.go();
+    };
+    // A process that stays throughout, so that the baseline is not empty.
+    let mut stayer = Leaker::start_waiting(&["all"]);
+    join(&mut stayer, &mut memleak);
+    let baseline = map_entries(memleak_pid);
+    for map in ["ALLOCATIONS", "STACKS", "STACK_IDS", "STACK_TOTALS"] {
+        assert!(baseline[map] > 0, "the process that stays holds entries in {map}: {baseline:?}");
+    }
+    let binary = memleak_tests::fixture("leaker");
+    for round in 0..50 {
+        let mut command = std::process::Command::new(&binary);
+        command.args(["all", "--wait"]);
+        let mut leaker = Leaker::start_command(command);
+        let pid = leaker.pid();
+        join(&mut leaker, &mut memleak);
+        if round == 0 {
+            let during = map_entries(memleak_pid);
+            for map in ["ALLOCATIONS", "STACKS", "STACK_IDS", "STACK_TOTALS"] {
+                assert!(
+                    during[map] > baseline[map],
+                    "a live process adds to {map}: {during:?} vs {baseline:?}"
+                );
+            }
+        }
+        leaker.exit();
+        let report = format!("\"pid\":{pid},");
+        memleak.stdout.wait_for("the final report of a process that exited", |line| line.contains(&report));
+    }
+    // The last process is forgotten right after its report is written.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut after = map_entries(memleak_pid);
+    while after != baseline && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        after = map_entries(memleak_pid);
+    }
+    assert_eq!(after, baseline, "50 processes came and went: the maps hold what they held before");
+    memleak.signal(libc::SIGINT);
+    let (status, lines) = memleak.finish();
+    assert!(status.success());
+    let last =
+        lines.iter().rev().find(|line| line["pid"] == stayer.pid()).expect("the stayer's final report");
+    assert_eq!(last["total_bytes"], 17_264, "the process that stayed is reported whole: {last:#}");
+    stayer.exit();
 }
 
 #[test]

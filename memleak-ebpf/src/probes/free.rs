@@ -1,6 +1,8 @@
 //! The entry probe of free and the other functions that give memory back.
 
-use aya_ebpf::{helpers::generated::bpf_get_attach_cookie, macros::uprobe, programs::ProbeContext, EbpfContext as _};
+use aya_ebpf::{
+    helpers::generated::bpf_get_attach_cookie, macros::uprobe, programs::ProbeContext, EbpfContext as _,
+};
 
 use crate::{calls, events, record, tunables};
 

@@ -10,7 +10,10 @@ use std::{
 use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
 
 use super::{link_order, placement};
-use crate::{elf, process::address_space::{self, AddressSpace}};
+use crate::{
+    elf,
+    process::address_space::{self, AddressSpace},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -107,7 +110,11 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
 /// the ld.so cache count) that defines the allocator.
 pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
     if let Some(object) = &choice.object {
-        return plan_for_object(object, &object.display().to_string(), choice.prefix.as_deref().unwrap_or(""));
+        return plan_for_object(
+            object,
+            &object.display().to_string(),
+            choice.prefix.as_deref().unwrap_or(""),
+        );
     }
     let data = fs::read(program).map_err(|source| PlanError::Read { path: program.to_path_buf(), source })?;
     if let Some(interpreter) = script_interpreter(&data) {
@@ -127,8 +134,11 @@ pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<Atta
 /// The libraries `program` will load, in load order, as its dynamic loader
 /// resolves them (`ld.so --list` loads them but runs none of their code).
 fn loaded_libraries(program: &Path, loader: &str) -> Result<Vec<String>, PlanError> {
-    let fail =
-        |reason: String| PlanError::Loader { program: program.to_path_buf(), loader: loader.to_owned(), reason };
+    let fail = |reason: String| PlanError::Loader {
+        program: program.to_path_buf(),
+        loader: loader.to_owned(),
+        reason,
+    };
     let output = Command::new(loader).arg("--list").arg(program).output();
     let output = output.map_err(|error| fail(error.to_string()))?;
     if !output.status.success() {

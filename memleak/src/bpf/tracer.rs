@@ -13,9 +13,9 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader,
 };
 use memleak_common::{
-    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, StackKey, StackSlot, StackTotals,
-    ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
-    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, StackKey, StackSlot,
+    StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP,
+    MAPPING_FUNCTIONS, PENDING_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
 };
 
 use crate::{attach::AttachPlan, model::HealthCounters};
@@ -139,7 +139,13 @@ impl Tracer {
             .map_max_entries(STACK_IDS_MAP, settings.max_stacks)
             .map_max_entries(STACK_TOTALS_MAP, settings.max_stacks.saturating_add(settings.max_processes))
             .load(BPF_OBJECT)
-            .map_err(|error| if caused_by_eperm(&error) { TracerError::NotPermitted } else { TracerError::Load(error) })?;
+            .map_err(|error| {
+                if caused_by_eperm(&error) {
+                    TracerError::NotPermitted
+                } else {
+                    TracerError::Load(error)
+                }
+            })?;
         for program in uprobe_programs() {
             let probe = uprobe(&mut ebpf, program)?;
             probe.load().map_err(|source| {
@@ -172,7 +178,9 @@ impl Tracer {
             };
             let entry = site.file_offset + site.entry_skip;
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
-            let link = probe.attach(point(entry), &plan.path, scope).map_err(|source| fail(site.function, source))?;
+            let link = probe
+                .attach(point(entry), &plan.path, scope)
+                .map_err(|source| fail(site.function, source))?;
             links.links.push((site.entry_program, link));
             log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
             if let Some(return_program) = site.return_program {
@@ -197,18 +205,24 @@ impl Tracer {
     }
 
     /// Deletes every entry process `tgid` left in the maps: its
-    /// allocations, stacks, stack ids and per-stack totals. For a process
+    /// allocations, stacks, stack ids, per-stack totals and its threads'
+    /// call entries. For a process
     /// that has exited and had its final report; nothing of it is kept.
     pub fn forget_process(&mut self, tgid: u32) -> Result<(), TracerError> {
-        let mut allocations: HashMap<&mut MapData, AllocationKey, Allocation> = self.map_mut(ALLOCATIONS_MAP)?;
+        let mut allocations: HashMap<&mut MapData, AllocationKey, Allocation> =
+            self.map_mut(ALLOCATIONS_MAP)?;
         let keys: Vec<AllocationKey> =
             allocations.keys().filter_map(Result::ok).filter(|key| key.tgid == tgid).collect();
         for key in &keys {
             let _ = allocations.remove(key);
         }
         let mut stacks: HashMap<&mut MapData, u64, StackKey> = self.map_mut(STACKS_MAP)?;
-        let ids: HashSet<u64> =
-            stacks.iter().filter_map(Result::ok).filter(|(_, key)| key.tgid == tgid).map(|(id, _)| id).collect();
+        let ids: HashSet<u64> = stacks
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, key)| key.tgid == tgid)
+            .map(|(id, _)| id)
+            .collect();
         for id in &ids {
             let _ = stacks.remove(id);
         }
@@ -221,6 +235,18 @@ impl Tracer {
         let mut totals: HashMap<&mut MapData, u64, StackTotals> = self.map_mut(STACK_TOTALS_MAP)?;
         for id in ids.iter().chain([&lost_stack_id(tgid)]) {
             let _ = totals.remove(id);
+        }
+        // Each thread's idle call entry; the LRU map would evict them in
+        // time, but nothing of a gone process is kept.
+        let mut pending: HashMap<&mut MapData, u32, PendingCall> = self.map_mut(PENDING_MAP)?;
+        let threads: Vec<u32> = pending
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, call)| call.tgid == tgid)
+            .map(|(tid, _)| tid)
+            .collect();
+        for tid in &threads {
+            let _ = pending.remove(tid);
         }
         Ok(())
     }

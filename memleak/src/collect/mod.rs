@@ -222,7 +222,8 @@ mod tests {
             (key(42, 0x4000), allocation(1_000, 9_500, 9)), // 500 ns old: too young
             (key(43, 0x1000), allocation(64, 0, 11)),       // another process
         ];
-        let options = CollectOptions { min_age_ns: Some(1_000), each_allocation: true, ..CollectOptions::default() };
+        let options =
+            CollectOptions { min_age_ns: Some(1_000), each_allocation: true, ..CollectOptions::default() };
         let snapshot = aggregate(42, 0, 10_000, &allocations, HealthCounters::default(), &options);
         let mut stacks = snapshot.stacks.clone();
         stacks.sort_by_key(|stack| stack.stack_id);

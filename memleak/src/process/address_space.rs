@@ -107,7 +107,13 @@ pub struct AddressSpace {
 impl AddressSpace {
     /// An empty model of process `pid`; `refresh` fills it in.
     pub fn new(pid: u32) -> Self {
-        Self { pid, mappings: Vec::new(), objects: HashMap::new(), code: Vec::new(), last_maps: String::new() }
+        Self {
+            pid,
+            mappings: Vec::new(),
+            objects: HashMap::new(),
+            code: Vec::new(),
+            last_maps: String::new(),
+        }
     }
 
     /// The model of process `pid` as it is now.
@@ -150,12 +156,22 @@ impl AddressSpace {
         fresh.extend(kept);
         fresh.sort_by_key(|mapping| mapping.start);
         let changes = Changes {
-            added: objects.iter().filter(|(id, _)| !self.objects.contains_key(id)).map(|(_, o)| o.clone()).collect(),
-            removed: self.objects.iter().filter(|(id, _)| !objects.contains_key(id)).map(|(_, o)| o.clone()).collect(),
+            added: objects
+                .iter()
+                .filter(|(id, _)| !self.objects.contains_key(id))
+                .map(|(_, o)| o.clone())
+                .collect(),
+            removed: self
+                .objects
+                .iter()
+                .filter(|(id, _)| !objects.contains_key(id))
+                .map(|(_, o)| o.clone())
+                .collect(),
         };
         self.mappings = fresh;
         self.objects = objects;
-        self.code = entries.iter().filter(|entry| entry.executable).map(|entry| (entry.start, entry.end)).collect();
+        self.code =
+            entries.iter().filter(|entry| entry.executable).map(|entry| (entry.start, entry.end)).collect();
         self.last_maps = maps.to_owned();
         changes
     }
@@ -215,7 +231,8 @@ impl AddressSpace {
 
     /// The executable code of the file at `path`, as the process names it.
     pub fn executable_mapping(&self, path: &str) -> Option<ModuleMapping> {
-        let mapping = self.mappings.iter().find(|mapping| mapping.object.path == path && mapping.executable)?;
+        let mapping =
+            self.mappings.iter().find(|mapping| mapping.object.path == path && mapping.executable)?;
         Some(mapping.describe())
     }
 
@@ -301,8 +318,12 @@ mod tests {
         let mut space = own_space();
         assert!(space.refresh().added.is_empty(), "nothing new since the read");
         let libc_line = space.last_maps.lines().find(|line| line.contains("libc.so")).unwrap().to_owned();
-        let without_libc: String =
-            space.last_maps.lines().filter(|line| !line.contains("libc.so")).map(|l| format!("{l}\n")).collect();
+        let without_libc: String = space
+            .last_maps
+            .lines()
+            .filter(|line| !line.contains("libc.so"))
+            .map(|l| format!("{l}\n"))
+            .collect();
         let changes = space.update(&without_libc);
         assert_eq!(changes.removed.len(), 1);
         assert!(changes.removed[0].path.contains("libc.so"));

@@ -35,7 +35,8 @@ pub enum TargetEvent {
 
 /// Checks that `pid` is a live user-space process.
 pub fn check_process(pid: u32) -> Result<(), ProcessError> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| ProcessError::NoSuchProcess(pid))?;
+    let stat =
+        fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| ProcessError::NoSuchProcess(pid))?;
     // Fields after the command name, which is in parentheses and may itself
     // contain spaces or parentheses: state is field 3, flags field 9.
     let after_name = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
@@ -61,7 +62,8 @@ pub fn namespace_pid(pid: u32) -> Option<u32> {
 /// The process's executable, as it names it, or `pid N` if that cannot be
 /// read.
 pub fn program(pid: u32) -> String {
-    fs::read_link(format!("/proc/{pid}/exe")).map_or_else(|_| format!("pid {pid}"), |path| path.display().to_string())
+    fs::read_link(format!("/proc/{pid}/exe"))
+        .map_or_else(|_| format!("pid {pid}"), |path| path.display().to_string())
 }
 
 /// Sends `TargetEvent::Exiting` for process `pid` once it has exited.

@@ -24,8 +24,8 @@ use memleak_common::{lost_stack_owner, ALLOCATOR_FUNCTIONS};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation, Snapshot,
-    StackUsage, Trend,
+    Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
+    Snapshot, StackUsage, Trend,
 };
 use diff::Diff;
 use options::{Format, Rendering, ReportOptions, SortKey};
@@ -259,7 +259,10 @@ fn sort_stacks(stacks: &mut [ReportStack], sort: SortKey) {
 fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
     let is_allocator_entry = |frame: &Frame| {
         frame.module.as_deref() == Some(allocator)
-            && frame.function.as_deref().is_some_and(|name| ALLOCATOR_FUNCTIONS.iter().any(|f| f.name == name))
+            && frame
+                .function
+                .as_deref()
+                .is_some_and(|name| ALLOCATOR_FUNCTIONS.iter().any(|f| f.name == name))
     };
     let skip = frames.iter().take_while(|frame| is_allocator_entry(frame)).count();
     frames[skip..].to_vec()

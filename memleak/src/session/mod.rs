@@ -15,7 +15,9 @@ pub use targets::{ReportRequest, Target, TargetSpec};
 
 use crate::{
     attach::{self, kernel_btf, AllocatorChoice, AttachPlan},
-    bpf::{rings, EventRing, Links, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings},
+    bpf::{
+        rings, EventRing, Links, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings,
+    },
     process::{
         cgroup::{Cgroup, CgroupError},
         command::{CommandError, GatedCommand, SpawnedCommand},
@@ -121,7 +123,8 @@ impl Session {
             mapping_events: None,
         };
         if config.tracer.trace_events {
-            session.trace_events = Some(EventRing::new(session.tracer.take_events()?).map_err(SessionError::Rings)?);
+            session.trace_events =
+                Some(EventRing::new(session.tracer.take_events()?).map_err(SessionError::Rings)?);
         }
         session.mapping_events =
             Some(EventRing::new(session.tracer.take_mapping_events()?).map_err(SessionError::Rings)?);
@@ -145,14 +148,18 @@ impl Session {
         let mut tracer = Tracer::load(&tracer_config)?;
         tracer.attach_kernel(percpu)?;
         let mut session = Self::new(tracer, config)?;
-        let plan = AttachPlan { path: btf.to_path_buf(), display_path: "kernel".to_owned(), sites: Vec::new() };
+        let plan =
+            AttachPlan { path: btf.to_path_buf(), display_path: "kernel".to_owned(), sites: Vec::new() };
         session.targets.push(Target::kernel(plan));
         Ok(session)
     }
 
     fn start_processes(pids: &[u32], config: &SessionConfig) -> Result<Self, SessionError> {
         if pids.len() > config.tracer.max_processes as usize {
-            return Err(SessionError::TooManyProcesses { pids: pids.len(), max: config.tracer.max_processes });
+            return Err(SessionError::TooManyProcesses {
+                pids: pids.len(),
+                max: config.tracer.max_processes,
+            });
         }
         let mut planned = Vec::new();
         for &pid in pids {
@@ -220,7 +227,8 @@ impl Session {
             target.links = Some(self.tracer.attach(&target.plan, scope)?);
         }
         target.exit_watch = Some(
-            lifecycle::watch_exit(pid, self.exits.clone()).map_err(|source| SessionError::Watch { pid, source })?,
+            lifecycle::watch_exit(pid, self.exits.clone())
+                .map_err(|source| SessionError::Watch { pid, source })?,
         );
         self.targets.push(target);
         Ok(())
@@ -239,7 +247,10 @@ impl Session {
                 continue;
             }
             if self.targets.len() >= self.max_processes as usize {
-                log::warn!("not tracing pid {pid} of the cgroup: --max-processes {} reached", self.max_processes);
+                log::warn!(
+                    "not tracing pid {pid} of the cgroup: --max-processes {} reached",
+                    self.max_processes
+                );
                 continue;
             }
             let planned = AddressSpace::read(pid)
@@ -319,11 +330,16 @@ impl Session {
 
     /// A report for each target, or only for `pid`, from one read of the
     /// maps.
-    pub fn collect(&mut self, pid: Option<u32>, request: &ReportRequest) -> Result<Vec<Report>, SessionError> {
+    pub fn collect(
+        &mut self,
+        pid: Option<u32>,
+        request: &ReportRequest,
+    ) -> Result<Vec<Report>, SessionError> {
         // mmap events that came before the report count in it.
         self.take_mapping_events();
         let maps = MapContents::read(&self.tracer, request.collect.reads_each_allocation())?;
-        let region_stacks = self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
+        let region_stacks =
+            self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
         let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
         self.stacks.ensure(&self.tracer, ids)?;
         let sample_rate = self.sample_rate;
@@ -359,7 +375,6 @@ impl Session {
     pub fn is_done(&self) -> bool {
         self.targets.is_empty() && self.cgroup.is_none()
     }
-
 }
 
 impl Drop for Session {

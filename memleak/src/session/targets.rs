@@ -138,8 +138,9 @@ impl Target {
             sample_rate,
         };
         let (space, symbolizer) = (&self.space, &mut self.symbolizer);
-        let mut report =
-            Report::build(snapshot, &context, &trends, |stack_id| frames_of(symbolizer, space, stacks, stack_id));
+        let mut report = Report::build(snapshot, &context, &trends, |stack_id| {
+            frames_of(symbolizer, space, stacks, stack_id)
+        });
         if options.modules {
             report.modules = modules_of(&report, space);
         }

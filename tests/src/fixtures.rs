@@ -1,0 +1,64 @@
+//! The programs the tests trace: C and C++ fixtures from tests/fixtures,
+//! compiled on demand, and what the tests read off them.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    thread,
+};
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the workspace").to_path_buf()
+}
+
+/// Compiles tests/fixtures/NAME.c or NAME.cpp (unoptimised, with frame
+/// pointers, as a debug build would be) and returns the executable.
+pub fn fixture(name: &str) -> PathBuf {
+    let c_source = workspace_root().join(format!("tests/fixtures/{name}.c"));
+    let (source, compiler) =
+        if c_source.exists() { (c_source, "gcc") } else { (c_source.with_extension("cpp"), "g++") };
+    compile(compiler, &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"], &source, name)
+}
+
+/// The leaker built against musl (Debian's musl-tools) instead of glibc.
+pub fn musl_leaker() -> PathBuf {
+    let source = workspace_root().join("tests/fixtures/leaker.c");
+    compile("musl-gcc", &["-g", "-O0", "-fno-omit-frame-pointer"], &source, "leaker-musl")
+}
+
+/// Compiles `source` with `compiler` and `flags` into target/fixtures/NAME.
+/// Tests run in parallel: each builds under a private name, then renames,
+/// so that no test ever runs a half-written file.
+fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf {
+    let dir = workspace_root().join("target/fixtures");
+    fs::create_dir_all(&dir).expect("create target/fixtures");
+    let output = dir.join(name);
+    let private = dir.join(format!("{name}.{}.{:?}", std::process::id(), thread::current().id()));
+    let status = Command::new(compiler)
+        .args(flags)
+        .arg("-o")
+        .arg(&private)
+        .arg(source)
+        .status()
+        .unwrap_or_else(|error| panic!("run {compiler} (cargo xtask test installs it): {error}"));
+    assert!(status.success(), "{compiler} failed on {}", source.display());
+    fs::rename(&private, &output).expect("rename fixture");
+    output
+}
+
+/// The line of the fixture NAME.c that carries `/* ALLOC(marker) */`.
+pub fn marker_line(name: &str, marker: &str) -> u64 {
+    let source = fs::read_to_string(workspace_root().join(format!("tests/fixtures/{name}.c"))).unwrap();
+    let needle = format!("ALLOC({marker})");
+    let index = source.lines().position(|line| line.contains(&needle));
+    index.unwrap_or_else(|| panic!("no {needle} in {name}.c")) as u64 + 1
+}
+
+/// The GNU build id of an ELF file, in hex, as readelf prints it.
+pub fn build_id(binary: &Path) -> String {
+    let output = Command::new("readelf").arg("-n").arg(binary).output().expect("run readelf");
+    let notes = String::from_utf8_lossy(&output.stdout);
+    let line = notes.lines().find_map(|line| line.trim().strip_prefix("Build ID: "));
+    line.unwrap_or_else(|| panic!("{} has no build id: {notes}", binary.display())).to_owned()
+}
