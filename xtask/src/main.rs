@@ -129,9 +129,11 @@ fn demo() -> Result<()> {
 
 /// Debian packages the end-to-end tests use: compilers for the fixtures
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
-/// are run with, redis-server as a real program, and go tool pprof (with
-/// graphviz for its -svg) to read memleak's profiles.
-const TEST_PACKAGES: [&str; 10] = [
+/// are run with, redis-server as a real program, go tool pprof (with
+/// graphviz for its -svg) to read memleak's profiles, and bpftool to count
+/// what memleak's maps hold without taking memleak's word for it.
+const TEST_PACKAGES: [&str; 11] = [
+    "bpftool",
     "gcc",
     "g++",
     "libc6-dev",

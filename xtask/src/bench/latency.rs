@@ -14,7 +14,8 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     map_memory::{self, MapMemory},
-    process::{last_line, lines_as_they_come, release, wait_for_line},
+    process::{last_line, lines_as_they_come, release, spawn_with_pipe, wait_for_line},
+    stats::{self, Record},
 };
 
 /// How memleak is asked to report.
@@ -37,10 +38,8 @@ impl Mode {
 
 /// One report taken once every allocation was in.
 struct Latency {
-    report_ms: u64,
-    /// Stacks and allocations the report covered.
-    stacks: u64,
-    allocations: u64,
+    /// Its size and latency, as memleak's --stats record of it says.
+    report: stats::Report,
     /// memleak's health counter: allocations its map had no room for.
     not_tracked: u64,
     /// Map memory freshly attached, and with the allocations in.
@@ -98,15 +97,16 @@ fn measure(memleak: &Path, spread: &Path, allocations: u64, mode: Mode) -> Resul
 
     // memleak only sees allocations made while it is attached: it attaches
     // first, then the fixture allocates.
-    let mut tracer = memleak_command(memleak, target.id(), allocations, mode)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot run memleak")?;
-    let log = lines_as_they_come(tracer.stderr.take().context("no stderr")?);
+    let mut command = memleak_command(memleak, target.id(), allocations, mode);
+    command.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (mut tracer, stats) = spawn_with_pipe(&mut command, "--stats")?;
+    let memleak_lines = MemleakLines {
+        log: lines_as_they_come(tracer.stderr.take().context("no stderr")?),
+        stats: lines_as_they_come(stats),
+    };
     let reports = lines_as_they_come(tracer.stdout.take().context("no stdout")?);
     let mut target_stdin = target.stdin.take().context("no stdin")?;
-    let observed = observe(&log, tracer.id(), allocations, &mut target_stdin, &mut target_stderr);
+    let observed = observe(&memleak_lines, tracer.id(), allocations, &mut target_stdin, &mut target_stderr);
     // Closing its stdin ends the fixture; memleak then prints a final
     // report and ends too. Both are our own children.
     drop(target_stdin);
@@ -121,20 +121,13 @@ fn measure(memleak: &Path, spread: &Path, allocations: u64, mode: Mode) -> Resul
         bail!("memleak failed with {status}");
     }
     let (_, last_report) = reports.iter().last().context("memleak printed no report")?;
-    Ok(Latency {
-        report_ms: report.ms,
-        stacks: report.stacks,
-        allocations: report.allocations,
-        not_tracked: not_tracked(&last_report)?,
-        idle_memory,
-        loaded_memory,
-    })
+    Ok(Latency { report, not_tracked: not_tracked(&last_report)?, idle_memory, loaded_memory })
 }
 
-/// memleak reporting on `pid` every second, in JSON, with its debug log.
+/// memleak reporting on `pid` every second, in JSON.
 fn memleak_command(memleak: &Path, pid: u32, allocations: u64, mode: Mode) -> Command {
     let mut command = Command::new(memleak);
-    command.args(["-v", "-p", &pid.to_string(), "--format", "json"]);
+    command.args(["-p", &pid.to_string(), "--format", "json"]);
     command.args(["--max-allocs", &(allocations + MAX_ALLOCS_HEADROOM).to_string()]);
     if let Mode::EveryAllocation = mode {
         command.args(["-o", "1"]);
@@ -152,8 +145,17 @@ fn not_tracked(report: &str) -> Result<u64> {
         .context("no health.allocations_not_tracked in memleak's report")
 }
 
+/// What memleak writes as it runs, each line stamped with the moment it
+/// was read.
+struct MemleakLines {
+    /// stderr: status lines, and why memleak stopped if it did.
+    log: Receiver<(Instant, String)>,
+    /// The --stats records.
+    stats: Receiver<(Instant, String)>,
+}
+
 struct Observed {
-    report: ReportLog,
+    report: stats::Report,
     idle_memory: MapMemory,
     loaded_memory: MapMemory,
 }
@@ -161,53 +163,32 @@ struct Observed {
 /// Once memleak is attached, lets the fixture allocate, then waits for a
 /// report that began after the fixture said it was done.
 fn observe(
-    log: &Receiver<(Instant, String)>,
+    memleak: &MemleakLines,
     memleak_pid: u32,
     allocations: u64,
     target_stdin: &mut ChildStdin,
     target_stderr: &mut impl BufRead,
 ) -> Result<Observed> {
-    next_line_with(log, "tracing pid")?;
+    next_line_with(&memleak.log, "tracing pid")?;
     let idle_memory = map_memory::of_process(memleak_pid)?;
     release(target_stdin)?;
     wait_for_line(target_stderr, "ready")?;
-    let report = first_report_after(log, Instant::now(), allocations)?;
+    let report = first_report_after(memleak, Instant::now(), allocations)?;
     let loaded_memory = map_memory::of_process(memleak_pid)?;
     Ok(Observed { report, idle_memory, loaded_memory })
 }
 
-/// memleak's log line "report for pid N: S stacks, A allocations in M ms".
-struct ReportLog {
-    stacks: u64,
-    allocations: u64,
-    ms: u64,
-}
-
-impl ReportLog {
-    fn parse(line: &str) -> Option<Self> {
-        let rest = line.split("report for pid ").nth(1)?;
-        let numbers: Vec<u64> =
-            rest.split(|c: char| !c.is_ascii_digit()).filter_map(|word| word.parse().ok()).collect();
-        let [_pid, stacks, allocations, ms] = numbers[..] else { return None };
-        Some(Self { stacks, allocations, ms })
-    }
-}
-
 /// The first report that began after `since` and covers all `allocations`;
-/// a line is stamped when it is read, so the report began `ms` before
+/// a --stats record is stamped when it is read, and memleak writes it as
+/// soon as the report is built, so the report began its latency before
 /// that. memleak leaves out allocations younger than its -o age (500 ms by
 /// default), so the first reports after the last allocation may not cover
 /// them all: up to REPORTS_TO_WAIT are waited for, then the last is taken.
-fn first_report_after(
-    log: &Receiver<(Instant, String)>,
-    since: Instant,
-    allocations: u64,
-) -> Result<ReportLog> {
+fn first_report_after(memleak: &MemleakLines, since: Instant, allocations: u64) -> Result<stats::Report> {
     let mut waited = 0;
     loop {
-        let (read_at, line) = next_line_with(log, "report for pid")?;
-        let report = ReportLog::parse(&line).with_context(|| format!("cannot read memleak's {line:?}"))?;
-        let began = read_at.checked_sub(Duration::from_millis(report.ms));
+        let (read_at, report) = next_report(memleak)?;
+        let began = read_at.checked_sub(report.latency()?);
         if began.is_none_or(|began| began < since) {
             continue;
         }
@@ -216,6 +197,26 @@ fn first_report_after(
             return Ok(report);
         }
     }
+}
+
+/// memleak's next report record, with the moment it was read.
+fn next_report(memleak: &MemleakLines) -> Result<(Instant, stats::Report)> {
+    loop {
+        let Ok((read_at, line)) = memleak.stats.recv_timeout(PATIENCE) else {
+            bail!("memleak wrote no more reports; its last words: {}", last_words(&memleak.log))
+        };
+        if let Record::Report(report) = Record::parse(&line)? {
+            return Ok((read_at, report));
+        }
+    }
+}
+
+/// memleak's last line on stderr: why it stopped, if it did.
+fn last_words(log: &Receiver<(Instant, String)>) -> String {
+    // A moment for the log to catch up with memleak's end.
+    let lines = std::iter::from_fn(|| log.recv_timeout(Duration::from_millis(100)).ok());
+    let last = lines.map(|(_, line)| line).last().unwrap_or_default();
+    last_line(&last).to_owned()
 }
 
 fn next_line_with(lines: &Receiver<(Instant, String)>, marker: &str) -> Result<(Instant, String)> {
@@ -233,7 +234,7 @@ pub fn print(rows: &[Row]) {
     println!();
     println!(
         "report latency over 10,000 stacks: one report begun after the last allocation, from memleak's \
-         \"report for pid\" log line (in brackets: what the report covered):"
+         --stats report records (in brackets: what the report covered):"
     );
     println!();
     println!("| outstanding allocations | default mode | -o 1 | allocations not tracked |");
@@ -250,9 +251,10 @@ pub fn print(rows: &[Row]) {
 fn cell(latency: &Result<Latency>) -> String {
     match latency {
         Ok(latency) => {
+            let report = &latency.report;
             format!(
-                "{} ms ({} stacks, {} allocations)",
-                latency.report_ms, latency.stacks, latency.allocations
+                "{:.1} ms ({} stacks, {} allocations)",
+                report.latency_ms, report.stacks, report.allocations
             )
         }
         Err(error) => format!("failed: {error:#}"),

@@ -11,6 +11,7 @@ mod latency;
 mod map_memory;
 mod overhead;
 mod process;
+mod stats;
 mod workload;
 
 use anyhow::Result;

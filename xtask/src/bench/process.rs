@@ -3,8 +3,11 @@
 //! until probes are attached to them.
 
 use std::{
-    io::{BufRead, BufReader, Read, Write as _},
-    os::unix::process::ExitStatusExt as _,
+    io::{self, BufRead, BufReader, PipeReader, Read, Write as _},
+    os::{
+        fd::AsRawFd as _,
+        unix::process::{CommandExt as _, ExitStatusExt as _},
+    },
     process::{Child, ChildStdin, Command, ExitStatus, Stdio},
     sync::mpsc::{self, Receiver},
     thread,
@@ -69,6 +72,30 @@ pub fn run_attached<T>(
     let finished = finish(child, &command);
     drop(attached);
     finished
+}
+
+/// Spawns `command` with `option /dev/fd/N` added, N the write end of a
+/// pipe: for a file the command writes as it runs, to be read as it comes.
+/// Only the child keeps the write end, so the pipe ends when it does.
+pub fn spawn_with_pipe(command: &mut Command, option: &str) -> Result<(Child, PipeReader)> {
+    let (reader, writer) = io::pipe().context("cannot make a pipe")?;
+    let fd = writer.as_raw_fd();
+    command.arg(option).arg(format!("/dev/fd/{fd}"));
+    // SAFETY: between fork and exec the closure only calls fcntl, which is
+    // async-signal-safe, on a descriptor `writer` keeps open until after
+    // the spawn.
+    unsafe {
+        command.pre_exec(move || {
+            // The pipe is made close-on-exec, for no other child to hold it.
+            if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().with_context(|| format!("cannot run {}", program_name(command)))?;
+    drop(writer);
+    Ok((child, reader))
 }
 
 /// Lets a process waiting on its stdin for a line go on.

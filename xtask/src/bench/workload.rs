@@ -8,7 +8,11 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use super::{empty_probes::Site, process::run_to_end};
+use super::{
+    empty_probes::Site,
+    process::run_to_end,
+    stats::{Probes, Record},
+};
 
 /// How the workload runs, and what the tracers run it with.
 pub struct Workload {
@@ -56,9 +60,10 @@ impl Summary {
     }
 }
 
-/// Where memleak probes malloc and free for the workload, from its -v log.
-/// The floor is empty probes at exactly these sites: the workload calls no
-/// other allocator function, so memleak's other probes never fire.
+/// Where memleak probes malloc and free for the workload, from its --stats
+/// record of the probes it placed. The floor is empty probes at exactly
+/// these sites: the workload calls no other allocator function, so
+/// memleak's other probes never fire.
 pub struct ProbePlan {
     /// The C library the workload maps.
     pub libc: PathBuf,
@@ -68,37 +73,49 @@ pub struct ProbePlan {
 }
 
 impl ProbePlan {
-    /// Runs memleak -v on a tiny workload and reads its debug lines:
-    /// "uprobe on malloc at 0x98930 in /lib/x86_64-linux-gnu/libc.so.6"
-    /// and "free: entry probe at +3, past ...".
+    /// Runs memleak on a tiny workload and reads the probes it placed
+    /// from its --stats file.
     pub fn read(workload: &Workload) -> Result<Self> {
+        let stats = workload.scratch.join("probe-plan-stats.jsonl");
         let command_line = format!("{} 1 1 1", workload.path.display());
-        let finished = run_to_end(Command::new(&workload.memleak).args(["-v", "-c", &command_line, "1"]))?;
-        let log = &finished.stderr;
-        let (libc, malloc) = probe_site(log, "malloc")?;
-        let (_, free) = probe_site(log, "free")?;
-        let free_skip: Option<u64> = log
-            .lines()
-            .find_map(|line| line.split("free: entry probe at +").nth(1))
-            .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok());
-        // A return probe goes on the function's first instruction, which
-        // is where memleak's malloc probe is.
-        let site = |file_offset, on_return| Site { object: libc.clone(), file_offset, on_return };
-        let sites = vec![site(malloc, false), site(malloc, true), site(free, false)];
-        let free = free_skip.map_or("free".to_owned(), |skip| format!("free+{skip}"));
-        Ok(Self { libc, sites, description: format!("malloc, malloc's return, {free}") })
+        let mut memleak = Command::new(&workload.memleak);
+        run_to_end(memleak.args(["-c", &command_line, "--stats"]).arg(&stats).arg("1"))?;
+        let records = std::fs::read_to_string(&stats)
+            .with_context(|| format!("cannot read memleak's --stats file {}", stats.display()))?;
+        Self::of(&first_probes(&records)?)
+    }
+
+    /// The sites of memleak's probes on malloc and free, in that order,
+    /// each entry probe followed by its return probe, if any.
+    fn of(probes: &Probes) -> Result<Self> {
+        let site = |file_offset, on_return| Site { object: probes.object.clone(), file_offset, on_return };
+        let mut sites = Vec::new();
+        let mut names = Vec::new();
+        for function in ["malloc", "free"] {
+            let probe = probes.on(function)?;
+            sites.push(site(probe.entry(), false));
+            names.push(match probe.entry_offset {
+                0 => function.to_owned(),
+                past_start => format!("{function}+{past_start}"),
+            });
+            if probe.return_probe {
+                sites.push(site(probe.file_offset, true));
+                names.push(format!("{function}'s return"));
+            }
+        }
+        Ok(Self { libc: probes.object.clone(), sites, description: names.join(", ") })
     }
 }
 
-/// The object and file offset of memleak's entry probe on `function`.
-fn probe_site(log: &str, function: &str) -> Result<(PathBuf, u64)> {
-    let marker = format!("uprobe on {function} at 0x");
-    let Some(rest) = log.lines().find_map(|line| line.split(&marker).nth(1)) else {
-        bail!("memleak -v did not say where it probes {function}")
-    };
-    let (offset, object) = rest.split_once(" in ").context("unexpected probe line")?;
-    let offset = u64::from_str_radix(offset, 16).context("unexpected probe offset")?;
-    Ok((PathBuf::from(object.trim()), offset))
+/// The first --stats record of probes: the workload's, the one process
+/// traced.
+fn first_probes(records: &str) -> Result<Probes> {
+    for line in records.lines() {
+        if let Record::Probes(probes) = Record::parse(line)? {
+            return Ok(probes);
+        }
+    }
+    bail!("memleak's --stats file says nothing of its probes")
 }
 
 /// The libbpf-tools memleak probe set, as a bpftrace script: malloc's size
@@ -115,4 +132,23 @@ pub fn libbpf_tools_script(libc: &Path) -> String {
          // bpftrace prints every map at exit: thousands of lines.\n\
          END {{ clear(@allocs); clear(@size); }}\n"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_plan_follows_memleaks_probes() {
+        // As memleak wrote it for the workload, cut to three functions.
+        let records = r#"{"event":"probes","pid":7,"object":"/lib/x86_64-linux-gnu/libc.so.6","path":"/proc/7/map_files/1-2","probes":[{"function":"malloc","file_offset":624944,"entry_offset":0,"return_probe":true},{"function":"calloc","file_offset":628448,"entry_offset":0,"return_probe":true},{"function":"free","file_offset":626416,"entry_offset":3,"return_probe":false}]}
+{"event":"report","pid":7,"stacks":2,"allocations":2,"bytes":1863,"latency_ms":2.5}"#;
+        let plan = ProbePlan::of(&first_probes(records).expect("a probes record")).expect("a plan");
+        assert_eq!(plan.libc, PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"));
+        assert_eq!(plan.description, "malloc, malloc's return, free+3");
+        let sites: Vec<(u64, bool)> =
+            plan.sites.iter().map(|site| (site.file_offset, site.on_return)).collect();
+        assert_eq!(sites, [(624944, false), (624944, true), (626419, false)]);
+        assert!(plan.sites.iter().all(|site| site.object == plan.libc), "sites {:?}", plan.sites);
+    }
 }
