@@ -1,4 +1,4 @@
-//! Builds memleak-ebpf for the BPF target and leaves the object in OUT_DIR,
+//! Builds memleak-ebpf for the BPF target and leaves the object in `OUT_DIR`,
 //! where `include_bytes_aligned!` embeds it into the memleak binary.
 //!
 //! The nested cargo's output is shown only when it fails: replayed as

@@ -5,7 +5,7 @@
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TraceEvent {
-    /// CLOCK_MONOTONIC nanoseconds.
+    /// `CLOCK_MONOTONIC` nanoseconds.
     pub timestamp_ns: u64,
     /// The block returned, or the one freed.
     pub address: u64,
@@ -53,7 +53,7 @@ impl TryFrom<u32> for MappingChange {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MappingEvent {
-    /// CLOCK_MONOTONIC nanoseconds.
+    /// `CLOCK_MONOTONIC` nanoseconds.
     pub timestamp_ns: u64,
     pub address: u64,
     /// Bytes.

@@ -62,7 +62,7 @@ pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 16] = [
 /// A set of [`ALLOCATOR_FUNCTIONS`], bit i standing for function i. It is
 /// a probe's attach cookie: one program serves several functions and
 /// still says which was called, and aliases probed once (glibc's
-/// aligned_alloc and memalign share code) are all named.
+/// `aligned_alloc` and memalign share code) are all named.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FunctionSet(pub u32);
 
@@ -77,6 +77,7 @@ impl FunctionSet {
         ALLOCATOR_FUNCTIONS.iter().position(|function| function.name == name).map(Self::of)
     }
 
+    #[must_use]
     pub const fn union(self, other: Self) -> Self {
         Self(self.0 | other.0)
     }

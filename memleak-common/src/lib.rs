@@ -7,6 +7,10 @@
 //! fixed-width fields and no implicit padding, so the BPF object and the
 //! loader see the same bytes; the assertions at the end hold them to it.
 #![no_std]
+#![allow(
+    clippy::pub_underscore_fields,
+    reason = "explicit padding of #[repr(C)] records: public so that both sides can build them"
+)]
 
 pub mod events;
 pub mod functions;

@@ -34,7 +34,7 @@ pub mod tunables {
     /// u64: with --cgroup, the cgroup v2 id whose tasks are recorded; 0
     /// records every task the probes fire for.
     pub const CGROUP_ID: &str = "CGROUP_ID";
-    /// u32: offset of `size` in the kernel's struct kmem_cache.
+    /// u32: offset of `size` in the kernel's struct `kmem_cache`.
     pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
     /// u64, u64: kernel code range whose allocations are left out (the BPF
     /// memory allocator's refill, which serves memleak's own maps).

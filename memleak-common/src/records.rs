@@ -66,9 +66,9 @@ pub struct StackTotals {
     /// Allocations outstanding, likewise.
     pub allocations: u64,
     /// Bytes ever allocated from the stack since attach, freed or not
-    /// (pprof's alloc_space).
+    /// (pprof's `alloc_space`).
     pub allocated_bytes: u64,
-    /// Allocations ever made from the stack since attach (alloc_objects).
+    /// Allocations ever made from the stack since attach (`alloc_objects`).
     pub allocated_count: u64,
 }
 
@@ -84,6 +84,7 @@ pub const fn lost_stack_id(tgid: u32) -> u64 {
 /// The process of a [`lost_stack_id`], or `None` for an ordinary id.
 pub const fn lost_stack_owner(stack_id: u64) -> Option<u32> {
     if stack_id >> 32 == 0xffff_ffff {
+        #[allow(clippy::cast_possible_truncation, reason = "the low 32 bits are the tgid")]
         Some(stack_id as u32)
     } else {
         None
@@ -97,7 +98,7 @@ pub const fn lost_stack_owner(stack_id: u64) -> Option<u32> {
 pub struct Allocation {
     /// Bytes the caller asked for.
     pub size: u64,
-    /// When the allocation returned, in CLOCK_MONOTONIC nanoseconds.
+    /// When the allocation returned, in `CLOCK_MONOTONIC` nanoseconds.
     pub timestamp_ns: u64,
     /// Value of the stack in [`STACKS_MAP`](crate::STACKS_MAP), or a
     /// [`lost_stack_id`].
@@ -114,7 +115,7 @@ pub enum CallKind {
     /// reallocarray).
     Reallocate = 1,
     /// Returns 0 and stores the block through `PendingCall::argument`
-    /// (posix_memalign).
+    /// (`posix_memalign`).
     AllocateThroughPointer = 2,
 }
 
@@ -139,7 +140,7 @@ pub struct PendingCall {
     /// Bytes requested, already multiplied out for calloc/reallocarray.
     /// [`OVERFLOWED_SIZE`] when that multiplication overflowed.
     pub size: u64,
-    /// The old block for realloc, the out-pointer for posix_memalign.
+    /// The old block for realloc, the out-pointer for `posix_memalign`.
     pub argument: u64,
     /// A [`CallKind`] as u32.
     pub kind: u32,
@@ -216,4 +217,5 @@ impl TryFrom<u32> for Counter {
 }
 
 /// Number of slots in [`COUNTERS_MAP`](crate::COUNTERS_MAP).
+#[allow(clippy::cast_possible_truncation, reason = "five counters")]
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;

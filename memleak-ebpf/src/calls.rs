@@ -24,17 +24,17 @@ pub fn process_id() -> u32 {
 }
 
 /// Starts an allocator call on this thread: `size` bytes asked for, and
-/// the call's `argument` (realloc's old block, posix_memalign's
+/// the call's `argument` (realloc's old block, `posix_memalign`'s
 /// out-pointer).
 pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
     if !tunables::in_scope() {
         return; // no pending call, so the return probe does nothing either
     }
     let pid_tgid = bpf_get_current_pid_tgid();
-    let (tid, tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
+    let (thread, process) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
     // A thread keeps its entry between calls (at depth 0), so that a call
     // costs one lookup, not an insert and a delete.
-    let pending = PENDING.get_ptr_mut(tid);
+    let pending = PENDING.get_ptr_mut(thread);
     // SAFETY: only this thread touches its own entry.
     if let Some(pending) = pending.filter(|pending| unsafe { (**pending).depth } > 0) {
         // An allocator entry point called from inside another one: only the
@@ -43,16 +43,24 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
         unsafe { (*pending).depth += 1 };
         return;
     }
-    let sampled = tunables::sample() as u32;
+    let sampled = u32::from(tunables::sample());
     // SAFETY: reads this attachment's cookie: which function was called.
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    let call =
-        PendingCall { size, argument, kind: kind as u32, depth: 1, sampled, function, tgid, _padding: 0 };
+    let call = PendingCall {
+        size,
+        argument,
+        kind: kind as u32,
+        depth: 1,
+        sampled,
+        function,
+        tgid: process,
+        _padding: 0,
+    };
     match pending {
         // SAFETY: as above.
         Some(pending) => unsafe { *pending = call },
         None => {
-            let _ = PENDING.insert(tid, call, 0);
+            let _ = PENDING.insert(thread, call, 0);
         }
     }
 }

@@ -15,6 +15,14 @@
 // fetch_add on the BPF target. The build already enables unstable features
 // (RUSTC_BOOTSTRAP) for -Z build-std, and aya-ebpf uses this one too.
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
+#![allow(
+    clippy::needless_pass_by_value,
+    reason = "aya's program macros hand each program its context by value"
+)]
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "BPF helpers pack two u32s into a u64 (pid_tgid), and depths are bounded by MAX_STACK_DEPTH"
+)]
 
 mod calls;
 mod counters;
@@ -27,7 +35,8 @@ mod totals;
 mod tunables;
 mod unwind;
 
-#[cfg(not(test))]
+// Only for the BPF target: a host build (clippy's) links std's handler.
+#[cfg(target_arch = "bpf")]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {
     // The verifier rejects any program that could reach this.

@@ -1,5 +1,5 @@
 //! The maps. The sizes here are what the verifier sees; user space sets
-//! those of ALLOCATIONS, STACKS, STACK_IDS and STACK_TOTALS at load time
+//! those of ALLOCATIONS, STACKS, `STACK_IDS` and `STACK_TOTALS` at load time
 //! from --max-allocs, --max-stacks and the number of processes traced.
 
 use aya_ebpf::{
@@ -67,7 +67,7 @@ pub static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(256 << 10, 0);
 #[map(name = "PENDING_MAPPINGS")]
 pub static PENDING_MAPPINGS: LruHashMap<u32, PendingMapping> = LruHashMap::with_max_entries(16_384, 0);
 
-/// A stack and its id, the value of LAST_STACK.
+/// A stack and its id, the value of `LAST_STACK`.
 #[repr(C)]
 pub struct LastStack {
     /// 0 until a stack is remembered (ids start at 0).

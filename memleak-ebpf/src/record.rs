@@ -22,7 +22,7 @@ pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
     // still recorded does it take more: the allocator handed it out again,
     // so its free was not seen (bcc's --wa-missing-free case) and the old
     // block comes off its stack's totals first.
-    let mut inserted = ALLOCATIONS.insert(key, allocation, BPF_NOEXIST as u64);
+    let mut inserted = ALLOCATIONS.insert(key, allocation, u64::from(BPF_NOEXIST));
     if inserted == Err(-EEXIST) {
         let _ = forget(&key);
         inserted = ALLOCATIONS.insert(key, allocation, 0);

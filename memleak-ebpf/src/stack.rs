@@ -4,10 +4,10 @@
 //! A kernel stack-trace map hashes a stack into a bucket: on a collision
 //! it either drops the new stack for the rest of the run or overwrites the
 //! old one, which misattributes every allocation that pointed at it. Here
-//! a stack's 64-bit hash leads to an id (STACK_IDS), and the id to the
+//! a stack's 64-bit hash leads to an id (`STACK_IDS`), and the id to the
 //! whole stack (STACKS), which every hit is compared with. A stack whose
 //! slot holds another stack tries the next slots. The only ways to lose a
-//! stack are a full map and PROBE_SLOTS collisions in a row, and both are
+//! stack are a full map and `PROBE_SLOTS` collisions in a row, and both are
 //! counted.
 //!
 //! The frames come from a walker in `unwind`; this module only stores
@@ -40,12 +40,11 @@ pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
 }
 
 fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
-    match store_current_stack(ctx, tgid, user) {
-        Some(id) => id,
-        None => {
-            counters::increment(Counter::StacksLost);
-            lost_stack_id(tgid)
-        }
+    if let Some(id) = store_current_stack(ctx, tgid, user) {
+        id
+    } else {
+        counters::increment(Counter::StacksLost);
+        lost_stack_id(tgid)
     }
 }
 
@@ -64,7 +63,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // read back from the map, where the verifier knows only its bounds:
     // otherwise it checks all that follows once per way the walk can end,
     // which made loading take seconds.
-    unsafe { core::ptr::write_volatile(&mut key.depth, depth) };
+    unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
     let last = LAST_STACK.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, like the scratch key.
     let last: &mut LastStack = unsafe { &mut *last };
@@ -81,19 +80,21 @@ fn find_or_insert(key: &StackKey) -> Option<u64> {
     let (tgid, hash) = (key.tgid, hash_of(key));
     for slot in 0..PROBE_SLOTS {
         let slot = StackSlot { tgid, _padding: 0, hash: hash.wrapping_add(slot) };
-        match STACK_IDS.get_ptr(&slot) {
+        match STACK_IDS.get_ptr(slot) {
             // SAFETY: the value of a live entry; ids are never rewritten.
-            Some(id) => match holding(unsafe { *id }, key) {
-                Some(id) => return Some(id),
-                None => continue,
-            },
+            Some(id) => {
+                if let Some(id) = holding(unsafe { *id }, key) {
+                    return Some(id);
+                }
+                // Another stack holds the slot: try the next.
+            }
             None => match insert(&slot, key) {
                 Inserted::Stored(id) => return Some(id),
                 Inserted::Full => return None,
                 // Another CPU filled the slot first, maybe with this stack.
                 Inserted::Raced => {
                     // SAFETY: as above.
-                    let id = STACK_IDS.get_ptr(&slot).map(|id| unsafe { *id })?;
+                    let id = STACK_IDS.get_ptr(slot).map(|id| unsafe { *id })?;
                     if let Some(id) = holding(id, key) {
                         return Some(id);
                     }
@@ -121,7 +122,7 @@ fn remember(last: &mut LastStack, key: &StackKey, id: u64) {
 
 /// `Some(id)` if stack `id` is `key`.
 fn holding(id: u64, key: &StackKey) -> Option<u64> {
-    let stored = STACKS.get_ptr(&id)?;
+    let stored = STACKS.get_ptr(id)?;
     // SAFETY: the value of a live entry, written once before its id was
     // published in STACK_IDS.
     same_stack(unsafe { &*stored }, key).then_some(id)
@@ -136,13 +137,13 @@ enum Inserted {
 /// Stores `key` under a fresh id, then publishes the id in `slot`.
 fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
     let Some(id) = new_stack_id() else { return Inserted::Full };
-    if STACKS.insert(&id, key, BPF_NOEXIST as u64).is_err() {
+    if STACKS.insert(id, key, u64::from(BPF_NOEXIST)).is_err() {
         return Inserted::Full;
     }
-    if STACK_IDS.insert(slot, &id, BPF_NOEXIST as u64).is_ok() {
+    if STACK_IDS.insert(slot, id, u64::from(BPF_NOEXIST)).is_ok() {
         return Inserted::Stored(id);
     }
-    let _ = STACKS.remove(&id);
+    let _ = STACKS.remove(id);
     // A full STACK_IDS also fails the insert; the retry then finds the
     // slot empty and gives up.
     if STACK_IDS.get_ptr(slot).is_some() {
@@ -169,7 +170,7 @@ fn hash_of(key: &StackKey) -> u64 {
 /// `key.depth`, read from memory (see `store_current_stack`).
 fn depth_of(key: &StackKey) -> usize {
     // SAFETY: a field of a live key.
-    unsafe { core::ptr::read_volatile(&key.depth) as usize }
+    unsafe { core::ptr::read_volatile(&raw const key.depth) as usize }
 }
 
 fn same_stack(a: &StackKey, b: &StackKey) -> bool {
@@ -199,6 +200,6 @@ fn new_stack_id() -> Option<u64> {
         local
     };
     // SAFETY: a helper without arguments.
-    let cpu = unsafe { bpf_get_smp_processor_id() } as u64;
+    let cpu = u64::from(unsafe { bpf_get_smp_processor_id() });
     Some((local << 16) | (cpu & 0xffff))
 }

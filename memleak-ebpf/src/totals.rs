@@ -21,16 +21,15 @@ pub fn subtract(stack_id: u64, size: u64) {
 /// Adds to the outstanding amounts, and for a new allocation to the
 /// amounts ever allocated too: the same cache line, two more adds.
 fn update(stack_id: u64, bytes: u64, allocations: u64, allocated: bool) {
-    let totals = match STACK_TOTALS.get_ptr_mut(stack_id) {
-        Some(totals) => totals,
-        None => {
-            // First allocation from this stack. Another CPU may insert it at
-            // the same moment; NOEXIST keeps whichever came first.
-            let _ = STACK_TOTALS.insert(stack_id, StackTotals::default(), BPF_NOEXIST as u64);
-            match STACK_TOTALS.get_ptr_mut(stack_id) {
-                Some(totals) => totals,
-                None => return,
-            }
+    let totals = if let Some(totals) = STACK_TOTALS.get_ptr_mut(stack_id) {
+        totals
+    } else {
+        // First allocation from this stack. Another CPU may insert it at
+        // the same moment; NOEXIST keeps whichever came first.
+        let _ = STACK_TOTALS.insert(stack_id, StackTotals::default(), u64::from(BPF_NOEXIST));
+        match STACK_TOTALS.get_ptr_mut(stack_id) {
+            Some(totals) => totals,
+            None => return,
         }
     };
     // SAFETY: `totals` points at a live map value, 8-byte aligned, and
@@ -45,7 +44,7 @@ fn update(stack_id: u64, bytes: u64, allocations: u64, allocated: bool) {
     }
 }
 
-/// `*target += value`, atomically (BPF_ATOMIC | BPF_ADD, which every
+/// `*target += value`, atomically (`BPF_ATOMIC` | `BPF_ADD`, which every
 /// kernel with BPF supports). Wrapping, so that adding `x.wrapping_neg()`
 /// subtracts `x`.
 ///

@@ -26,18 +26,18 @@ static IGNORED_CALLER_END: u64 = 0;
 
 pub fn min_size() -> u64 {
     // SAFETY: a plain read of an initialised static.
-    unsafe { core::ptr::read_volatile(&MIN_SIZE) }
+    unsafe { core::ptr::read_volatile(&raw const MIN_SIZE) }
 }
 
 pub fn max_size() -> u64 {
     // SAFETY: as above.
-    unsafe { core::ptr::read_volatile(&MAX_SIZE) }
+    unsafe { core::ptr::read_volatile(&raw const MAX_SIZE) }
 }
 
 /// Frames to keep, clamped so the verifier sees a bounded copy size.
 pub fn stack_depth() -> u32 {
     // SAFETY: as above.
-    let depth = unsafe { core::ptr::read_volatile(&STACK_DEPTH) };
+    let depth = unsafe { core::ptr::read_volatile(&raw const STACK_DEPTH) };
     if depth == 0 || depth > MAX_STACK_DEPTH as u32 {
         MAX_STACK_DEPTH as u32
     } else {
@@ -46,10 +46,10 @@ pub fn stack_depth() -> u32 {
 }
 
 /// Whether to record the allocation call starting now: about one in
-/// SAMPLE_RATE, chosen at random so that no call site is favoured.
+/// `SAMPLE_RATE`, chosen at random so that no call site is favoured.
 pub fn sample() -> bool {
     // SAFETY: as above.
-    let rate = unsafe { core::ptr::read_volatile(&SAMPLE_RATE) };
+    let rate = unsafe { core::ptr::read_volatile(&raw const SAMPLE_RATE) };
     // SAFETY: a helper without arguments.
     rate <= 1 || unsafe { aya_ebpf::helpers::generated::bpf_get_prandom_u32() } % rate == 0
 }
@@ -57,13 +57,13 @@ pub fn sample() -> bool {
 /// Whether to send a trace event per allocation and free (--trace).
 pub fn trace() -> bool {
     // SAFETY: as above.
-    unsafe { core::ptr::read_volatile(&TRACE) != 0 }
+    unsafe { core::ptr::read_volatile(&raw const TRACE) != 0 }
 }
 
-/// Offset of `size` in the kernel's struct kmem_cache, from its BTF.
+/// Offset of `size` in the kernel's struct `kmem_cache`, from its BTF.
 pub fn cache_size_offset() -> u32 {
     // SAFETY: as above.
-    unsafe { core::ptr::read_volatile(&CACHE_SIZE_OFFSET) }
+    unsafe { core::ptr::read_volatile(&raw const CACHE_SIZE_OFFSET) }
 }
 
 /// Whether a kernel allocation made from `call_site` is left out: the BPF
@@ -72,7 +72,10 @@ pub fn cache_size_offset() -> u32 {
 pub fn ignored_caller(call_site: u64) -> bool {
     // SAFETY: as above.
     let (start, end) = unsafe {
-        (core::ptr::read_volatile(&IGNORED_CALLER_START), core::ptr::read_volatile(&IGNORED_CALLER_END))
+        (
+            core::ptr::read_volatile(&raw const IGNORED_CALLER_START),
+            core::ptr::read_volatile(&raw const IGNORED_CALLER_END),
+        )
     };
     call_site >= start && call_site < end
 }
@@ -83,7 +86,7 @@ pub fn ignored_caller(call_site: u64) -> bool {
 /// filter already did the work.
 pub fn in_scope() -> bool {
     // SAFETY: as above.
-    let cgroup = unsafe { core::ptr::read_volatile(&CGROUP_ID) };
+    let cgroup = unsafe { core::ptr::read_volatile(&raw const CGROUP_ID) };
     // SAFETY: a helper without arguments.
     cgroup == 0 || unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup
 }

@@ -12,6 +12,7 @@ use crate::report::options::{Choice, Format, SortKey, Weight};
 
 /// Trace outstanding allocations of processes (or, without -p and -c, of
 /// the kernel) and print the call stacks that hold the most memory.
+#[allow(clippy::struct_excessive_bools, reason = "bcc's yes/no flags, each independent of the others")]
 #[derive(Debug, Parser)]
 #[command(name = "memleak", version, about, after_help = EXAMPLES, args_conflicts_with_subcommands = true)]
 pub struct Args {
@@ -87,7 +88,7 @@ pub struct Args {
     #[arg(long)]
     pub wa_missing_free: bool,
 
-    /// Probe PREFIXmalloc, PREFIXfree and so on, for allocators built with
+    /// Probe `PREFIXmalloc`, `PREFIXfree` and so on, for allocators built with
     /// a symbol prefix (jemalloc's je_).
     #[arg(long, value_name = "PREFIX")]
     pub symbols_prefix: Option<String>,

@@ -162,8 +162,8 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
     if let TargetSpec::Pids(pids) = &target {
         let mut sorted = pids.clone();
         sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
-            return Err(format!("pid {} is given twice", pair[0]));
+        if let Some(&[pid, _]) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(format!("pid {pid} is given twice"));
         }
     }
     Ok(target)

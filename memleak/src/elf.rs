@@ -3,7 +3,7 @@
 //! libraries that decide link order, and build ids. The attach planner,
 //! the address-space model and the exporters share these.
 
-use std::{collections::BTreeMap, path::Path};
+use std::{collections::BTreeMap, fmt::Write as _, path::Path};
 
 use object::{
     read::elf::{Dyn as _, FileHeader as _, ProgramHeader as _},
@@ -35,7 +35,7 @@ pub fn file_offset(file: &object::File, address: u64) -> Option<u64> {
     })
 }
 
-/// The DT_NEEDED entries of an ELF file, in order.
+/// The `DT_NEEDED` entries of an ELF file, in order.
 pub fn needed_libraries(data: &[u8]) -> Vec<String> {
     let Ok(header) = object::elf::FileHeader64::<object::Endianness>::parse(data) else { return Vec::new() };
     let Ok(endian) = header.endian() else { return Vec::new() };
@@ -50,7 +50,7 @@ pub fn needed_libraries(data: &[u8]) -> Vec<String> {
         .collect()
 }
 
-/// The PT_INTERP of an ELF file, if it is dynamically linked.
+/// The `PT_INTERP` of an ELF file, if it is dynamically linked.
 pub fn interpreter(file: &object::File) -> Option<String> {
     let object::File::Elf64(elf) = file else { return None };
     let endian = elf.endian();
@@ -64,7 +64,10 @@ pub fn interpreter(file: &object::File) -> Option<String> {
 /// The GNU build id of the ELF file at `path`, in hex.
 pub fn build_id(path: &Path) -> Option<String> {
     let bytes = blazesym::helper::read_elf_build_id(path).ok().flatten()?;
-    Some(bytes.iter().map(|byte| format!("{byte:02x}")).collect())
+    Some(bytes.iter().fold(String::new(), |mut hex, byte| {
+        let _ = write!(hex, "{byte:02x}");
+        hex
+    }))
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ pub enum MappingKind {
     /// Mapped by malloc & co. for their own use (arenas, large blocks):
     /// already counted as what malloc handed out.
     AllocatorMmap,
-    /// A thread's stack, mapped by pthread_create.
+    /// A thread's stack, mapped by `pthread_create`.
     ThreadStack,
 }
 
@@ -65,7 +65,7 @@ pub struct StackUsage {
 }
 
 /// What a stack allocated since memleak attached, freed or not: pprof's
-/// alloc_space and alloc_objects.
+/// `alloc_space` and `alloc_objects`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allocated {
     pub bytes: u64,
@@ -114,6 +114,7 @@ pub struct Frame {
     pub module: Option<String>,
 }
 
+#[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's serialize_with hands over a reference")]
 fn hex_address<S: serde::Serializer>(address: &u64, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&format!("{address:#x}"))
 }

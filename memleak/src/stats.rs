@@ -46,7 +46,8 @@ struct Probe<'a> {
     /// Where its entry probe is, past the start.
     entry_offset: u64,
     /// Whether its return is probed too.
-    return_probe: bool,
+    #[serde(rename = "return_probe")]
+    on_return: bool,
 }
 
 impl Stats {
@@ -65,7 +66,7 @@ impl Stats {
                 function: site.function,
                 file_offset: site.file_offset,
                 entry_offset: site.entry_skip,
-                return_probe: site.return_program.is_some(),
+                on_return: site.return_program.is_some(),
             })
             .collect();
         self.write(&Record::Probes { pid, object: &plan.display_path, path: &plan.path, probes })

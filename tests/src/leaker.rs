@@ -21,7 +21,7 @@ impl Leaker {
         Self::start_waiting_with_env(kind, &[])
     }
 
-    /// As `start_waiting`, with extra environment (LD_PRELOAD, say).
+    /// As `start_waiting`, with extra environment (`LD_PRELOAD`, say).
     pub fn start_waiting_with_env(kind: &[&str], env: &[(&str, &str)]) -> Self {
         let mut command = Command::new(fixture("leaker"));
         command.args(kind).arg("--wait").envs(env.iter().copied());

@@ -15,13 +15,12 @@ use crate::fixtures::{fixture, marker_line, workspace_root};
 
 /// How long any one wait may take before the test gives up. A guard
 /// against hangs, never an assertion about speed.
-pub const PATIENCE: Duration = Duration::from_secs(60);
+pub const PATIENCE: Duration = Duration::from_mins(1);
 
 /// The memleak binary under test (`cargo xtask test` builds it first).
 pub fn memleak_binary() -> PathBuf {
     let binary = std::env::var_os("MEMLEAK_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/debug/memleak"));
+        .map_or_else(|| workspace_root().join("target/debug/memleak"), PathBuf::from);
     assert!(binary.exists(), "{} is missing: run the tests with `cargo xtask test`", binary.display());
     // SAFETY: geteuid has no preconditions.
     assert_eq!(unsafe { libc::geteuid() }, 0, "the end-to-end tests load BPF programs: run them as root");
@@ -60,7 +59,9 @@ impl Lines {
                         return line;
                     }
                 }
-                Err(_) => panic!("waited {PATIENCE:?} for {what}; saw instead: {:#?}", self.seen),
+                Err(timeout) => {
+                    panic!("{timeout} after {PATIENCE:?} for {what}; saw instead: {:#?}", self.seen)
+                }
             }
         }
     }
@@ -88,7 +89,7 @@ impl Memleak {
     }
 
     /// Starts memleak with extra environment variables, which a -c command
-    /// inherits (LD_PRELOAD, say).
+    /// inherits (`LD_PRELOAD`, say).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(memleak_binary())
             .args(args)

@@ -53,7 +53,7 @@ pub mod tempdir {
             ));
             let _ = std::fs::remove_dir_all(&path);
             std::fs::create_dir_all(&path).expect("create a temporary directory");
-            Self(path.to_path_buf())
+            Self(path.clone())
         }
 
         pub fn path(&self) -> &Path {

@@ -321,7 +321,7 @@ fn go_tool_pprof_reads_the_profile() {
     assert!(mappings.lines().any(|line| line.contains("/libc.so.6 ")), "{mappings}");
 }
 
-/// alloc_space and alloc_objects count what was allocated since attach,
+/// `alloc_space` and `alloc_objects` count what was allocated since attach,
 /// freed or not: churn's 10000 blocks, all freed, and its one leak.
 #[test]
 fn pprof_profiles_count_what_was_allocated_too() {

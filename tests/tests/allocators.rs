@@ -100,8 +100,8 @@ fn redis_server_allocates_through_jemalloc() {
     }
     connection.write_all(&commands).unwrap();
     let mut replies = Vec::new();
-    let mut buffer = [0u8; 65536];
-    while replies.windows(3).filter(|window| window == b"+OK").count() < KEYS as usize {
+    let mut buffer = vec![0u8; 65536];
+    while (replies.windows(3).filter(|window| window == b"+OK").count() as u64) < KEYS {
         let read = connection.read(&mut buffer).unwrap();
         assert!(read > 0, "redis closed the connection");
         replies.extend_from_slice(&buffer[..read]);

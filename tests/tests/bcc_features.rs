@@ -215,8 +215,8 @@ fn trace_shows_what_each_free_releases() {
     assert_eq!(report["health"]["events_lost"], 0);
 }
 
-/// (bytes, regions) of the mmap stacks whose second frame is mappings() at
-/// the line of `marker`: map_pages() is the first.
+/// (bytes, regions) of the mmap stacks whose second frame is `mappings()` at
+/// the line of `marker`: `map_pages()` is the first.
 fn mapped_at(report: &Value, marker: &str) -> (u64, u64) {
     let line = memleak_tests::marker_line("leaker", marker);
     report["stacks"]

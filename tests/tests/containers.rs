@@ -1,7 +1,7 @@
 //! Targets whose files the host does not see where the target sees them:
-//! a container made with namespaces and pivot_root, a chroot, a binary
+//! a container made with namespaces and `pivot_root`, a chroot, a binary
 //! deleted after it started. memleak goes through /proc/PID/root and
-//! /proc/PID/map_files, never the host's view of the paths.
+//! `/proc/PID/map_files`, never the host's view of the paths.
 
 use std::{fs, process::Command};
 
@@ -30,7 +30,7 @@ fn assert_seed_leaks(report: &Value, module: &str) {
 }
 
 /// Starts /app/leaker seed 3 --wait in `rootfs`, in new mount and pid
-/// namespaces under pivot_root, as a container runtime would.
+/// namespaces under `pivot_root`, as a container runtime would.
 fn start_in_container(rootfs: &TempDir) -> Leaker {
     let mut command = Command::new("unshare");
     command

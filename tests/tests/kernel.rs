@@ -33,7 +33,7 @@ fn sum(stacks: &[&Value], key: &str) -> u64 {
 
 #[test]
 fn open_files_show_up_as_kmem_cache_objects() {
-    let _turn = KERNEL_TRACING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _turn = KERNEL_TRACING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut memleak = Memleak::start(&["--format", "json", "-o", "0", "-T", "100000", "1"]);
     memleak.wait_attached();
     let mut leaker = Leaker::start_waiting(&["files", &FILES.to_string()]);
@@ -94,7 +94,7 @@ fn user_only_flags_need_a_process() {
 
 #[test]
 fn percpu_allocations_are_traced_on_request() {
-    let _turn = KERNEL_TRACING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _turn = KERNEL_TRACING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let memleak = Memleak::start(&["--percpu", "--format", "json", "-o", "0", "1", "1"]);
     let (status, reports) = memleak.finish();
     assert!(status.success(), "the per-CPU tracepoints attach");

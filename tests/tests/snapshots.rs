@@ -103,8 +103,14 @@ fn a_diff_shows_exactly_what_leaked_between_two_snapshots() {
     let numbered = |n: usize| dir.path().join(format!("heap.{n}.snap"));
     let (base, new) = (numbered(base), numbered(new));
 
+    assert_diff_formats(dir.path(), &base, &new, step_line);
+}
+
+/// `memleak diff` of two snapshots a run of `leaker steps` saved, two
+/// steps apart, in every format and read by its consumers.
+fn assert_diff_formats(dir: &std::path::Path, base: &std::path::Path, new: &std::path::Path, step_line: u64) {
     let diff: Value =
-        serde_json::from_str(&offline_stdout(&["diff", path(&base), path(&new), "--format", "json"]))
+        serde_json::from_str(&offline_stdout(&["diff", path(base), path(new), "--format", "json"]))
             .expect("a JSON diff");
     assert_eq!(diff["total_stacks"], 1, "only the stepping stack changed: {diff:#}");
     let stack = &diff["stacks"][0];
@@ -113,14 +119,14 @@ fn a_diff_shows_exactly_what_leaked_between_two_snapshots() {
     assert_eq!(stack["frames"][0]["function"], "step_leak");
     assert_eq!(stack["frames"][0]["line"], step_line);
 
-    let text = offline_stdout(&["diff", path(&base), path(&new)]);
+    let text = offline_stdout(&["diff", path(base), path(new)]);
     assert!(text.contains("\t+16384 bytes in +2 allocations from stack (8192 -> 24576 bytes)"), "{text}");
-    let folded = offline_stdout(&["diff", path(&base), path(&new), "--format", "folded"]);
+    let folded = offline_stdout(&["diff", path(base), path(new), "--format", "folded"]);
     assert!(
         folded.trim_end().ends_with(";steps;step_leak 8192 24576"),
         "two columns, base then new: {folded}"
     );
-    let svg = offline_stdout(&["diff", path(&base), path(&new), "--format", "svg"]);
+    let svg = offline_stdout(&["diff", path(base), path(new), "--format", "svg"]);
     let titles = memleak_tests::svg_titles(&svg);
     // Widths are the new snapshot's; the title gives the growth.
     let step = titles.iter().find(|title| title.starts_with("step_leak (")).expect("step_leak is drawn");
@@ -128,9 +134,9 @@ fn a_diff_shows_exactly_what_leaked_between_two_snapshots() {
     assert_eq!(step, "step_leak (24,576 bytes, 100.00%; +66.67%)");
 
     // go tool pprof reads the growth as a profile.
-    let profile = dir.path().join("growth.pb.gz");
+    let profile = dir.join("growth.pb.gz");
     let output = Command::new(memleak_binary())
-        .args(["diff", path(&base), path(&new), "--output", path(&profile)])
+        .args(["diff", path(base), path(new), "--output", path(&profile)])
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

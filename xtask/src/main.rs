@@ -26,7 +26,8 @@ enum Task {
     Setup,
     /// Build memleak and run it on the bundled leaking example.
     Demo,
-    /// Run every test: unit tests and, as root, the end-to-end tests.
+    /// Run clippy and every test: unit tests and, as root, the end-to-end
+    /// tests.
     Test {
         /// Passed to the test binaries (a test name filter, --nocapture...).
         #[arg(trailing_var_arg = true)]
@@ -152,5 +153,12 @@ fn test(test_args: &[String]) -> Result<()> {
     install_missing_packages(&TEST_PACKAGES, "the tests")?;
     // The end-to-end tests run the memleak binary this builds.
     run(cargo().args(["build", "--package", "memleak"]))?;
+    lint()?;
     run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))
+}
+
+/// Clippy over every crate and target, the BPF crate's host build
+/// included, with the workspace's lint table; any warning fails.
+fn lint() -> Result<()> {
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
 }

@@ -1,5 +1,6 @@
 //! Installs rust-src and bpf-linker, the two things a fresh machine lacks
-//! to build memleak's BPF programs. Idempotent: a second run only checks.
+//! to build memleak's BPF programs, and clippy if the toolchain came
+//! without it. Idempotent: a second run only checks.
 
 use std::{os::unix::fs::symlink, path::Path, process::Command};
 
@@ -12,6 +13,10 @@ pub fn run() -> Result<()> {
     if !toolchain.sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         eprintln!("xtask: installing rust-src");
         run_command(Command::new("rustup").args(["component", "add", "rust-src"]))?;
+    }
+    if !Command::new("cargo").args(["clippy", "--version"]).output().is_ok_and(|out| out.status.success()) {
+        eprintln!("xtask: installing clippy");
+        run_command(Command::new("rustup").args(["component", "add", "clippy"]))?;
     }
     if bpf_linker_matches(&toolchain) {
         return Ok(());
@@ -50,8 +55,10 @@ impl Toolchain {
     fn libllvm(&self) -> Result<std::path::PathBuf> {
         let lib = self.sysroot.join("lib");
         let prefix = format!("libLLVM.so.{}.", self.llvm_major());
-        let found =
-            std::fs::read_dir(&lib)?.filter_map(|entry| entry.ok()).map(|entry| entry.path()).find(|path| {
+        let found = std::fs::read_dir(&lib)?
+            .filter_map(std::result::Result::ok)
+            .map(|entry| entry.path())
+            .find(|path| {
                 path.file_name().and_then(|name| name.to_str()).is_some_and(|name| name.starts_with(&prefix))
             });
         found.with_context(|| {

@@ -16,7 +16,7 @@ use crate::{
     counters, events, record, stack, tunables,
 };
 
-/// malloc(size), valloc(size), pvalloc(size), mallocx(size, flags).
+/// `malloc(size)`, `valloc(size)`, `pvalloc(size)`, `mallocx(size, flags)`.
 #[uprobe]
 pub fn malloc_enter(ctx: ProbeContext) -> u32 {
     let size: u64 = ctx.arg(0).unwrap_or(0);
@@ -24,7 +24,7 @@ pub fn malloc_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// calloc(count, size).
+/// `calloc(count, size)`.
 #[uprobe]
 pub fn calloc_enter(ctx: ProbeContext) -> u32 {
     let count: u64 = ctx.arg(0).unwrap_or(0);
@@ -33,7 +33,7 @@ pub fn calloc_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// realloc(ptr, size), rallocx(ptr, size, flags).
+/// `realloc(ptr, size)`, `rallocx(ptr, size, flags)`.
 #[uprobe]
 pub fn realloc_enter(ctx: ProbeContext) -> u32 {
     let old: u64 = ctx.arg(0).unwrap_or(0);
@@ -42,7 +42,7 @@ pub fn realloc_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// reallocarray(ptr, count, size).
+/// `reallocarray(ptr, count, size)`.
 #[uprobe]
 pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
     let old: u64 = ctx.arg(0).unwrap_or(0);
@@ -52,7 +52,7 @@ pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// memalign(alignment, size), aligned_alloc(alignment, size).
+/// `memalign(alignment, size)`, `aligned_alloc(alignment, size)`.
 #[uprobe]
 pub fn memalign_enter(ctx: ProbeContext) -> u32 {
     let size: u64 = ctx.arg(1).unwrap_or(0);
@@ -60,7 +60,7 @@ pub fn memalign_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// posix_memalign(out, alignment, size).
+/// `posix_memalign(out, alignment, size)`.
 #[uprobe]
 pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
     let out: u64 = ctx.arg(0).unwrap_or(0);

@@ -1,5 +1,5 @@
 //! Kernel allocations, with no -p or -c, as bcc traces them: kmalloc,
-//! kmem_cache, pages and (--percpu) per-CPU memory. BTF-enabled
+//! `kmem_cache`, pages and (--percpu) per-CPU memory. BTF-enabled
 //! tracepoints need neither tracefs nor kernel headers. Recorded under
 //! tgid 0 with kernel stacks.
 

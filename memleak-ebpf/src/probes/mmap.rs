@@ -17,7 +17,7 @@ use crate::{
 /// mmap's and mremap's failure value.
 const MAP_FAILED: u64 = u64::MAX;
 
-/// mmap(addr, length, prot, flags, fd, offset).
+/// `mmap(addr, length, prot, flags, fd, offset)`.
 #[uprobe]
 pub fn mmap_enter(ctx: ProbeContext) -> u32 {
     if !tunables::in_scope() {
@@ -29,7 +29,7 @@ pub fn mmap_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// mremap(old_address, old_length, new_length, flags, ...).
+/// `mremap(old_address, old_length, new_length, flags, ...)`.
 #[uprobe]
 pub fn mremap_enter(ctx: ProbeContext) -> u32 {
     if !tunables::in_scope() {
@@ -50,11 +50,11 @@ pub fn mremap_enter(ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn mapping_return(ctx: RetProbeContext) -> u32 {
     let returned: u64 = ctx.ret();
-    let (tid, tgid) = (calls::thread_id(), calls::process_id());
-    let Some(call) = PENDING_MAPPINGS.get_ptr(tid) else { return 0 };
+    let (thread, tgid) = (calls::thread_id(), calls::process_id());
+    let Some(call) = PENDING_MAPPINGS.get_ptr(thread) else { return 0 };
     // SAFETY: this thread's own entry, copied before it is removed.
     let call = unsafe { *call };
-    let _ = PENDING_MAPPINGS.remove(tid);
+    let _ = PENDING_MAPPINGS.remove(thread);
     if returned == MAP_FAILED {
         return 0;
     }
@@ -73,12 +73,12 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         event.new_length = call.new_length;
     }
     // malloc & co. in progress on this thread: the allocator's own mapping.
-    event.inside_allocator = calls::inside_allocator() as u32;
+    event.inside_allocator = u32::from(calls::inside_allocator());
     send(event);
     0
 }
 
-/// munmap(address, length).
+/// `munmap(address, length)`.
 #[uprobe]
 pub fn munmap_enter(ctx: ProbeContext) -> u32 {
     if !tunables::in_scope() {

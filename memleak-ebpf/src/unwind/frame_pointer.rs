@@ -15,6 +15,7 @@ use crate::tunables;
 /// frame pointer that is null, misaligned or does not move up the stack,
 /// or that cannot be read. Returns the number of frames. Only for return
 /// probes: there the registers are the caller's, so its frame is the first.
+#[allow(clippy::unnecessary_wraps, reason = "every walker says None when it finds no stack")]
 pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Option<u32> {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
@@ -22,6 +23,10 @@ pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Opt
     frames[0] = ip;
     let depth_limit = tunables::stack_depth() as usize;
     let mut depth = 1;
+    #[allow(
+        clippy::needless_range_loop,
+        reason = "a constant bound and an index are what the verifier follows"
+    )]
     for index in 1..MAX_STACK_DEPTH {
         if index >= depth_limit || frame_pointer == 0 || frame_pointer % 8 != 0 {
             break;

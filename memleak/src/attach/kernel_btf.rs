@@ -1,7 +1,7 @@
 //! What kernel tracing needs to know of the running kernel.
 //!
 //! Reads one fact from the kernel's BTF: where a struct keeps a field. The
-//! kmem_cache_alloc tracepoint passes the cache, not the object size, so
+//! `kmem_cache_alloc` tracepoint passes the cache, not the object size, so
 //! the BPF side needs the offset of `size` in `struct kmem_cache`, which
 //! differs between kernel builds. aya keeps its BTF type walker private,
 //! and this walk is short.
@@ -66,11 +66,10 @@ fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Opti
         }
         // The kind-specific data that follows each type.
         at += match kind {
-            1 | 14 | 17 => 4,     // int, var, decl_tag
-            3 => 12,              // array
-            4 | 5 => 12 * vlen,   // struct, union
-            6 | 13 => 8 * vlen,   // enum, func_proto
-            15 | 19 => 12 * vlen, // datasec, enum64
+            1 | 14 | 17 => 4,             // int, var, decl_tag
+            3 => 12,                      // array
+            4 | 5 | 15 | 19 => 12 * vlen, // struct, union, datasec, enum64
+            6 | 13 => 8 * vlen,           // enum, func_proto
             2 | 7..=12 | 16 | 18 => 0,
             _ => return Err(BtfError::Malformed("unknown type kind")),
         };
@@ -115,7 +114,7 @@ mod tests {
     fn a_function_ends_where_the_next_symbol_starts() {
         let kallsyms =
             "ffffffff81000200 t second\nffffffff81000100 T first\nffffffff81000100 t first_alias\n";
-        assert_eq!(function_range(kallsyms, "first"), Some(0xffffffff81000100..0xffffffff81000200));
+        assert_eq!(function_range(kallsyms, "first"), Some(0xffff_ffff_8100_0100..0xffff_ffff_8100_0200));
         assert_eq!(function_range(kallsyms, "missing"), None);
     }
 }

@@ -1,9 +1,9 @@
 //! The dynamic linker's link-map order, which decides whose malloc a
-//! program calls: the binary, then LD_PRELOAD objects, then the binary's
-//! DT_NEEDED libraries in order, then the rest.
+//! program calls: the binary, then `LD_PRELOAD` objects, then the binary's
+//! `DT_NEEDED` libraries in order, then the rest.
 
 /// Orders mapped files as the dynamic linker's link map has them: the
-/// binary (mapped first), the LD_PRELOAD objects, the binary's DT_NEEDED
+/// binary (mapped first), the `LD_PRELOAD` objects, the binary's `DT_NEEDED`
 /// libraries in order, then everything else as mapped.
 pub fn link_order<'a>(mapped: &[&'a str], preloads: &[String], needed: &[String]) -> Vec<&'a str> {
     let rank = |index: usize, file: &str| -> usize {
@@ -30,7 +30,7 @@ fn same_library(file: &str, name: &str) -> bool {
     file == name || file.strip_prefix(&name).is_some_and(|rest| rest.starts_with('.'))
 }
 
-/// The LD_PRELOAD entries of a NUL-separated environment block.
+/// The `LD_PRELOAD` entries of a NUL-separated environment block.
 pub fn preloads(environ: &[u8]) -> Vec<String> {
     environ
         .split(|&byte| byte == 0)

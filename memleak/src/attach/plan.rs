@@ -77,7 +77,7 @@ const AUTO_PREFIXES: [&str; 3] = ["", "je_", "_rjem_"];
 
 /// Plans probes for a running process: the chosen object if there is one,
 /// else the first object in link-map order that defines the allocator.
-/// That order is the binary, then LD_PRELOAD, then the binary's DT_NEEDED
+/// That order is the binary, then `LD_PRELOAD`, then the binary's `DT_NEEDED`
 /// libraries, so a preloaded or linked-in jemalloc wins over libc, as it
 /// does in the dynamic linker.
 pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
@@ -106,7 +106,7 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
 
 /// Plans probes for a program about to be run: the chosen object if there
 /// is one, else the first object in the link map its dynamic loader will
-/// build (asked of the loader itself, so LD_PRELOAD, LD_LIBRARY_PATH and
+/// build (asked of the loader itself, so `LD_PRELOAD`, `LD_LIBRARY_PATH` and
 /// the ld.so cache count) that defines the allocator.
 pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
     if let Some(object) = &choice.object {
@@ -155,7 +155,7 @@ fn loaded_libraries(program: &Path, loader: &str) -> Result<Vec<String>, PlanErr
         .collect())
 }
 
-/// The first candidate that defines PREFIXmalloc and PREFIXfree; with no
+/// The first candidate that defines `PREFIXmalloc` and `PREFIXfree`; with no
 /// prefix given, the first that does so under any of `AUTO_PREFIXES`.
 fn first_allocator(candidates: &[(PathBuf, String)], prefix: Option<&str>) -> Result<AttachPlan, PlanError> {
     let prefixes: &[&str] = match prefix {
@@ -181,7 +181,7 @@ fn script_interpreter(data: &[u8]) -> Option<PathBuf> {
     line.split_whitespace().next().map(PathBuf::from)
 }
 
-/// Finds the allocator functions, named PREFIXmalloc and so on, in one ELF
+/// Finds the allocator functions, named `PREFIXmalloc` and so on, in one ELF
 /// object, and the mapping functions beside them.
 pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<AttachPlan, PlanError> {
     let data = fs::read(path).map_err(|source| PlanError::Read { path: path.to_path_buf(), source })?;
@@ -233,7 +233,7 @@ fn allocator_sites(
         // A return probe needs the entry (it takes over the return address
         // there); a free has none and may skip a costly first instruction.
         let entry_skip = if function.releases {
-            let code = data.get(file_offset as usize..).unwrap_or(&[]);
+            let code = usize::try_from(file_offset).ok().and_then(|start| data.get(start..)).unwrap_or(&[]);
             placement::entry_probe_offset(&code[..code.len().min(32)])
         } else {
             0

@@ -11,7 +11,7 @@ use crate::{clock, model::HealthCounters};
 /// The maps at one moment.
 pub struct MapContents {
     pub time_unix_ms: u64,
-    /// CLOCK_MONOTONIC, the clock of the BPF timestamps.
+    /// `CLOCK_MONOTONIC`, the clock of the BPF timestamps.
     pub now_ns: u64,
     pub counters: HealthCounters,
     pub totals: Vec<(u64, StackTotals)>,

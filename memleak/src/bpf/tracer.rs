@@ -62,7 +62,7 @@ pub struct TracerSettings {
 #[derive(Clone, Debug)]
 pub struct TracerConfig {
     pub settings: TracerSettings,
-    /// Offset of `size` in the kernel's struct kmem_cache (kernel mode).
+    /// Offset of `size` in the kernel's struct `kmem_cache` (kernel mode).
     pub cache_size_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
@@ -103,7 +103,7 @@ fn uprobe_programs() -> Vec<&'static str> {
 
 impl Tracer {
     /// Fails early, before any work, when memleak cannot load BPF programs:
-    /// it needs CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN (root has all).
+    /// it needs `CAP_BPF` and `CAP_PERFMON`, or `CAP_SYS_ADMIN` (root has all).
     pub fn check_privileges() -> Result<(), TracerError> {
         const CAP_SYS_ADMIN: u32 = 21;
         const CAP_PERFMON: u32 = 38;

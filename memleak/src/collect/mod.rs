@@ -17,6 +17,7 @@ use crate::{
 use regions::{Region, Regions};
 
 /// What a snapshot holds beyond each stack's outstanding totals.
+#[allow(clippy::struct_excessive_bools, reason = "independent choices, each one a driver makes")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CollectOptions {
     /// bcc's `-o`: only allocations at least this old (ns) count. Ages
@@ -25,7 +26,7 @@ pub struct CollectOptions {
     /// Each allocation's address, size and age (`-a`, a saved snapshot).
     pub each_allocation: bool,
     /// The stacks whose every allocation was freed, with what they
-    /// allocated: pprof's alloc_space shows them, and a saved snapshot
+    /// allocated: pprof's `alloc_space` shows them, and a saved snapshot
     /// keeps them for it.
     pub freed_stacks: bool,
     /// The file mappings the frames fall in (pprof, a saved snapshot).
@@ -100,7 +101,7 @@ impl ByStack {
 }
 
 /// Groups the allocations of process `pid` by stack. `now_ns` is
-/// CLOCK_MONOTONIC, the clock of the BPF timestamps.
+/// `CLOCK_MONOTONIC`, the clock of the BPF timestamps.
 pub fn aggregate(
     pid: u32,
     time_unix_ms: u64,
@@ -173,7 +174,7 @@ pub fn from_totals(
 
 /// Adds to each stack of `snapshot` what it allocated since attach, from
 /// the BPF totals. With `keep_freed`, stacks of the process that allocated
-/// but hold nothing now are added too, at zero: for pprof's alloc_space.
+/// but hold nothing now are added too, at zero: for pprof's `alloc_space`.
 pub fn add_allocated(
     snapshot: &mut Snapshot,
     totals: &[(u64, StackTotals)],

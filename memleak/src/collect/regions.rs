@@ -18,7 +18,7 @@ pub struct Region {
     pub end: u64,
     /// The stack of the mmap call that made it.
     pub stack_id: u64,
-    /// When it was mapped, CLOCK_MONOTONIC nanoseconds.
+    /// When it was mapped, `CLOCK_MONOTONIC` nanoseconds.
     pub timestamp_ns: u64,
     /// Mapped by malloc & co. for themselves (arenas, large blocks).
     pub inside_allocator: bool,

@@ -1,7 +1,7 @@
 //! A process's address space as memleak needs it: the files it maps, each
 //! opened once and kept open, with their build ids.
 //!
-//! Files are opened through /proc/PID/map_files (then the process's root):
+//! Files are opened through `/proc/PID/map_files` (then the process's root):
 //! that works for files that exist only inside a container and for files
 //! deleted since they were mapped. Kept open, they serve the symbolizer
 //! and the pprof mappings after the process has exited. The attach planner
@@ -172,7 +172,7 @@ impl AddressSpace {
         self.objects = objects;
         self.code =
             entries.iter().filter(|entry| entry.executable).map(|entry| (entry.start, entry.end)).collect();
-        self.last_maps = maps.to_owned();
+        maps.clone_into(&mut self.last_maps);
         changes
     }
 
@@ -287,15 +287,15 @@ mod tests {
         let mut space = AddressSpace::new(0);
         assert!(space.may_be_code(0x400), "nothing known: anything goes");
         space.update(maps);
-        assert!(space.may_be_code(0x55d0a0001010), "a binary's code");
-        assert!(space.may_be_code(0x7f0000000100), "JIT code");
-        assert!(!space.may_be_code(0x55d0a0000010), "a file's read-only data");
-        assert!(!space.may_be_code(0x55d0a1000070), "the heap");
-        assert!(!space.may_be_code(0x7ffc00000008), "a stack");
+        assert!(space.may_be_code(0x55d0_a000_1010), "a binary's code");
+        assert!(space.may_be_code(0x7f00_0000_0100), "JIT code");
+        assert!(!space.may_be_code(0x55d0_a000_0010), "a file's read-only data");
+        assert!(!space.may_be_code(0x55d0_a100_0070), "the heap");
+        assert!(!space.may_be_code(0x7ffc_0000_0008), "a stack");
         assert!(!space.may_be_code(0x400), "nothing mapped");
-        let stack = [0x55d0a0001010, 0x7f0000000100, 0x55d0a1000070, 0x55d0a0001010];
+        let stack = [0x55d0_a000_1010, 0x7f00_0000_0100, 0x55d0_a100_0070, 0x55d0_a000_1010];
         assert_eq!(space.code_prefix(&stack), &stack[..2], "the walk is not trusted past the heap");
-        assert_eq!(space.code_prefix(&[0x55d0a0001010, 0, 0x55d0a0001010]), &[0x55d0a0001010]);
+        assert_eq!(space.code_prefix(&[0x55d0_a000_1010, 0, 0x55d0_a000_1010]), &[0x55d0_a000_1010]);
     }
 
     #[test]
@@ -322,7 +322,7 @@ mod tests {
             .last_maps
             .lines()
             .filter(|line| !line.contains("libc.so"))
-            .map(|l| format!("{l}\n"))
+            .flat_map(|line| [line, "\n"])
             .collect();
         let changes = space.update(&without_libc);
         assert_eq!(changes.removed.len(), 1);

@@ -22,7 +22,7 @@ const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 /// A cgroup v2 directory and the allocator files already probed for it.
 pub struct Cgroup {
     pub path: PathBuf,
-    /// The id BPF's bpf_get_current_cgroup_id() returns: the directory's
+    /// The id BPF's `bpf_get_current_cgroup_id()` returns: the directory's
     /// inode number on cgroup2.
     pub id: u64,
     /// (device, inode) of every allocator object probed.
@@ -36,7 +36,9 @@ impl Cgroup {
         // SAFETY: statfs fills in the struct it is given.
         let mut stats: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: a NUL-terminated path and a valid out-pointer.
-        if unsafe { libc::statfs(c_path.as_ptr(), &mut stats) } != 0 || stats.f_type != CGROUP2_SUPER_MAGIC {
+        if unsafe { libc::statfs(c_path.as_ptr(), &raw mut stats) } != 0
+            || stats.f_type != CGROUP2_SUPER_MAGIC
+        {
             return Err(not_cgroup());
         }
         let id = std::fs::metadata(path).map_err(|_| not_cgroup())?.ino();

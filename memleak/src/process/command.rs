@@ -119,7 +119,7 @@ impl GatedCommand {
         signal(self.pid, libc::SIGKILL);
         let mut status = 0;
         // SAFETY: reaps our own child.
-        unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, 0) };
+        unsafe { libc::waitpid(self.pid as libc::pid_t, &raw mut status, 0) };
     }
 }
 
@@ -169,7 +169,7 @@ fn watch_command(
         // EXITKILL: the command dies with memleak, even if memleak crashes.
         let options = libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC | libc::PTRACE_O_EXITKILL;
         // SAFETY: seizes our own child; SEIZE does not stop it.
-        let seized_ok = unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, options as libc::c_long) } == 0;
+        let seized_ok = unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, libc::c_long::from(options)) } == 0;
         let _ = seized_sender.send(if seized_ok { Ok(()) } else { Err(io::Error::last_os_error()) });
         if seized_ok {
             follow_tracee(pid, &events);
@@ -186,12 +186,12 @@ fn watch_command(
 fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<TargetEvent>) {
     let resume = |request, signal: libc::c_int| {
         // SAFETY: the tracee is in a ptrace stop, as waitpid just told us.
-        unsafe { libc::ptrace(request, pid, 0, signal as libc::c_long) };
+        unsafe { libc::ptrace(request, pid, 0, libc::c_long::from(signal)) };
     };
     loop {
         let mut status = 0;
         // SAFETY: waits for our own tracee.
-        if unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } < 0 {
+        if unsafe { libc::waitpid(pid, &raw mut status, libc::__WALL) } < 0 {
             if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                 continue;
             }
@@ -224,7 +224,7 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
             }
             0 => {
                 log::debug!("command {pid} got signal {stop_signal}");
-                resume(libc::PTRACE_CONT, stop_signal) // deliver the signal as if untraced
+                resume(libc::PTRACE_CONT, stop_signal); // deliver the signal as if untraced
             }
             _ => resume(libc::PTRACE_CONT, 0), // the exec stop
         }

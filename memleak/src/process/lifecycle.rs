@@ -20,7 +20,7 @@ pub enum ProcessError {
     KernelThread(u32),
 }
 
-/// PF_KTHREAD from include/linux/sched.h: set in /proc/PID/stat's flags.
+/// `PF_KTHREAD` from include/linux/sched.h: set in /proc/PID/stat's flags.
 const PF_KTHREAD: u64 = 0x0020_0000;
 
 /// Something that happened to a traced process.
@@ -39,7 +39,7 @@ pub fn check_process(pid: u32) -> Result<(), ProcessError> {
         fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|_| ProcessError::NoSuchProcess(pid))?;
     // Fields after the command name, which is in parentheses and may itself
     // contain spaces or parentheses: state is field 3, flags field 9.
-    let after_name = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
+    let after_name = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
     let flags: u64 = after_name.split(' ').nth(6).and_then(|f| f.parse().ok()).unwrap_or(0);
     if flags & PF_KTHREAD != 0 {
         return Err(ProcessError::KernelThread(pid));
@@ -51,7 +51,7 @@ pub fn check_process(pid: u32) -> Result<(), ProcessError> {
 }
 
 /// The pid the process has in its own pid namespace (a container's), if
-/// that differs from `pid`: the last field of NSpid in /proc/PID/status.
+/// that differs from `pid`: the last field of `NSpid` in /proc/PID/status.
 pub fn namespace_pid(pid: u32) -> Option<u32> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find_map(|line| line.strip_prefix("NSpid:"))?;
@@ -97,12 +97,13 @@ pub fn watch_exit(pid: u32, events: UnboundedSender<TargetEvent>) -> io::Result<
 
 fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, libc::O_NONBLOCK) };
+    let result = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, libc::O_NONBLOCK) };
+    let Ok(fd) = i32::try_from(result) else { return Err(io::Error::last_os_error()) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: a fresh descriptor that nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 #[cfg(test)]

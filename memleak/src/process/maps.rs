@@ -41,7 +41,7 @@ impl MapsEntry {
         }
     }
 
-    /// Where the mapped file can be opened, best first: /proc/PID/map_files
+    /// Where the mapped file can be opened, best first: `/proc/PID/map_files`
     /// opens the very file mapped, wherever the target's root is (a
     /// container, a chroot) and even once it is deleted; then the path
     /// inside the target's root; then the path as the host sees it.
@@ -113,7 +113,7 @@ mod tests {
         let entries = parse(MAPS);
         assert_eq!(entries.len(), 5);
         let code = &entries[1];
-        assert_eq!((code.start, code.end, code.offset), (0x55d0a0001000, 0x55d0a0002000, 0x1000));
+        assert_eq!((code.start, code.end, code.offset), (0x55d0_a000_1000, 0x55d0_a000_2000, 0x1000));
         assert!(code.readable && code.executable && !code.writable);
         assert_eq!((code.device, code.inode), ((8, 1), 42));
         assert_eq!(code.file(), Some("/usr/bin/my app"), "paths may hold spaces");

@@ -72,7 +72,7 @@ impl Diff {
             if is_new {
                 entry.new_bytes += stack.bytes;
                 entry.new_allocations += stack.allocations;
-                entry.frames = stack.frames.clone();
+                entry.frames.clone_from(&stack.frames);
             } else {
                 entry.base_bytes += stack.bytes;
                 entry.base_allocations += stack.allocations;
@@ -158,7 +158,7 @@ pub(crate) mod tests {
             allocations,
             frames: functions.iter().map(|name| frame(name, "/src/app.c", 10)).collect(),
             stack_lost: false,
-            trend: Default::default(),
+            trend: crate::model::Trend::default(),
             mapping: None,
             allocated: None,
             outstanding: Vec::new(),
@@ -178,8 +178,8 @@ pub(crate) mod tests {
             total_allocations: stacks.iter().map(|s| s.allocations).sum(),
             total_stacks: stacks.len(),
             stacks,
-            health: Default::default(),
-            hidden_mappings: Default::default(),
+            health: crate::model::HealthCounters::default(),
+            hidden_mappings: crate::model::HiddenMappings::default(),
             modules: Vec::new(),
         }
     }

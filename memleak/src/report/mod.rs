@@ -224,7 +224,7 @@ impl Report {
     /// Cuts a report built whole (a snapshot) to what is shown in
     /// `format`: the top N, each allocation only with -a, and stacks that
     /// hold nothing now (kept for what they allocated) only where the
-    /// format shows freed stacks (pprof's alloc_space).
+    /// format shows freed stacks (pprof's `alloc_space`).
     pub fn cut_for_display(&mut self, options: &ReportOptions, format: Format) {
         if !options.show_allocs {
             self.stacks.iter_mut().for_each(|stack| stack.outstanding.clear());
@@ -275,7 +275,7 @@ pub(crate) mod tests {
 
     pub fn frame(function: &str, file: &str, line: u32) -> Frame {
         Frame {
-            address: 0x401000 + u64::from(line),
+            address: 0x0040_1000 + u64::from(line),
             function: Some(function.to_owned()),
             offset: Some(0x1f),
             file: Some(file.to_owned()),

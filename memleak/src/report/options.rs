@@ -84,7 +84,7 @@ impl Format {
         matches!(self, Format::Folded | Format::Svg | Format::Pprof)
     }
 
-    /// pprof's alloc_space and alloc_objects include the stacks whose
+    /// pprof's `alloc_space` and `alloc_objects` include the stacks whose
     /// every allocation was freed; no other format shows them.
     pub fn shows_freed_stacks(self) -> bool {
         self == Format::Pprof

@@ -3,8 +3,8 @@
 //! and length-delimited fields, which is less code than a protobuf
 //! dependency and its build step.
 //!
-//! Sample types are inuse_objects and inuse_space (outstanding count and
-//! bytes), after alloc_objects and alloc_space (made since attach, freed
+//! Sample types are `inuse_objects` and `inuse_space` (outstanding count and
+//! bytes), after `alloc_objects` and `alloc_space` (made since attach, freed
 //! or not) when every stack has them. Frames sharing an address (a function and what was inlined
 //! into it) become one Location with several Lines, innermost first, as
 //! pprof expects.
@@ -99,94 +99,28 @@ fn main_binary_first<'a>(modules: &'a [ModuleMapping], program: &str) -> Vec<&'a
     mappings
 }
 
+/// The profile.proto message of `input`. Strings, functions and
+/// locations are numbered in the order they are first met, so the same
+/// input always makes the same bytes.
 fn encode(input: &Profile) -> Vec<u8> {
-    let mut strings = Strings::default();
+    let mut encoder = Encoder { mappings: &input.mappings, ..Encoder::default() };
     let mut profile = Vec::new();
     for &(kind, unit) in &input.sample_types {
-        let mut value_type = Vec::new();
-        field_varint(&mut value_type, 1, strings.index(kind));
-        field_varint(&mut value_type, 2, strings.index(unit));
+        let value_type = encoder.value_type(kind, unit);
         field_bytes(&mut profile, 1, &value_type); // sample_type
     }
-    let mapping_of = |address: u64| {
-        let index = input.mappings.iter().position(|m| m.start <= address && address < m.end)?;
-        Some(index as u64 + 1)
-    };
-    let mut functions: HashMap<(String, String), u64> = HashMap::new();
-    let mut locations: HashMap<(u64, Vec<(u64, i64)>), u64> = HashMap::new();
-    let mut function_messages = Vec::new();
-    let mut location_messages = Vec::new();
     for (frames, values) in &input.samples {
-        let mut location_ids = Vec::new();
-        // Frames of one address are consecutive: the inlined ones, then
-        // the function that holds them.
-        for frames_at_address in frames.chunk_by(|a, b| a.address == b.address) {
-            let address = frames_at_address[0].address;
-            let mut lines = Vec::new();
-            // An address with no symbol gets no Line: the location stays a
-            // bare address in its mapping, which pprof shows as such.
-            let named = frames_at_address.iter().filter_map(|frame| Some((frame, frame.function.clone()?)));
-            for (frame, name) in named {
-                let file = frame.file.clone().or_else(|| frame.module.clone()).unwrap_or_default();
-                let next_id = functions.len() as u64 + 1;
-                let function_id = *functions.entry((name.clone(), file.clone())).or_insert_with(|| {
-                    let mut function = Vec::new();
-                    field_varint(&mut function, 1, next_id);
-                    field_varint(&mut function, 2, strings.index(&name));
-                    field_varint(&mut function, 3, strings.index(&name));
-                    field_varint(&mut function, 4, strings.index(&file));
-                    function_messages.push(function);
-                    next_id
-                });
-                lines.push((function_id, i64::from(frame.line.unwrap_or(0))));
-            }
-            let next_id = locations.len() as u64 + 1;
-            let location_id = *locations.entry((address, lines.clone())).or_insert_with(|| {
-                let mut location = Vec::new();
-                field_varint(&mut location, 1, next_id);
-                if let Some(mapping_id) = mapping_of(address) {
-                    field_varint(&mut location, 2, mapping_id);
-                }
-                field_varint(&mut location, 3, address);
-                for (function_id, line) in &lines {
-                    let mut line_message = Vec::new();
-                    field_varint(&mut line_message, 1, *function_id);
-                    field_varint(&mut line_message, 2, *line as u64);
-                    field_bytes(&mut location, 4, &line_message);
-                }
-                location_messages.push(location);
-                next_id
-            });
-            location_ids.push(location_id);
-        }
-        let mut sample = Vec::new();
-        field_packed(&mut sample, 1, &location_ids);
-        // int64 values: a negative one is its two's complement, as protobuf
-        // encodes int64.
-        let values: Vec<u64> = values.iter().map(|&value| value as u64).collect();
-        field_packed(&mut sample, 2, &values);
+        let sample = encoder.sample(frames, values);
         field_bytes(&mut profile, 2, &sample); // sample
     }
     for (index, mapping) in input.mappings.iter().enumerate() {
-        let mut message = Vec::new();
-        field_varint(&mut message, 1, index as u64 + 1);
-        field_varint(&mut message, 2, mapping.start);
-        field_varint(&mut message, 3, mapping.end);
-        field_varint(&mut message, 4, mapping.file_offset);
-        field_varint(&mut message, 5, strings.index(&mapping.path));
-        if let Some(build_id) = &mapping.build_id {
-            field_varint(&mut message, 6, strings.index(build_id));
-        }
-        // Already symbolized: pprof must not look for the binaries.
-        for has in [7, 8, 9, 10] {
-            field_varint(&mut message, has, 1);
-        }
+        let message = encoder.mapping(index, mapping);
         field_bytes(&mut profile, 3, &message); // mapping
     }
-    for location in &location_messages {
+    for location in &encoder.location_messages {
         field_bytes(&mut profile, 4, location);
     }
-    for function in &function_messages {
+    for function in &encoder.function_messages {
         field_bytes(&mut profile, 5, function);
     }
     field_varint(&mut profile, 9, input.time_unix_ms.saturating_mul(1_000_000)); // time_nanos
@@ -194,17 +128,127 @@ fn encode(input: &Profile) -> Vec<u8> {
         field_varint(&mut profile, 10, input.duration_ns); // duration_nanos
     }
     // As Go's heap profiles say it: what the samples count, and how often.
-    let mut period_type = Vec::new();
-    field_varint(&mut period_type, 1, strings.index("space"));
-    field_varint(&mut period_type, 2, strings.index("bytes"));
+    let period_type = encoder.value_type("space", "bytes");
     field_bytes(&mut profile, 11, &period_type); // period_type
     field_varint(&mut profile, 12, u64::from(input.sample_rate.max(1))); // period
-    let default_type = strings.index("inuse_space");
+    let default_type = encoder.strings.index("inuse_space");
     field_varint(&mut profile, 14, default_type); // default_sample_type
-    for string in &strings.table {
+    for string in &encoder.strings.table {
         field_bytes(&mut profile, 6, string.as_bytes()); // string_table
     }
     profile
+}
+
+/// The tables a profile's samples point into, built as samples are met.
+#[derive(Default)]
+struct Encoder<'a> {
+    /// The mappings, main binary first; ids are their places, from 1.
+    mappings: &'a [&'a ModuleMapping],
+    strings: Strings,
+    /// Function ids by (name, file).
+    functions: HashMap<(String, String), u64>,
+    /// Location ids by address and (function id, line) lines.
+    locations: HashMap<(u64, Vec<(u64, i64)>), u64>,
+    function_messages: Vec<Vec<u8>>,
+    location_messages: Vec<Vec<u8>>,
+}
+
+impl Encoder<'_> {
+    /// A `ValueType` message: (type, unit).
+    fn value_type(&mut self, kind: &str, unit: &str) -> Vec<u8> {
+        let mut value_type = Vec::new();
+        field_varint(&mut value_type, 1, self.strings.index(kind));
+        field_varint(&mut value_type, 2, self.strings.index(unit));
+        value_type
+    }
+
+    /// A Sample message: its locations, innermost first, and its values.
+    fn sample(&mut self, frames: &[Frame], values: &[i64]) -> Vec<u8> {
+        // Frames of one address are consecutive: the inlined ones, then
+        // the function that holds them.
+        let location_ids: Vec<u64> = frames
+            .chunk_by(|a, b| a.address == b.address)
+            .map(|at_address| self.location_id(at_address))
+            .collect();
+        let mut sample = Vec::new();
+        field_packed(&mut sample, 1, &location_ids);
+        // int64 values: a negative one is its two's complement, as protobuf
+        // encodes int64.
+        let values: Vec<u64> = values.iter().map(|&value| value as u64).collect();
+        field_packed(&mut sample, 2, &values);
+        sample
+    }
+
+    /// The id of the location of frames sharing one address, numbered the
+    /// first time it is met.
+    fn location_id(&mut self, frames_at_address: &[Frame]) -> u64 {
+        let address = frames_at_address[0].address;
+        // An address with no symbol gets no Line: the location stays a bare
+        // address in its mapping, which pprof shows as such.
+        let lines: Vec<(u64, i64)> = frames_at_address
+            .iter()
+            .filter_map(|frame| Some((frame, frame.function.as_deref()?)))
+            .map(|(frame, name)| {
+                let file = frame.file.as_deref().or(frame.module.as_deref()).unwrap_or_default();
+                (self.function_id(name, file), i64::from(frame.line.unwrap_or(0)))
+            })
+            .collect();
+        if let Some(&id) = self.locations.get(&(address, lines.clone())) {
+            return id;
+        }
+        let id = self.locations.len() as u64 + 1;
+        let mut location = Vec::new();
+        field_varint(&mut location, 1, id);
+        let mapping = self.mappings.iter().position(|m| m.start <= address && address < m.end);
+        if let Some(index) = mapping {
+            field_varint(&mut location, 2, index as u64 + 1);
+        }
+        field_varint(&mut location, 3, address);
+        for (function_id, line) in &lines {
+            let mut line_message = Vec::new();
+            field_varint(&mut line_message, 1, *function_id);
+            field_varint(&mut line_message, 2, *line as u64);
+            field_bytes(&mut location, 4, &line_message);
+        }
+        self.location_messages.push(location);
+        self.locations.insert((address, lines), id);
+        id
+    }
+
+    /// The id of function `name` in `file`, numbered the first time it is
+    /// met.
+    fn function_id(&mut self, name: &str, file: &str) -> u64 {
+        if let Some(&id) = self.functions.get(&(name.to_owned(), file.to_owned())) {
+            return id;
+        }
+        let id = self.functions.len() as u64 + 1;
+        let mut function = Vec::new();
+        field_varint(&mut function, 1, id);
+        field_varint(&mut function, 2, self.strings.index(name));
+        field_varint(&mut function, 3, self.strings.index(name));
+        field_varint(&mut function, 4, self.strings.index(file));
+        self.function_messages.push(function);
+        self.functions.insert((name.to_owned(), file.to_owned()), id);
+        id
+    }
+
+    /// A Mapping message for the mapping at `index`.
+    fn mapping(&mut self, index: usize, mapping: &ModuleMapping) -> Vec<u8> {
+        let mut message = Vec::new();
+        field_varint(&mut message, 1, index as u64 + 1);
+        field_varint(&mut message, 2, mapping.start);
+        field_varint(&mut message, 3, mapping.end);
+        field_varint(&mut message, 4, mapping.file_offset);
+        field_varint(&mut message, 5, self.strings.index(&mapping.path));
+        if let Some(build_id) = &mapping.build_id {
+            field_varint(&mut message, 6, self.strings.index(build_id));
+        }
+        // Already symbolized: pprof must not look for the binaries.
+        for has in [7, 8, 9, 10] {
+            field_varint(&mut message, has, 1);
+        }
+        message
+    }
 }
 
 /// pprof's string table: index 0 is the empty string.
@@ -233,10 +277,15 @@ impl Strings {
 
 fn varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
-        out.push((value as u8) | 0x80);
+        out.push(low_byte(value) | 0x80);
         value >>= 7;
     }
-    out.push(value as u8);
+    out.push(low_byte(value));
+}
+
+/// The low 7 bits of `value`, and the eighth.
+fn low_byte(value: u64) -> u8 {
+    (value & 0xff) as u8
 }
 
 fn field_varint(out: &mut Vec<u8>, field: u64, value: u64) {

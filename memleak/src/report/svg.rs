@@ -38,8 +38,8 @@ fn weight_name(weight: Weight) -> &'static str {
 fn draw(lines: &[String], title: String, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let mut options = Options::default();
     options.title = title;
-    options.count_name = weight_name(weight).to_owned();
-    options.name_type = "Function:".to_owned();
+    weight_name(weight).clone_into(&mut options.count_name);
+    "Function:".clone_into(&mut options.name_type);
     if lines.is_empty() {
         // inferno refuses an empty graph; an empty report is still an answer.
         return writeln!(out, "<?xml version=\"1.0\" standalone=\"no\"?><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"600\" height=\"40\"><text x=\"10\" y=\"25\">{}: nothing outstanding</text></svg>", options.title);

@@ -1,7 +1,10 @@
 //! bcc-style text: a timestamped header, then for each stack
 //! `N bytes in M allocations from stack` and one frame per line.
 
-use std::io::{self, Write};
+use std::{
+    fmt::Write as _,
+    io::{self, Write},
+};
 
 use super::{diff::Diff, CgroupTotal, Report};
 use crate::{
@@ -10,6 +13,31 @@ use crate::{
 };
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    write_header(report, out)?;
+    for stack in &report.stacks {
+        writeln!(
+            out,
+            "\t{} bytes in {} {} from stack{}",
+            stack.bytes,
+            stack.allocations,
+            source(stack.mapping),
+            describe_trend(&stack.trend)
+        )?;
+        write_frames(stack.stack_lost, &stack.frames, out)?;
+        for allocation in &stack.outstanding {
+            writeln!(
+                out,
+                "\t\t\taddr = {:#x} size = {} age = {} ms",
+                allocation.address, allocation.size, allocation.age_ms
+            )?;
+        }
+    }
+    write_totals(report, out)?;
+    write_health(report, out)
+}
+
+/// `[HH:MM:SS] Top N stacks with outstanding allocations in pid P (allocator):`
+fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let whose = if report.pid == memleak_common::KERNEL_TGID {
         "the kernel".to_owned()
     } else if let Some(inner) = report.namespace_pid {
@@ -30,30 +58,22 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
             report.sample_rate, report.sample_rate
         )?;
     }
-    for stack in &report.stacks {
-        writeln!(
-            out,
-            "\t{} bytes in {} {} from stack{}",
-            stack.bytes,
-            stack.allocations,
-            source(stack.mapping),
-            describe_trend(&stack.trend)
-        )?;
-        if stack.stack_lost {
-            writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
-        }
-        for frame in &stack.frames {
-            writeln!(out, "\t\t{}", describe(frame))?;
-        }
-        for allocation in &stack.outstanding {
-            writeln!(
-                out,
-                "\t\t\taddr = {:#x} size = {} age = {} ms",
-                allocation.address, allocation.size, allocation.age_ms
-            )?;
-        }
+    Ok(())
+}
+
+/// A stack's frames, one per line, or what became of them.
+fn write_frames(stack_lost: bool, frames: &[Frame], out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    if stack_lost {
+        writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
     }
-    let health = &report.health;
+    for frame in frames {
+        writeln!(out, "\t\t{}", describe(frame))?;
+    }
+    Ok(())
+}
+
+/// What is outstanding over all stacks, and what was seen.
+fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let shown = if report.total_stacks > report.stacks.len() {
         format!(", {} of {} stacks shown", report.stacks.len(), report.total_stacks)
     } else {
@@ -68,6 +88,7 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
         "Outstanding: {} bytes in {} allocations{older}{shown}",
         report.total_bytes, report.total_allocations,
     )?;
+    let health = &report.health;
     writeln!(
         out,
         "Seen: {} allocations, {} frees, {} failed allocations; {} allocations not tracked, {} stacks lost",
@@ -76,7 +97,12 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
         health.failed_allocations,
         health.allocations_not_tracked,
         health.stacks_lost,
-    )?;
+    )
+}
+
+/// What memleak could not keep or left out, each with what to do.
+fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let health = &report.health;
     if health.allocations_not_tracked > 0 {
         writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;
     }
@@ -117,12 +143,7 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
             stack.base_bytes,
             stack.new_bytes
         )?;
-        if stack.stack_lost {
-            writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
-        }
-        for frame in &stack.frames {
-            writeln!(out, "\t\t{}", describe(frame))?;
-        }
+        write_frames(stack.stack_lost, &stack.frames, out)?;
     }
     let shown = if diff.total_stacks > diff.stacks.len() {
         format!(", {} shown", diff.stacks.len())
@@ -184,15 +205,15 @@ fn describe(frame: &Frame) -> String {
         (None, _) => format!("[unknown] {:#x}", frame.address),
     };
     if let Some(file) = &frame.file {
-        match frame.line {
-            Some(line) => text.push_str(&format!(" ({file}:{line})")),
-            None => text.push_str(&format!(" ({file})")),
-        }
+        let _ = match frame.line {
+            Some(line) => write!(text, " ({file}:{line})"),
+            None => write!(text, " ({file})"),
+        };
     }
     if frame.inlined {
         text.push_str(" [inlined]");
     } else if let Some(module) = &frame.module {
-        text.push_str(&format!(" [{module}]"));
+        let _ = write!(text, " [{module}]");
     }
     text
 }

@@ -16,7 +16,7 @@ pub struct TraceLine {
     pub pid: u32,
     pub tid: u32,
     /// The function called; aliases that share code are joined with `|`
-    /// ("aligned_alloc|memalign"): their calls cannot be told apart.
+    /// (`aligned_alloc|memalign`): their calls cannot be told apart.
     pub event: String,
     /// Bytes requested; for a free, the size recorded at allocation, or
     /// null if the block was not recorded.
@@ -36,7 +36,7 @@ impl TraceLine {
         let is_free = functions.intersects(FunctionSet::RELEASING);
         let wall_ns = i128::from(event.timestamp_ns) + wall_minus_monotonic_ns;
         TraceLine {
-            time_unix_ms: (wall_ns / 1_000_000).max(0) as u64,
+            time_unix_ms: u64::try_from(wall_ns / 1_000_000).unwrap_or(0),
             pid: event.tgid,
             tid: event.tid,
             event: if names.is_empty() { "?".to_owned() } else { names.join("|") },

@@ -46,11 +46,11 @@ impl EmptyProbes {
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
 const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
-/// _IOW('$', 8, __u32) and _IO('$', 0) from linux/perf_event.h.
+/// _IOW('$', 8, __u32) and _IO('$', 0) from `linux/perf_event.h`.
 const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
 const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
 
-/// The head of `union bpf_attr` that BPF_PROG_LOAD reads; the kernel
+/// The head of `union bpf_attr` that `BPF_PROG_LOAD` reads; the kernel
 /// takes the fields a shorter struct leaves out as zero.
 #[repr(C)]
 struct ProgramLoad {
@@ -66,7 +66,7 @@ struct ProgramLoad {
     prog_name: [u8; 16],
 }
 
-/// `struct perf_event_attr` up to config2 (PERF_ATTR_SIZE_VER1).
+/// `struct perf_event_attr` up to config2 (`PERF_ATTR_SIZE_VER1`).
 #[repr(C)]
 #[derive(Default)]
 struct PerfEventAttr {
@@ -94,7 +94,7 @@ fn load_empty_program() -> Result<OwnedFd> {
     name[..11].copy_from_slice(b"bench_empty");
     let attr = ProgramLoad {
         prog_type: BPF_PROG_TYPE_KPROBE,
-        insn_cnt: instructions.len() as u32,
+        insn_cnt: u32::try_from(instructions.len()).context("too many instructions")?,
         insns: instructions.as_ptr() as u64,
         license: license.as_ptr() as u64,
         log_level: 0,
@@ -139,6 +139,7 @@ fn attach(pmu: &UprobePmu, site: &Site, pid: u32, program: &OwnedFd) -> Result<O
     let path = CString::new(site.object.as_os_str().as_encoded_bytes())?;
     let attr = PerfEventAttr {
         kind: pmu.kind,
+        #[allow(clippy::cast_possible_truncation, reason = "a struct of a few dozen bytes")]
         size: size_of::<PerfEventAttr>() as u32,
         config: u64::from(site.on_return) << pmu.return_bit,
         flags: 1,

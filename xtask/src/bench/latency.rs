@@ -80,7 +80,7 @@ const MAX_ALLOCS_HEADROOM: u64 = 10_000;
 const REPORTS_TO_WAIT: u32 = 5;
 
 /// A report that takes longer than this is not coming.
-const PATIENCE: Duration = Duration::from_secs(120);
+const PATIENCE: Duration = Duration::from_mins(2);
 
 /// Runs `spread` holding `allocations` blocks under memleak, reporting
 /// every second, and times a report that began after the last allocation.
@@ -115,10 +115,10 @@ fn measure(memleak: &Path, spread: &Path, allocations: u64, mode: Mode) -> Resul
         let _ = tracer.kill();
     }
     let _ = target.wait();
-    let status = tracer.wait()?;
+    let exit = tracer.wait()?;
     let Observed { report, idle_memory, loaded_memory } = observed?;
-    if !status.success() {
-        bail!("memleak failed with {status}");
+    if !exit.success() {
+        bail!("memleak failed with {exit}");
     }
     let (_, last_report) = reports.iter().last().context("memleak printed no report")?;
     Ok(Latency { report, not_tracked: not_tracked(&last_report)?, idle_memory, loaded_memory })
@@ -183,7 +183,7 @@ fn observe(
 /// soon as the report is built, so the report began its latency before
 /// that. memleak leaves out allocations younger than its -o age (500 ms by
 /// default), so the first reports after the last allocation may not cover
-/// them all: up to REPORTS_TO_WAIT are waited for, then the last is taken.
+/// them all: up to `REPORTS_TO_WAIT` are waited for, then the last is taken.
 fn first_report_after(memleak: &MemleakLines, since: Instant, allocations: u64) -> Result<stats::Report> {
     let mut waited = 0;
     loop {

@@ -41,7 +41,7 @@ const QUICK: Settings =
 const FULL: Settings =
     Settings { threads: 2, iterations: 100_000, runs: 5, latency_allocations: &[10_000, 100_000, 1_000_000] };
 
-/// One allocation in this many is leaked through leak_one().
+/// One allocation in this many is leaked through `leak_one()`.
 const LEAK_EVERY: u32 = 100;
 
 pub fn run(quick: bool) -> Result<()> {

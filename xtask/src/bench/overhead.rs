@@ -57,7 +57,7 @@ impl Contender {
 pub struct Run {
     pub elapsed_ns: u64,
     pub leaked_bytes: u64,
-    /// What memleak reported under leak_one(), scaled by its sample rate.
+    /// What memleak reported under `leak_one()`, scaled by its sample rate.
     pub reported_bytes: Option<u64>,
     /// memleak's own CPU time and peak memory.
     pub memleak_usage: Option<Usage>,
@@ -129,7 +129,7 @@ fn run_once(tracer: &Tracer, workload: &Workload) -> Result<Run> {
     Ok(run)
 }
 
-/// Bytes of the stacks whose first frame is leak_one(), from memleak's
+/// Bytes of the stacks whose first frame is `leak_one()`, from memleak's
 /// last JSON report.
 fn leak_one_bytes(finished: &Finished) -> Result<u64> {
     let report = finished.stdout.lines().last().context("memleak printed no report")?;
@@ -248,8 +248,8 @@ pub fn print_memleak_usage(contenders: &[Contender]) {
         let cpu_ns = median(usages.iter().map(|usage| usage.cpu_ns).collect());
         let rss_kib = median(usages.iter().map(|usage| usage.max_rss_kib).collect());
         if let (Some(cpu_ns), Some(rss_kib)) = (cpu_ns, rss_kib) {
-            let (cpu_ms, rss_mib) = (cpu_ns as f64 / 1e6, rss_kib as f64 / 1024.0);
-            println!("- {}: {cpu_ms:.0} ms CPU, {rss_mib:.1} MiB RSS", contender.label);
+            let (cpu_millis, memory_mib) = (cpu_ns as f64 / 1e6, rss_kib as f64 / 1024.0);
+            println!("- {}: {cpu_millis:.0} ms CPU, {memory_mib:.1} MiB RSS", contender.label);
         }
     }
 }

@@ -123,7 +123,7 @@ fn wait_with_usage(child: &Child) -> Result<(ExitStatus, Usage)> {
     // SAFETY: rusage is plain old data; all zeroes is a valid value.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: both pointers are to live, writable locals.
-    if unsafe { libc::wait4(pid, &mut status, 0, &mut usage) } < 0 {
+    if unsafe { libc::wait4(pid, &raw mut status, 0, &raw mut usage) } < 0 {
         return Err(std::io::Error::last_os_error()).context("wait4");
     }
     let ns = |time: libc::timeval| time.tv_sec as u64 * 1_000_000_000 + time.tv_usec as u64 * 1_000;

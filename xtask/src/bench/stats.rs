@@ -53,7 +53,9 @@ pub struct Probe {
     pub file_offset: u64,
     /// How far past the start the entry probe is.
     pub entry_offset: u64,
-    pub return_probe: bool,
+    /// Whether the function's return is probed too.
+    #[serde(rename = "return_probe")]
+    pub on_return: bool,
 }
 
 impl Probe {
@@ -92,7 +94,7 @@ mod tests {
         };
         assert_eq!(probes.object, PathBuf::from("/lib/libc.so.6"));
         let free = probes.on("free").expect("a probe on free");
-        assert_eq!((free.entry(), free.return_probe), (103, false));
+        assert_eq!((free.entry(), free.on_return), (103, false));
         assert!(probes.on("malloc").is_err(), "found a probe on malloc in {probes:?}");
 
         let report =

@@ -31,7 +31,7 @@ impl Workload {
 }
 
 /// What the workload prints on stderr at its end:
-/// "elapsed_ns N leaked_bytes N leaked_allocations N cpu_ns N".
+/// `elapsed_ns N leaked_bytes N leaked_allocations N cpu_ns N`.
 pub struct Summary {
     /// The allocation loops' wall time: tracer start-up is not in it.
     pub elapsed_ns: u64,
@@ -98,7 +98,7 @@ impl ProbePlan {
                 0 => function.to_owned(),
                 past_start => format!("{function}+{past_start}"),
             });
-            if probe.return_probe {
+            if probe.on_return {
                 sites.push(site(probe.file_offset, true));
                 names.push(format!("{function}'s return"));
             }
@@ -148,7 +148,7 @@ mod tests {
         assert_eq!(plan.description, "malloc, malloc's return, free+3");
         let sites: Vec<(u64, bool)> =
             plan.sites.iter().map(|site| (site.file_offset, site.on_return)).collect();
-        assert_eq!(sites, [(624944, false), (624944, true), (626419, false)]);
+        assert_eq!(sites, [(624_944, false), (624_944, true), (626_419, false)]);
         assert!(plan.sites.iter().all(|site| site.object == plan.libc), "sites {:?}", plan.sites);
     }
 }
