@@ -191,14 +191,16 @@ impl Session {
     /// `-c`: forks the command held before exec, attaches, then lets it run.
     fn start_command(command_line: &str, config: &SessionConfig) -> Result<Self, SessionError> {
         let gated = GatedCommand::spawn(command_line)?;
+        // Everything that can fail happens before the command may run: on
+        // a failure it is abandoned, never left to run untraced.
         let prepared = attach::plan::plan_for_program(&gated.program, &config.allocator)
             .map_err(SessionError::from)
             .and_then(|plan| {
                 let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
                 let links = tracer.attach(&plan, UProbeScope::OneProcess(nonzero(gated.pid)))?;
-                Ok((plan, tracer, links))
+                Ok((plan, Self::new(tracer, config)?, links))
             });
-        let (plan, tracer, links) = match prepared {
+        let (plan, mut session, links) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => {
                 gated.abandon();
@@ -207,7 +209,6 @@ impl Session {
         };
         let pid = gated.pid;
         let program = std::fs::canonicalize(&gated.program).unwrap_or_else(|_| gated.program.clone());
-        let mut session = Self::new(tracer, config)?;
         let command = gated.release(session.exits.clone())?;
         // The command has not exec'd yet: its address space and program
         // are read as it runs, not from memleak's fork of itself.
