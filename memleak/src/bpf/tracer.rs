@@ -10,7 +10,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
     },
-    Ebpf, EbpfError, EbpfLoader,
+    Ebpf, EbpfError, EbpfLoader, Pod,
 };
 use memleak_common::{
     lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, StackKey, StackSlot,
@@ -206,49 +206,42 @@ impl Tracer {
 
     /// Deletes every entry process `tgid` left in the maps: its
     /// allocations, stacks, stack ids, per-stack totals and its threads'
-    /// call entries. For a process
-    /// that has exited and had its final report; nothing of it is kept.
+    /// call entries (which the LRU map would evict only in time). For a
+    /// process that has exited and had its final report.
     pub fn forget_process(&mut self, tgid: u32) -> Result<(), TracerError> {
-        let mut allocations: HashMap<&mut MapData, AllocationKey, Allocation> =
-            self.map_mut(ALLOCATIONS_MAP)?;
-        let keys: Vec<AllocationKey> =
-            allocations.keys().filter_map(Result::ok).filter(|key| key.tgid == tgid).collect();
-        for key in &keys {
-            let _ = allocations.remove(key);
-        }
-        let mut stacks: HashMap<&mut MapData, u64, StackKey> = self.map_mut(STACKS_MAP)?;
-        let ids: HashSet<u64> = stacks
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, key)| key.tgid == tgid)
-            .map(|(id, _)| id)
+        self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| key.tgid == tgid)?;
+        let stacks: HashSet<u64> = self
+            .remove_entries::<u64, StackKey>(STACKS_MAP, |_, key| key.tgid == tgid)?
+            .into_iter()
             .collect();
-        for id in &ids {
-            let _ = stacks.remove(id);
-        }
-        let mut stack_ids: HashMap<&mut MapData, StackSlot, u64> = self.map_mut(STACK_IDS_MAP)?;
-        let slots: Vec<StackSlot> =
-            stack_ids.keys().filter_map(Result::ok).filter(|slot| slot.tgid == tgid).collect();
-        for slot in &slots {
-            let _ = stack_ids.remove(slot);
-        }
-        let mut totals: HashMap<&mut MapData, u64, StackTotals> = self.map_mut(STACK_TOTALS_MAP)?;
-        for id in ids.iter().chain([&lost_stack_id(tgid)]) {
-            let _ = totals.remove(id);
-        }
-        // Each thread's idle call entry; the LRU map would evict them in
-        // time, but nothing of a gone process is kept.
-        let mut pending: HashMap<&mut MapData, u32, PendingCall> = self.map_mut(PENDING_MAP)?;
-        let threads: Vec<u32> = pending
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, call)| call.tgid == tgid)
-            .map(|(tid, _)| tid)
-            .collect();
-        for tid in &threads {
-            let _ = pending.remove(tid);
-        }
+        self.remove_entries::<StackSlot, u64>(STACK_IDS_MAP, |slot, _| slot.tgid == tgid)?;
+        let lost = lost_stack_id(tgid);
+        self.remove_entries::<u64, StackTotals>(STACK_TOTALS_MAP, |id, _| {
+            *id == lost || stacks.contains(id)
+        })?;
+        self.remove_entries::<u32, PendingCall>(PENDING_MAP, |_, call| call.tgid == tgid)?;
         Ok(())
+    }
+
+    /// Deletes the entries of hash map `name` for which `doomed` holds, and
+    /// returns their keys.
+    fn remove_entries<K: Pod, V: Pod>(
+        &mut self,
+        name: &'static str,
+        doomed: impl Fn(&K, &V) -> bool,
+    ) -> Result<Vec<K>, TracerError> {
+        let mut map: HashMap<&mut MapData, K, V> = self.map_mut(name)?;
+        let keys: Vec<K> = map
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, value)| doomed(key, value))
+            .map(|(key, _)| key)
+            .collect();
+        for key in &keys {
+            // Gone already: an entry the BPF side deleted meanwhile.
+            let _ = map.remove(key);
+        }
+        Ok(keys)
     }
 
     /// Attaches the kernel allocation tracepoints (and the per-CPU ones).

@@ -77,26 +77,26 @@ fn assert_same(name: &str, format: Format, rendered: Vec<u8>) {
     );
 }
 
-#[test]
-fn a_saved_report_renders_as_before_in_every_format() {
+/// Renders snapshot `file` in every format, shown as `memleak report`
+/// shows it with these options, against the golden files `name.*`.
+fn assert_report_renders_as_before(file: &str, name: &str, sort: SortKey, top: usize, show_allocs: bool) {
     for &format in <Format as super::options::Choice>::ALL {
-        let mut report = load("base.snap");
-        report.cut_for_display(&shown(format, SortKey::Size, 10, false), format);
+        let mut report = load(file);
+        report.cut_for_display(&shown(format, sort, top, show_allocs), format);
         let mut out = Vec::new();
         super::render(rendering(format), &report, &mut out).unwrap();
-        assert_same("report", format, out);
+        assert_same(name, format, out);
     }
 }
 
 #[test]
+fn a_saved_report_renders_as_before_in_every_format() {
+    assert_report_renders_as_before("base.snap", "report", SortKey::Size, 10, false);
+}
+
+#[test]
 fn each_allocation_sorted_by_count_renders_as_before() {
-    for &format in <Format as super::options::Choice>::ALL {
-        let mut report = load("new.snap");
-        report.cut_for_display(&shown(format, SortKey::Count, 2, true), format);
-        let mut out = Vec::new();
-        super::render(rendering(format), &report, &mut out).unwrap();
-        assert_same("report-a", format, out);
-    }
+    assert_report_renders_as_before("new.snap", "report-a", SortKey::Count, 2, true);
 }
 
 #[test]
