@@ -16,6 +16,7 @@ pub mod events;
 pub mod functions;
 pub mod names;
 pub mod records;
+pub mod unwind;
 
 pub use events::{MappingChange, MappingEvent, TraceEvent};
 pub use functions::{
@@ -23,13 +24,14 @@ pub use functions::{
 };
 pub use names::{
     programs, tunables, ALLOCATIONS_MAP, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, PENDING_MAP,
-    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall,
     PendingMapping, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID,
     MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
+pub use unwind::{ExecMapping, ProcessMappings, Rule, RuleKind, UnwindRow, WalkEnd, MAX_EXEC_MAPPINGS};
 
 #[cfg(feature = "user")]
 mod pod {
@@ -50,11 +52,19 @@ mod pod {
     unsafe impl aya::Pod for super::TraceEvent {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::MappingEvent {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::UnwindRow {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ProcessMappings {}
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 40);
-const _: () = assert!(core::mem::size_of::<StackKey>() == 8 + 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
+const _: () = assert!(core::mem::size_of::<ExecMapping>() == 32);
+const _: () = assert!(core::mem::size_of::<ProcessMappings>() == 8 + 32 * MAX_EXEC_MAPPINGS);
+const _: () = assert!(MAX_EXEC_MAPPINGS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackSlot>() == 16);
 const _: () = assert!(core::mem::size_of::<StackTotals>() == 32);

@@ -17,6 +17,15 @@ pub const COUNTERS_MAP: &str = "COUNTERS";
 pub const EVENTS_MAP: &str = "EVENTS";
 /// Ring buffer of [`MappingEvent`](crate::MappingEvent)s.
 pub const MAPPING_EVENTS_MAP: &str = "MAPPING_EVENTS";
+/// Array of [`UnwindRow`](crate::UnwindRow)s, every object's table in a
+/// range of its own; memory-mapped by user space, which writes them.
+pub const UNWIND_ROWS_MAP: &str = "UNWIND_ROWS";
+/// Process id (u32) -> [`ProcessMappings`](crate::ProcessMappings).
+pub const PROCESS_MAPPINGS_MAP: &str = "PROCESS_MAPPINGS";
+/// Process id (u32) -> `CLOCK_MONOTONIC` ns (u64) of the first walk since
+/// the last rescan that met code in no known mapping: user space rescans
+/// that process's mappings and deletes the entry.
+pub const UNWIND_RESCANS_MAP: &str = "UNWIND_RESCANS";
 
 /// Load-time tunables: read-only globals in the BPF object, set by the
 /// loader (libbpf-tools' `const volatile` pattern).

@@ -20,6 +20,10 @@ pub struct StackKey {
     pub tgid: u32,
     /// Frames in `frames`, at most [`MAX_STACK_DEPTH`].
     pub depth: u32,
+    /// How the walk ended, a [`WalkEnd`](crate::WalkEnd) as u32. Not part
+    /// of the stack's identity: one call path walks the same way.
+    pub end: u32,
+    pub _padding: u32,
     pub frames: StackFrames,
 }
 

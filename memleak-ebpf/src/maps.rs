@@ -3,12 +3,13 @@
 //! from --max-allocs, --max-stacks and the number of processes traced.
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use memleak_common::{
-    Allocation, AllocationKey, PendingCall, PendingMapping, StackKey, StackSlot, StackTotals, COUNTER_SLOTS,
+    Allocation, AllocationKey, PendingCall, PendingMapping, ProcessMappings, StackKey, StackSlot,
+    StackTotals, UnwindRow, COUNTER_SLOTS,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -66,6 +67,24 @@ pub static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(256 << 10, 0);
 /// Thread id -> mmap or mremap in flight.
 #[map(name = "PENDING_MAPPINGS")]
 pub static PENDING_MAPPINGS: LruHashMap<u32, PendingMapping> = LruHashMap::with_max_entries(16_384, 0);
+
+/// Every object's unwind rows, each object a range of its own; sized at
+/// load from --max-unwind-rows, and written by user space through a
+/// memory mapping of the array (one write per row would take seconds).
+#[map(name = "UNWIND_ROWS")]
+pub static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1, BPF_F_MMAPABLE);
+
+/// Process id -> its executable mappings and their rows. Not preallocated:
+/// an update swaps the whole value, so a walk sees the old table or the
+/// new one.
+#[map(name = "PROCESS_MAPPINGS")]
+pub static PROCESS_MAPPINGS: HashMap<u32, ProcessMappings> =
+    HashMap::with_max_entries(1024, BPF_F_NO_PREALLOC);
+
+/// Process id -> when a walk first met code in no mapping it knows; user
+/// space rescans the process and deletes the entry.
+#[map(name = "UNWIND_RESCANS")]
+pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0);
 
 /// A stack and its id, the value of `LAST_STACK`.
 #[repr(C)]

@@ -14,12 +14,12 @@
 //! them.
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_get_smp_processor_id, EbpfContext};
-use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, KERNEL_TGID, MAX_STACK_DEPTH};
+use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNEL_TGID, MAX_STACK_DEPTH};
 
 use crate::{
     counters,
     maps::{LastStack, LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
-    unwind,
+    unwind::{self, Walked},
 };
 
 /// Slots a stack may take after its own, for hash collisions.
@@ -54,11 +54,13 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // program runs; the maps copy it before returning.
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
-    let depth = if user {
-        unwind::walk_user_stack(ctx, &mut key.frames)?
+    let walked = if user {
+        unwind::user_stack(ctx, tgid, &mut key.frames)
     } else {
-        unwind::kernel_stack(ctx, &mut key.frames)?
+        Walked { depth: unwind::kernel_stack(ctx, &mut key.frames)?, end: WalkEnd::Root as u32 }
     };
+    key.end = walked.end;
+    let depth = walked.depth;
     // SAFETY: a field of the scratch key. Volatile, so that the depth is
     // read back from the map, where the verifier knows only its bounds:
     // otherwise it checks all that follows once per way the walk can end,
@@ -110,6 +112,7 @@ fn remember(last: &mut LastStack, key: &StackKey, id: u64) {
     let depth = depth_of(key);
     last.key.tgid = key.tgid;
     last.key.depth = depth as u32;
+    last.key.end = key.end;
     for index in 0..MAX_STACK_DEPTH {
         if index >= depth {
             break;

@@ -4,6 +4,8 @@
 //! default), which means reading each one at every report; memleak reads
 //! per-stack totals unless `-o` is given.
 
+#![allow(clippy::doc_markdown, reason = "doc comments here are --help text, where backticks would show")]
+
 use std::{num::NonZeroU64, path::PathBuf, time::Duration};
 
 use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
@@ -116,6 +118,19 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_stacks: u32,
 
+    /// How user stacks are walked: with the unwind tables of each object's
+    /// .eh_frame, which needs no frame pointers, or with frame pointers
+    /// only, as bcc's memleak does.
+    #[arg(long, value_enum, default_value_t = Unwind::Dwarf)]
+    pub unwind: Unwind,
+
+    /// Unwind table rows kept in kernel memory for every object of every
+    /// traced process, about 8 bytes each; objects past it are walked with
+    /// frame pointers, and the report says so. A Debian python3 needs about
+    /// 200,000.
+    #[arg(long, value_name = "N", default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_unwind_rows: u32,
+
     /// Frames kept per stack (1 to 127).
     #[arg(long, value_name = "N", default_value_t = 127, value_parser = clap::value_parser!(u32).range(1..=127))]
     pub max_stack_depth: u32,
@@ -214,6 +229,16 @@ pub struct DiffArgs {
 
     #[command(flatten)]
     pub rendering: Rendering,
+}
+
+/// How user stacks are walked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Unwind {
+    /// Unwind tables from .eh_frame: full stacks without frame pointers.
+    Dwarf,
+    /// Frame pointers only: short or truncated stacks in code built
+    /// without them (most release builds).
+    Fp,
 }
 
 /// The report vocabulary's choices, offered as clap values with their

@@ -8,8 +8,9 @@ use std::{num::NonZeroU64, path::PathBuf, time::Duration};
 use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
-    cli::{Args, DiffArgs, Offline, Rendering as RenderingArgs, ReportArgs},
+    cli::{Args, DiffArgs, Offline, Rendering as RenderingArgs, ReportArgs, Unwind},
     collect::CollectOptions,
+    model::Unwinding,
     output::{Documents, OutputConfig},
     report::options::{Format, Rendering, ReportOptions},
     session::{ReportRequest, SessionConfig, TargetSpec},
@@ -120,6 +121,11 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
             max_processes: args.max_processes,
             sample_rate: args.sample_rate,
             trace_events: args.trace,
+            unwinding: match args.unwind {
+                Unwind::Dwarf => Unwinding::Dwarf,
+                Unwind::Fp => Unwinding::FramePointers,
+            },
+            max_unwind_rows: args.max_unwind_rows,
         },
         allocator: AllocatorChoice { object: args.object, prefix: args.symbols_prefix },
     };

@@ -27,6 +27,7 @@ mod session;
 mod stats;
 mod status;
 mod symbolize;
+mod unwind;
 
 use std::process::ExitCode;
 

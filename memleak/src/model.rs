@@ -29,6 +29,48 @@ pub struct Trend {
     pub growth_per_report: Option<i64>,
 }
 
+/// Why a stack stops before its root: the frames shown are right, but
+/// the callers past them are not known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Truncation {
+    /// `--max-stack-depth` frames were taken.
+    DepthLimit,
+    /// Code without unwind information whose frame pointer led nowhere.
+    NoUnwindInfo,
+    /// A caller in code memleak did not know yet (a library loaded since
+    /// the last rescan).
+    UnknownCode,
+    /// The stack could not be read, or a frame did not move up it.
+    BadFrame,
+    /// Walked with frame pointers: the process's unwind tables were not
+    /// loaded yet.
+    FramePointers,
+}
+
+impl Truncation {
+    /// What the truncation means, for people.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Truncation::DepthLimit => "at --max-stack-depth",
+            Truncation::NoUnwindInfo => "in code without unwind information",
+            Truncation::UnknownCode => "in code not known yet",
+            Truncation::BadFrame => "at a frame that could not be read",
+            Truncation::FramePointers => "walked with frame pointers",
+        }
+    }
+}
+
+/// How user stacks were walked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unwinding {
+    /// With the unwind tables of each object's `.eh_frame`.
+    Dwarf,
+    /// With frame pointers only.
+    FramePointers,
+}
+
 /// What an mmap region is, when it is not plain program memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -70,6 +70,7 @@ fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result
     for traced in session.targets() {
         if !traced.is_kernel() {
             stats.probes(traced.pid, &traced.plan)?;
+            write_unwind_stats(session, traced, stats)?;
         }
         match target {
             TargetSpec::Kernel { .. } => status::say("tracing kernel allocations; Ctrl-C to stop"),
@@ -84,6 +85,13 @@ fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result
     }
     if let Some(cgroup) = session.cgroup() {
         status::say(&format!("tracing cgroup {} (id {}); Ctrl-C to stop", cgroup.path.display(), cgroup.id));
+    }
+    Ok(())
+}
+
+fn write_unwind_stats(session: &Session, target: &Target, stats: &mut Stats) -> Result<(), RunError> {
+    if let (Some(built), Some(all)) = (&target.unwind_built, session.unwind_stats()) {
+        stats.unwind_tables(target.pid, built, &all)?;
     }
     Ok(())
 }
@@ -127,9 +135,12 @@ async fn drive(
     loop {
         let round = tokio::select! {
             _ = refresh.tick() => {
-                for joined in session.refresh()? {
-                    say_joined(joined);
-                    sinks.stats.probes(joined.pid, &joined.plan)?;
+                let added = session.refresh()?;
+                let targets = session.targets();
+                for target in &targets[targets.len() - added..] {
+                    say_joined(target);
+                    sinks.stats.probes(target.pid, &target.plan)?;
+                    write_unwind_stats(session, target, sinks.stats)?;
                 }
                 continue;
             }

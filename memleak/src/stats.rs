@@ -4,7 +4,9 @@
 //!
 //! - `probes`: where the probes for a process went;
 //! - `report`: a report's size, and how long it took from reading the maps
-//!   to the report.
+//!   to the report;
+//! - `unwind_tables`: what a process's unwind table took to build, and
+//!   what the tables of every process hold.
 //!
 //! Fields are only ever added.
 
@@ -17,7 +19,11 @@ use std::{
 
 use serde::Serialize;
 
-use crate::{attach::AttachPlan, report::Report};
+use crate::{
+    attach::AttachPlan,
+    report::Report,
+    unwind::tables::{TableBuilt, UnwindStats},
+};
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot write the --stats file {path}: {source}")]
@@ -36,6 +42,17 @@ pub struct Stats {
 enum Record<'a> {
     Probes { pid: u32, object: &'a str, path: &'a Path, probes: Vec<Probe<'a>> },
     Report { pid: u32, stacks: usize, allocations: u64, bytes: u64, latency_ms: f64 },
+    UnwindTables {
+        pid: u32,
+        objects: usize,
+        new_objects: usize,
+        new_rows: u64,
+        build_ms: f64,
+        rows_in_use: u64,
+        row_bytes: u64,
+        objects_without_rows: usize,
+        objects_not_fitting: usize,
+    },
 }
 
 #[derive(Serialize)]
@@ -80,6 +97,22 @@ impl Stats {
             allocations: report.total_allocations,
             bytes: report.total_bytes,
             latency_ms: latency.as_secs_f64() * 1000.0,
+        })
+    }
+
+    /// What process `pid`'s unwind table took, and what the tables of
+    /// every process hold now.
+    pub fn unwind_tables(&mut self, pid: u32, built: &TableBuilt, all: &UnwindStats) -> Result<(), StatsError> {
+        self.write(&Record::UnwindTables {
+            pid,
+            objects: built.objects,
+            new_objects: built.new_objects,
+            new_rows: built.new_rows,
+            build_ms: built.elapsed.as_secs_f64() * 1000.0,
+            rows_in_use: all.rows,
+            row_bytes: all.rows * size_of::<memleak_common::UnwindRow>() as u64,
+            objects_without_rows: all.objects_without_rows,
+            objects_not_fitting: all.objects_not_fitting,
         })
     }
 

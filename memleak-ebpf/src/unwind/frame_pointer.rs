@@ -15,8 +15,7 @@ use crate::tunables;
 /// frame pointer that is null, misaligned or does not move up the stack,
 /// or that cannot be read. Returns the number of frames. Only for return
 /// probes: there the registers are the caller's, so its frame is the first.
-#[allow(clippy::unnecessary_wraps, reason = "every walker says None when it finds no stack")]
-pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Option<u32> {
+pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> u32 {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
     let (ip, mut frame_pointer) = unsafe { ((*regs).rip, (*regs).rbp) };
@@ -47,5 +46,5 @@ pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> Opt
         }
         frame_pointer = caller_frame;
     }
-    Some(depth as u32)
+    depth as u32
 }

@@ -1,9 +1,38 @@
 //! Stack walkers: each fills a stack's frames, innermost first, and says
-//! how many it found. Storing the stack is `stack`'s job, so a walker can
-//! be added beside these without touching it.
+//! how many it found and how the walk ended. Storing the stack is
+//! `stack`'s job, so a walker can be added beside these without touching
+//! it.
 
 mod frame_pointer;
 mod kernel;
+mod tables;
 
-pub use frame_pointer::walk_user_stack;
+use aya_ebpf::EbpfContext;
+use memleak_common::{StackFrames, WalkEnd};
+
+use crate::{maps::PROCESS_MAPPINGS, tunables};
+
 pub use kernel::kernel_stack;
+
+/// What a walk found.
+pub struct Walked {
+    /// Frames filled in.
+    pub depth: u32,
+    /// A `WalkEnd`.
+    pub end: u32,
+}
+
+/// The user stack of process `tgid`, from a return probe: through its
+/// table of executable mappings when user space gave it one (with unwind
+/// rows, or with none under `--unwind fp`: then every step follows the
+/// frame pointer, and is kept only if it lands in code), else through
+/// frame pointers alone.
+pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, frames: &mut StackFrames) -> Walked {
+    let limit = tunables::stack_depth();
+    if let Some(mappings) = PROCESS_MAPPINGS.get_ptr(tgid) {
+        return tables::walk(ctx, tgid, mappings, frames, limit);
+    }
+    // No table yet: the process has just been found, or just started.
+    let depth = frame_pointer::walk_user_stack(ctx, frames);
+    Walked { depth, end: WalkEnd::FramePointers as u32 }
+}

@@ -70,6 +70,11 @@ impl StackCatalog {
         self.stacks.get(&stack_id).map_or(&[], StackKey::addresses)
     }
 
+    /// How the walk of a stored stack ended, a `WalkEnd` as u32.
+    pub fn walk_end(&self, stack_id: u64) -> Option<u32> {
+        self.stacks.get(&stack_id).map(|key| key.end)
+    }
+
     /// Drops the stacks of process `tgid`.
     pub fn forget(&mut self, tgid: u32) {
         self.stacks.retain(|_, key| key.tgid != tgid);

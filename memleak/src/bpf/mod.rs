@@ -1,10 +1,11 @@
 //! memleak's BPF object seen from user space: loading and attaching it
-//! (`tracer`), reading its maps once per report round (`contents`), and
-//! its ring buffers (`rings`).
+//! (`tracer`), reading its maps once per report round (`contents`), its
+//! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`).
 
 pub mod contents;
 pub mod rings;
 pub mod tracer;
+pub mod unwind_maps;
 
 pub use contents::{MapContents, StackCatalog};
 pub use rings::EventRing;

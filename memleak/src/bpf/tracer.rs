@@ -13,12 +13,16 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader, Pod,
 };
 use memleak_common::{
-    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, StackKey, StackSlot,
-    StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP,
-    MAPPING_FUNCTIONS, PENDING_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessMappings,
+    StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP,
+    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, PENDING_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP,
+    STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
-use crate::{attach::AttachPlan, model::HealthCounters};
+use crate::{
+    attach::AttachPlan,
+    model::{HealthCounters, Unwinding},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TracerError {
@@ -36,6 +40,10 @@ pub enum TracerError {
     KernelFeature { feature: String, detail: String },
     #[error("the BPF object lacks {0}: memleak was built wrongly")]
     Missing(&'static str),
+    #[error("failed to write BPF map {map}: {source}")]
+    WriteMap { map: &'static str, source: aya::maps::MapError },
+    #[error("cannot map the unwind rows into memory: {0}")]
+    MapRows(std::io::Error),
 }
 
 /// What the user decides about the BPF side: filters and limits.
@@ -55,6 +63,21 @@ pub struct TracerSettings {
     pub sample_rate: u32,
     /// Send an event per allocation and free (--trace).
     pub trace_events: bool,
+    /// How user stacks are walked (--unwind).
+    pub unwinding: Unwinding,
+    /// Unwind rows the BPF array holds, for every object of every process
+    /// (--max-unwind-rows).
+    pub max_unwind_rows: u32,
+}
+
+impl TracerSettings {
+    /// The rows array's size: one row, unused, without unwind tables.
+    pub fn unwind_rows(&self) -> u32 {
+        match self.unwinding {
+            Unwinding::Dwarf => self.max_unwind_rows,
+            Unwinding::FramePointers => 1,
+        }
+    }
 }
 
 /// Load-time settings of the BPF side: the user's, and what the target
@@ -83,7 +106,7 @@ pub struct Links {
 }
 
 pub struct Tracer {
-    ebpf: Ebpf,
+    pub(super) ebpf: Ebpf,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -138,6 +161,9 @@ impl Tracer {
             .map_max_entries(STACKS_MAP, settings.max_stacks)
             .map_max_entries(STACK_IDS_MAP, settings.max_stacks)
             .map_max_entries(STACK_TOTALS_MAP, settings.max_stacks.saturating_add(settings.max_processes))
+            .map_max_entries(UNWIND_ROWS_MAP, settings.unwind_rows())
+            .map_max_entries(PROCESS_MAPPINGS_MAP, settings.max_processes)
+            .map_max_entries(UNWIND_RESCANS_MAP, settings.max_processes)
             .load(BPF_OBJECT)
             .map_err(|error| {
                 if caused_by_eperm(&error) {
@@ -205,8 +231,9 @@ impl Tracer {
     }
 
     /// Deletes every entry process `tgid` left in the maps: its
-    /// allocations, stacks, stack ids, per-stack totals and its threads'
-    /// call entries (which the LRU map would evict only in time). For a
+    /// allocations, stacks, stack ids, per-stack totals, its threads' call
+    /// entries (which the LRU map would evict only in time) and its unwind
+    /// table. For a
     /// process that has exited and had its final report.
     pub fn forget_process(&mut self, tgid: u32) -> Result<(), TracerError> {
         self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| key.tgid == tgid)?;
@@ -220,6 +247,8 @@ impl Tracer {
             *id == lost || stacks.contains(id)
         })?;
         self.remove_entries::<u32, PendingCall>(PENDING_MAP, |_, call| call.tgid == tgid)?;
+        self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| *pid == tgid)?;
+        self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| *pid == tgid)?;
         Ok(())
     }
 
@@ -338,7 +367,7 @@ impl Tracer {
         T::try_from(map).map_err(|source| TracerError::ReadMap { map: name, source })
     }
 
-    fn map_mut<'a, T>(&'a mut self, name: &'static str) -> Result<T, TracerError>
+    pub(super) fn map_mut<'a, T>(&'a mut self, name: &'static str) -> Result<T, TracerError>
     where
         T: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
     {

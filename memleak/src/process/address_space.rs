@@ -16,7 +16,7 @@ use std::{
     sync::{Arc, OnceLock},
 };
 
-use super::maps::{self, MapsEntry};
+use super::maps::{self, MapsEntry, Pathname};
 use crate::{elf, model::ModuleMapping};
 
 /// What tells two files apart whatever their paths: device and inode.
@@ -79,9 +79,26 @@ impl Mapping {
     }
 }
 
+/// A range of the address space mapped executable now: a file's code,
+/// or anonymous code (JIT compilers, trampolines, `[vdso]`).
+#[derive(Clone, Debug)]
+pub struct CodeRange {
+    pub start: u64,
+    pub end: u64,
+    /// File offset of `start`, for a file's code.
+    pub offset: u64,
+    /// The file, if the range maps one memleak could open.
+    pub object: Option<Arc<MappedObject>>,
+    /// The kernel's `[uprobes]` page: where a function whose return is
+    /// probed returns to. No code of the program's own.
+    pub uprobes_trampoline: bool,
+}
+
 /// What a `refresh` found changed.
 #[derive(Debug, Default)]
 pub struct Changes {
+    /// Whether the mappings changed at all.
+    pub any: bool,
     /// Objects mapped now that were not before.
     pub added: Vec<Arc<MappedObject>>,
     /// Objects mapped before that are not any more (a dlclose).
@@ -97,9 +114,9 @@ pub struct AddressSpace {
     mappings: Vec<Mapping>,
     /// The objects mapped now, by file.
     objects: HashMap<FileId, Arc<MappedObject>>,
-    /// Every range mapped with execute permission, files and anonymous
+    /// Every range mapped with execute permission now, files and anonymous
     /// memory (JIT code) alike, sorted: return addresses point there.
-    code: Vec<(u64, u64)>,
+    code: Vec<CodeRange>,
     /// The maps text last read, to skip work when nothing changed.
     last_maps: String,
 }
@@ -156,6 +173,7 @@ impl AddressSpace {
         fresh.extend(kept);
         fresh.sort_by_key(|mapping| mapping.start);
         let changes = Changes {
+            any: true,
             added: objects
                 .iter()
                 .filter(|(id, _)| !self.objects.contains_key(id))
@@ -170,8 +188,19 @@ impl AddressSpace {
         };
         self.mappings = fresh;
         self.objects = objects;
-        self.code =
-            entries.iter().filter(|entry| entry.executable).map(|entry| (entry.start, entry.end)).collect();
+        self.code = entries
+            .iter()
+            .filter(|entry| entry.executable)
+            .map(|entry| CodeRange {
+                start: entry.start,
+                end: entry.end,
+                offset: entry.offset,
+                object: entry
+                    .file()
+                    .and(self.objects.get(&FileId { device: entry.device, inode: entry.inode }).cloned()),
+                uprobes_trampoline: entry.pathname == Pathname::Special("[uprobes]".to_owned()),
+            })
+            .collect();
         maps.clone_into(&mut self.last_maps);
         changes
     }
@@ -217,6 +246,11 @@ impl AddressSpace {
         seen
     }
 
+    /// The ranges mapped executable now, sorted by address.
+    pub fn code(&self) -> &[CodeRange] {
+        &self.code
+    }
+
     /// The mapping `address` falls in.
     pub fn find(&self, address: u64) -> Option<&Mapping> {
         let index = self.mappings.partition_point(|mapping| mapping.start <= address);
@@ -250,9 +284,9 @@ impl AddressSpace {
     /// its data, heap or stacks, and not in memory it never mapped. With
     /// no mappings known, anything can be.
     pub fn may_be_code(&self, address: u64) -> bool {
-        let index = self.code.partition_point(|&(start, _)| start <= address);
+        let index = self.code.partition_point(|range| range.start <= address);
         self.code.is_empty()
-            || index.checked_sub(1).is_some_and(|index| address < self.code[index].1)
+            || index.checked_sub(1).is_some_and(|index| address < self.code[index].end)
             || self.find(address).is_some_and(|mapping| mapping.executable)
     }
 }

@@ -158,6 +158,7 @@ pub(crate) mod tests {
             allocations,
             frames: functions.iter().map(|name| frame(name, "/src/app.c", 10)).collect(),
             stack_lost: false,
+            truncated: None,
             trend: crate::model::Trend::default(),
             mapping: None,
             allocated: None,
@@ -178,7 +179,9 @@ pub(crate) mod tests {
             total_allocations: stacks.iter().map(|s| s.allocations).sum(),
             total_stacks: stacks.len(),
             stacks,
+            unwinding: None,
             health: crate::model::HealthCounters::default(),
+            truncated_stacks: std::collections::BTreeMap::new(),
             hidden_mappings: crate::model::HiddenMappings::default(),
             modules: Vec::new(),
         }

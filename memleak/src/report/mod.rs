@@ -18,14 +18,18 @@ pub mod svg;
 pub mod text;
 pub mod trace;
 
-use std::{collections::HashMap, io, sync::Arc};
+use std::{
+    collections::{BTreeMap, HashMap},
+    io,
+    sync::Arc,
+};
 
 use memleak_common::{lost_stack_owner, ALLOCATOR_FUNCTIONS};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
-    Snapshot, StackUsage, Trend,
+    Snapshot, StackUsage, Trend, Truncation, Unwinding,
 };
 use diff::Diff;
 use options::{Format, Rendering, ReportOptions, SortKey};
@@ -69,6 +73,9 @@ pub struct Report {
     /// One allocation in this many was recorded; every figure below is
     /// already scaled up by it.
     pub sample_rate: u32,
+    /// How the user stacks were walked; none for the kernel's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unwinding: Option<Unwinding>,
     /// Over all stacks, not only those shown.
     pub total_bytes: u64,
     pub total_allocations: u64,
@@ -78,6 +85,10 @@ pub struct Report {
     pub stacks: Vec<ReportStack>,
     /// For all traced processes together.
     pub health: HealthCounters,
+    /// How many of the process's stacks stop short, by why; over all its
+    /// stacks, not only those shown.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub truncated_stacks: BTreeMap<Truncation, usize>,
     /// mmap regions not shown (--all-mmaps shows them).
     pub hidden_mappings: HiddenMappings,
     /// The file mappings the frames' addresses fall in, when an exporter
@@ -97,6 +108,9 @@ pub struct ReportStack {
     pub frames: Vec<Frame>,
     /// The stack could not be stored (--max-stacks reached).
     pub stack_lost: bool,
+    /// Why the walk stopped short of the stack's root, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<Truncation>,
     /// How the stack moved since the previous report.
     #[serde(flatten)]
     pub trend: Trend,
@@ -151,6 +165,25 @@ pub struct ReportContext<'a> {
     pub top: usize,
     pub sort: SortKey,
     pub sample_rate: u32,
+    pub unwinding: Option<Unwinding>,
+}
+
+/// Where a report gets its stacks' frames, each symbolized once, and how
+/// their walks ended.
+pub trait StackSource {
+    fn frames(&mut self, stack_id: u64) -> Arc<[Frame]>;
+    fn truncation(&self, stack_id: u64) -> Option<Truncation>;
+}
+
+/// Frames alone, from a function: no stack is known to be truncated.
+impl<F: FnMut(u64) -> Arc<[Frame]>> StackSource for F {
+    fn frames(&mut self, stack_id: u64) -> Arc<[Frame]> {
+        self(stack_id)
+    }
+
+    fn truncation(&self, _stack_id: u64) -> Option<Truncation> {
+        None
+    }
 }
 
 impl Report {
@@ -160,7 +193,7 @@ impl Report {
         snapshot: Snapshot,
         context: &ReportContext,
         trends: &HashMap<u64, Trend>,
-        mut frames_of: impl FnMut(u64) -> Arc<[Frame]>,
+        mut stack_source: impl StackSource,
     ) -> Self {
         // Sampling applies to malloc & co.; mmaps are all recorded.
         let sampled = u64::from(context.sample_rate.max(1));
@@ -168,6 +201,12 @@ impl Report {
         let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
         let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
         let total_stacks = snapshot.stacks.iter().filter(|stack| stack.allocations > 0).count();
+        let mut truncated_stacks = BTreeMap::new();
+        for stack in snapshot.stacks.iter().filter(|stack| stack.allocations > 0) {
+            if let Some(truncation) = stack_source.truncation(stack.stack_id) {
+                *truncated_stacks.entry(truncation).or_default() += 1;
+            }
+        }
         let mut stacks: Vec<ReportStack> = snapshot
             .stacks
             .into_iter()
@@ -182,6 +221,7 @@ impl Report {
                     allocations: usage.allocations * scale,
                     frames: Vec::new(),
                     stack_lost: lost_stack_owner(usage.stack_id).is_some(),
+                    truncated: stack_source.truncation(usage.stack_id),
                     trend,
                     mapping: usage.mapping,
                     allocated: usage.allocated.map(|allocated| Allocated {
@@ -195,7 +235,7 @@ impl Report {
         sort_stacks(&mut stacks, context.sort);
         stacks.truncate(context.top);
         for stack in stacks.iter_mut().filter(|stack| !stack.stack_lost) {
-            stack.frames = without_allocator_frames(&frames_of(stack.stack_id), context.allocator);
+            stack.frames = without_allocator_frames(&stack_source.frames(stack.stack_id), context.allocator);
         }
         Report {
             pid: snapshot.pid,
@@ -205,11 +245,13 @@ impl Report {
             allocator: context.allocator.to_owned(),
             min_age_ms: context.min_age_ms,
             sample_rate: context.sample_rate,
+            unwinding: context.unwinding,
             total_bytes,
             total_allocations,
             total_stacks,
             stacks,
             health: snapshot.counters,
+            truncated_stacks,
             hidden_mappings: snapshot.hidden,
             modules: Vec::new(),
         }
@@ -314,6 +356,7 @@ pub(crate) mod tests {
             top,
             sort,
             sample_rate,
+            unwinding: None,
         };
         let trends = HashMap::from([
             (2, Trend { delta_bytes: Some(8192), growing_reports: 3, growth_per_report: Some(8192) }),

@@ -9,7 +9,7 @@ use std::{
 use super::{diff::Diff, CgroupTotal, Report};
 use crate::{
     clock,
-    model::{Frame, MappingKind, Trend},
+    model::{Frame, MappingKind, Trend, Unwinding},
 };
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
@@ -24,6 +24,9 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
             describe_trend(&stack.trend)
         )?;
         write_frames(stack.stack_lost, &stack.frames, out)?;
+        if let Some(truncation) = stack.truncated {
+            writeln!(out, "\t\t[truncated {}]", truncation.describe())?;
+        }
         for allocation in &stack.outstanding {
             writeln!(
                 out,
@@ -45,9 +48,14 @@ fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
     } else {
         format!("pid {} ({})", report.pid, report.allocator)
     };
+    let unwound = match report.unwinding {
+        None => "",
+        Some(Unwinding::Dwarf) => ", unwound with .eh_frame",
+        Some(Unwinding::FramePointers) => ", unwound with frame pointers",
+    };
     writeln!(
         out,
-        "[{}] Top {} stacks with outstanding allocations in {whose}:",
+        "[{}] Top {} stacks with outstanding allocations in {whose}{unwound}:",
         clock::local_time(report.time_unix_ms),
         report.stacks.len(),
     )?;
@@ -103,6 +111,15 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
 /// What memleak could not keep or left out, each with what to do.
 fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let health = &report.health;
+    if !report.truncated_stacks.is_empty() {
+        let total: usize = report.truncated_stacks.values().sum();
+        let why: Vec<String> = report
+            .truncated_stacks
+            .iter()
+            .map(|(truncation, stacks)| format!("{stacks} {}", truncation.describe()))
+            .collect();
+        writeln!(out, "{total} stacks truncated: {}", why.join(", "))?;
+    }
     if health.allocations_not_tracked > 0 {
         writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;
     }

@@ -25,6 +25,7 @@ use crate::{
         AddressSpace, TargetEvent,
     },
     report::Report,
+    unwind::tables::{UnwindStats, UnwindTables},
 };
 use aya::programs::uprobe::UProbeScope;
 
@@ -51,6 +52,9 @@ pub enum SessionError {
     #[error("{pids} processes given, more than --max-processes {max}")]
     TooManyProcesses { pids: usize, max: u32 },
 }
+
+/// How often the walkers' rescan requests are looked at.
+const RESCAN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// How a session traces, whatever it traces.
 #[derive(Clone, Debug)]
@@ -90,6 +94,12 @@ pub struct Session {
     trace_events: Option<EventRing>,
     /// mmap, munmap and mremap calls.
     mapping_events: Option<EventRing>,
+    /// Each process's table of executable mappings, and with --unwind
+    /// dwarf every object's rows; none in kernel mode.
+    unwind: Option<UnwindTables>,
+    /// How often the walkers' requests to rescan a process are taken: a
+    /// library loaded since gets its rows before it allocates much.
+    rescan_poll: tokio::time::Interval,
 }
 
 impl Session {
@@ -121,7 +131,11 @@ impl Session {
             exit_events,
             trace_events: None,
             mapping_events: None,
+            unwind: None,
+            rescan_poll: tokio::time::interval(RESCAN_POLL),
         };
+        let rows = session.tracer.unwind_rows(config.tracer.unwind_rows())?;
+        session.unwind = Some(UnwindTables::new(rows, config.tracer.unwinding));
         if config.tracer.trace_events {
             session.trace_events =
                 Some(EventRing::new(session.tracer.take_events()?).map_err(SessionError::Rings)?);
@@ -216,8 +230,10 @@ impl Session {
         // Not /proc/PID/exe: the command may not have reached its exec yet.
         target.program = program.display().to_string();
         target.links = Some(links);
-        session.targets.push(target);
+        // The exec has happened: the program and its loader are mapped.
+        target.refresh();
         session.command = Some(command);
+        session.push(target)?;
         Ok(session)
     }
 
@@ -231,7 +247,41 @@ impl Session {
             lifecycle::watch_exit(pid, self.exits.clone())
                 .map_err(|source| SessionError::Watch { pid, source })?,
         );
+        self.push(target)
+    }
+
+    /// Starts keeping `target`, with its unwind table.
+    fn push(&mut self, mut target: Target) -> Result<(), SessionError> {
+        target.unwinding = self.unwind.as_ref().map(UnwindTables::unwinding);
+        if let Some(tables) = self.unwind.as_mut() {
+            update_unwind_table(tables, &mut self.tracer, &mut target)?;
+        }
         self.targets.push(target);
+        Ok(())
+    }
+
+    /// Re-reads the mappings of the target at `index`, and gives it a new
+    /// unwind table if they changed.
+    fn refresh_target(&mut self, index: usize) -> Result<(), SessionError> {
+        let Some(target) = self.targets.get_mut(index) else { return Ok(()) };
+        if target.refresh() {
+            if let Some(tables) = self.unwind.as_mut() {
+                update_unwind_table(tables, &mut self.tracer, target)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rescans the processes whose walks met code they did not know.
+    fn take_rescan_requests(&mut self) -> Result<(), SessionError> {
+        if self.unwind.is_none() {
+            return Ok(());
+        }
+        for pid in self.tracer.take_rescan_requests()? {
+            if let Some(index) = self.targets.iter().position(|target| target.pid == pid) {
+                self.refresh_target(index)?;
+            }
+        }
         Ok(())
     }
 
@@ -281,17 +331,24 @@ impl Session {
         &self.targets
     }
 
+    /// What the unwind tables hold for every process, if there are any.
+    pub fn unwind_stats(&self) -> Option<UnwindStats> {
+        self.unwind.as_ref().map(UnwindTables::stats)
+    }
+
     /// The cgroup followed, with --cgroup.
     pub fn cgroup(&self) -> Option<&Cgroup> {
         self.cgroup.as_ref()
     }
 
     /// Re-reads the targets' mappings, and picks up processes that joined
-    /// the cgroup followed. Returns the targets added.
-    pub fn refresh(&mut self) -> Result<&[Target], SessionError> {
-        self.targets.iter_mut().for_each(Target::refresh);
-        let added = self.follow_cgroup()?;
-        Ok(&self.targets[self.targets.len() - added..])
+    /// the cgroup followed. Returns how many were added: the last of
+    /// `targets()`.
+    pub fn refresh(&mut self) -> Result<usize, SessionError> {
+        for index in 0..self.targets.len() {
+            self.refresh_target(index)?;
+        }
+        self.follow_cgroup()
     }
 
     /// Waits for the next thing to say: trace events, or a target's exit.
@@ -310,6 +367,7 @@ impl Session {
                 Some(TargetEvent::Exiting { pid, ack }) = self.exit_events.recv() => {
                     return Ok(SessionEvent::Exiting { pid, ack });
                 }
+                _ = self.rescan_poll.tick(), if self.unwind.is_some() => self.take_rescan_requests()?,
             }
         }
     }
@@ -336,8 +394,14 @@ impl Session {
         pid: Option<u32>,
         request: &ReportRequest,
     ) -> Result<Vec<Report>, SessionError> {
-        // mmap events that came before the report count in it.
+        // mmap events that came before the report count in it, and libraries
+        // loaded since the last refresh are symbolized.
         self.take_mapping_events();
+        for index in 0..self.targets.len() {
+            if pid.is_none_or(|pid| pid == self.targets[index].pid) {
+                self.refresh_target(index)?;
+            }
+        }
         let maps = MapContents::read(&self.tracer, request.collect.reads_each_allocation())?;
         let region_stacks =
             self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
@@ -368,6 +432,9 @@ impl Session {
             self.tracer.forget_process(pid)?;
             self.stacks.forget(pid);
         }
+        if let Some(tables) = self.unwind.as_mut() {
+            tables.forget(pid);
+        }
         Ok(())
     }
 
@@ -386,6 +453,35 @@ impl Drop for Session {
             command.finish();
         }
     }
+}
+
+/// Gives `target` the table of its executable mappings as they are now,
+/// unless BPF has that one already.
+fn update_unwind_table(
+    tables: &mut UnwindTables,
+    tracer: &mut Tracer,
+    target: &mut Target,
+) -> Result<(), TracerError> {
+    if target.is_kernel() {
+        return Ok(());
+    }
+    let (table, built) = tables.table_for(target.pid, &target.space);
+    if built.new_objects > 0 {
+        log::debug!(
+            "pid {}: {} rows for {} new objects in {} ms",
+            target.pid,
+            built.new_rows,
+            built.new_objects,
+            built.elapsed.as_millis()
+        );
+    }
+    target.unwind_built.get_or_insert(built);
+    if target.unwind_table.as_ref() == Some(&table) {
+        return Ok(());
+    }
+    tracer.set_process_mappings(target.pid, &table)?;
+    target.unwind_table = Some(table);
+    Ok(())
 }
 
 fn nonzero(pid: u32) -> std::num::NonZeroU32 {

@@ -3,16 +3,18 @@
 
 use std::{path::PathBuf, sync::Arc};
 
+use memleak_common::{ProcessMappings, WalkEnd};
 use tokio::task::AbortHandle;
 
 use crate::{
     attach::AttachPlan,
     bpf::{Links, MapContents, StackCatalog},
     collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
-    model::{Frame, ModuleMapping},
+    model::{Frame, ModuleMapping, Truncation, Unwinding},
     process::{lifecycle, AddressSpace},
-    report::{options::SortKey, Report, ReportContext},
+    report::{options::SortKey, Report, ReportContext, StackSource},
     symbolize::StackSymbolizer,
+    unwind::tables::TableBuilt,
 };
 
 /// What to trace, as the user named it.
@@ -54,6 +56,12 @@ pub struct Target {
     pub(super) links: Option<Links>,
     /// Its exit watch, for a process memleak did not start.
     pub(super) exit_watch: Option<AbortHandle>,
+    /// How its user stacks are walked; `None` for the kernel.
+    pub unwinding: Option<Unwinding>,
+    /// Its table of executable mappings, as last given to BPF.
+    pub(super) unwind_table: Option<Box<ProcessMappings>>,
+    /// What building its first table took.
+    pub unwind_built: Option<TableBuilt>,
 }
 
 impl Target {
@@ -70,6 +78,9 @@ impl Target {
             regions: Regions::default(),
             links: None,
             exit_watch: None,
+            unwinding: None,
+            unwind_table: None,
+            unwind_built: None,
         }
     }
 
@@ -89,6 +100,9 @@ impl Target {
             regions: Regions::default(),
             links: None,
             exit_watch: None,
+            unwinding: None,
+            unwind_table: None,
+            unwind_built: None,
         }
     }
 
@@ -97,10 +111,11 @@ impl Target {
     }
 
     /// Re-reads the process's mappings, so that libraries loaded since can
-    /// be symbolized even if it exits before its next report.
-    pub fn refresh(&mut self) {
+    /// be symbolized even if it exits before its next report; says whether
+    /// they changed.
+    pub fn refresh(&mut self) -> bool {
         if self.is_kernel() {
-            return;
+            return false;
         }
         let changes = self.space.refresh();
         for object in &changes.added {
@@ -109,6 +124,7 @@ impl Target {
         for object in &changes.removed {
             log::debug!("pid {} no longer maps {}", self.pid, object.path);
         }
+        changes.any
     }
 
     /// The process's report from `maps`; `stacks` must know every stack
@@ -120,7 +136,6 @@ impl Target {
         request: &ReportRequest,
         sample_rate: u32,
     ) -> Report {
-        self.refresh();
         let options = &request.collect;
         let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
         let Self { space, symbolizer, regions, trends, .. } = self;
@@ -136,15 +151,47 @@ impl Target {
             top: request.top,
             sort: request.sort,
             sample_rate,
+            unwinding: self.unwinding,
         };
-        let (space, symbolizer) = (&self.space, &mut self.symbolizer);
-        let mut report = Report::build(snapshot, &context, &trends, |stack_id| {
-            frames_of(symbolizer, space, stacks, stack_id)
-        });
+        let source = TargetStacks {
+            symbolizer: &mut self.symbolizer,
+            space: &self.space,
+            stacks,
+            unwinding: self.unwinding,
+        };
+        let mut report = Report::build(snapshot, &context, &trends, source);
         if options.modules {
-            report.modules = modules_of(&report, space);
+            report.modules = modules_of(&report, &self.space);
         }
         report
+    }
+}
+
+/// A target's stacks as a report reads them.
+struct TargetStacks<'a> {
+    symbolizer: &'a mut StackSymbolizer,
+    space: &'a AddressSpace,
+    stacks: &'a StackCatalog,
+    unwinding: Option<Unwinding>,
+}
+
+impl StackSource for TargetStacks<'_> {
+    fn frames(&mut self, stack_id: u64) -> Arc<[Frame]> {
+        frames_of(self.symbolizer, self.space, self.stacks, stack_id)
+    }
+
+    fn truncation(&self, stack_id: u64) -> Option<Truncation> {
+        match WalkEnd::try_from(self.stacks.walk_end(stack_id)?) {
+            Ok(WalkEnd::Root) | Err(_) => None,
+            Ok(WalkEnd::DepthLimit) => Some(Truncation::DepthLimit),
+            Ok(WalkEnd::NoUnwindInfo) => Some(Truncation::NoUnwindInfo),
+            Ok(WalkEnd::UnknownCode) => Some(Truncation::UnknownCode),
+            Ok(WalkEnd::BadFrame) => Some(Truncation::BadFrame),
+            // Only news when the tables were meant to walk it.
+            Ok(WalkEnd::FramePointers) => {
+                (self.unwinding == Some(Unwinding::Dwarf)).then_some(Truncation::FramePointers)
+            }
+        }
     }
 }
 

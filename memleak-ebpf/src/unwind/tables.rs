@@ -1,0 +1,279 @@
+//! The user stack, walked with the unwind tables user space reduced each
+//! object's `.eh_frame` to: full stacks through code built without frame
+//! pointers.
+//!
+//! One frame per `bpf_loop` iteration: find the executable mapping of the
+//! pc, then its object's row for the pc, then apply the row's rule to find
+//! the caller's stack pointer (the CFA), return address and frame pointer.
+//! Code without rows (JIT code, objects without unwind information) gets
+//! a frame-pointer step, kept only if it lands in known code: a junk frame
+//! would split one call path into many stacks.
+
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::{pt_regs, BPF_NOEXIST},
+    helpers::{bpf_probe_read_user, generated::bpf_ktime_get_ns},
+    EbpfContext,
+};
+use memleak_common::{
+    ExecMapping, ProcessMappings, Rule, RuleKind, StackFrames, WalkEnd, MAX_EXEC_MAPPINGS, MAX_STACK_DEPTH,
+};
+
+use super::Walked;
+use crate::maps::{UNWIND_RESCANS, UNWIND_ROWS};
+
+/// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
+const MAPPING_SEARCH_STEPS: u32 = 10;
+const ROW_SEARCH_STEPS: u32 = 21;
+
+/// Where the signal frame keeps the interrupted registers, from the stack
+/// pointer `__restore_rt` would run with: `struct ucontext` (its
+/// `uc_mcontext` at 40), whose `sigcontext` holds rbp at 80, rsp at 120
+/// and rip at 128.
+const SIGNAL_RBP: u64 = 40 + 80;
+const SIGNAL_RSP: u64 = 40 + 120;
+const SIGNAL_RIP: u64 = 40 + 128;
+
+/// The state of one walk, on the BPF stack, handed to each iteration.
+#[repr(C)]
+struct Walk {
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    mappings: *const ProcessMappings,
+    frames: *mut StackFrames,
+    tgid: u32,
+    depth: u32,
+    /// 1 when `pc` is the interrupted instruction itself (after a signal
+    /// frame), not a return address that points past a call.
+    exact_pc: u32,
+    /// A `WalkEnd`, once the walk ends.
+    end: u32,
+    /// Frames to take at most.
+    limit: u32,
+    _padding: u32,
+}
+
+/// Walks the user stack of process `tgid` from the registers of a return
+/// probe (there they are the caller's, so its frame is the first).
+pub fn walk<C: EbpfContext>(
+    ctx: &C,
+    tgid: u32,
+    mappings: *const ProcessMappings,
+    frames: &mut StackFrames,
+    limit: u32,
+) -> Walked {
+    let regs = ctx.as_ptr() as *const pt_regs;
+    // SAFETY: a uprobe's context is the task's saved user registers.
+    let (ip, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
+    frames[0] = ip;
+    let mut walk = Walk {
+        pc: ip,
+        sp,
+        bp,
+        mappings,
+        frames,
+        tgid,
+        depth: 1,
+        exact_pc: 0,
+        end: WalkEnd::DepthLimit as u32,
+        limit,
+        _padding: 0,
+    };
+    // SAFETY: the helper calls `step` at most `limit` times with a pointer
+    // to `walk`, which outlives the call.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(limit, step as *mut c_void, (&raw mut walk).cast(), 0);
+    }
+    Walked { depth: walk.depth, end: walk.end }
+}
+
+/// One iteration: one frame more, or the end (returns 1).
+extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `walk` passed this pointer to its own `Walk`.
+    let walk = unsafe { &mut *ctx.cast::<Walk>() };
+    match next_frame(walk) {
+        Some(()) => 0,
+        None => 1,
+    }
+}
+
+/// Steps from the frame at `walk.pc` to its caller and records the
+/// caller's return address; `None` when the walk ends, `walk.end` saying
+/// why.
+fn next_frame(walk: &mut Walk) -> Option<()> {
+    if walk.depth >= walk.limit || walk.depth as usize >= MAX_STACK_DEPTH {
+        walk.end = WalkEnd::DepthLimit as u32;
+        return None;
+    }
+    // A return address points past its call: the call is the byte before.
+    let pc = if walk.exact_pc != 0 { walk.pc } else { walk.pc - 1 };
+    // SAFETY: a live map value, replaced whole and never freed under a
+    // running program.
+    let mappings = unsafe { &*walk.mappings };
+    let Some(mapping) = find_mapping(mappings, pc) else {
+        request_rescan(walk.tgid);
+        return end(walk, WalkEnd::UnknownCode);
+    };
+    let rule = if mapping.row_count == 0 {
+        Rule::of(RuleKind::FramePointer)
+    } else {
+        find_rule(mapping, pc.wrapping_sub(mapping.bias))
+    };
+    let caller = match RuleKind::try_from(rule.kind()) {
+        Ok(RuleKind::CfaRsp | RuleKind::CfaRbp) => cfa_step(walk, rule)?,
+        Ok(RuleKind::Stop) => return end(walk, WalkEnd::Root),
+        Ok(RuleKind::Signal) => signal_step(walk)?,
+        Ok(RuleKind::FramePointer | RuleKind::Unsupported) | Err(_) => {
+            let caller = frame_pointer_step(walk)?;
+            // No unwind information vouches for it: only a frame in code
+            // the process maps is kept.
+            if find_mapping(mappings, caller.pc.wrapping_sub(1)).is_none() {
+                return end(walk, WalkEnd::NoUnwindInfo);
+            }
+            caller
+        }
+    };
+    if caller.pc == 0 {
+        return end(walk, WalkEnd::Root);
+    }
+    let depth = walk.depth as usize;
+    if depth >= MAX_STACK_DEPTH {
+        return end(walk, WalkEnd::DepthLimit);
+    }
+    // SAFETY: the scratch key's frames, valid for this program run.
+    unsafe { (*walk.frames)[depth] = caller.pc };
+    walk.depth += 1;
+    walk.pc = caller.pc;
+    walk.sp = caller.sp;
+    walk.bp = caller.bp;
+    walk.exact_pc = caller.exact_pc;
+    Some(())
+}
+
+fn end(walk: &mut Walk, reason: WalkEnd) -> Option<()> {
+    walk.end = reason as u32;
+    None
+}
+
+/// The caller's registers, as one step found them.
+struct Caller {
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    exact_pc: u32,
+}
+
+/// A step by a CFA rule: the caller's stack pointer is the CFA, its
+/// return address just below, its rbp where the rule says it was saved.
+fn cfa_step(walk: &mut Walk, rule: Rule) -> Option<Caller> {
+    let base = if rule.kind() == RuleKind::CfaRbp as u32 { walk.bp } else { walk.sp };
+    let cfa = base.wrapping_add(u64::from(rule.cfa_offset()));
+    if cfa <= walk.sp {
+        end(walk, WalkEnd::BadFrame);
+        return None;
+    }
+    let Some(pc) = read(cfa - 8) else {
+        end(walk, WalkEnd::BadFrame);
+        return None;
+    };
+    let bp = match rule.rbp_slot() {
+        0 => walk.bp,
+        slot => read(cfa.wrapping_sub(8 * u64::from(slot))).unwrap_or(0),
+    };
+    Some(Caller { pc, sp: cfa, bp, exact_pc: 0 })
+}
+
+/// A step through a signal frame: the interrupted code's registers.
+fn signal_step(walk: &mut Walk) -> Option<Caller> {
+    let sp = walk.sp;
+    let registers = (read(sp + SIGNAL_RIP), read(sp + SIGNAL_RSP), read(sp + SIGNAL_RBP));
+    let (Some(pc), Some(caller_sp), Some(bp)) = registers else {
+        end(walk, WalkEnd::BadFrame);
+        return None;
+    };
+    // The one place the stack pointer may move down: the handler may run
+    // on an alternate stack.
+    Some(Caller { pc, sp: caller_sp, bp, exact_pc: 1 })
+}
+
+/// A step through the frame pointer: the saved rbp, then the return
+/// address, at rbp.
+fn frame_pointer_step(walk: &mut Walk) -> Option<Caller> {
+    let bp = walk.bp;
+    if bp == 0 {
+        end(walk, WalkEnd::Root);
+        return None;
+    }
+    if !bp.is_multiple_of(8) || bp < walk.sp {
+        end(walk, WalkEnd::NoUnwindInfo);
+        return None;
+    }
+    // SAFETY: a read of user memory, which the helper makes fault-safe.
+    let Ok([caller_bp, pc]) = (unsafe { bpf_probe_read_user(bp as *const [u64; 2]) }) else {
+        end(walk, WalkEnd::NoUnwindInfo);
+        return None;
+    };
+    Some(Caller { pc, sp: bp + 16, bp: caller_bp, exact_pc: 0 })
+}
+
+/// The executable mapping holding `pc`.
+fn find_mapping(mappings: &ProcessMappings, pc: u64) -> Option<&ExecMapping> {
+    let (mut low, mut high) = (0u32, mappings.count);
+    for _ in 0..MAPPING_SEARCH_STEPS {
+        if low >= high {
+            break;
+        }
+        let middle = low + (high - low) / 2;
+        let mapping = &mappings.mappings[middle as usize & (MAX_EXEC_MAPPINGS - 1)];
+        if pc < mapping.start {
+            high = middle;
+        } else if pc >= mapping.end {
+            low = middle + 1;
+        } else {
+            return Some(mapping);
+        }
+    }
+    None
+}
+
+/// The rule of the last row at or before `relative_pc` in the mapping's
+/// object; a frame-pointer step before its first row.
+fn find_rule(mapping: &ExecMapping, relative_pc: u64) -> Rule {
+    let Ok(relative_pc) = u32::try_from(relative_pc) else { return Rule::of(RuleKind::FramePointer) };
+    // The last row whose pc is at or below: search [low, high) for the
+    // first row above, then step back one.
+    let (mut low, mut high) = (0u32, mapping.row_count);
+    for _ in 0..ROW_SEARCH_STEPS {
+        if low >= high {
+            break;
+        }
+        let middle = low + (high - low) / 2;
+        match UNWIND_ROWS.get(mapping.first_row.wrapping_add(middle)) {
+            Some(row) if row.pc <= relative_pc => low = middle + 1,
+            Some(_) => high = middle,
+            None => return Rule::of(RuleKind::FramePointer),
+        }
+    }
+    match low.checked_sub(1) {
+        Some(index) => UNWIND_ROWS
+            .get(mapping.first_row.wrapping_add(index))
+            .map_or(Rule::of(RuleKind::FramePointer), |row| row.rule),
+        None => Rule::of(RuleKind::FramePointer),
+    }
+}
+
+/// Asks user space to rescan the process's mappings: its code is in none
+/// it knows. One request until user space takes it.
+fn request_rescan(tgid: u32) {
+    // SAFETY: a helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let _ = UNWIND_RESCANS.insert(tgid, now, u64::from(BPF_NOEXIST));
+}
+
+/// Eight bytes of user memory.
+fn read(address: u64) -> Option<u64> {
+    // SAFETY: a read of user memory, which the helper makes fault-safe.
+    unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+}

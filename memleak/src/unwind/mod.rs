@@ -1,0 +1,7 @@
+//! Unwinding user stacks without frame pointers: user space reduces each
+//! mapped object's call frame information to the compact rows of
+//! [`memleak_common::unwind`], which the BPF walker follows from frame to
+//! frame at the allocation's return probe.
+
+pub mod eh_frame;
+pub mod tables;
