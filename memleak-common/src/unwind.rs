@@ -67,7 +67,8 @@ impl Rule {
     /// A rule; `None` if an offset does not fit, for the caller to fall
     /// back to [`RuleKind::Unsupported`].
     pub const fn new(kind: RuleKind, cfa_offset: u32, rbp_slot: u32) -> Option<Self> {
-        if !cfa_offset.is_multiple_of(8) || cfa_offset > Self::MAX_CFA_OFFSET || rbp_slot > Self::MAX_RBP_SLOT {
+        if !cfa_offset.is_multiple_of(8) || cfa_offset > Self::MAX_CFA_OFFSET || rbp_slot > Self::MAX_RBP_SLOT
+        {
             return None;
         }
         Some(Self((kind as u32) << 28 | rbp_slot << 20 | (cfa_offset / 8)))

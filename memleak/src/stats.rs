@@ -40,8 +40,19 @@ pub struct Stats {
 #[derive(Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 enum Record<'a> {
-    Probes { pid: u32, object: &'a str, path: &'a Path, probes: Vec<Probe<'a>> },
-    Report { pid: u32, stacks: usize, allocations: u64, bytes: u64, latency_ms: f64 },
+    Probes {
+        pid: u32,
+        object: &'a str,
+        path: &'a Path,
+        probes: Vec<Probe<'a>>,
+    },
+    Report {
+        pid: u32,
+        stacks: usize,
+        allocations: u64,
+        bytes: u64,
+        latency_ms: f64,
+    },
     UnwindTables {
         pid: u32,
         objects: usize,
@@ -102,7 +113,12 @@ impl Stats {
 
     /// What process `pid`'s unwind table took, and what the tables of
     /// every process hold now.
-    pub fn unwind_tables(&mut self, pid: u32, built: &TableBuilt, all: &UnwindStats) -> Result<(), StatsError> {
+    pub fn unwind_tables(
+        &mut self,
+        pid: u32,
+        built: &TableBuilt,
+        all: &UnwindStats,
+    ) -> Result<(), StatsError> {
         self.write(&Record::UnwindTables {
             pid,
             objects: built.objects,

@@ -67,13 +67,14 @@ pub struct Target {
 impl Target {
     /// A process, with its address space read now.
     pub fn process(pid: u32, plan: AttachPlan, space: AddressSpace) -> Self {
+        let namespace_pid = lifecycle::namespace_pid(pid);
         Self {
             pid,
             program: lifecycle::program(pid),
             plan,
-            namespace_pid: lifecycle::namespace_pid(pid),
+            namespace_pid,
             space,
-            symbolizer: StackSymbolizer::new(pid),
+            symbolizer: StackSymbolizer::new(pid, namespace_pid),
             trends: TrendTracker::default(),
             regions: Regions::default(),
             links: None,

@@ -16,16 +16,24 @@ use blazesym::symbolize::{
 
 use crate::{model::Frame, process::AddressSpace};
 
+mod perf_map;
+
+use perf_map::PerfMap;
+
 /// Symbolizes stacks of one process, or of the kernel, each once.
 pub struct StackSymbolizer {
     /// Kernel stacks, symbolized through /proc/kallsyms.
     kernel: bool,
     symbolizer: symbolize::Symbolizer,
     cache: HashMap<u64, Arc<[Frame]>>,
+    /// Names of JIT-compiled code, where the process writes them.
+    jit: Option<PerfMap>,
 }
 
 impl StackSymbolizer {
-    pub fn new(pid: u32) -> Self {
+    /// For process `pid`, whose pid in its own namespace is
+    /// `namespace_pid` (if it differs).
+    pub fn new(pid: u32, namespace_pid: Option<u32>) -> Self {
         // Separate debug files (by build id, or named by .gnu_debuglink) are
         // looked for inside the target's root first: a container ships its
         // own. Then on the host.
@@ -40,12 +48,17 @@ impl StackSymbolizer {
             .enable_demangling(true)
             .set_debug_dirs(Some(&debug_dirs))
             .build();
-        Self { kernel: false, symbolizer, cache: HashMap::new() }
+        Self {
+            kernel: false,
+            symbolizer,
+            cache: HashMap::new(),
+            jit: Some(PerfMap::of_process(pid, namespace_pid)),
+        }
     }
 
     /// For kernel stacks.
     pub fn kernel() -> Self {
-        Self { kernel: true, ..Self::new(memleak_common::KERNEL_TGID) }
+        Self { kernel: true, jit: None, ..Self::new(memleak_common::KERNEL_TGID, None) }
     }
 
     pub fn cached(&self, stack_id: u64) -> Option<Arc<[Frame]>> {
@@ -76,9 +89,25 @@ impl StackSymbolizer {
         frames
     }
 
+    /// A frame in code of no file: named from the perf map if the runtime
+    /// that compiled it writes one.
+    fn jit_frame(&mut self, address: u64) -> Frame {
+        let named = self.jit.as_mut().and_then(|jit| jit.name(address - 1));
+        match named {
+            Some((name, offset)) => Frame {
+                address,
+                function: Some(name.to_owned()),
+                offset: Some(offset + 1),
+                module: Some("[jit]".to_owned()),
+                ..Frame::default()
+            },
+            None => Frame { address, ..Frame::default() },
+        }
+    }
+
     /// The frames of one return address: the inlined ones innermost first,
     /// then the function that holds them.
-    fn frames_at(&self, address: u64, space: &AddressSpace) -> Vec<Frame> {
+    fn frames_at(&mut self, address: u64, space: &AddressSpace) -> Vec<Frame> {
         let unknown = Frame { address, ..Frame::default() };
         // A return address points after the call; the call itself, whose
         // line we want, is the byte before.
@@ -86,7 +115,7 @@ impl StackSymbolizer {
             let source = Source::Kernel(Kernel::default());
             (self.symbolizer.symbolize_single(&source, Input::AbsAddr(address - 1)), None)
         } else {
-            let Some(mapping) = space.find(address) else { return vec![unknown] };
+            let Some(mapping) = space.find(address) else { return vec![self.jit_frame(address)] };
             let source = Source::Elf(Elf::new(mapping.object.fd_path()));
             let call_offset = mapping.file_offset(address - 1);
             let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
