@@ -94,11 +94,13 @@ impl StackSymbolizer {
     fn jit_frame(&mut self, address: u64) -> Frame {
         let named = self.jit.as_mut().and_then(|jit| jit.name(address - 1));
         match named {
-            Some((name, offset)) => Frame {
+            // The runtime's name often carries the source location
+            // ("JS:^handle /app/server.js:12:3"): an offset would read as
+            // part of it.
+            Some((name, _)) => Frame {
                 address,
                 function: Some(name.to_owned()),
-                offset: Some(offset + 1),
-                module: Some("[jit]".to_owned()),
+                module: Some("jit".to_owned()),
                 ..Frame::default()
             },
             None => Frame { address, ..Frame::default() },
