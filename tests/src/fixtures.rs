@@ -15,10 +15,38 @@ pub fn workspace_root() -> PathBuf {
 /// Compiles tests/fixtures/NAME.c or NAME.cpp (unoptimised, with frame
 /// pointers, as a debug build would be) and returns the executable.
 pub fn fixture(name: &str) -> PathBuf {
-    let c_source = workspace_root().join(format!("tests/fixtures/{name}.c"));
-    let (source, compiler) =
-        if c_source.exists() { (c_source, "gcc") } else { (c_source.with_extension("cpp"), "g++") };
+    let (source, compiler) = source_of(name);
     compile(compiler, &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"], &source, name)
+}
+
+/// Compiles tests/fixtures/NAME.c or NAME.cpp as a release build would
+/// be: -O2 and no frame pointers, with debug info for the names of its
+/// lines. Built as NAME-O2.
+pub fn optimized(name: &str) -> PathBuf {
+    let (source, compiler) = source_of(name);
+    compile(compiler, &["-g", "-O2", "-fomit-frame-pointer", "-pthread"], &source, &format!("{name}-O2"))
+}
+
+/// Compiles tests/fixtures/NAME.c into a shared library, libNAME.so,
+/// with -O2 and no frame pointers.
+pub fn shared_library(name: &str) -> PathBuf {
+    let (source, compiler) = source_of(name);
+    compile(
+        compiler,
+        &["-g", "-O2", "-fomit-frame-pointer", "-fPIC", "-shared"],
+        &source,
+        &format!("lib{name}.so"),
+    )
+}
+
+/// tests/fixtures/NAME.c, or NAME.cpp, and its compiler.
+fn source_of(name: &str) -> (PathBuf, &'static str) {
+    let c_source = workspace_root().join(format!("tests/fixtures/{name}.c"));
+    if c_source.exists() {
+        (c_source, "gcc")
+    } else {
+        (c_source.with_extension("cpp"), "g++")
+    }
 }
 
 /// The leaker built against musl (Debian's musl-tools) instead of glibc.
@@ -49,10 +77,11 @@ fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf
 
 /// The line of the fixture NAME.c that carries `/* ALLOC(marker) */`.
 pub fn marker_line(name: &str, marker: &str) -> u64 {
-    let source = fs::read_to_string(workspace_root().join(format!("tests/fixtures/{name}.c"))).unwrap();
+    let (path, _) = source_of(name);
+    let source = fs::read_to_string(&path).unwrap();
     let needle = format!("ALLOC({marker})");
     let index = source.lines().position(|line| line.contains(&needle));
-    index.unwrap_or_else(|| panic!("no {needle} in {name}.c")) as u64 + 1
+    index.unwrap_or_else(|| panic!("no {needle} in {}", path.display())) as u64 + 1
 }
 
 /// The GNU build id of an ELF file, in hex, as readelf prints it.

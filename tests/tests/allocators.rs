@@ -118,6 +118,50 @@ fn redis_server_allocates_through_jemalloc() {
     assert!((3 * KEYS..=6 * KEYS).contains(&allocations), "{allocations} blocks for {KEYS} keys");
     let bytes = report["total_bytes"].as_u64().unwrap();
     assert!((KEYS * 100..=KEYS * 1000).contains(&bytes), "{bytes} bytes for {KEYS} keys of 100 bytes");
+    assert_whole_stacks(report, bytes);
+}
+
+/// Debian's redis has no frame pointers: its stacks are walked through
+/// its unwind tables, from jemalloc's callers to main (or to a thread's
+/// start, for the background threads), for at least 99% of the `bytes`.
+fn assert_whole_stacks(report: &Value, bytes: u64) {
+    let functions = |stack: &Value| -> Vec<String> {
+        let frames = stack["frames"].as_array().unwrap();
+        frames.iter().filter_map(|frame| frame["function"].as_str().map(str::to_owned)).collect()
+    };
+    let rooted: u64 = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|stack| functions(stack).iter().any(|name| name == "main" || name == "start_thread"))
+        .map(|stack| stack["bytes"].as_u64().unwrap())
+        .sum();
+    assert!(rooted * 100 >= bytes * 99, "{rooted} of {bytes} bytes in stacks that reach main: {report:#}");
+    let commands = report["stacks"].as_array().unwrap().iter().find(|stack| {
+        let names = functions(stack);
+        ["setCommand", "call", "processCommand", "main"].iter().all(|name| names.iter().any(|f| f == name))
+    });
+    assert!(commands.is_some(), "a stack through SET's command processing: {report:#}");
+}
+
+/// A stack of the Rust fixture: every function, in order, to the runtime's
+/// start.
+fn assert_reaches_the_runtime(stack: &Value) {
+    let names: Vec<&str> =
+        stack["frames"].as_array().unwrap().iter().filter_map(|frame| frame["function"].as_str()).collect();
+    let at = |name: &str| names.iter().position(|function| *function == name);
+    let order = [
+        at("rust_jemalloc::leak_blocks"),
+        at("rust_jemalloc::handle_request"),
+        at("rust_jemalloc::serve"),
+        at("rust_jemalloc::main"),
+        at("std::rt::lang_start_internal"),
+    ];
+    assert!(
+        order.iter().all(Option::is_some) && order.is_sorted(),
+        "in order, to the runtime's start: {names:?}"
+    );
+    assert_eq!(stack.get("truncated"), None, "{stack:#}");
 }
 
 #[test]
@@ -136,9 +180,10 @@ fn a_program_built_against_musl() {
 }
 
 #[test]
-fn a_rust_program_with_tikv_jemallocator() {
-    // Built here with frame pointers; jemalloc is linked in with the _rjem_
-    // prefix and keeps only what Rust calls (mallocx, sdallocx...).
+fn a_rust_release_build_with_tikv_jemallocator() {
+    // The default release profile: no frame pointers. jemalloc is linked
+    // in with the _rjem_ prefix and keeps only what Rust calls (mallocx,
+    // sdallocx...).
     let manifest = memleak_tests::workspace_root().join("tests/fixtures/rust-jemalloc/Cargo.toml");
     let target_dir = memleak_tests::workspace_root().join("target/fixtures/rust-jemalloc");
     let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
@@ -146,19 +191,34 @@ fn a_rust_program_with_tikv_jemallocator() {
         .arg(&manifest)
         .arg("--target-dir")
         .arg(&target_dir)
-        .env("RUSTFLAGS", "-C force-frame-pointers=yes")
+        .env_remove("RUSTFLAGS")
         .status()
         .expect("run cargo");
     assert!(status.success(), "building the tikv-jemallocator fixture failed");
     let program = target_dir.join("release/rust-jemalloc");
-    let report = memleak_tests::trace_program(&program, "", &[]).pop().unwrap();
+    let mut target = Leaker::start_command(std::process::Command::new(&program));
+    let pid = target.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    target.go();
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    target.exit();
+    let report = reports.last().expect("a final report");
     assert_eq!(report["allocator"], program.to_str().unwrap(), "the binary's own jemalloc is probed");
     let stacks = report["stacks"].as_array().unwrap();
-    let leaked = stacks.iter().filter(|stack| stack["frames"][0]["function"] == "rust_jemalloc::leak_blocks");
-    let (bytes, count) = leaked.fold((0, 0), |(bytes, count), stack| {
-        (bytes + stack["bytes"].as_u64().unwrap(), count + stack["allocations"].as_u64().unwrap())
-    });
-    assert_eq!((bytes, count), (3000, 3), "{report:#}");
+    // The loop is unrolled: each of the three leaks has a call site, and a
+    // stack, of its own.
+    let leaked: Vec<&Value> = stacks
+        .iter()
+        .filter(|stack| stack["frames"][0]["function"] == "rust_jemalloc::leak_blocks")
+        .collect();
+    let total = |field: &str| leaked.iter().map(|stack| stack[field].as_u64().unwrap()).sum::<u64>();
+    assert_eq!((total("bytes"), total("allocations")), (3000, 3), "{report:#}");
+    for stack in leaked {
+        assert_reaches_the_runtime(stack);
+    }
     assert!(
         stacks.iter().all(|stack| stack["frames"][0]["function"] != "rust_jemalloc::churn"),
         "churn freed all"

@@ -131,10 +131,13 @@ fn demo() -> Result<()> {
 /// Debian packages the end-to-end tests use: compilers for the fixtures
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
 /// are run with, redis-server as a real program, go tool pprof (with
-/// graphviz for its -svg) to read memleak's profiles, and bpftool to count
-/// what memleak's maps hold without taking memleak's word for it.
-const TEST_PACKAGES: [&str; 11] = [
+/// graphviz for its -svg) to read memleak's profiles, bpftool to count
+/// what memleak's maps hold without taking memleak's word for it, and
+/// Debian's python3 and a node to unwind real interpreters and JIT code.
+const TEST_PACKAGES: [&str; 13] = [
     "bpftool",
+    "python3",
+    "nodejs",
     "gcc",
     "g++",
     "libc6-dev",

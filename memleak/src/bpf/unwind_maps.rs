@@ -43,6 +43,29 @@ impl RowArray {
     }
 }
 
+#[cfg(test)]
+impl RowArray {
+    /// A row array in plain memory, as BPF would map it, for tests.
+    pub fn for_tests() -> Self {
+        let capacity = 4096;
+        let mapped_bytes = capacity as usize * size_of::<UnwindRow>();
+        // SAFETY: an anonymous private mapping, unmapped by `drop`.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(address, libc::MAP_FAILED);
+        let rows = NonNull::new(address.cast::<UnwindRow>()).expect("a mapping");
+        Self { rows, capacity, mapped_bytes }
+    }
+}
+
 impl Drop for RowArray {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `Tracer::unwind_rows`, unmapped once.

@@ -480,6 +480,7 @@ fn update_unwind_table(
         return Ok(());
     }
     tracer.set_process_mappings(target.pid, &table)?;
+    log::debug!("pid {}: unwind table of {} executable mappings in use", target.pid, table.count);
     target.unwind_table = Some(table);
     Ok(())
 }

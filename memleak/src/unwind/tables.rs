@@ -28,6 +28,9 @@ use crate::{
 /// than any walk.
 const GRACE_PERIOD: Duration = Duration::from_secs(2);
 
+/// What the kernel maps by.
+const PAGE_SIZE: u64 = 4096;
+
 /// Row 0 of the array: a stop. The uprobe trampoline's mapping points at
 /// it, so that a walk never steps through another return probe's
 /// trampoline as if it were code.
@@ -271,14 +274,16 @@ impl UnwindTables {
         let mut mapping = ExecMapping { start: range.start, end: range.end, ..ExecMapping::default() };
         let Some(object) = self.objects.get(key) else { return mapping };
         let Some(rows) = &object.rows else { return mapping };
-        let segment = object
-            .segments
-            .iter()
-            .find(|segment| segment.offset <= range.offset && range.offset < segment.offset + segment.size);
+        // The kernel maps whole pages: a segment that does not start on a
+        // page (lld lays them out so) is mapped from the page before.
+        let segment = object.segments.iter().find(|segment| {
+            segment.offset & !(PAGE_SIZE - 1) <= range.offset && range.offset < segment.offset + segment.size
+        });
         let Some(segment) = segment else { return mapping };
-        // The object's address of the mapping's first byte; the load bias
-        // is how far the mapping moved it.
-        let vaddr = segment.vaddr + (range.offset - segment.offset);
+        // The object's address of the mapping's first byte (before the
+        // segment's own, if it starts mid-page); the load bias is how far
+        // the mapping moved it.
+        let vaddr = segment.vaddr.wrapping_add(range.offset).wrapping_sub(segment.offset);
         mapping.bias = range.start.wrapping_sub(vaddr).wrapping_add(object.text_base);
         mapping.first_row = rows.start;
         mapping.row_count = rows.end - rows.start;
@@ -351,6 +356,30 @@ impl RowSpace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bias_takes_mappings_to_row_pcs_with_segments_off_page() {
+        // lld's layout: the code segment starts mid-page in the file, and
+        // the kernel maps it from the page before.
+        let segment = Segment { offset: 0x2_7190, vaddr: 0x2_8190, size: 0x8_7170 };
+        let object = LoadedObject { rows: Some(1..100), text_base: 0x2_8190, segments: vec![segment], users: 1 };
+        let key = ObjectKey::BuildId("ab".to_owned());
+        let rows = RowArray::for_tests();
+        let mut tables = UnwindTables::new(rows, Unwinding::Dwarf);
+        tables.objects.insert(key.clone(), object);
+        let range = CodeRange {
+            start: 0x5569_1d1d_e000,
+            end: 0x5569_1d26_6000,
+            offset: 0x2_7000,
+            object: None,
+            uprobes_trampoline: false,
+        };
+        let mapping = tables.mapping_of(&key, &range);
+        assert_eq!((mapping.first_row, mapping.row_count), (1, 99));
+        // The segment's first byte is at 0x190 into the mapping, and it is
+        // the object's text base: row pc 0.
+        assert_eq!((range.start + 0x190).wrapping_sub(mapping.bias), 0);
+    }
 
     #[test]
     fn freed_rows_are_reused_after_the_grace_period_and_merged() {

@@ -1,0 +1,175 @@
+//! Full stacks without frame pointers: release builds of C, C++, a
+//! library loaded later, a signal handler, and real interpreters, each
+//! walked through its unwind tables in BPF.
+
+use std::process::Command;
+
+use memleak_tests::{Leaker, Memleak};
+use serde_json::Value;
+
+/// Attaches memleak to a program started by the test and held at
+/// "ready", lets it leak, and returns memleak's final report.
+fn final_report(program: Command, memleak_args: &[&str]) -> Value {
+    let mut target = Leaker::start_command(program);
+    let pid = target.pid().to_string();
+    let mut args = vec!["-p", &pid, "--format", "json", "-T", "1000", "3600"];
+    args.extend_from_slice(memleak_args);
+    let mut memleak = Memleak::start(&args);
+    memleak.wait_attached();
+    target.go();
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    target.exit();
+    reports.last().cloned().expect("a final report")
+}
+
+/// The function names of a stack's frames, innermost first.
+fn functions(stack: &Value) -> Vec<&str> {
+    stack["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|frame| frame["function"].as_str().unwrap_or("?"))
+        .collect()
+}
+
+/// The stacks of a report whose frames include `function`.
+fn stacks_through<'a>(report: &'a Value, function: &str) -> Vec<&'a Value> {
+    let stacks = report["stacks"].as_array().expect("stacks");
+    stacks.iter().filter(|stack| functions(stack).contains(&function)).collect()
+}
+
+fn sessions(memleak_args: &[&str]) -> Value {
+    let mut program = Command::new(memleak_tests::optimized("sessions"));
+    program.args(["1000", "--wait"]);
+    final_report(program, memleak_args)
+}
+
+#[test]
+fn a_cxx_release_build_has_whole_stacks_and_one_path_is_one_stack() {
+    let report = sessions(&[]);
+    assert_eq!(report["unwinding"], "dwarf");
+    let sessions = stacks_through(&report, "make_session(int)");
+    assert_eq!(sessions.len(), 1, "1000 leaks along one call path are one stack: {report:#}");
+    let stack = sessions[0];
+    assert_eq!((stack["bytes"].as_u64(), stack["allocations"].as_u64()), (Some(64_000), Some(1000)));
+    assert_eq!(
+        functions(stack)[..6],
+        [
+            "operator new(unsigned long)",
+            "make_session(int)",
+            "open_session(int)",
+            "handle_request(int)",
+            "main",
+            "__libc_start_call_main"
+        ],
+        "{stack:#}"
+    );
+    assert_eq!(stack["frames"][1]["line"], memleak_tests::marker_line("sessions", "session"));
+    assert_eq!(stack.get("truncated"), None, "the walk reached the root: {stack:#}");
+}
+
+#[test]
+fn frame_pointers_alone_cannot_see_past_new_but_keep_one_stack() {
+    let report = sessions(&["--unwind", "fp"]);
+    assert_eq!(report["unwinding"], "frame_pointers");
+    assert!(stacks_through(&report, "make_session(int)").is_empty(), "no frame pointer leads there");
+    let stacks = report["stacks"].as_array().unwrap();
+    let sessions: Vec<&Value> = stacks.iter().filter(|stack| stack["bytes"] == 64_000).collect();
+    assert_eq!(sessions.len(), 1, "no junk frame splits the path: {report:#}");
+    assert_eq!(functions(sessions[0]), ["operator new(unsigned long)"]);
+    assert_eq!(sessions[0]["truncated"], "no_unwind_info", "{:#}", sessions[0]);
+}
+
+#[test]
+fn a_signal_frame_is_crossed() {
+    let mut program = Command::new(memleak_tests::optimized("unwind"));
+    program.args(["signal", "--wait"]);
+    let report = final_report(program, &[]);
+    let stacks = stacks_through(&report, "leak_in_handler");
+    assert_eq!(stacks.len(), 1, "{report:#}");
+    let names = functions(stacks[0]);
+    let at = |name: &str| names.iter().position(|function| *function == name);
+    // The handler, then what the signal interrupted, down to main.
+    let (handler, interrupted, main) = (at("on_signal"), at("interrupted"), at("main"));
+    assert!(handler.is_some() && handler < interrupted && interrupted < main, "{names:?}");
+    assert_eq!(stacks[0]["bytes"], 777);
+    assert_eq!(stacks[0].get("truncated"), None, "{:#}", stacks[0]);
+}
+
+#[test]
+fn a_library_loaded_later_gets_its_tables() {
+    let library = memleak_tests::shared_library("plugin");
+    let mut target = Leaker::start_command({
+        let mut program = Command::new(memleak_tests::optimized("unwind"));
+        program.args(["dlopen".as_ref(), library.as_os_str(), "--wait".as_ref()]);
+        program
+    });
+    let pid = target.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "-v", "3600"]);
+    memleak.wait_attached();
+    // It loads the library and leaks through it at once: that walk meets
+    // code memleak does not know yet, and asks for a rescan.
+    target.send("go", "loaded");
+    let mapped = format!("memleak: debug: pid {pid} maps {}", library.display());
+    memleak.stderr.wait_for("memleak to see the library", |line| line == mapped);
+    let in_use = format!("memleak: debug: pid {pid}: unwind table of ");
+    memleak.stderr.wait_for("the table with the library in use", |line| line.starts_with(&in_use));
+    target.send("go", "done");
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    target.exit();
+    let report = reports.last().expect("a final report");
+    let stacks = report["stacks"].as_array().unwrap();
+    let later = stacks
+        .iter()
+        .find(|stack| stack["bytes"] == 4321)
+        .unwrap_or_else(|| panic!("the second leak: {report:#}"));
+    assert_eq!(functions(later)[..4], ["plugin_inner", "plugin_leak", "load_and_leak", "main"], "{later:#}");
+    assert_eq!(later["frames"][0]["line"], memleak_tests::marker_line("plugin", "plugin"));
+    assert_eq!(later.get("truncated"), None);
+    // The first leak came before the table; its stack says so.
+    let first = stacks.iter().find(|stack| stack["bytes"] == 1111).expect("the first leak");
+    assert_eq!(functions(first)[0], "plugin_inner");
+    assert!(first.get("truncated").is_none() || first["truncated"] == "unknown_code", "{first:#}");
+}
+
+#[test]
+fn debian_python_through_ctypes_and_libffi() {
+    let script = memleak_tests::workspace_root().join("tests/fixtures/leak.py");
+    let mut program = Command::new("/usr/bin/python3");
+    program.arg(script);
+    let report = final_report(program, &[]);
+    let stacks = report["stacks"].as_array().unwrap();
+    let leak = stacks.iter().find(|stack| stack["bytes"] == 100_000).expect("100 blocks of 1000 bytes");
+    assert_eq!(leak["allocations"], 100);
+    let modules: Vec<&str> =
+        leak["frames"].as_array().unwrap().iter().filter_map(|f| f["module"].as_str()).collect();
+    assert!(modules[0].contains("libffi"), "malloc is called by libffi: {leak:#}");
+    let names = functions(leak);
+    let at = |name: &str| names.iter().position(|function| *function == name);
+    let (eval_loop, root) = (at("_PyEval_EvalFrameDefault"), at("__libc_start_call_main"));
+    assert!(eval_loop.is_some() && eval_loop < root, "through the eval loop to the root: {names:?}");
+    assert_eq!(leak.get("truncated"), None);
+}
+
+#[test]
+fn node_jit_frames_are_named_from_its_perf_map() {
+    let script = memleak_tests::workspace_root().join("tests/fixtures/leak.js");
+    let mut program = Command::new("node");
+    program.arg("--perf-basic-prof").arg(script);
+    let report = final_report(program, &[]);
+    let stacks = report["stacks"].as_array().unwrap();
+    let named = stacks.iter().find(|stack| {
+        stack["frames"].as_array().unwrap().iter().any(|frame| {
+            frame["module"] == "jit"
+                && frame["function"].as_str().is_some_and(|name| name.contains("leakBuffers"))
+        })
+    });
+    let stack = named.unwrap_or_else(|| panic!("a stack through the JS function leakBuffers: {report:#}"));
+    // 50 Buffers of 100,000 bytes and more, from that JS function.
+    assert!(stack["bytes"].as_u64().unwrap() >= 100_000, "{stack:#}");
+    assert!(functions(stack).contains(&"node::Start(int, char**)"), "{:?}", functions(stack));
+}
