@@ -52,7 +52,9 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
         .map(|path| NumberedFiles::new(path, documents, config.output.force))
         .transpose()?;
     let mut stats = Stats::open(config.stats.as_deref())?;
+    let starting = Instant::now();
     let mut session = Session::start(&config.target, &config.session)?;
+    stats.started(session.load_time(), starting.elapsed())?;
     announce(&session, &config.target, &mut stats)?;
     let mut sinks = Sinks { output: &mut output, saves: saves.as_mut(), stats: &mut stats };
     let ended = drive(config, &mut session, &mut sinks, &mut stop).await;

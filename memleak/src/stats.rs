@@ -2,6 +2,7 @@
 //! benchmark, say) instead of log lines meant for people. One object per
 //! line, each with an `event` naming what it records:
 //!
+//! - `started`: how long loading the BPF programs and starting took;
 //! - `probes`: where the probes for a process went;
 //! - `report`: a report's size, and how long it took from reading the maps
 //!   to the report;
@@ -53,6 +54,7 @@ enum Record<'a> {
         bytes: u64,
         latency_ms: f64,
     },
+    Started { load_ms: f64, start_ms: f64 },
     UnwindTables {
         pid: u32,
         objects: usize,
@@ -109,6 +111,13 @@ impl Stats {
             bytes: report.total_bytes,
             latency_ms: latency.as_secs_f64() * 1000.0,
         })
+    }
+
+    /// How long memleak took to start tracing: `load` of it loading its
+    /// BPF programs (the kernel's verifier, mostly), `start` in all, the
+    /// first tables and probes included.
+    pub fn started(&mut self, load: Duration, start: Duration) -> Result<(), StatsError> {
+        self.write(&Record::Started { load_ms: load.as_secs_f64() * 1000.0, start_ms: start.as_secs_f64() * 1000.0 })
     }
 
     /// What process `pid`'s unwind table took, and what the tables of

@@ -107,6 +107,8 @@ pub struct Links {
 
 pub struct Tracer {
     pub(super) ebpf: Ebpf,
+    /// How long loading took, the kernel's verifier most of it.
+    load_time: std::time::Duration,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -146,6 +148,7 @@ impl Tracer {
     }
 
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
+        let started = std::time::Instant::now();
         let settings = &config.settings;
         let mut ebpf = EbpfLoader::new()
             .override_global(tunables::MIN_SIZE, &settings.min_size, true)
@@ -182,7 +185,12 @@ impl Tracer {
                 }
             })?;
         }
-        Ok(Self { ebpf })
+        Ok(Self { ebpf, load_time: started.elapsed() })
+    }
+
+    /// How long loading took, the kernel's verifier most of it.
+    pub fn load_time(&self) -> std::time::Duration {
+        self.load_time
     }
 
     /// Attaches the probes of `plan`, firing only for process `pid` and

@@ -331,6 +331,11 @@ impl Session {
         &self.targets
     }
 
+    /// How long loading the BPF programs took.
+    pub fn load_time(&self) -> std::time::Duration {
+        self.tracer.load_time()
+    }
+
     /// What the unwind tables hold for every process, if there are any.
     pub fn unwind_stats(&self) -> Option<UnwindStats> {
         self.unwind.as_ref().map(UnwindTables::stats)
