@@ -176,6 +176,7 @@ impl Tracer {
                 }
             })?;
         for program in uprobe_programs() {
+            let loading = std::time::Instant::now();
             let probe = uprobe(&mut ebpf, program)?;
             probe.load().map_err(|source| {
                 if caused_by_eperm(&source) {
@@ -184,6 +185,7 @@ impl Tracer {
                     TracerError::Verifier { program, source }
                 }
             })?;
+            log::debug!("{program} verified and loaded in {} ms", loading.elapsed().as_millis());
         }
         Ok(Self { ebpf, load_time: started.elapsed() })
     }

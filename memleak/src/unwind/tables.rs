@@ -22,6 +22,7 @@ use crate::{
     bpf::unwind_maps::RowArray,
     model::Unwinding,
     process::address_space::{AddressSpace, CodeRange, FileId, MappedObject},
+    status,
 };
 
 /// How long a freed range of rows waits before it is reused: far longer
@@ -138,6 +139,7 @@ impl UnwindTables {
             mappings: [ExecMapping::default(); MAX_EXEC_MAPPINGS],
         });
         let mut used = Vec::new();
+        let mut progress = Progress::default();
         for range in space.code() {
             if table.count as usize == MAX_EXEC_MAPPINGS {
                 built.mappings_left_out += 1;
@@ -153,6 +155,7 @@ impl UnwindTables {
                 },
                 (Some(object), false) => {
                     let key = self.load(object, &mut built);
+                    progress.object_loaded(pid, &built, started);
                     let mapping = self.mapping_of(&key, range);
                     used.push(key);
                     mapping
@@ -174,6 +177,7 @@ impl UnwindTables {
             self.release(&previous);
         }
         built.elapsed = started.elapsed();
+        progress.finished(pid, &built);
         (table, built)
     }
 
@@ -304,6 +308,38 @@ fn executable_segments(data: &[u8]) -> Vec<Segment> {
             size: header.p_filesz(endian),
         })
         .collect()
+}
+
+/// Lines on stderr while a table takes long to build (a large process,
+/// a slow disk): silence for the first second.
+#[derive(Default)]
+struct Progress {
+    said: bool,
+}
+
+impl Progress {
+    const QUIET_FOR: Duration = Duration::from_secs(1);
+
+    fn object_loaded(&mut self, pid: u32, built: &TableBuilt, started: Instant) {
+        if !self.said && started.elapsed() > Self::QUIET_FOR {
+            self.said = true;
+            status::say(&format!(
+                "building unwind tables for pid {pid}: {} objects, {} rows so far...",
+                built.new_objects, built.new_rows
+            ));
+        }
+    }
+
+    fn finished(&self, pid: u32, built: &TableBuilt) {
+        if self.said {
+            status::say(&format!(
+                "unwind tables for pid {pid}: {} objects, {} rows in {:.1} s",
+                built.new_objects,
+                built.new_rows,
+                built.elapsed.as_secs_f64()
+            ));
+        }
+    }
 }
 
 /// Which ranges of the rows array are free: first fit, neighbours merged.
