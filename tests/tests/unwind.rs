@@ -10,6 +10,11 @@ use serde_json::Value;
 /// Attaches memleak to a program started by the test and held at
 /// "ready", lets it leak, and returns memleak's final report.
 fn final_report(program: Command, memleak_args: &[&str]) -> Value {
+    final_report_and_stderr(program, memleak_args).0
+}
+
+/// As `final_report`, with what memleak said on stderr.
+fn final_report_and_stderr(program: Command, memleak_args: &[&str]) -> (Value, Vec<String>) {
     let mut target = Leaker::start_command(program);
     let pid = target.pid().to_string();
     let mut args = vec!["-p", &pid, "--format", "json", "-T", "1000", "3600"];
@@ -18,10 +23,11 @@ fn final_report(program: Command, memleak_args: &[&str]) -> Value {
     memleak.wait_attached();
     target.go();
     memleak.signal(libc::SIGINT);
+    let stderr = memleak.stderr.rest();
     let (status, reports) = memleak.finish();
     assert!(status.success(), "memleak exited with {status}");
     target.exit();
-    reports.last().cloned().expect("a final report")
+    (reports.last().cloned().expect("a final report"), stderr)
 }
 
 /// The function names of a stack's frames, innermost first.
@@ -40,10 +46,14 @@ fn stacks_through<'a>(report: &'a Value, function: &str) -> Vec<&'a Value> {
     stacks.iter().filter(|stack| functions(stack).contains(&function)).collect()
 }
 
-fn sessions(memleak_args: &[&str]) -> Value {
+fn sessions_command() -> Command {
     let mut program = Command::new(memleak_tests::optimized("sessions"));
     program.args(["1000", "--wait"]);
-    final_report(program, memleak_args)
+    program
+}
+
+fn sessions(memleak_args: &[&str]) -> Value {
+    final_report(sessions_command(), memleak_args)
 }
 
 #[test]
@@ -80,6 +90,23 @@ fn frame_pointers_alone_cannot_see_past_new_but_keep_one_stack() {
     assert_eq!(sessions.len(), 1, "no junk frame splits the path: {report:#}");
     assert_eq!(functions(sessions[0]), ["operator new(unsigned long)"]);
     assert_eq!(sessions[0]["truncated"], "no_unwind_info", "{:#}", sessions[0]);
+}
+
+#[test]
+fn objects_that_do_not_fit_the_table_are_walked_with_frame_pointers() {
+    // Room for the program's own rows, not for libstdc++'s 28,000.
+    let (report, stderr) = final_report_and_stderr(sessions_command(), &["--max-unwind-rows", "1000"]);
+    let warned = stderr.iter().any(|line| {
+        line.starts_with("memleak: warn: no room for the ")
+            && line.contains("libstdc++")
+            && line.ends_with("(--max-unwind-rows): its code is walked with frame pointers")
+    });
+    assert!(warned, "a full table is said, never a failure: {stderr:#?}");
+    let stacks = report["stacks"].as_array().unwrap();
+    let sessions: Vec<&Value> = stacks.iter().filter(|stack| stack["bytes"] == 64_000).collect();
+    assert_eq!(sessions.len(), 1, "{report:#}");
+    assert_eq!(functions(sessions[0]), ["operator new(unsigned long)"]);
+    assert_eq!(sessions[0]["truncated"], "no_unwind_info");
 }
 
 #[test]
