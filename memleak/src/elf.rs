@@ -26,6 +26,24 @@ pub fn function_addresses(file: &object::File, prefix: &str, names: &[&str]) -> 
     addresses
 }
 
+/// The address of a symbol of the dynamic symbol table, function or data.
+pub fn dynamic_symbol(file: &object::File, name: &str) -> Option<u64> {
+    file.dynamic_symbols()
+        .find(|symbol| !symbol.is_undefined() && symbol.name() == Ok(name))
+        .map(|symbol| symbol.address())
+}
+
+/// The virtual address of the first `PT_LOAD` segment: where the object
+/// starts once loaded, its load bias aside.
+pub fn first_load_vaddr(file: &object::File) -> Option<u64> {
+    let object::File::Elf64(elf) = file else { return None };
+    let endian = elf.endian();
+    elf.elf_program_headers()
+        .iter()
+        .find(|header| header.p_type(endian) == object::elf::PT_LOAD)
+        .map(|header| header.p_vaddr(endian))
+}
+
 /// Converts a virtual address to the file offset uprobes are placed by.
 pub fn file_offset(file: &object::File, address: u64) -> Option<u64> {
     file.segments().find_map(|segment| {

@@ -13,7 +13,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::lifecycle::TargetEvent;
+use super::{lifecycle::TargetEvent, link_map::LinkMapHook};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
@@ -188,6 +188,8 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
         // SAFETY: the tracee is in a ptrace stop, as waitpid just told us.
         unsafe { libc::ptrace(request, pid, 0, libc::c_long::from(signal)) };
     };
+    // Set at the exec stop, until the libraries are all mapped.
+    let mut hook: Option<LinkMapHook> = None;
     loop {
         let mut status = 0;
         // SAFETY: waits for our own tracee.
@@ -222,13 +224,46 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
                     matches!(stop_signal, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU);
                 resume(if stopping { libc::PTRACE_LISTEN } else { libc::PTRACE_CONT }, 0);
             }
+            0 if stop_signal == libc::SIGTRAP && hook.as_ref().is_some_and(|hook| hook.hit(pid)) => {
+                hook = hook.and_then(|hook| libraries_mapped(pid, hook, events));
+                resume(libc::PTRACE_CONT, 0);
+            }
             0 => {
                 log::debug!("command {pid} got signal {stop_signal}");
                 resume(libc::PTRACE_CONT, stop_signal); // deliver the signal as if untraced
             }
-            _ => resume(libc::PTRACE_CONT, 0), // the exec stop
+            libc::PTRACE_EVENT_EXEC => {
+                hook = LinkMapHook::set(pid);
+                resume(libc::PTRACE_CONT, 0);
+            }
+            _ => resume(libc::PTRACE_CONT, 0),
         }
     }
+}
+
+/// The tracee stopped at the linker's hook: once its libraries are all
+/// mapped, the session loads their tables while it waits, and the hook is
+/// gone; until then it steps on, the hook kept.
+fn libraries_mapped(
+    pid: libc::pid_t,
+    hook: LinkMapHook,
+    events: &tokio::sync::mpsc::UnboundedSender<TargetEvent>,
+) -> Option<LinkMapHook> {
+    if !hook.consistent(pid) {
+        return match hook.step_over(pid) {
+            Ok(()) => Some(hook),
+            Err(error) => {
+                log::debug!("command {pid}: the linker's hook is given up: {error}");
+                None
+            }
+        };
+    }
+    let (ack, acked) = std::sync::mpsc::channel();
+    if events.send(TargetEvent::Mapped { pid: pid as u32, ack }).is_ok() {
+        // Returns once the tables are in, or memleak moved on.
+        let _ = acked.recv();
+    }
+    None
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {

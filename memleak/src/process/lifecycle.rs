@@ -31,6 +31,10 @@ pub enum TargetEvent {
     /// that its stacks can still be symbolized; a process memleak did not
     /// start is already gone (`ack` is `None`).
     Exiting { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
+    /// A command memleak started has all its libraries mapped and none has
+    /// run yet: it waits, stopped, until `ack` is dropped or sent to, so
+    /// that their unwind tables are in before their code allocates.
+    Mapped { pid: u32, ack: std::sync::mpsc::Sender<()> },
 }
 
 /// Checks that `pid` is a live user-space process.
@@ -133,7 +137,7 @@ mod tests {
         let mut second = second;
         second.kill().unwrap();
         second.wait().unwrap();
-        let TargetEvent::Exiting { pid, ack } = receiver.recv().await.unwrap();
+        let Some(TargetEvent::Exiting { pid, ack }) = receiver.recv().await else { panic!("an exit") };
         assert_eq!((pid, ack.is_none()), (second_pid, true));
         for handle in handles {
             handle.abort();

@@ -6,6 +6,7 @@ pub mod address_space;
 pub mod cgroup;
 pub mod command;
 pub mod lifecycle;
+pub mod link_map;
 pub mod maps;
 
 pub use address_space::AddressSpace;

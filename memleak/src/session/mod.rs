@@ -369,9 +369,15 @@ impl Session {
                     ready.map_err(SessionError::Rings)?;
                     self.take_mapping_events();
                 }
-                Some(TargetEvent::Exiting { pid, ack }) = self.exit_events.recv() => {
-                    return Ok(SessionEvent::Exiting { pid, ack });
-                }
+                Some(event) = self.exit_events.recv() => match event {
+                    TargetEvent::Exiting { pid, ack } => return Ok(SessionEvent::Exiting { pid, ack }),
+                    TargetEvent::Mapped { pid, ack } => {
+                        if let Some(index) = self.targets.iter().position(|target| target.pid == pid) {
+                            self.refresh_target(index)?;
+                        }
+                        drop(ack);
+                    }
+                },
                 _ = self.rescan_poll.tick(), if self.unwind.is_some() => self.take_rescan_requests()?,
             }
         }

@@ -1,0 +1,139 @@
+//! The dynamic linker's hook for debuggers, used on a command memleak
+//! starts: ld.so calls `_dl_debug_state` when it has changed its list of
+//! loaded objects, with `_r_debug.r_state` saying whether the list is
+//! consistent again. gdb stops there to read a program's libraries before
+//! they run; memleak does the same, once, at start-up, so that the
+//! libraries' unwind tables are loaded before their constructors or the
+//! program's first allocation, which would otherwise be walked before
+//! memleak knew their code.
+//!
+//! A breakpoint (int3) goes on the hook at the exec stop, while the
+//! program is single-threaded; it is removed at the first stop that finds
+//! the list consistent, before any thread that ptrace does not follow
+//! could meet it.
+
+use std::{fs, io};
+
+use super::maps::{self, MapsEntry};
+use crate::elf;
+
+/// `r_state` of `struct r_debug`: after `int r_version`, its padding, and
+/// two pointers-sized fields.
+const R_STATE_OFFSET: u64 = 24;
+/// `RT_CONSISTENT` of `enum r_state`.
+const RT_CONSISTENT: libc::c_long = 0;
+const INT3: libc::c_long = 0xcc;
+
+/// A breakpoint on the hook of a stopped tracee.
+pub struct LinkMapHook {
+    /// Where `_dl_debug_state` is in the tracee.
+    address: u64,
+    /// The word at `address` before the breakpoint replaced its first byte.
+    original: libc::c_long,
+    /// Where `_r_debug.r_state` is; `None` for a linker without `_r_debug`
+    /// (musl's), whose first call is the consistent one.
+    r_state: Option<u64>,
+}
+
+impl LinkMapHook {
+    /// Puts the breakpoint into `pid`, stopped at its exec: its dynamic
+    /// linker is mapped, nothing else of it ran yet. `None` for a static
+    /// program, or if the hook cannot be found or written.
+    pub fn set(pid: libc::pid_t) -> Option<Self> {
+        let entries = maps::parse(&fs::read_to_string(format!("/proc/{pid}/maps")).ok()?);
+        let (address, r_state) = entries.iter().find_map(|entry| hook_in(pid as u32, entry, &entries))?;
+        let original = peek(pid, address).ok()?;
+        poke(pid, address, (original & !0xff) | INT3).ok()?;
+        Some(Self { address, original, r_state })
+    }
+
+    /// Whether the tracee, stopped by SIGTRAP, stopped at this breakpoint:
+    /// then it is put back on the hooked instruction, the breakpoint taken
+    /// out; `step_over` or `remove` follows.
+    pub fn hit(&self, pid: libc::pid_t) -> bool {
+        let Ok(mut registers) = registers(pid) else { return false };
+        if registers.rip != self.address + 1 {
+            return false;
+        }
+        registers.rip = self.address;
+        set_registers(pid, &registers).is_ok() && poke(pid, self.address, self.original).is_ok()
+    }
+
+    /// Whether the linker's list of objects is consistent: all mapped.
+    pub fn consistent(&self, pid: libc::pid_t) -> bool {
+        self.r_state.is_none_or(|address| peek(pid, address).is_ok_and(|word| word & 0xffff_ffff == RT_CONSISTENT))
+    }
+
+    /// Runs the hooked instruction and puts the breakpoint back, for the
+    /// next change of the list.
+    pub fn step_over(&self, pid: libc::pid_t) -> io::Result<()> {
+        // SAFETY: the tracee is in a ptrace stop.
+        if unsafe { libc::ptrace(libc::PTRACE_SINGLESTEP, pid, 0, 0) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own tracee's single step.
+        if unsafe { libc::waitpid(pid, &raw mut status, libc::__WALL) } < 0 || !libc::WIFSTOPPED(status) {
+            return Err(io::Error::other("the tracee did not stop after one step"));
+        }
+        poke(pid, self.address, (self.original & !0xff) | INT3)
+    }
+}
+
+/// The hook and `_r_debug.r_state` in the tracee, if `entry` maps the
+/// start of a dynamic linker.
+fn hook_in(pid: u32, entry: &MapsEntry, entries: &[MapsEntry]) -> Option<(u64, Option<u64>)> {
+    if entry.offset != 0 {
+        return None;
+    }
+    let path = entry.open_paths(pid).into_iter().find(|path| path.exists())?;
+    let data = fs::read(path).ok()?;
+    let file = object::File::parse(&*data).ok()?;
+    let hook = elf::dynamic_symbol(&file, "_dl_debug_state")?;
+    let r_debug = elf::dynamic_symbol(&file, "_r_debug");
+    // The bias that every mapping of this file shares.
+    let first_vaddr = elf::first_load_vaddr(&file)?;
+    let bias = entry.start.wrapping_sub(first_vaddr & !0xfff);
+    let mapped = |address: u64| entries.iter().any(|other| other.start <= address && address < other.end);
+    let hook = hook.wrapping_add(bias);
+    mapped(hook).then_some((hook, r_debug.map(|r_debug| r_debug.wrapping_add(bias) + R_STATE_OFFSET)))
+}
+
+fn peek(pid: libc::pid_t, address: u64) -> io::Result<libc::c_long> {
+    // PEEKTEXT returns the word; -1 is a word too, so errno tells.
+    // SAFETY: errno is this thread's; the tracee is in a ptrace stop.
+    unsafe { *libc::__errno_location() = 0 };
+    // SAFETY: as above.
+    let word = unsafe { libc::ptrace(libc::PTRACE_PEEKTEXT, pid, address, 0) };
+    let error = io::Error::last_os_error();
+    if word == -1 && error.raw_os_error() != Some(0) {
+        return Err(error);
+    }
+    Ok(word)
+}
+
+fn poke(pid: libc::pid_t, address: u64, word: libc::c_long) -> io::Result<()> {
+    // SAFETY: writes one word of the stopped tracee's memory.
+    if unsafe { libc::ptrace(libc::PTRACE_POKETEXT, pid, address, word) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn registers(pid: libc::pid_t) -> io::Result<libc::user_regs_struct> {
+    // SAFETY: plain data that PTRACE_GETREGS fills in.
+    let mut registers: libc::user_regs_struct = unsafe { std::mem::zeroed() };
+    // SAFETY: the tracee is in a ptrace stop; `registers` is large enough.
+    if unsafe { libc::ptrace(libc::PTRACE_GETREGS, pid, 0, &raw mut registers) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(registers)
+}
+
+fn set_registers(pid: libc::pid_t, registers: &libc::user_regs_struct) -> io::Result<()> {
+    // SAFETY: as above.
+    if unsafe { libc::ptrace(libc::PTRACE_SETREGS, pid, 0, std::ptr::from_ref(registers)) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
