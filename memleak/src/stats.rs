@@ -54,7 +54,10 @@ enum Record<'a> {
         bytes: u64,
         latency_ms: f64,
     },
-    Started { load_ms: f64, start_ms: f64 },
+    Started {
+        load_ms: f64,
+        start_ms: f64,
+    },
     UnwindTables {
         pid: u32,
         objects: usize,
@@ -117,7 +120,10 @@ impl Stats {
     /// BPF programs (the kernel's verifier, mostly), `start` in all, the
     /// first tables and probes included.
     pub fn started(&mut self, load: Duration, start: Duration) -> Result<(), StatsError> {
-        self.write(&Record::Started { load_ms: load.as_secs_f64() * 1000.0, start_ms: start.as_secs_f64() * 1000.0 })
+        self.write(&Record::Started {
+            load_ms: load.as_secs_f64() * 1000.0,
+            start_ms: start.as_secs_f64() * 1000.0,
+        })
     }
 
     /// What process `pid`'s unwind table took, and what the tables of

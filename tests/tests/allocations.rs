@@ -164,7 +164,16 @@ fn a_full_stack_map_is_counted_and_keeps_the_bytes() {
 fn stack_depth_is_limited() {
     let report = trace_command("seed 6", &["--max-stack-depth", "2"]);
     for stack in report["stacks"].as_array().unwrap() {
-        assert!(stack["frames"].as_array().unwrap().len() <= 2, "{stack}");
+        // Inlined functions share their caller's return address.
+        let mut addresses: Vec<&str> = stack["frames"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|frame| frame["address"].as_str().unwrap())
+            .collect();
+        addresses.dedup();
+        assert!(addresses.len() <= 2, "{stack}");
+        assert!(addresses.len() < 2 || stack["truncated"] == "depth_limit", "said where it was cut: {stack}");
     }
     assert_eq!(usage_at(&report, "fibonacci", "fibonacci"), (calls(6) * 8192, calls(6)));
 }
@@ -247,8 +256,10 @@ fn folded_stacks_are_root_first_and_weighted() {
     assert_eq!(weight_of("leak_malloc"), [3000], "{folded}");
     assert_eq!(weight_of("leak_realloc"), [5300], "two stacks of leak_realloc fold into one line: {folded}");
     assert!(
-        folded.lines().all(|line| line.starts_with("__libc_start_call_main;main;")),
-        "root first: {folded}"
+        folded
+            .lines()
+            .all(|line| line.starts_with("_start;__libc_start_main_impl;__libc_start_call_main;main;")),
+        "root first, the root being the process's: {folded}"
     );
     let counts = raw_output("all", &["--format", "folded", "--weight", "count"]);
     assert!(counts.lines().any(|line| line.ends_with(";leak_calloc 3")), "{counts}");

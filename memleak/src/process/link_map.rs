@@ -61,7 +61,8 @@ impl LinkMapHook {
 
     /// Whether the linker's list of objects is consistent: all mapped.
     pub fn consistent(&self, pid: libc::pid_t) -> bool {
-        self.r_state.is_none_or(|address| peek(pid, address).is_ok_and(|word| word & 0xffff_ffff == RT_CONSISTENT))
+        self.r_state
+            .is_none_or(|address| peek(pid, address).is_ok_and(|word| word & 0xffff_ffff == RT_CONSISTENT))
     }
 
     /// Runs the hooked instruction and puts the breakpoint back, for the

@@ -112,13 +112,12 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
 fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let health = &report.health;
     if !report.truncated_stacks.is_empty() {
-        let total: usize = report.truncated_stacks.values().sum();
         let why: Vec<String> = report
             .truncated_stacks
             .iter()
             .map(|(truncation, stacks)| format!("{stacks} {}", truncation.describe()))
             .collect();
-        writeln!(out, "{total} stacks truncated: {}", why.join(", "))?;
+        writeln!(out, "Truncated stacks: {}", why.join(", "))?;
     }
     if health.allocations_not_tracked > 0 {
         writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;

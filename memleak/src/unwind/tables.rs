@@ -398,7 +398,8 @@ mod tests {
         // lld's layout: the code segment starts mid-page in the file, and
         // the kernel maps it from the page before.
         let segment = Segment { offset: 0x2_7190, vaddr: 0x2_8190, size: 0x8_7170 };
-        let object = LoadedObject { rows: Some(1..100), text_base: 0x2_8190, segments: vec![segment], users: 1 };
+        let object =
+            LoadedObject { rows: Some(1..100), text_base: 0x2_8190, segments: vec![segment], users: 1 };
         let key = ObjectKey::BuildId("ab".to_owned());
         let rows = RowArray::for_tests();
         let mut tables = UnwindTables::new(rows, Unwinding::Dwarf);
