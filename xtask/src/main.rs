@@ -33,7 +33,8 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         test_args: Vec<String>,
     },
-    /// Measure memleak's overhead on a malloc-heavy workload.
+    /// Measure memleak's overhead on a malloc-heavy workload, with and
+    /// without frame pointers, and its unwind tables for real programs.
     Bench {
         /// Fewer and shorter runs (under 2 minutes).
         #[arg(long)]
@@ -104,16 +105,29 @@ pub fn build_fixture(name: &str) -> Result<PathBuf> {
 
 /// Compiles a C fixture with extra compiler flags.
 pub fn build_fixture_with(name: &str, flags: &[&str]) -> Result<PathBuf> {
+    compile_fixture(name, name, &["-g", "-fno-omit-frame-pointer", "-pthread"], flags)
+}
+
+/// Compiles a C fixture to target/fixtures/`output_name` with debug info
+/// but without asking for frame pointers, as distributions' release builds
+/// come: what unwinding by `.eh_frame` tables is for. `flags` should say
+/// `-fomit-frame-pointer` rather than leave it to the optimisation level.
+/// A separate helper rather than `build_fixture_with(.., ["-fomit-frame-pointer"])`,
+/// which would only work because gcc's last flag wins.
+pub fn build_fixture_without_frame_pointers(
+    name: &str,
+    output_name: &str,
+    flags: &[&str],
+) -> Result<PathBuf> {
+    compile_fixture(name, output_name, &["-g", "-pthread"], flags)
+}
+
+fn compile_fixture(name: &str, output_name: &str, base_flags: &[&str], flags: &[&str]) -> Result<PathBuf> {
     let source = root().join("tests/fixtures").join(format!("{name}.c"));
     let output_dir = root().join("target/fixtures");
     std::fs::create_dir_all(&output_dir)?;
-    let output = output_dir.join(name);
-    run(Command::new("gcc")
-        .args(["-g", "-fno-omit-frame-pointer", "-pthread"])
-        .args(flags)
-        .arg("-o")
-        .arg(&output)
-        .arg(&source))?;
+    let output = output_dir.join(output_name);
+    run(Command::new("gcc").args(base_flags).args(flags).arg("-o").arg(&output).arg(&source))?;
     Ok(output)
 }
 

@@ -1,10 +1,18 @@
 //! `cargo xtask bench`: in one invocation, the malloc-heavy workload
-//! untraced, under memleak (full and sampled), under the libbpf-tools probe
-//! set, under heaptrack and under empty probes at memleak's own sites (the
-//! floor), reported as ratios; then the time one report takes with up to a
-//! million allocations outstanding, memleak's CPU and memory, and its BPF
-//! maps' memory. Ratios, not absolute times, are what carry across
-//! machines. CI does not run this.
+//! built with frame pointers, untraced, under memleak (unwinding by
+//! `.eh_frame` tables, its default, and by frame pointers; full and
+//! sampled), under the libbpf-tools probe set, under heaptrack and under
+//! empty probes at memleak's own sites (the floor); and the same workload
+//! built without frame pointers, untraced, under memleak and under empty
+//! probes. Each slowdown is against the untraced run of its own build, and
+//! the results are ratios of slowdowns: memleak to the floor and to
+//! libbpf-tools', and what unwinding by tables costs over frame pointers.
+//! Then what memleak's unwind tables take for real programs (python3,
+//! redis-server): their rows, kernel memory and build time, and memleak's
+//! start; the time one report takes with up to a million allocations
+//! outstanding; memleak's CPU and memory, and its BPF maps' memory.
+//! Ratios, not absolute times, are what carry across machines. CI does not
+//! run this.
 
 mod empty_probes;
 mod latency;
@@ -12,16 +20,18 @@ mod map_memory;
 mod overhead;
 mod process;
 mod stats;
+mod unwind_tables;
 mod workload;
 
 use anyhow::Result;
 
 use self::{
-    overhead::{Contender, Tracer},
-    workload::{ProbePlan, Workload},
+    overhead::{Contender, Tracer, Unwinder},
+    workload::{Build, ProbePlan, Workload},
 };
 use crate::{
-    build_fixture_with, cargo, install_missing_packages, require_root, root, run as run_command, setup,
+    build_fixture_with, build_fixture_without_frame_pointers, cargo, install_missing_packages, require_root,
+    root, run as run_command, setup,
 };
 
 /// How much to measure.
@@ -48,7 +58,8 @@ pub fn run(quick: bool) -> Result<()> {
     let settings = if quick { QUICK } else { FULL };
     setup::run()?;
     require_root("the benchmark")?;
-    install_missing_packages(&["bpftrace", "bpftool"], "the benchmark")?;
+    // redis-server is one of the real programs whose unwind tables are measured.
+    install_missing_packages(&["bpftrace", "bpftool", "redis-server"], "the benchmark")?;
     // heaptrack is only a comparison: the bench goes on without it.
     let heaptrack_installed = match install_missing_packages(&["heaptrack"], "the benchmark") {
         Ok(()) => true,
@@ -63,7 +74,12 @@ pub fn run(quick: bool) -> Result<()> {
     let scratch = root().join("target/bench");
     std::fs::create_dir_all(&scratch)?;
     let workload = Workload {
-        path: build_fixture_with("workload", &["-O2"])?,
+        frame_pointers_path: build_fixture_with("workload", &["-O2"])?,
+        no_frame_pointers_path: build_fixture_without_frame_pointers(
+            "workload",
+            "workload-nofp",
+            &["-O2", "-fomit-frame-pointer"],
+        )?,
         args: [settings.threads, settings.iterations, LEAK_EVERY].map(|n| n.to_string()).to_vec(),
         memleak: root().join("target/release/memleak"),
         scratch,
@@ -80,6 +96,8 @@ pub fn run(quick: bool) -> Result<()> {
     println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
     overhead::measure(&mut contenders, &workload, settings.runs)?;
     overhead::print(&contenders);
+    let tables = unwind_tables::measure_all(&workload.memleak, &workload.scratch);
+    unwind_tables::print(&tables);
     let latencies = latency::measure_all(&workload.memleak, &spread, settings.latency_allocations);
     latency::print(&latencies);
     overhead::print_memleak_usage(&contenders);
@@ -88,22 +106,31 @@ pub fn run(quick: bool) -> Result<()> {
     overhead::memleak_exact(&contenders)
 }
 
-/// The rows of the overhead table, untraced first.
+/// The rows of the overhead table: the build with frame pointers, untraced
+/// first, then the build without. The probe sites are the same libc
+/// functions for both builds.
 fn contenders(workload: &Workload, plan: &ProbePlan, heaptrack_installed: bool) -> Result<Vec<Contender>> {
+    use Build::{FramePointers, NoFramePointers};
     let script = workload.scratch.join("libbpf-tools.bt");
     std::fs::write(&script, workload::libbpf_tools_script(&plan.libc))?;
     let heaptrack = if heaptrack_installed {
-        Contender::new("heaptrack", Tracer::Heaptrack)
+        Contender::new("heaptrack", FramePointers, Tracer::Heaptrack)
     } else {
-        Contender::unavailable("heaptrack", Tracer::Heaptrack, "not installed")
+        Contender::unavailable("heaptrack", FramePointers, Tracer::Heaptrack, "not installed")
     };
+    let memleak = |sample_rate, unwinder| Tracer::Memleak { sample_rate, unwinder };
+    let floor = || Tracer::EmptyProbes(plan.sites.clone());
     Ok(vec![
-        Contender::new("untraced", Tracer::Untraced),
-        Contender::new("memleak", Tracer::Memleak { sample_rate: 1 }),
-        Contender::new("memleak -s 10", Tracer::Memleak { sample_rate: 10 }),
-        Contender::new("memleak -s 100", Tracer::Memleak { sample_rate: 100 }),
-        Contender::new("libbpf-tools probe set (bpftrace)", Tracer::Bpftrace { script }),
+        Contender::new("untraced", FramePointers, Tracer::Untraced),
+        Contender::new("memleak", FramePointers, memleak(1, Unwinder::Dwarf)),
+        Contender::new("memleak --unwind fp", FramePointers, memleak(1, Unwinder::FramePointers)),
+        Contender::new("memleak -s 10", FramePointers, memleak(10, Unwinder::Dwarf)),
+        Contender::new("memleak -s 100", FramePointers, memleak(100, Unwinder::Dwarf)),
+        Contender::new("libbpf-tools probe set (bpftrace)", FramePointers, Tracer::Bpftrace { script }),
         heaptrack,
-        Contender::new("empty probes at memleak's sites (floor)", Tracer::EmptyProbes(plan.sites.clone())),
+        Contender::new("empty probes at memleak's sites (floor)", FramePointers, floor()),
+        Contender::new("untraced (no frame pointers)", NoFramePointers, Tracer::Untraced),
+        Contender::new("memleak (no frame pointers)", NoFramePointers, memleak(1, Unwinder::Dwarf)),
+        Contender::new("empty probes at memleak's sites (no frame pointers)", NoFramePointers, floor()),
     ])
 }

@@ -1,5 +1,7 @@
 //! The workload untraced and under each tracer, interleaved so that drift
 //! in the machine's speed hits them all alike, and the table of medians.
+//! Each run uses one of the workload's two builds, with and without frame
+//! pointers, and is compared with the untraced run of the same build.
 
 use std::{path::Path, process::Command};
 
@@ -8,15 +10,17 @@ use anyhow::{bail, Context as _, Result};
 use super::{
     empty_probes::{EmptyProbes, Site},
     process::{run_attached, run_to_end, Finished, Usage},
-    workload::{Summary, Workload},
+    workload::{Build, Summary, Workload},
 };
 
 /// What runs the workload.
 pub enum Tracer {
     Untraced,
-    /// memleak recording about one allocation in `sample_rate`.
+    /// memleak recording about one allocation in `sample_rate`, walking
+    /// stacks with `unwinder`.
     Memleak {
         sample_rate: u32,
+        unwinder: Unwinder,
     },
     /// A bpftrace script, which bpftrace's -c starts the workload under.
     Bpftrace {
@@ -26,9 +30,30 @@ pub enum Tracer {
     EmptyProbes(Vec<Site>),
 }
 
-/// One row of the table: a tracer and its runs so far.
+/// How memleak walks user stacks (its --unwind).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Unwinder {
+    /// By each object's `.eh_frame` unwind tables: memleak's default.
+    Dwarf,
+    /// By frame pointers only.
+    FramePointers,
+}
+
+impl Unwinder {
+    /// Said explicitly even for the default, so that a row labelled with
+    /// an unwinder keeps measuring it if the default changes.
+    fn argument(self) -> &'static str {
+        match self {
+            Unwinder::Dwarf => "dwarf",
+            Unwinder::FramePointers => "fp",
+        }
+    }
+}
+
+/// One row of the table: a tracer, the build it runs, and its runs so far.
 pub struct Contender {
     pub label: &'static str,
+    pub build: Build,
     pub tracer: Tracer,
     pub runs: Vec<Run>,
     /// Why it has no (more) runs: the rest of the bench goes on without it.
@@ -36,12 +61,12 @@ pub struct Contender {
 }
 
 impl Contender {
-    pub fn new(label: &'static str, tracer: Tracer) -> Self {
-        Self { label, tracer, runs: Vec::new(), failure: None }
+    pub fn new(label: &'static str, build: Build, tracer: Tracer) -> Self {
+        Self { label, build, tracer, runs: Vec::new(), failure: None }
     }
 
-    pub fn unavailable(label: &'static str, tracer: Tracer, why: &str) -> Self {
-        Self { failure: Some(why.to_owned()), ..Self::new(label, tracer) }
+    pub fn unavailable(label: &'static str, build: Build, tracer: Tracer, why: &str) -> Self {
+        Self { failure: Some(why.to_owned()), ..Self::new(label, build, tracer) }
     }
 
     fn median_ns(&self) -> Option<u64> {
@@ -49,7 +74,7 @@ impl Contender {
     }
 
     fn is_full_memleak(&self) -> bool {
-        matches!(self.tracer, Tracer::Memleak { sample_rate: 1 })
+        matches!(self.tracer, Tracer::Memleak { sample_rate: 1, .. })
     }
 }
 
@@ -70,7 +95,7 @@ pub fn measure(contenders: &mut [Contender], workload: &Workload, rounds: usize)
     for round in 1..=rounds {
         for contender in contenders.iter_mut().filter(|contender| contender.failure.is_none()) {
             eprintln!("bench: run {round}/{rounds}: {}", contender.label);
-            match run_once(&contender.tracer, workload) {
+            match run_once(&contender.tracer, contender.build, workload) {
                 Ok(run) => contender.runs.push(run),
                 Err(error) if matches!(contender.tracer, Tracer::Untraced) => return Err(error),
                 Err(error) => {
@@ -83,30 +108,26 @@ pub fn measure(contenders: &mut [Contender], workload: &Workload, rounds: usize)
     Ok(())
 }
 
-/// Runs the workload once under `tracer`.
-fn run_once(tracer: &Tracer, workload: &Workload) -> Result<Run> {
+/// Runs `build` of the workload once under `tracer`.
+fn run_once(tracer: &Tracer, build: Build, workload: &Workload) -> Result<Run> {
+    let path = workload.path(build);
     let finished = match tracer {
-        Tracer::Untraced => run_to_end(Command::new(&workload.path).args(&workload.args))?,
-        Tracer::Memleak { sample_rate } => {
-            let sample_rate = sample_rate.to_string();
-            let command_line = workload.command_line();
-            let json_of_every_stack = ["--format", "json", "-o", "0", "-T", "1000"];
-            // One report, when the workload ends.
-            let args = ["-c", &command_line, "-s", &sample_rate].into_iter().chain(json_of_every_stack);
-            run_to_end(Command::new(&workload.memleak).args(args).arg("3600"))?
+        Tracer::Untraced => run_to_end(Command::new(path).args(&workload.args))?,
+        &Tracer::Memleak { sample_rate, unwinder } => {
+            run_to_end(&mut memleak_command(workload, build, sample_rate, unwinder))?
         }
         Tracer::Bpftrace { script } => {
-            run_to_end(Command::new("bpftrace").arg(script).args(["-c", &workload.command_line()]))?
+            run_to_end(Command::new("bpftrace").arg(script).args(["-c", &workload.command_line(build)]))?
         }
         Tracer::Heaptrack => {
             let mut command = Command::new("heaptrack");
-            command.arg(&workload.path).args(&workload.args).current_dir(&workload.scratch);
+            command.arg(path).args(&workload.args).current_dir(&workload.scratch);
             let finished = run_to_end(&mut command);
             remove_heaptrack_data(&workload.scratch);
             finished?
         }
         Tracer::EmptyProbes(sites) => {
-            run_attached(&workload.path, &workload.args, |pid| EmptyProbes::attach(sites, pid))?
+            run_attached(path, &workload.args, |pid| EmptyProbes::attach(sites, pid))?
         }
     };
     let summary = Summary::parse(&finished.stderr)?;
@@ -127,6 +148,16 @@ fn run_once(tracer: &Tracer, workload: &Workload) -> Result<Run> {
         });
     }
     Ok(run)
+}
+
+/// memleak running `build` of the workload, with one JSON report of every
+/// stack when the workload ends.
+fn memleak_command(workload: &Workload, build: Build, sample_rate: u32, unwinder: Unwinder) -> Command {
+    let mut command = Command::new(&workload.memleak);
+    command.args(["-c", &workload.command_line(build), "-s", &sample_rate.to_string()]);
+    command.args(["--unwind", unwinder.argument()]);
+    command.args(["--format", "json", "-o", "0", "-T", "1000", "3600"]);
+    command
 }
 
 /// Bytes of the stacks whose first frame is `leak_one()`, from memleak's
@@ -152,47 +183,111 @@ fn remove_heaptrack_data(scratch: &Path) {
     }
 }
 
-/// Whether memleak in full mode ran and reported the leaked bytes exactly
-/// in every run: the one result the bench fails on.
+/// Whether every full memleak row, whichever unwinder and build, ran and
+/// reported the leaked bytes exactly in every run: the one result the
+/// bench fails on.
 pub fn memleak_exact(contenders: &[Contender]) -> Result<()> {
-    let Some(memleak) = contenders.iter().find(|contender| contender.is_full_memleak()) else {
-        bail!("memleak did not run")
-    };
-    if let Some(failure) = &memleak.failure {
-        bail!("memleak {failure}");
+    let full: Vec<&Contender> = contenders.iter().filter(|contender| contender.is_full_memleak()).collect();
+    if full.is_empty() {
+        bail!("memleak did not run");
     }
-    if !memleak.runs.iter().all(|run| run.reported_bytes == Some(run.leaked_bytes)) {
-        bail!("memleak's leaked bytes were not exact: {}", misses(memleak));
+    let mut problems = Vec::new();
+    for memleak in full {
+        if let Some(failure) = &memleak.failure {
+            problems.push(format!("{} {failure}", memleak.label));
+        } else if !exact(memleak) {
+            problems.push(format!("{}: leaked bytes not exact: {}", memleak.label, misses(memleak)));
+        }
+    }
+    if !problems.is_empty() {
+        bail!("{}", problems.join("; "));
     }
     Ok(())
 }
 
-/// The table of medians, then how memleak compares with the issue's
-/// targets. Untraced is the first contender.
+fn exact(contender: &Contender) -> bool {
+    contender.runs.iter().all(|run| run.reported_bytes == Some(run.leaked_bytes))
+}
+
+/// The table of medians, each slowdown against the untraced run of the
+/// same build, then how memleak compares with its targets.
 pub fn print(contenders: &[Contender]) {
-    let [untraced, ..] = contenders else { return };
-    let (Some(base), Some(first)) = (untraced.median_ns(), untraced.runs.first()) else { return };
+    let untraced = contenders.iter().find(|contender| matches!(contender.tracer, Tracer::Untraced));
+    let Some(first) = untraced.and_then(|untraced| untraced.runs.first()) else { return };
     println!();
     println!("| run | median wall time | slowdown | leaked bytes ({} leaked) |", first.leaked_bytes);
     println!("|---|---|---|---|");
     for contender in contenders {
-        let (time, slowdown) = match contender.median_ns() {
-            Some(median) => {
-                (format!("{:.1} ms", median as f64 / 1e6), format!("{:.1}x", ratio(median, base)))
-            }
-            None => (contender.failure.clone().unwrap_or_default(), String::new()),
+        let time = match contender.median_ns() {
+            Some(median) => format!("{:.1} ms", median as f64 / 1e6),
+            None => contender.failure.clone().unwrap_or_default(),
         };
-        println!("| {} | {time} | {slowdown} | {} |", contender.label, leak_accuracy(contender));
+        let slowdown = slowdown(contenders, contender).map(|slowdown| format!("{slowdown:.1}x"));
+        let (slowdown, accuracy) = (slowdown.unwrap_or_default(), leak_accuracy(contender));
+        println!("| {} | {time} | {slowdown} | {accuracy} |", contender.label);
     }
     println!();
-    let median_where = |wanted: fn(&Tracer) -> bool| {
-        contenders.iter().find(|contender| wanted(&contender.tracer)).and_then(Contender::median_ns)
+    println!(
+        "Each slowdown is against the untraced run of the same build: the one with frame pointers unless \
+         the row says \"no frame pointers\"."
+    );
+    println!();
+    print_ratios(contenders);
+}
+
+/// How memleak compares with its targets. Each ratio is one of slowdowns,
+/// each against the untraced run of its own build, so that one across the
+/// builds compares what tracing costs, not how fast the builds run.
+fn print_ratios(contenders: &[Contender]) {
+    use Build::{FramePointers, NoFramePointers};
+    let dwarf =
+        |tracer: &Tracer| matches!(tracer, Tracer::Memleak { sample_rate: 1, unwinder: Unwinder::Dwarf });
+    let frame_pointers = |tracer: &Tracer| {
+        matches!(tracer, Tracer::Memleak { sample_rate: 1, unwinder: Unwinder::FramePointers })
     };
-    let memleak = median_where(|tracer| matches!(tracer, Tracer::Memleak { sample_rate: 1 }));
-    let libbpf_tools = median_where(|tracer| matches!(tracer, Tracer::Bpftrace { .. }));
-    let floor = median_where(|tracer| matches!(tracer, Tracer::EmptyProbes(_)));
+    let slowdown_of = |build, wanted: fn(&Tracer) -> bool| slowdown_where(contenders, build, wanted);
+    let floor_of = |build| slowdown_of(build, |tracer| matches!(tracer, Tracer::EmptyProbes(_)));
+
+    let memleak = slowdown_of(FramePointers, dwarf);
+    let libbpf_tools = slowdown_of(FramePointers, |tracer| matches!(tracer, Tracer::Bpftrace { .. }));
     print_target("memleak's slowdown / the libbpf-tools probe set's", memleak, libbpf_tools, "target <= 0.2");
+    let floor = floor_of(FramePointers);
     print_target("memleak's slowdown / empty probes' (floor)", memleak, floor, "stretch <= 1.5");
+    let no_fp = slowdown_of(NoFramePointers, dwarf);
+    print_target(
+        "memleak (dwarf, no frame pointers) / floor (no frame pointers)",
+        no_fp,
+        floor_of(NoFramePointers),
+        "goal <= 1.6, stretch <= 1.3",
+    );
+    let fp = slowdown_of(FramePointers, frame_pointers);
+    print_target(
+        "memleak (dwarf, no frame pointers) / memleak --unwind fp (frame pointers)",
+        no_fp,
+        fp,
+        "what unwinding by tables costs over walking frame pointers",
+    );
+    print_target(
+        "memleak (dwarf) / memleak --unwind fp, both with frame pointers",
+        memleak,
+        fp,
+        "the unwinders alone",
+    );
+}
+
+/// The slowdown of the first `build` contender whose tracer is `wanted`.
+fn slowdown_where(contenders: &[Contender], build: Build, wanted: fn(&Tracer) -> bool) -> Option<f64> {
+    let contender =
+        contenders.iter().find(|contender| contender.build == build && wanted(&contender.tracer))?;
+    slowdown(contenders, contender)
+}
+
+/// `contender`'s median over that of the untraced run of its build.
+fn slowdown(contenders: &[Contender], contender: &Contender) -> Option<f64> {
+    let untraced = contenders
+        .iter()
+        .find(|untraced| untraced.build == contender.build && matches!(untraced.tracer, Tracer::Untraced))?;
+    Some(ratio(contender.median_ns()?, untraced.median_ns()?))
 }
 
 /// Exactness for memleak; for a sampling memleak, the worst error over the
@@ -200,7 +295,7 @@ pub fn print(contenders: &[Contender]) {
 fn leak_accuracy(contender: &Contender) -> String {
     let sample_rate = match contender.tracer {
         Tracer::Untraced => return String::new(),
-        Tracer::Memleak { sample_rate } => sample_rate,
+        Tracer::Memleak { sample_rate, .. } => sample_rate,
         Tracer::EmptyProbes(_) => return "nothing recorded".to_owned(),
         Tracer::Bpftrace { .. } | Tracer::Heaptrack => return "not checked".to_owned(),
     };
@@ -208,8 +303,11 @@ fn leak_accuracy(contender: &Contender) -> String {
         return String::new();
     }
     if sample_rate == 1 {
-        let exact = contender.runs.iter().all(|run| run.reported_bytes == Some(run.leaked_bytes));
-        return if exact { "exact".to_owned() } else { format!("not exact: {}", misses(contender)) };
+        return if exact(contender) {
+            "exact".to_owned()
+        } else {
+            format!("not exact: {}", misses(contender))
+        };
     }
     let worst = contender
         .runs
@@ -230,11 +328,11 @@ fn misses(contender: &Contender) -> String {
     misses.join(", ")
 }
 
-/// Slowdowns share the untraced time, so their ratio is that of the
-/// medians: "memleak's slowdown / X's: 0.31 (target <= 0.2)".
-fn print_target(what: &str, ours: Option<u64>, theirs: Option<u64>, target: &str) {
+/// The ratio of two slowdowns: "memleak's slowdown / X's: 0.31 (target
+/// <= 0.2)".
+fn print_target(what: &str, ours: Option<f64>, theirs: Option<f64>, target: &str) {
     match (ours, theirs) {
-        (Some(ours), Some(theirs)) => println!("{what}: {:.2} ({target})", ratio(ours, theirs)),
+        (Some(ours), Some(theirs)) => println!("{what}: {:.2} ({target})", ours / theirs),
         _ => println!("{what}: not measured"),
     }
 }

@@ -1,6 +1,6 @@
 //! memleak's --stats records (memleak/src/stats.rs): one JSON object a
-//! line, saying where memleak put its probes and how long each report
-//! took. The bench reads these rather than memleak's log, whose wording is
+//! line, saying how long memleak took to start, what its unwind tables
+//! hold, where it put its probes and how long each report took. The bench reads these rather than memleak's log, whose wording is
 //! for people and may change; memleak only ever adds fields, which are
 //! ignored here, as are events the bench has no use for.
 
@@ -13,6 +13,8 @@ use serde::Deserialize;
 #[derive(Debug, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Record {
+    Started(Started),
+    UnwindTables(UnwindTables),
     Probes(Probes),
     Report(Report),
     /// An event added after this was written.
@@ -25,6 +27,34 @@ impl Record {
         serde_json::from_str(line)
             .with_context(|| format!("memleak's --stats line is not a record: {line:?}"))
     }
+}
+
+/// How long memleak took to start tracing.
+#[derive(Debug, Deserialize)]
+pub struct Started {
+    /// Loading the BPF programs: the kernel's verifier, mostly.
+    pub load_ms: f64,
+    /// Everything until tracing began, the first unwind tables and probes
+    /// included.
+    pub start_ms: f64,
+}
+
+/// What one traced process's unwind table took to build, and what the
+/// tables of every traced process hold.
+#[derive(Debug, Deserialize)]
+pub struct UnwindTables {
+    pub pid: u32,
+    /// The process's objects with code.
+    pub objects: u64,
+    /// Building this process's table.
+    pub build_ms: f64,
+    /// Rows held in kernel memory for every process, and their bytes.
+    pub rows_in_use: u64,
+    pub row_bytes: u64,
+    /// Objects with no `.eh_frame` rows to walk them by.
+    pub objects_without_rows: u64,
+    /// Objects left out because the table was full.
+    pub objects_not_fitting: u64,
 }
 
 /// Where the probes for one traced process went.
@@ -104,6 +134,27 @@ mod tests {
         };
         assert_eq!((report.stacks, report.allocations), (10, 100));
         assert_eq!(report.latency().expect("a latency"), Duration::from_micros(12_500));
+    }
+
+    #[test]
+    fn reads_start_and_unwind_tables() {
+        let Record::Started(started) =
+            Record::parse(r#"{"event":"started","load_ms":812.5,"start_ms":1020.0}"#).expect("a record")
+        else {
+            panic!("expected a started record")
+        };
+        let near = |value: f64, wanted: f64| (value - wanted).abs() < 1e-9;
+        assert!(near(started.load_ms, 812.5) && near(started.start_ms, 1020.0), "read {started:?}");
+        let tables = r#"{"event":"unwind_tables","pid":7,"objects":14,"new_objects":14,"new_rows":190000,"build_ms":120.5,"rows_in_use":190000,"row_bytes":1520000,"objects_without_rows":1,"objects_not_fitting":0}"#;
+        let Record::UnwindTables(tables) = Record::parse(tables).expect("a record") else {
+            panic!("expected an unwind_tables record")
+        };
+        assert_eq!(
+            (tables.pid, tables.objects, tables.rows_in_use, tables.row_bytes),
+            (7, 14, 190_000, 1_520_000)
+        );
+        assert_eq!((tables.objects_without_rows, tables.objects_not_fitting), (1, 0));
+        assert!(near(tables.build_ms, 120.5), "build_ms {}", tables.build_ms);
     }
 
     #[test]

@@ -14,9 +14,23 @@ use super::{
     stats::{Probes, Record},
 };
 
+/// Which build of the workload a run uses: the same source, so that the
+/// two differ only in how their stacks can be walked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Build {
+    /// With frame pointers, which `--unwind fp` needs for whole stacks.
+    FramePointers,
+    /// Without, as distributions' release builds come: only unwind tables
+    /// walk these stacks.
+    NoFramePointers,
+}
+
 /// How the workload runs, and what the tracers run it with.
 pub struct Workload {
-    pub path: PathBuf,
+    /// Built with frame pointers.
+    pub frame_pointers_path: PathBuf,
+    /// Built without.
+    pub no_frame_pointers_path: PathBuf,
     pub args: Vec<String>,
     pub memleak: PathBuf,
     /// Where bpftrace's script and heaptrack's data files go.
@@ -24,9 +38,16 @@ pub struct Workload {
 }
 
 impl Workload {
+    pub fn path(&self, build: Build) -> &Path {
+        match build {
+            Build::FramePointers => &self.frame_pointers_path,
+            Build::NoFramePointers => &self.no_frame_pointers_path,
+        }
+    }
+
     /// The workload as one command line, for memleak's and bpftrace's -c.
-    pub fn command_line(&self) -> String {
-        format!("{} {}", self.path.display(), self.args.join(" "))
+    pub fn command_line(&self, build: Build) -> String {
+        format!("{} {}", self.path(build).display(), self.args.join(" "))
     }
 }
 
@@ -74,10 +95,11 @@ pub struct ProbePlan {
 
 impl ProbePlan {
     /// Runs memleak on a tiny workload and reads the probes it placed
-    /// from its --stats file.
+    /// from its --stats file. The sites are in the C library, so they are
+    /// the same for either build of the workload.
     pub fn read(workload: &Workload) -> Result<Self> {
         let stats = workload.scratch.join("probe-plan-stats.jsonl");
-        let command_line = format!("{} 1 1 1", workload.path.display());
+        let command_line = format!("{} 1 1 1", workload.path(Build::FramePointers).display());
         let mut memleak = Command::new(&workload.memleak);
         run_to_end(memleak.args(["-c", &command_line, "--stats"]).arg(&stats).arg("1"))?;
         let records = std::fs::read_to_string(&stats)
