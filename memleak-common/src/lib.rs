@@ -31,7 +31,10 @@ pub use records::{
     PendingMapping, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID,
     MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
-pub use unwind::{ExecMapping, ProcessMappings, Rule, RuleKind, UnwindRow, WalkEnd, MAX_EXEC_MAPPINGS};
+pub use unwind::{
+    ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkEnd, MAX_EXEC_MAPPINGS,
+    RULE_CACHE_ENTRIES,
+};
 
 #[cfg(feature = "user")]
 mod pod {
@@ -65,6 +68,8 @@ const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
 const _: () = assert!(core::mem::size_of::<ExecMapping>() == 32);
 const _: () = assert!(core::mem::size_of::<ProcessMappings>() == 8 + 32 * MAX_EXEC_MAPPINGS);
 const _: () = assert!(MAX_EXEC_MAPPINGS.is_power_of_two());
+const _: () = assert!(core::mem::size_of::<RuleCacheEntry>() == 24);
+const _: () = assert!(RULE_CACHE_ENTRIES.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackSlot>() == 16);
 const _: () = assert!(core::mem::size_of::<StackTotals>() == 32);

@@ -139,9 +139,29 @@ pub const MAX_EXEC_MAPPINGS: usize = 512;
 pub struct ProcessMappings {
     /// Mappings in use, at most [`MAX_EXEC_MAPPINGS`].
     pub count: u32,
-    pub _padding: u32,
+    /// Raised with every new table of the process, so that the walkers'
+    /// cache of rules by pc ([`RuleCacheEntry`]) never serves a rule of
+    /// code since unmapped.
+    pub generation: u32,
     pub mappings: [ExecMapping; MAX_EXEC_MAPPINGS],
 }
+
+/// One entry of the walkers' per-CPU cache of rules by pc: a loop that
+/// allocates from one place walks the same frames each time, and finds
+/// their rules here without searching the mappings and rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleCacheEntry {
+    /// The pc looked up (a return address minus one, or an exact pc).
+    pub pc: u64,
+    /// Whose table the rule came from: process id << 32 | generation.
+    pub owner: u64,
+    pub rule: Rule,
+    pub _padding: u32,
+}
+
+/// Entries in each CPU's cache of rules, a power of two.
+pub const RULE_CACHE_ENTRIES: usize = 1024;
 
 /// How a stack walk ended, kept with the stack in
 /// [`StackKey::end`](crate::StackKey).

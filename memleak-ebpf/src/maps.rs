@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use memleak_common::{
-    Allocation, AllocationKey, PendingCall, PendingMapping, ProcessMappings, StackKey, StackSlot,
-    StackTotals, UnwindRow, COUNTER_SLOTS,
+    Allocation, AllocationKey, PendingCall, PendingMapping, ProcessMappings, RuleCacheEntry, StackKey,
+    StackSlot, StackTotals, UnwindRow, COUNTER_SLOTS, RULE_CACHE_ENTRIES,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -85,6 +85,11 @@ pub static PROCESS_MAPPINGS: HashMap<u32, ProcessMappings> =
 /// space rescans the process and deletes the entry.
 #[map(name = "UNWIND_RESCANS")]
 pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0);
+
+/// Each CPU's cache of unwind rules by pc; see `memleak_common::RuleCacheEntry`.
+#[map(name = "RULE_CACHE")]
+pub static RULE_CACHE: PerCpuArray<[RuleCacheEntry; RULE_CACHE_ENTRIES]> =
+    PerCpuArray::with_max_entries(1, 0);
 
 /// A stack and its id, the value of `LAST_STACK`.
 #[repr(C)]

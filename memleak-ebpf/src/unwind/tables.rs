@@ -17,15 +17,20 @@ use aya_ebpf::{
     EbpfContext,
 };
 use memleak_common::{
-    ExecMapping, ProcessMappings, Rule, RuleKind, StackFrames, WalkEnd, MAX_EXEC_MAPPINGS, MAX_STACK_DEPTH,
+    ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, StackFrames, WalkEnd, MAX_EXEC_MAPPINGS,
+    MAX_STACK_DEPTH, RULE_CACHE_ENTRIES,
 };
 
 use super::Walked;
-use crate::maps::{UNWIND_RESCANS, UNWIND_ROWS};
+use crate::maps::{RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS};
 
 /// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
 const MAPPING_SEARCH_STEPS: u32 = 10;
 const ROW_SEARCH_STEPS: u32 = 21;
+
+/// Words read at once just below a CFA: the return address and, for all
+/// but the largest frames, the saved rbp.
+const WORDS_BELOW_CFA: u32 = 8;
 
 /// Where the signal frame keeps the interrupted registers, from the stack
 /// pointer `__restore_rt` would run with: `struct ucontext` (its
@@ -112,15 +117,7 @@ fn next_frame(walk: &mut Walk) -> Option<()> {
     // SAFETY: a live map value, replaced whole and never freed under a
     // running program.
     let mappings = unsafe { &*walk.mappings };
-    let Some(mapping) = find_mapping(mappings, pc) else {
-        request_rescan(walk.tgid);
-        return end(walk, WalkEnd::UnknownCode);
-    };
-    let rule = if mapping.row_count == 0 {
-        Rule::of(RuleKind::FramePointer)
-    } else {
-        find_rule(mapping, pc.wrapping_sub(mapping.bias))
-    };
+    let rule = rule_at(walk, mappings, pc)?;
     let caller = match RuleKind::try_from(rule.kind()) {
         Ok(RuleKind::CfaRsp | RuleKind::CfaRbp) => cfa_step(walk, rule)?,
         Ok(RuleKind::Stop) => return end(walk, WalkEnd::Root),
@@ -152,6 +149,35 @@ fn next_frame(walk: &mut Walk) -> Option<()> {
     Some(())
 }
 
+/// The rule for the code at `pc`: from this CPU's cache, else from the
+/// mapping's rows (then cached). `None` when `pc` is in no known mapping:
+/// the walk ends, and a rescan is asked for.
+fn rule_at(walk: &mut Walk, mappings: &ProcessMappings, pc: u64) -> Option<Rule> {
+    let owner = u64::from(walk.tgid) << 32 | u64::from(mappings.generation);
+    let slot = RULE_CACHE.get_ptr_mut(0).map(|cache| {
+        let index = (pc ^ (pc >> 12)) as usize & (RULE_CACHE_ENTRIES - 1);
+        // SAFETY: this CPU's cache; an index masked into its bounds.
+        unsafe { &mut (*cache)[index] }
+    });
+    if let Some(entry) = slot.as_deref().filter(|entry| entry.pc == pc && entry.owner == owner) {
+        return Some(entry.rule);
+    }
+    let Some(mapping) = find_mapping(mappings, pc) else {
+        request_rescan(walk.tgid);
+        end(walk, WalkEnd::UnknownCode);
+        return None;
+    };
+    let rule = if mapping.row_count == 0 {
+        Rule::of(RuleKind::FramePointer)
+    } else {
+        find_rule(mapping, pc.wrapping_sub(mapping.bias))
+    };
+    if let Some(entry) = slot {
+        *entry = RuleCacheEntry { pc, owner, rule, _padding: 0 };
+    }
+    Some(rule)
+}
+
 fn end(walk: &mut Walk, reason: WalkEnd) -> Option<()> {
     walk.end = reason as u32;
     None
@@ -174,13 +200,25 @@ fn cfa_step(walk: &mut Walk, rule: Rule) -> Option<Caller> {
         end(walk, WalkEnd::BadFrame);
         return None;
     }
-    let Some(pc) = read(cfa - 8) else {
-        end(walk, WalkEnd::BadFrame);
-        return None;
-    };
-    let bp = match rule.rbp_slot() {
-        0 => walk.bp,
-        slot => read(cfa.wrapping_sub(8 * u64::from(slot))).unwrap_or(0),
+    // One read for the return address and a saved rbp, which sit just
+    // below the CFA in all but huge frames: each read is a helper call.
+    let slot = rule.rbp_slot();
+    // SAFETY: a read of user memory, which the helper makes fault-safe.
+    let below = unsafe { bpf_probe_read_user((cfa - 8 * u64::from(WORDS_BELOW_CFA)) as *const [u64; 8]) };
+    let (pc, bp) = match below {
+        Ok(words) if slot < WORDS_BELOW_CFA => {
+            (words[7], if slot == 0 { walk.bp } else { words[(8 - slot) as usize & 7] })
+        }
+        // Near the stack's end, or rbp saved further down: word by word.
+        _ => {
+            let Some(pc) = read(cfa - 8) else {
+                end(walk, WalkEnd::BadFrame);
+                return None;
+            };
+            let bp =
+                if slot == 0 { walk.bp } else { read(cfa.wrapping_sub(8 * u64::from(slot))).unwrap_or(0) };
+            (pc, bp)
+        }
     };
     Some(Caller { pc, sp: cfa, bp, exact_pc: 0 })
 }
@@ -220,48 +258,100 @@ fn frame_pointer_step(walk: &mut Walk) -> Option<Caller> {
 
 /// The executable mapping holding `pc`.
 fn find_mapping(mappings: &ProcessMappings, pc: u64) -> Option<&ExecMapping> {
-    let (mut low, mut high) = (0u32, mappings.count);
-    for _ in 0..MAPPING_SEARCH_STEPS {
-        if low >= high {
-            break;
-        }
-        let middle = low + (high - low) / 2;
-        let mapping = &mappings.mappings[middle as usize & (MAX_EXEC_MAPPINGS - 1)];
-        if pc < mapping.start {
-            high = middle;
-        } else if pc >= mapping.end {
-            low = middle + 1;
-        } else {
-            return Some(mapping);
-        }
+    let mut search = MappingSearch { mappings, pc, low: 0, high: mappings.count, found: u32::MAX };
+    // SAFETY: the helper calls `mapping_step` with a pointer to `search`,
+    // which outlives the call. A loop of its own, so that the verifier
+    // checks one step once rather than every step of the search.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            MAPPING_SEARCH_STEPS,
+            mapping_step as *mut c_void,
+            (&raw mut search).cast(),
+            0,
+        );
     }
-    None
+    mappings.mappings.get(search.found as usize)
+}
+
+/// A binary search of a process's mappings, one step per iteration.
+#[repr(C)]
+struct MappingSearch<'a> {
+    mappings: &'a ProcessMappings,
+    pc: u64,
+    low: u32,
+    high: u32,
+    /// The index found, or `u32::MAX`.
+    found: u32,
+}
+
+extern "C" fn mapping_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `find_mapping` passed its own search.
+    let search = unsafe { &mut *ctx.cast::<MappingSearch>() };
+    if search.low >= search.high {
+        return 1;
+    }
+    let middle = search.low + (search.high - search.low) / 2;
+    let mapping = &search.mappings.mappings[middle as usize & (MAX_EXEC_MAPPINGS - 1)];
+    if search.pc < mapping.start {
+        search.high = middle;
+    } else if search.pc >= mapping.end {
+        search.low = middle + 1;
+    } else {
+        search.found = middle;
+        return 1;
+    }
+    0
 }
 
 /// The rule of the last row at or before `relative_pc` in the mapping's
 /// object; a frame-pointer step before its first row.
 fn find_rule(mapping: &ExecMapping, relative_pc: u64) -> Rule {
     let Ok(relative_pc) = u32::try_from(relative_pc) else { return Rule::of(RuleKind::FramePointer) };
-    // The last row whose pc is at or below: search [low, high) for the
-    // first row above, then step back one.
-    let (mut low, mut high) = (0u32, mapping.row_count);
-    for _ in 0..ROW_SEARCH_STEPS {
-        if low >= high {
-            break;
-        }
-        let middle = low + (high - low) / 2;
-        match UNWIND_ROWS.get(mapping.first_row.wrapping_add(middle)) {
-            Some(row) if row.pc <= relative_pc => low = middle + 1,
-            Some(_) => high = middle,
-            None => return Rule::of(RuleKind::FramePointer),
-        }
+    // The first row above the pc, then one back.
+    let mut search =
+        RowSearch { first_row: mapping.first_row, pc: relative_pc, low: 0, high: mapping.row_count };
+    // SAFETY: as in `find_mapping`.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            ROW_SEARCH_STEPS,
+            row_step as *mut c_void,
+            (&raw mut search).cast(),
+            0,
+        );
     }
-    match low.checked_sub(1) {
+    match search.low.checked_sub(1) {
         Some(index) => UNWIND_ROWS
             .get(mapping.first_row.wrapping_add(index))
             .map_or(Rule::of(RuleKind::FramePointer), |row| row.rule),
         None => Rule::of(RuleKind::FramePointer),
     }
+}
+
+/// A binary search of an object's rows, one step per iteration.
+#[repr(C)]
+struct RowSearch {
+    first_row: u32,
+    pc: u32,
+    low: u32,
+    high: u32,
+}
+
+extern "C" fn row_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `find_rule` passed its own search.
+    let search = unsafe { &mut *ctx.cast::<RowSearch>() };
+    if search.low >= search.high {
+        return 1;
+    }
+    let middle = search.low + (search.high - search.low) / 2;
+    match UNWIND_ROWS.get(search.first_row.wrapping_add(middle)) {
+        Some(row) if row.pc <= search.pc => search.low = middle + 1,
+        Some(_) => search.high = middle,
+        None => {
+            search.low = 0;
+            return 1;
+        }
+    }
+    0
 }
 
 /// Asks user space to rescan the process's mappings: its code is in none

@@ -487,9 +487,13 @@ fn update_unwind_table(
         );
     }
     target.unwind_built.get_or_insert(built);
+    let mut table = table;
+    table.generation = target.unwind_table.as_ref().map_or(0, |previous| previous.generation);
     if target.unwind_table.as_ref() == Some(&table) {
         return Ok(());
     }
+    // A new table: the walkers' cached rules of the old one no longer hold.
+    table.generation = table.generation.wrapping_add(1);
     tracer.set_process_mappings(target.pid, &table)?;
     log::debug!("pid {}: unwind table of {} executable mappings in use", target.pid, table.count);
     target.unwind_table = Some(table);

@@ -135,7 +135,7 @@ impl UnwindTables {
         let mut built = TableBuilt::default();
         let mut table = Box::new(ProcessMappings {
             count: 0,
-            _padding: 0,
+            generation: 0,
             mappings: [ExecMapping::default(); MAX_EXEC_MAPPINGS],
         });
         let mut used = Vec::new();
