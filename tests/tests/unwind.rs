@@ -92,6 +92,63 @@ fn frame_pointers_alone_cannot_see_past_new_but_keep_one_stack() {
     assert_eq!(sessions[0]["truncated"], "no_unwind_info", "{:#}", sessions[0]);
 }
 
+/// Builds the sessions program with its call frame information only in
+/// `.debug_frame`, then moves that into a separate debug file, as
+/// distributions ship them, linked by `.gnu_debuglink`.
+fn sessions_with_a_separate_debug_file() -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = memleak_tests::workspace_root().join("target/fixtures/debuglink");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (program, debug_file) = (dir.join("sessions"), dir.join("sessions.debug"));
+    let source = memleak_tests::workspace_root().join("tests/fixtures/sessions.cpp");
+    let run = |command: &mut Command| assert!(command.status().unwrap().success(), "{command:?}");
+    run(Command::new("g++")
+        .args([
+            "-g",
+            "-O2",
+            "-fomit-frame-pointer",
+            "-fno-asynchronous-unwind-tables",
+            "-fno-exceptions",
+            "-o",
+        ])
+        .arg(&program)
+        .arg(&source));
+    run(Command::new("objcopy").arg("--only-keep-debug").arg(&program).arg(&debug_file));
+    run(Command::new("strip").arg("--strip-debug").arg(&program));
+    run(Command::new("objcopy").arg(format!("--add-gnu-debuglink={}", debug_file.display())).arg(&program));
+    (program, debug_file)
+}
+
+#[test]
+fn rows_come_from_a_separate_debug_file_when_the_object_has_none() {
+    let (program, debug_file) = sessions_with_a_separate_debug_file();
+    let command = || {
+        let mut command = Command::new(&program);
+        command.args(["1000", "--wait"]);
+        command
+    };
+    let report = final_report(command(), &[]);
+    let stacks = stacks_through(&report, "make_session(int)");
+    assert_eq!(stacks.len(), 1, "{report:#}");
+    assert_eq!(
+        functions(stacks[0])[..5],
+        [
+            "operator new(unsigned long)",
+            "make_session(int)",
+            "open_session(int)",
+            "handle_request(int)",
+            "main"
+        ]
+    );
+    // Without the debug file, the program's code has no unwind rows: the
+    // walk gets past libstdc++'s operator new, not past make_session.
+    std::fs::remove_file(&debug_file).unwrap();
+    let report = final_report(command(), &[]);
+    let sessions: Vec<&Value> =
+        report["stacks"].as_array().unwrap().iter().filter(|s| s["bytes"] == 64_000).collect();
+    assert_eq!(functions(sessions[0]), ["operator new(unsigned long)", "make_session(int)"], "{report:#}");
+    assert_eq!(sessions[0]["truncated"], "no_unwind_info");
+}
+
 #[test]
 fn objects_that_do_not_fit_the_table_are_walked_with_frame_pointers() {
     // Room for the program's own rows, not for libstdc++'s 28,000.

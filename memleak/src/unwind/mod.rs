@@ -3,5 +3,6 @@
 //! [`memleak_common::unwind`], which the BPF walker follows from frame to
 //! frame at the allocation's return probe.
 
+pub mod debug_files;
 pub mod eh_frame;
 pub mod tables;

@@ -17,7 +17,10 @@ use std::{
 use memleak_common::{ExecMapping, ProcessMappings, Rule, RuleKind, UnwindRow, MAX_EXEC_MAPPINGS};
 use object::{elf, read::elf::ProgramHeader as _};
 
-use super::eh_frame;
+use super::{
+    debug_files,
+    eh_frame::{self, ObjectTable},
+};
 use crate::{
     bpf::unwind_maps::RowArray,
     model::Unwinding,
@@ -154,7 +157,7 @@ impl UnwindTables {
                     row_count: 1,
                 },
                 (Some(object), false) => {
-                    let key = self.load(object, &mut built);
+                    let key = self.load(pid, object, &mut built);
                     progress.object_loaded(pid, &built, started);
                     let mapping = self.mapping_of(&key, range);
                     used.push(key);
@@ -212,7 +215,7 @@ impl UnwindTables {
     }
 
     /// The key of `object`, its rows loaded if they were not.
-    fn load(&mut self, object: &MappedObject, built: &mut TableBuilt) -> ObjectKey {
+    fn load(&mut self, pid: u32, object: &MappedObject, built: &mut TableBuilt) -> ObjectKey {
         let key = match object.build_id() {
             Some(id) => ObjectKey::BuildId(id.to_owned()),
             None => ObjectKey::File(object.id),
@@ -220,7 +223,7 @@ impl UnwindTables {
         if self.objects.contains_key(&key) {
             return key;
         }
-        let loaded = self.build(object);
+        let loaded = self.build(pid, object);
         built.new_objects += 1;
         self.stats.objects += 1;
         match &loaded.rows {
@@ -235,8 +238,9 @@ impl UnwindTables {
         key
     }
 
-    /// Reads `object`'s unwind information and writes its rows.
-    fn build(&mut self, object: &MappedObject) -> LoadedObject {
+    /// Reads `object`'s unwind information and writes its rows; `pid` maps
+    /// it, and its debug files are looked for in its root first.
+    fn build(&mut self, pid: u32, object: &MappedObject) -> LoadedObject {
         let without_rows = |segments| LoadedObject { rows: None, text_base: 0, segments, users: 0 };
         if self.unwinding == Unwinding::FramePointers {
             return without_rows(Vec::new());
@@ -250,7 +254,7 @@ impl UnwindTables {
         };
         let segments = executable_segments(&data);
         let table = match eh_frame::build(Path::new(&object.path), &data) {
-            Ok(table) => table,
+            Ok(table) => with_debug_file(pid, object, &data, table),
             Err(error) => {
                 log::debug!("no unwind table for {}: {error}", object.path);
                 return without_rows(segments);
@@ -293,6 +297,28 @@ impl UnwindTables {
         mapping.row_count = rows.end - rows.start;
         mapping
     }
+}
+
+/// `table`, or if it covers less than half of the object's code, the
+/// table with the `.debug_frame` of the object's separate debug file, if
+/// one is installed.
+fn with_debug_file(pid: u32, object: &MappedObject, data: &[u8], table: ObjectTable) -> ObjectTable {
+    if table.stats.covered_bytes * 2 >= table.stats.code_bytes {
+        return table;
+    }
+    let path = Path::new(&object.path);
+    for candidate in debug_files::candidates(pid, &object.path, data, object.build_id()) {
+        let Ok(debug_data) = std::fs::read(&candidate) else { continue };
+        let debug_file = eh_frame::DebugFile { path: &candidate, data: &debug_data };
+        match eh_frame::build_with_debug_file(path, data, Some(debug_file)) {
+            Ok(fuller) => {
+                log::debug!("unwind rows for {} from {}", object.path, candidate.display());
+                return fuller;
+            }
+            Err(error) => log::debug!("{error}"),
+        }
+    }
+    table
 }
 
 /// The executable `PT_LOAD` segments of an ELF file.
