@@ -243,7 +243,8 @@ fn debian_python_through_ctypes_and_libffi() {
 fn node_jit_frames_are_named_from_its_perf_map() {
     let script = memleak_tests::workspace_root().join("tests/fixtures/leak.js");
     let mut program = Command::new("node");
-    program.arg("--perf-basic-prof").arg(script);
+    // node leaves a V8 log in its working directory.
+    program.arg("--perf-basic-prof").arg(script).current_dir(std::env::temp_dir());
     let report = final_report(program, &[]);
     let stacks = report["stacks"].as_array().unwrap();
     let named = stacks.iter().find(|stack| {
