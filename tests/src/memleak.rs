@@ -207,9 +207,29 @@ pub fn usage_at(report: &Value, function: &str, marker: &str) -> (u64, u64) {
 }
 
 /// Runs memleak to completion with the given arguments; returns its exit
-/// code and stderr.
+/// code and stderr. A run that has not ended after `PATIENCE` is killed and
+/// the test fails: memleak must never hang on bad input.
 pub fn run_to_end(args: &[&str]) -> (Option<i32>, String) {
-    let output =
-        Command::new(memleak_binary()).args(args).stdin(Stdio::null()).output().expect("run memleak");
-    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+    let mut child = Command::new(memleak_binary())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run memleak");
+    let mut stderr = Lines::new(child.stderr.take().unwrap());
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for memleak") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("memleak {args:?} still ran after {PATIENCE:?}; stderr: {:#?}", stderr.rest());
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let stderr: String = stderr.rest().iter().map(|line| line.clone() + "\n").collect();
+    (status.code(), stderr)
 }

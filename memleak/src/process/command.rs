@@ -5,7 +5,7 @@
 use std::{
     ffi::CString,
     fs::{self, File},
-    io::{self, Read as _},
+    io::{self, Read as _, Write as _},
     os::{
         fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
         unix::ffi::OsStrExt as _,
@@ -61,6 +61,8 @@ impl GatedCommand {
         argv.push(std::ptr::null());
         let (gate_read, gate_write) = pipe().map_err(spawn_error)?;
         let (error_read, error_write) = pipe().map_err(spawn_error)?;
+        // SAFETY: getpid has no preconditions.
+        let memleak_pid = unsafe { libc::getpid() };
         // SAFETY: the child branch below only calls async-signal-safe
         // functions on memory prepared before the fork.
         let pid = unsafe { libc::fork() };
@@ -70,14 +72,10 @@ impl GatedCommand {
         if pid == 0 {
             // SAFETY: see above; `environ` is the parent's environment.
             unsafe {
+                // Only memleak holds the gate's writing end: its death ends
+                // the pipe as well as sending the death signal.
                 libc::close(gate_write.as_raw_fd());
-                let mut byte = 0u8;
-                // EOF (the parent closed its end) means go.
-                libc::read(gate_read.as_raw_fd(), (&raw mut byte).cast(), 1);
-                libc::execv(program_c.as_ptr(), argv.as_ptr());
-                let errno = *libc::__errno_location();
-                libc::write(error_write.as_raw_fd(), (&raw const errno).cast(), 4);
-                libc::_exit(127);
+                run_when_let_in(&gate_read, &error_write, memleak_pid, &program_c, &argv)
             }
         }
         drop((gate_read, error_write));
@@ -100,7 +98,12 @@ impl GatedCommand {
             }
         };
         let command = SpawnedCommand { pid: self.pid, watcher };
-        drop(self.gate);
+        // The byte, not the end of the pipe, lets the child in: an end
+        // without it means memleak died before it was ready.
+        if let Err(error) = File::from(self.gate).write_all(&[GO]) {
+            command.finish();
+            return Err(spawn_error(error));
+        }
         let mut errno = [0u8; 4];
         let mut exec_error = File::from(self.exec_error);
         // EOF: the close-on-exec pipe closed, so the exec happened.
@@ -120,6 +123,48 @@ impl GatedCommand {
         let mut status = 0;
         // SAFETY: reaps our own child.
         unsafe { libc::waitpid(self.pid as libc::pid_t, &raw mut status, 0) };
+    }
+}
+
+/// What the gate says when the command may run.
+const GO: u8 = b'g';
+
+/// The forked child's life before the command's: it dies with memleak
+/// (`PR_SET_PDEATHSIG`, kept across the exec of a program that is not
+/// set-user-ID), waits at the gate, and execs only when told to.
+///
+/// # Safety
+/// Only between fork and exec in the child: it calls async-signal-safe
+/// functions only, on memory prepared before the fork.
+unsafe fn run_when_let_in(
+    gate: &OwnedFd,
+    exec_error: &OwnedFd,
+    memleak_pid: libc::pid_t,
+    program: &CString,
+    argv: &[*const libc::c_char],
+) -> ! {
+    // SAFETY: the caller's promise.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        // memleak may have died before the line above: then the child was
+        // handed to another parent and no death signal will come.
+        if libc::getppid() != memleak_pid {
+            libc::_exit(127);
+        }
+        let mut byte = 0u8;
+        let read = loop {
+            let read = libc::read(gate.as_raw_fd(), (&raw mut byte).cast(), 1);
+            if read >= 0 || *libc::__errno_location() != libc::EINTR {
+                break read;
+            }
+        };
+        if read != 1 || byte != GO {
+            libc::_exit(127);
+        }
+        libc::execv(program.as_ptr(), argv.as_ptr());
+        let errno = *libc::__errno_location();
+        libc::write(exec_error.as_raw_fd(), (&raw const errno).cast(), 4);
+        libc::_exit(127)
     }
 }
 
@@ -190,6 +235,10 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
     };
     // Set at the exec stop, until the libraries are all mapped.
     let mut hook: Option<LinkMapHook> = None;
+    // Until the exec, the tracee is memleak's fork, not the command: if the
+    // exec fails it exits with nothing to report, and nobody would take an
+    // exit report while `release` waits for this thread.
+    let mut exec_seen = false;
     loop {
         let mut status = 0;
         // SAFETY: waits for our own tracee.
@@ -209,6 +258,7 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
         }
         let stop_signal = libc::WSTOPSIG(status);
         match status >> 16 {
+            libc::PTRACE_EVENT_EXIT if !exec_seen => resume(libc::PTRACE_CONT, 0),
             libc::PTRACE_EVENT_EXIT => {
                 let (ack, acked) = std::sync::mpsc::channel();
                 if events.send(TargetEvent::Exiting { pid: pid as u32, ack: Some(ack) }).is_ok() {
@@ -233,6 +283,7 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
                 resume(libc::PTRACE_CONT, stop_signal); // deliver the signal as if untraced
             }
             libc::PTRACE_EVENT_EXEC => {
+                exec_seen = true;
                 hook = LinkMapHook::set(pid);
                 resume(libc::PTRACE_CONT, 0);
             }

@@ -460,6 +460,11 @@ impl Drop for Session {
     /// A command memleak started does not outlive the session; then the
     /// tracer, dropped with it, detaches every probe.
     fn drop(&mut self) {
+        // An exit or mapping event not taken holds the command at a stop
+        // until its acknowledgement is dropped: drop them all, and refuse
+        // new ones, before waiting for the command to end.
+        self.exit_events.close();
+        while self.exit_events.try_recv().is_ok() {}
         if let Some(command) = self.command.take() {
             command.finish();
         }

@@ -1,0 +1,73 @@
+//! memleak under the mishaps of real use: commands that cannot start, a
+//! memleak killed at the worst moment, programs that exec, huge numbers.
+
+use std::{fs, os::unix::fs::PermissionsExt as _, path::Path, thread, time::Duration};
+
+use memleak_tests::{fixture, run_to_end, tempdir::TempDir, Memleak, PATIENCE};
+
+/// The one-character state of process `pid` in /proc/PID/stat, if it is
+/// still there.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+/// The children of process `pid`, over all its threads.
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|children| {
+            children.split_whitespace().filter_map(|child| child.parse().ok()).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn a_command_that_cannot_be_executed_ends_the_run_with_the_exec_error() {
+    let dir = TempDir::new("exec-error");
+    // An ELF program memleak can plan probes for, but that the kernel
+    // refuses to run: not executable, and open for writing.
+    let not_executable = dir.path().join("not-executable");
+    fs::copy(fixture("leaker"), &not_executable).unwrap();
+    fs::set_permissions(&not_executable, fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, stderr) = run_to_end(&["-c", not_executable.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("Permission denied"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+
+    let busy = dir.path().join("busy");
+    fs::copy(fixture("leaker"), &busy).unwrap();
+    let _writer = fs::OpenOptions::new().append(true).open(&busy).unwrap();
+    let (code, stderr) = run_to_end(&["-c", busy.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("Text file busy"), "{stderr}");
+}
+
+#[test]
+fn a_command_dies_with_memleak_even_if_memleak_is_killed_before_it_runs() {
+    // Killed as soon as it has forked the command, while it loads the
+    // tracer: the command must not go on to run, untraced and orphaned.
+    let mut memleak = Memleak::start(&["-c", "sleep 600"]);
+    let memleak_pid = memleak.child.id();
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let command = loop {
+        if let Some(&child) = children_of(memleak_pid).first() {
+            break child;
+        }
+        assert!(std::time::Instant::now() < deadline, "memleak never forked the command");
+        thread::sleep(Duration::from_millis(1));
+    };
+    memleak.signal(libc::SIGKILL);
+    memleak.child.wait().unwrap();
+    while process_state(command).is_some_and(|state| state != 'Z') {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the command (pid {command}, {:?}) outlived memleak",
+            fs::read_link(format!("/proc/{command}/exe"))
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!Path::new(&format!("/proc/{command}/exe")).exists() || process_state(command) == Some('Z'));
+}
