@@ -24,7 +24,8 @@ pub fn candidates(pid: u32, object_path: &str, data: &[u8], build_id: Option<&st
     });
     // A link names a file, not a path.
     if let Some(name) = debuglink.filter(|name| !name.contains('/')) {
-        let directory = Path::new(object_path).parent().map_or(String::new(), |dir| dir.display().to_string());
+        let directory =
+            Path::new(object_path).parent().map_or(String::new(), |dir| dir.display().to_string());
         inside.push(format!("{directory}/{name}"));
         inside.push(format!("{directory}/.debug/{name}"));
         inside.push(format!("/usr/lib/debug{directory}/{name}"));
