@@ -110,12 +110,12 @@ pub struct Args {
     /// Outstanding allocations tracked at most; more are counted as not
     /// tracked. Kernel memory: 16 bytes per N reserved at start (16 MiB by
     /// default), then about 96 bytes per allocation outstanding.
-    #[arg(long, value_name = "N", default_value_t = 1_000_000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 1_000_000, value_parser = clap::value_parser!(u32).range(1..=MAX_ALLOCS))]
     pub max_allocs: u32,
 
     /// Distinct call stacks stored at most; allocations from further stacks
     /// are counted as "stacks lost".
-    #[arg(long, value_name = "N", default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..=MAX_STACKS))]
     pub max_stacks: u32,
 
     /// How user stacks are walked: with the unwind tables of each object's
@@ -128,7 +128,7 @@ pub struct Args {
     /// traced process, about 8 bytes each; objects past it are walked with
     /// frame pointers, and the report says so. A Debian python3 needs about
     /// 200,000.
-    #[arg(long, value_name = "N", default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..=MAX_UNWIND_ROWS))]
     pub max_unwind_rows: u32,
 
     /// Frames kept per stack (1 to 127).
@@ -138,7 +138,7 @@ pub struct Args {
     /// Processes traced at once at most (a cgroup's come and go); more
     /// are counted and left untraced. Each may hold one entry of kernel
     /// memory for allocations whose stack could not be stored.
-    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
     pub max_processes: u32,
 
     #[command(flatten)]
@@ -269,9 +269,23 @@ Examples:
   memleak -p 1234 --save heap.snap 60 2
   memleak diff heap.1.snap heap.2.snap --output growth.svg";
 
+// The largest sizes accepted: each map past these would ask the kernel for
+// gigabytes at start (see `bpf::map_costs`), far more than any real target
+// needs, and the kernel refuses a hash map of 2^27 entries or more outright.
+const MAX_ALLOCS: i64 = 100_000_000;
+const MAX_STACKS: i64 = 10_000_000;
+const MAX_UNWIND_ROWS: i64 = 1 << 28;
+const MAX_PROCESSES: i64 = 65_536;
+/// A year: longer intervals are surely a typo, and far ones overflow the
+/// clock.
+const MAX_INTERVAL_SECONDS: u64 = 365 * 24 * 3600;
+
 fn parse_interval(text: &str) -> Result<Duration, String> {
     match text.parse::<u64>() {
         Ok(0) => Err("the interval must be at least 1 second".to_owned()),
+        Ok(seconds) if seconds > MAX_INTERVAL_SECONDS => {
+            Err(format!("the interval must be at most {MAX_INTERVAL_SECONDS} seconds (a year)"))
+        }
         Ok(seconds) => Ok(Duration::from_secs(seconds)),
         Err(_) => Err(format!("`{text}` is not a whole number of seconds")),
     }

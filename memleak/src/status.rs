@@ -18,3 +18,13 @@ fn write_line(line: &str) {
     // Nothing sensible is left to do if stderr is gone.
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
+
+/// An OS error as a person reads it: "Cannot allocate memory", without
+/// Rust's " (os error 12)".
+pub fn os_reason(error: &std::io::Error) -> String {
+    let text = error.to_string();
+    match text.rfind(" (os error ") {
+        Some(end) => text[..end].to_owned(),
+        None => text,
+    }
+}

@@ -71,3 +71,65 @@ fn a_command_dies_with_memleak_even_if_memleak_is_killed_before_it_runs() {
     }
     assert!(!Path::new(&format!("/proc/{command}/exe")).exists() || process_state(command) == Some('Z'));
 }
+
+#[test]
+fn numbers_too_large_are_refused_before_anything_is_attached() {
+    let pid = std::process::id().to_string();
+    let (code, stderr) = run_to_end(&["-p", &pid, "18446744073709551615"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("the interval must be at most 31536000 seconds"), "{stderr}");
+    let (code, stderr) = run_to_end(&["-p", &pid, "--max-stacks", "134217727"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("134217727 is not in 1..=10000000"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+}
+
+/// A memory cgroup (v1, as on these machines, or v2) of `limit` bytes
+/// under this process's own; removed on drop.
+struct MemoryCgroup(std::path::PathBuf);
+
+impl MemoryCgroup {
+    fn new(name: &str, limit: u64) -> Self {
+        let own = fs::read_to_string("/proc/self/cgroup").unwrap();
+        let v1 = own.lines().find_map(|line| line.split_once(":memory:").map(|(_, path)| path.to_owned()));
+        let (path, limit_file) = match v1 {
+            Some(own) => (
+                Path::new("/sys/fs/cgroup/memory").join(own.trim_start_matches('/')),
+                "memory.limit_in_bytes",
+            ),
+            None => (Path::new("/sys/fs/cgroup").to_path_buf(), "memory.max"),
+        };
+        let path = path.join(format!("{name}-{}", std::process::id()));
+        fs::create_dir_all(&path)
+            .unwrap_or_else(|error| panic!("create memory cgroup {}: {error}", path.display()));
+        fs::write(path.join(limit_file), limit.to_string()).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn a_map_the_kernel_refuses_is_explained_with_the_memory_asked_and_the_flag() {
+    // 100 million tracked allocations: a bucket array of 2 GiB at start,
+    // which a memory cgroup of 300 MiB cannot hold.
+    let cgroup = MemoryCgroup::new("memleak-map-refused", 300 << 20);
+    let output = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo $$ > {}/cgroup.procs && exec \"$0\" \"$@\"", cgroup.0.display()))
+        .arg(memleak_tests::memleak_binary())
+        .args(["-p", &std::process::id().to_string(), "--max-allocs", "100000000", "1", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        "memleak: error: the kernel refused BPF map ALLOCATIONS (Cannot allocate memory): its 100000000 \
+         entries ask for 2.0 GiB of kernel memory at start, up to 10.2 GiB when full; lower --max-allocs"
+    );
+}

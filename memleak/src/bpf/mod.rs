@@ -3,6 +3,7 @@
 //! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`).
 
 pub mod contents;
+pub mod map_costs;
 pub mod rings;
 pub mod tracer;
 pub mod unwind_maps;

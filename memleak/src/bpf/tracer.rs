@@ -19,7 +19,9 @@ use memleak_common::{
     STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
+use super::map_costs::{self, MapCost};
 use crate::{
+    status,
     attach::AttachPlan,
     model::{HealthCounters, Unwinding},
 };
@@ -44,6 +46,16 @@ pub enum TracerError {
     WriteMap { map: &'static str, source: aya::maps::MapError },
     #[error("cannot map the unwind rows into memory: {0}")]
     MapRows(std::io::Error),
+    #[error(
+        "the kernel refused BPF map {map} ({}): its {} entries ask for {} of kernel memory at start, \
+         up to {} when full; lower {}",
+        status::os_reason(source),
+        cost.entries,
+        map_costs::readable_bytes(cost.at_start),
+        map_costs::readable_bytes(cost.when_full),
+        cost.flag
+    )]
+    MapRefused { map: String, cost: MapCost, source: std::io::Error },
 }
 
 /// What the user decides about the BPF side: filters and limits.
@@ -172,7 +184,7 @@ impl Tracer {
                 if caused_by_eperm(&error) {
                     TracerError::NotPermitted
                 } else {
-                    TracerError::Load(error)
+                    map_refused(error, settings)
                 }
             })?;
         for program in uprobe_programs() {
@@ -401,6 +413,18 @@ fn btf_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut 
 /// Whether `error` comes down to EPERM from the kernel: memleak lacks the
 /// privileges to load BPF. Read from the error's chain of sources, each an
 /// error value, so rewording a message cannot break it.
+/// A map the kernel would not create, with what it asked for; any other
+/// load error as it is.
+fn map_refused(error: EbpfError, settings: &TracerSettings) -> TracerError {
+    if let EbpfError::MapError(aya::maps::MapError::CreateError { name, io_error }) = &error {
+        if let Some(cost) = map_costs::cost_of(name, settings) {
+            let source = std::io::Error::from_raw_os_error(io_error.raw_os_error().unwrap_or(libc::ENOMEM));
+            return TracerError::MapRefused { map: name.clone(), cost, source };
+        }
+    }
+    TracerError::Load(error)
+}
+
 fn caused_by_eperm(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = Some(error);
     while let Some(error) = cause {
