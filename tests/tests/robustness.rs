@@ -133,3 +133,41 @@ fn a_map_the_kernel_refuses_is_explained_with_the_memory_asked_and_the_flag() {
          entries ask for 2.0 GiB of kernel memory at start, up to 10.2 GiB when full; lower --max-allocs"
     );
 }
+
+#[test]
+fn a_target_that_exits_while_memleak_attaches_is_named_as_the_cause() {
+    let mut target = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    let pid = target.id().to_string();
+    // -v says when each program is loaded: the target is planned for by
+    // then, and its probes are placed only after the last.
+    let mut memleak = Memleak::start(&["-v", "-p", &pid, "1", "1"]);
+    memleak.stderr.wait_for("the first program loaded", |line| line.contains("verified and loaded"));
+    target.kill().unwrap();
+    target.wait().unwrap();
+    let status = memleak.child.wait().unwrap();
+    let stderr = memleak.stderr.rest();
+    assert_eq!(status.code(), Some(2), "{stderr:#?}");
+    let error = stderr.iter().find(|line| line.starts_with("memleak: error: ")).unwrap();
+    assert_eq!(error, &format!("memleak: error: pid {pid} exited while memleak was attaching to it"));
+}
+
+#[test]
+fn cap_bpf_and_cap_perfmon_alone_are_told_what_tracing_a_process_needs() {
+    let target = std::process::id().to_string();
+    let output = std::process::Command::new("setpriv")
+        .arg("--bounding-set=-all,+bpf,+perfmon")
+        .arg(memleak_tests::memleak_binary())
+        .args(["-p", &target, "1", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.ends_with(
+            "(permission denied): tracing a process needs root or CAP_SYS_ADMIN; CAP_BPF and CAP_PERFMON \
+             are enough only to trace the kernel\n"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+}

@@ -28,14 +28,24 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum TracerError {
-    #[error("permission denied loading BPF programs: run as root or with CAP_BPF and CAP_PERFMON")]
+    #[error(
+        "permission denied loading BPF programs: run as root, or with CAP_SYS_ADMIN (CAP_BPF and CAP_PERFMON \
+         are enough only to trace the kernel)"
+    )]
     NotPermitted,
     #[error("the kernel rejected memleak's BPF object: {0}")]
     Load(#[source] EbpfError),
     #[error("the kernel rejected BPF program `{program}`: {source}")]
     Verifier { program: &'static str, source: ProgramError },
-    #[error("failed to attach uprobe to `{function}` in {object}: {source}")]
+    #[error("failed to attach uprobe to `{function}` in {object}: {}", root_cause(source))]
     Attach { function: &'static str, object: String, source: ProgramError },
+    #[error(
+        "the kernel refused a uprobe on `{function}` in {object} (permission denied): tracing a process \
+         needs root or CAP_SYS_ADMIN; CAP_BPF and CAP_PERFMON are enough only to trace the kernel"
+    )]
+    UprobesNotPermitted { function: &'static str, object: String },
+    #[error("pid {pid} exited while memleak was attaching to it")]
+    TargetGone { pid: u32 },
     #[error("failed to read BPF map {map}: {source}")]
     ReadMap { map: &'static str, source: aya::maps::MapError },
     #[error("this kernel lacks {feature}, which kernel tracing needs: {detail}")]
@@ -211,8 +221,7 @@ impl Tracer {
     /// its threads (the kernel filters uprobes by address space), or for
     /// every process that maps the object with `UProbeScope::AllProcesses`.
     pub fn attach(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
-        let fail =
-            |function, source| TracerError::Attach { function, object: plan.display_path.clone(), source };
+        let fail = |function, source| attach_error(function, &plan.display_path, scope, source);
         // Frees (and munmap) first: an allocation recorded while its free is
         // not probed yet would stay outstanding for good.
         let (frees, allocations): (Vec<_>, Vec<_>) =
@@ -423,6 +432,34 @@ fn map_refused(error: EbpfError, settings: &TracerSettings) -> TracerError {
         }
     }
     TracerError::Load(error)
+}
+
+/// Why a uprobe could not be attached, in the terms of what to do about it.
+fn attach_error(function: &'static str, object: &str, scope: UProbeScope, source: ProgramError) -> TracerError {
+    let errno = match &source {
+        ProgramError::SyscallError(error) => error.io_error.raw_os_error(),
+        _ => None,
+    };
+    match (errno, scope) {
+        (Some(libc::ESRCH), UProbeScope::OneProcess(pid)) => TracerError::TargetGone { pid: pid.get() },
+        (Some(libc::EACCES | libc::EPERM), _) => {
+            TracerError::UprobesNotPermitted { function, object: object.to_owned() }
+        }
+        _ => TracerError::Attach { function, object: object.to_owned(), source },
+    }
+}
+
+/// The innermost error of a chain, which says what the kernel said:
+/// "`perf_event_open` failed" alone does not.
+fn root_cause(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut innermost = error;
+    while let Some(cause) = innermost.source() {
+        innermost = cause;
+    }
+    match innermost.downcast_ref::<std::io::Error>() {
+        Some(io) if !std::ptr::addr_eq(innermost, error) => format!("{error}: {}", status::os_reason(io)),
+        _ => innermost.to_string(),
+    }
 }
 
 fn caused_by_eperm(error: &(dyn std::error::Error + 'static)) -> bool {
