@@ -23,8 +23,9 @@ pub use functions::{
     AllocatorFunction, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
 };
 pub use names::{
-    programs, tunables, ALLOCATIONS_MAP, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, PENDING_MAP,
-    PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    programs, tunables, ALLOCATIONS_MAP, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES,
+    PENDING_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP,
+    UNWIND_ROWS_MAP,
 };
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall,

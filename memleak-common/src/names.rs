@@ -49,7 +49,16 @@ pub mod tunables {
     /// memory allocator's refill, which serves memleak's own maps).
     pub const IGNORED_CALLER_START: &str = "IGNORED_CALLER_START";
     pub const IGNORED_CALLER_END: &str = "IGNORED_CALLER_END";
+    /// [u32; [`crate::MAX_IGNORED_PROCESSES`]]: processes never recorded,
+    /// 0 past the last: memleak itself, and with --trace the processes
+    /// that read its output. Recording them would feed on itself, each
+    /// event printed causing more. Checked where one probe serves many
+    /// processes (--cgroup, the kernel); elsewhere they are never probed.
+    pub const IGNORED_PROCESSES: &str = "IGNORED_PROCESSES";
 }
+
+/// How many processes [`tunables::IGNORED_PROCESSES`] holds.
+pub const MAX_IGNORED_PROCESSES: usize = 8;
 
 /// The BPF programs, by name. Which allocator function each uprobe
 /// program serves is said in [`crate::ALLOCATOR_FUNCTIONS`] and

@@ -1,6 +1,6 @@
 //! Read-only globals that user space sets at load time.
 
-use memleak_common::MAX_STACK_DEPTH;
+use memleak_common::{MAX_IGNORED_PROCESSES, MAX_STACK_DEPTH};
 
 #[unsafe(no_mangle)]
 static MIN_SIZE: u64 = 0;
@@ -20,6 +20,8 @@ static CGROUP_ID: u64 = 0;
 static IGNORED_CALLER_START: u64 = 0;
 #[unsafe(no_mangle)]
 static IGNORED_CALLER_END: u64 = 0;
+#[unsafe(no_mangle)]
+static IGNORED_PROCESSES: [u32; MAX_IGNORED_PROCESSES] = [0; MAX_IGNORED_PROCESSES];
 
 // Volatile reads: without them the compiler folds in the defaults above
 // and the values the loader writes would never be seen.
@@ -88,5 +90,23 @@ pub fn in_scope() -> bool {
     // SAFETY: as above.
     let cgroup = unsafe { core::ptr::read_volatile(&raw const CGROUP_ID) };
     // SAFETY: a helper without arguments.
-    cgroup == 0 || unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup
+    cgroup == 0
+        || (unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup
+            && !ignored_process(crate::calls::process_id()))
+}
+
+/// Whether process `tgid` is one never recorded: see
+/// `memleak_common::tunables::IGNORED_PROCESSES`.
+pub fn ignored_process(tgid: u32) -> bool {
+    // SAFETY: as above.
+    let ignored = unsafe { core::ptr::read_volatile(&raw const IGNORED_PROCESSES) };
+    for pid in ignored {
+        if pid == 0 {
+            return false;
+        }
+        if pid == tgid {
+            return true;
+        }
+    }
+    false
 }

@@ -128,6 +128,8 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
             max_unwind_rows: args.max_unwind_rows,
         },
         allocator: AllocatorChoice { object: args.object, prefix: args.symbols_prefix },
+        // Known once the output is open: see `report_loop::run`.
+        excluded: Vec::new(),
     };
     Ok(TraceConfig {
         target,

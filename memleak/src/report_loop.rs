@@ -11,8 +11,9 @@ use crate::{
     clock,
     config::TraceConfig,
     output::{NumberedFiles, Output, OutputError},
+    process::feedback,
     report::{saved, CgroupTotal, Report},
-    session::{Session, SessionError, SessionEvent, Target, TargetSpec},
+    session::{Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec},
     stats::{Stats, StatsError},
     status,
 };
@@ -53,7 +54,15 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
         .transpose()?;
     let mut stats = Stats::open(config.stats.as_deref())?;
     let starting = Instant::now();
-    let mut session = Session::start(&config.target, &config.session)?;
+    // Once the output is open: a FIFO's reader is known only then.
+    let session_config = SessionConfig {
+        excluded: feedback::excluded(config.session.tracer.trace_events, config.output.path.as_deref()),
+        ..config.session.clone()
+    };
+    for excluded in &session_config.excluded {
+        log::debug!("never tracing pid {}: {}", excluded.pid, excluded.why);
+    }
+    let mut session = Session::start(&config.target, &session_config)?;
     stats.started(session.load_time(), starting.elapsed())?;
     announce(&session, &config.target, &mut stats)?;
     let mut sinks = Sinks { output: &mut output, saves: saves.as_mut(), stats: &mut stats };

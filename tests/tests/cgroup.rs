@@ -140,3 +140,32 @@ fn a_path_that_is_not_a_cgroup() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.starts_with("memleak: error: /tmp is not a cgroup v2 directory"), "{stderr}");
 }
+
+#[test]
+fn memleak_in_the_cgroup_it_traces_never_traces_itself() {
+    // With --trace, each event memleak printed would make more: it must
+    // leave itself out, and say so.
+    let cgroup = TestCgroup::new();
+    let path = cgroup.0.to_str().unwrap();
+    let output = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo $$ > {path}/cgroup.procs && exec \"$0\" \"$@\""))
+        .arg(memleak_tests::memleak_binary())
+        .args(["-t", "--cgroup", path, "--format", "json", "2", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let own = stderr
+        .lines()
+        .find_map(|line| line.strip_prefix("memleak: warn: not tracing pid "))
+        .and_then(|rest| rest.strip_suffix(" of the cgroup: it is memleak itself"))
+        .unwrap_or_else(|| panic!("memleak says it leaves itself out: {stderr}"));
+    let lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let own: u32 = own.parse().unwrap();
+    assert!(lines.iter().all(|line| line["pid"] != own), "memleak's own events or report: {lines:#?}");
+    assert!(lines.iter().any(|line| line["cgroup"].is_string()), "the cgroup's total: {lines:#?}");
+}

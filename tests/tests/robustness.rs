@@ -171,3 +171,43 @@ fn cap_bpf_and_cap_perfmon_alone_are_told_what_tracing_a_process_needs() {
     );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }
+
+#[test]
+fn memleak_never_traces_itself_nor_with_trace_the_reader_of_its_output() {
+    let output = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("exec \"$0\" -p $$ 1 1")
+        .arg(memleak_tests::memleak_binary())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.ends_with(": it is memleak itself\n"), "{stderr}");
+
+    // memleak's stdout is a pipe `cat` reads.
+    let mut reader = std::process::Command::new("cat")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let reader_pid = reader.id().to_string();
+    let run = |args: &[&str], reader: &mut std::process::Child| {
+        let pipe = std::os::fd::AsFd::as_fd(reader.stdin.as_ref().unwrap()).try_clone_to_owned().unwrap();
+        std::process::Command::new(memleak_tests::memleak_binary()).args(args).stdout(pipe).output().unwrap()
+    };
+    let traced = run(&["-t", "-p", &reader_pid, "1", "1"], &mut reader);
+    let stderr = String::from_utf8_lossy(&traced.stderr);
+    assert_eq!(traced.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr,
+        format!(
+            "memleak: error: memleak does not trace pid {reader_pid}: it reads memleak's output, so tracing \
+             it with --trace would feed on itself\n"
+        )
+    );
+    // Without --trace, a report now and then is no loop.
+    let reported = run(&["-p", &reader_pid, "1", "1"], &mut reader);
+    assert!(reported.status.success(), "{}", String::from_utf8_lossy(&reported.stderr));
+    drop(reader.stdin.take());
+    reader.wait().unwrap();
+}

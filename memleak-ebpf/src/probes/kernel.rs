@@ -85,6 +85,9 @@ fn record(ctx: &BtfTracePointContext, address: u64, size: u64) {
     if size < tunables::min_size() || size > tunables::max_size() || !tunables::sample() {
         return;
     }
+    if tunables::ignored_process(crate::calls::process_id()) {
+        return;
+    }
     let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };
     record::store(key, size, stack::current_kernel_stack_id(ctx));
 }

@@ -32,10 +32,18 @@ pub struct MapCost {
 enum Layout {
     /// `BPF_F_NO_PREALLOC`: a bucket array at creation, elements as they
     /// are inserted.
-    HashOnDemand { key: usize, value: usize },
+    HashOnDemand {
+        key: usize,
+        value: usize,
+    },
     /// Every element allocated at creation.
-    HashPreallocated { key: usize, value: usize },
-    Array { value: usize },
+    HashPreallocated {
+        key: usize,
+        value: usize,
+    },
+    Array {
+        value: usize,
+    },
 }
 
 /// The cost of map `name` as `settings` size it, for the maps that a flag

@@ -15,15 +15,15 @@ use aya::{
 use memleak_common::{
     lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessMappings,
     StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP,
-    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, PENDING_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP,
-    STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_MAPPINGS_MAP,
+    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
 use super::map_costs::{self, MapCost};
 use crate::{
-    status,
     attach::AttachPlan,
     model::{HealthCounters, Unwinding},
+    status,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -113,11 +113,20 @@ pub struct TracerConfig {
     pub ignored_callers: std::ops::Range<u64>,
     /// With --cgroup, the only cgroup whose tasks are recorded.
     pub cgroup_id: u64,
+    /// Processes never recorded where a probe serves many (--cgroup, the
+    /// kernel): memleak, and with --trace the readers of its output.
+    pub ignored_processes: Vec<u32>,
 }
 
 impl TracerConfig {
     pub fn new(settings: TracerSettings) -> Self {
-        Self { settings, cache_size_offset: 0, ignored_callers: 0..0, cgroup_id: 0 }
+        Self {
+            settings,
+            cache_size_offset: 0,
+            ignored_callers: 0..0,
+            cgroup_id: 0,
+            ignored_processes: Vec::new(),
+        }
     }
 }
 
@@ -182,6 +191,7 @@ impl Tracer {
             .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
             .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
             .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
+            .override_global(tunables::IGNORED_PROCESSES, &ignored_processes(&config.ignored_processes), true)
             .map_max_entries(ALLOCATIONS_MAP, settings.max_allocations)
             .map_max_entries(STACKS_MAP, settings.max_stacks)
             .map_max_entries(STACK_IDS_MAP, settings.max_stacks)
@@ -434,8 +444,26 @@ fn map_refused(error: EbpfError, settings: &TracerSettings) -> TracerError {
     TracerError::Load(error)
 }
 
+/// The ignored processes as the BPF global holds them: 0 past the last.
+/// More than fit are left to be recorded, with a warning.
+fn ignored_processes(pids: &[u32]) -> [u32; MAX_IGNORED_PROCESSES] {
+    let mut ignored = [0; MAX_IGNORED_PROCESSES];
+    for (slot, &pid) in ignored.iter_mut().zip(pids) {
+        *slot = pid;
+    }
+    if let Some(left) = pids.get(MAX_IGNORED_PROCESSES..).filter(|left| !left.is_empty()) {
+        log::warn!("{} more processes read memleak's output than it can leave out: {left:?}", left.len());
+    }
+    ignored
+}
+
 /// Why a uprobe could not be attached, in the terms of what to do about it.
-fn attach_error(function: &'static str, object: &str, scope: UProbeScope, source: ProgramError) -> TracerError {
+fn attach_error(
+    function: &'static str,
+    object: &str,
+    scope: UProbeScope,
+    source: ProgramError,
+) -> TracerError {
     let errno = match &source {
         ProgramError::SyscallError(error) => error.io_error.raw_os_error(),
         _ => None,

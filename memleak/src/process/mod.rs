@@ -1,10 +1,12 @@
 //! The processes memleak traces, seen from outside: their address space
 //! (`maps`, `address_space`), their life (`lifecycle`), a command memleak
-//! starts itself (`command`), and cgroups of them (`cgroup`).
+//! starts itself (`command`), cgroups of them (`cgroup`), and those it
+//! must leave alone (`feedback`).
 
 pub mod address_space;
 pub mod cgroup;
 pub mod command;
+pub mod feedback;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;

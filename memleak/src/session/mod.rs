@@ -21,6 +21,7 @@ use crate::{
     process::{
         cgroup::{Cgroup, CgroupError},
         command::{CommandError, GatedCommand, SpawnedCommand},
+        feedback::Excluded,
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
     },
@@ -51,6 +52,8 @@ pub enum SessionError {
     Rings(io::Error),
     #[error("{pids} processes given, more than --max-processes {max}")]
     TooManyProcesses { pids: usize, max: u32 },
+    #[error("memleak does not trace pid {pid}: {why}")]
+    Excluded { pid: u32, why: &'static str },
 }
 
 /// How often the walkers' rescan requests are looked at.
@@ -61,6 +64,9 @@ const RESCAN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 pub struct SessionConfig {
     pub tracer: TracerSettings,
     pub allocator: AllocatorChoice,
+    /// Processes never traced: memleak, and with --trace its output's
+    /// readers.
+    pub excluded: Vec<Excluded>,
 }
 
 /// What a session has to say between reports.
@@ -83,6 +89,10 @@ pub struct Session {
     stacks: StackCatalog,
     /// With --cgroup: the cgroup whose processes are followed.
     cgroup: Option<Cgroup>,
+    /// Processes never traced, and with --cgroup those of them already
+    /// said to be left out.
+    excluded: Vec<Excluded>,
+    excluded_said: HashSet<u32>,
     /// With --cgroup: the probes on each allocator file its processes map,
     /// which serve all of them.
     shared_links: Vec<Links>,
@@ -125,6 +135,8 @@ impl Session {
             targets: Vec::new(),
             stacks: StackCatalog::default(),
             cgroup: None,
+            excluded: config.excluded.clone(),
+            excluded_said: HashSet::new(),
             shared_links: Vec::new(),
             command: None,
             exits,
@@ -157,8 +169,12 @@ impl Session {
             log::warn!("alloc_bulk is not in /proc/kallsyms: memleak's own map refills may be counted");
             0..0
         });
-        let tracer_config =
-            TracerConfig { cache_size_offset, ignored_callers, ..TracerConfig::new(config.tracer.clone()) };
+        let tracer_config = TracerConfig {
+            cache_size_offset,
+            ignored_callers,
+            ignored_processes: excluded_pids(config),
+            ..TracerConfig::new(config.tracer.clone())
+        };
         let mut tracer = Tracer::load(&tracer_config)?;
         tracer.attach_kernel(percpu)?;
         let mut session = Self::new(tracer, config)?;
@@ -177,6 +193,9 @@ impl Session {
         }
         let mut planned = Vec::new();
         for &pid in pids {
+            if let Some(excluded) = config.excluded.iter().find(|excluded| excluded.pid == pid) {
+                return Err(SessionError::Excluded { pid, why: excluded.why });
+            }
             lifecycle::check_process(pid)?;
             let space = AddressSpace::read(pid).map_err(|source| SessionError::Maps { pid, source })?;
             let plan = attach::plan::plan_for_process(&space, &config.allocator)?;
@@ -194,7 +213,11 @@ impl Session {
     /// those that join later.
     fn start_cgroup(path: &Path, config: &SessionConfig) -> Result<Self, SessionError> {
         let cgroup = Cgroup::open(path)?;
-        let tracer_config = TracerConfig { cgroup_id: cgroup.id, ..TracerConfig::new(config.tracer.clone()) };
+        let tracer_config = TracerConfig {
+            cgroup_id: cgroup.id,
+            ignored_processes: excluded_pids(config),
+            ..TracerConfig::new(config.tracer.clone())
+        };
         let tracer = Tracer::load(&tracer_config)?;
         let mut session = Self::new(tracer, config)?;
         session.cgroup = Some(cgroup);
@@ -294,6 +317,12 @@ impl Session {
         let joined: Vec<u32> = cgroup.processes().into_iter().filter(|pid| !known.contains(pid)).collect();
         let mut added = 0;
         for pid in joined {
+            if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
+                if self.excluded_said.insert(pid) {
+                    log::warn!("not tracing pid {pid} of the cgroup: {}", excluded.why);
+                }
+                continue;
+            }
             if lifecycle::check_process(pid).is_err() {
                 continue;
             }
@@ -503,6 +532,10 @@ fn update_unwind_table(
     log::debug!("pid {}: unwind table of {} executable mappings in use", target.pid, table.count);
     target.unwind_table = Some(table);
     Ok(())
+}
+
+fn excluded_pids(config: &SessionConfig) -> Vec<u32> {
+    config.excluded.iter().map(|excluded| excluded.pid).collect()
 }
 
 fn nonzero(pid: u32) -> std::num::NonZeroU32 {
