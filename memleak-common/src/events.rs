@@ -31,6 +31,8 @@ pub enum MappingChange {
     /// mremap moved or resized `address`, `length` to `new_address`,
     /// `new_length`.
     Remap = 2,
+    /// The process called execve: a new program, a new address space.
+    Exec = 3,
 }
 
 impl TryFrom<u32> for MappingChange {
@@ -41,12 +43,13 @@ impl TryFrom<u32> for MappingChange {
             0 => Ok(MappingChange::Map),
             1 => Ok(MappingChange::Unmap),
             2 => Ok(MappingChange::Remap),
+            3 => Ok(MappingChange::Exec),
             _ => Err(raw),
         }
     }
 }
 
-/// An mmap, munmap or mremap of a traced process, sent through
+/// An mmap, munmap, mremap or exec of a traced process, sent through
 /// [`MAPPING_EVENTS_MAP`](crate::MAPPING_EVENTS_MAP). These are rare next
 /// to malloc and free, and a partial munmap needs interval bookkeeping
 /// that a BPF hash map cannot do, so user space keeps the regions.

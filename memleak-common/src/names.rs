@@ -86,4 +86,6 @@ pub mod programs {
     pub const KERNEL_RELEASES: [&str; 4] = ["kfree", "kmem_cache_free", "mm_page_free", "percpu_free_percpu"];
     /// Per-CPU kernel allocations (--percpu).
     pub const KERNEL_PERCPU: [&str; 2] = ["percpu_alloc_percpu", "percpu_free_percpu"];
+    /// The `sched_process_exec` tracepoint: a traced process's new program.
+    pub const PROCESS_EXEC: &str = "sched_process_exec";
 }

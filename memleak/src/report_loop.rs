@@ -131,6 +131,9 @@ enum Round {
     /// A target is exiting: its final report. The command memleak started
     /// stays at its exit stop until `ack` is dropped.
     Exit { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
+    /// A target called execve: the old program's final report, then the
+    /// new one is traced.
+    Exec { pid: u32 },
 }
 
 async fn drive(
@@ -139,13 +142,69 @@ async fn drive(
     sinks: &mut Sinks<'_>,
     stop: &mut StopSignals,
 ) -> Result<(), RunError> {
-    let mut interval =
-        tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
-    let mut refresh = tokio::time::interval(REFRESH);
+    let mut clocks = Clocks {
+        interval: tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval),
+        refresh: tokio::time::interval(REFRESH),
+    };
     let mut printed = 0u64;
     loop {
+        let round = next_round(session, sinks, &mut clocks, stop).await?;
+        // Events that came before the report go out before it.
+        let events = session.drain_trace_events();
+        if !events.is_empty() {
+            sinks.output.trace(&events, clock::wall_minus_monotonic_ns())?;
+        }
+        let count_reached = |printed: u64| config.count.is_some_and(|count| printed >= count.get());
+        let final_round = !matches!(round, Round::Interval) || count_reached(printed + 1);
+        let only = match &round {
+            Round::Exit { pid, .. } | Round::Exec { pid } => Some(*pid),
+            Round::Interval | Round::Last => None,
+        };
+        let reports = report_round(config, session, sinks, only, final_round)?;
+        let last = matches!(round, Round::Last);
+        match round {
+            Round::Exec { pid } => restart(session, sinks, pid)?,
+            Round::Exit { pid, ack } => {
+                drop(ack);
+                // Its final report is out; the others go on. A cgroup's run
+                // goes on even with none: processes may join it later.
+                session.remove_target(pid)?;
+            }
+            Round::Interval | Round::Last => {}
+        }
+        if only.is_some() {
+            if session.is_done() {
+                return Ok(());
+            }
+            continue;
+        }
+        if let Some(cgroup) = session.cgroup() {
+            sinks.output.cgroup_total(&CgroupTotal::of(&cgroup.path, &reports))?;
+        }
+        printed += 1;
+        if last || count_reached(printed) {
+            return Ok(());
+        }
+    }
+}
+
+/// The report loop's timers: reports, and re-reading the targets.
+struct Clocks {
+    interval: tokio::time::Interval,
+    refresh: tokio::time::Interval,
+}
+
+/// Waits until reports are due, meanwhile picking up new processes and
+/// writing --trace events.
+async fn next_round(
+    session: &mut Session,
+    sinks: &mut Sinks<'_>,
+    clocks: &mut Clocks,
+    stop: &mut StopSignals,
+) -> Result<Round, RunError> {
+    loop {
         let round = tokio::select! {
-            _ = refresh.tick() => {
+            _ = clocks.refresh.tick() => {
                 let added = session.refresh()?;
                 let targets = session.targets();
                 for target in &targets[targets.len() - added..] {
@@ -164,41 +223,31 @@ async fn drive(
                     status::say(&format!("pid {pid} exited"));
                     Round::Exit { pid, ack }
                 }
+                SessionEvent::Exec { pid } => {
+                    status::say(&format!("pid {pid} called execve: the final report of its old program"));
+                    Round::Exec { pid }
+                }
             },
-            _ = interval.tick() => Round::Interval,
+            _ = clocks.interval.tick() => Round::Interval,
             _ = stop.interrupt.recv() => Round::Last,
             _ = stop.terminate.recv() => Round::Last,
         };
-        // Events that came before the report go out before it.
-        let events = session.drain_trace_events();
-        if !events.is_empty() {
-            sinks.output.trace(&events, clock::wall_minus_monotonic_ns())?;
-        }
-        let count_reached = |printed: u64| config.count.is_some_and(|count| printed >= count.get());
-        let final_round = !matches!(round, Round::Interval) || count_reached(printed + 1);
-        let exiting = match &round {
-            Round::Exit { pid, .. } => Some(*pid),
-            Round::Interval | Round::Last => None,
-        };
-        let reports = report_round(config, session, sinks, exiting, final_round)?;
-        if let Round::Exit { pid, ack } = round {
-            drop(ack);
-            // Its final report is out; the others go on. A cgroup's run goes
-            // on even with none: processes may join it later.
-            session.remove_target(pid)?;
-            if session.is_done() {
-                return Ok(());
-            }
-            continue;
-        }
-        if let Some(cgroup) = session.cgroup() {
-            sinks.output.cgroup_total(&CgroupTotal::of(&cgroup.path, &reports))?;
-        }
-        printed += 1;
-        if matches!(round, Round::Last) || count_reached(printed) {
-            return Ok(());
-        }
+        return Ok(round);
     }
+}
+
+/// Traces the new program of process `pid` after its execve, and says so.
+fn restart(session: &mut Session, sinks: &mut Sinks<'_>, pid: u32) -> Result<(), RunError> {
+    if let Some(target) = session.restart_target(pid)? {
+        status::say(&format!(
+            "pid {pid} now runs {}: tracing it through {} ({} functions probed)",
+            target.program,
+            target.plan.display_path,
+            target.plan.sites.len()
+        ));
+        sinks.stats.probes(target.pid, &target.plan)?;
+    }
+    Ok(())
 }
 
 /// Takes the reports of one round (of process `only`, or of all) and

@@ -211,3 +211,28 @@ fn memleak_never_traces_itself_nor_with_trace_the_reader_of_its_output() {
     drop(reader.stdin.take());
     reader.wait().unwrap();
 }
+
+#[test]
+fn an_exec_closes_the_old_programs_books_and_the_new_program_is_traced() {
+    let mut leaker = memleak_tests::Leaker::start_waiting(&["all", "--then-exec"]);
+    let pid = leaker.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "3600"]);
+    memleak.wait_attached();
+    leaker.go();
+    // The next line makes it exec; the new program says "ready" again.
+    leaker.send("exec", "ready");
+    memleak.stderr.wait_for("the new program to be traced", |line| {
+        line.starts_with(&format!("memleak: pid {pid} now runs "))
+    });
+    leaker.go();
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    assert_eq!(reports.len(), 2, "the old program's last report, then the new one's: {reports:#?}");
+    for report in &reports {
+        // Each program leaked 3 blocks of 1000 bytes from leak_malloc:
+        // none of the old program's are left over in the new one's books.
+        assert_eq!(memleak_tests::usage_at(report, "leak_malloc", "malloc"), (3000, 3), "{report:#}");
+    }
+    leaker.exit();
+}

@@ -95,7 +95,7 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-fn send(mut event: MappingEvent) {
+pub(super) fn send(mut event: MappingEvent) {
     // SAFETY: a helper without arguments.
     event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
     if MAPPING_EVENTS.output::<MappingEvent>(&event, 0).is_err() {

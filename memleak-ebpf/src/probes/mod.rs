@@ -1,8 +1,10 @@
 //! The entry points: uprobes on the target's allocator and mapping
-//! functions, and the kernel's allocation tracepoints. Each reads its
+//! functions, the kernel's allocation tracepoints, and its exec
+//! tracepoint. Each reads its
 //! arguments and hands over to `calls`, `record` and `stack`.
 
 mod alloc;
+mod exec;
 mod free;
 mod kernel;
 mod mmap;

@@ -48,7 +48,7 @@ pub enum TracerError {
     TargetGone { pid: u32 },
     #[error("failed to read BPF map {map}: {source}")]
     ReadMap { map: &'static str, source: aya::maps::MapError },
-    #[error("this kernel lacks {feature}, which kernel tracing needs: {detail}")]
+    #[error("this kernel lacks {feature}, which memleak needs: {detail}")]
     KernelFeature { feature: String, detail: String },
     #[error("the BPF object lacks {0}: memleak was built wrongly")]
     Missing(&'static str),
@@ -314,12 +314,25 @@ impl Tracer {
         Ok(keys)
     }
 
+    /// Attaches the exec tracepoint: an execve by a traced process comes
+    /// as a `MappingChange::Exec` event, and its table of mappings is
+    /// dropped.
+    pub fn watch_execs(&mut self) -> Result<(), TracerError> {
+        let btf = kernel_btf()?;
+        let tracepoint = programs::PROCESS_EXEC;
+        let missing = |error: ProgramError| TracerError::KernelFeature {
+            feature: format!("the {tracepoint} tracepoint"),
+            detail: error.to_string(),
+        };
+        let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
+        program.load(tracepoint, &btf).map_err(missing)?;
+        program.attach().map_err(missing)?;
+        Ok(())
+    }
+
     /// Attaches the kernel allocation tracepoints (and the per-CPU ones).
     pub fn attach_kernel(&mut self, percpu: bool) -> Result<(), TracerError> {
-        let btf = aya::Btf::from_sys_fs().map_err(|error| TracerError::KernelFeature {
-            feature: "BTF (CONFIG_DEBUG_INFO_BTF)".to_owned(),
-            detail: error.to_string(),
-        })?;
+        let btf = kernel_btf()?;
         let percpu_programs: &[&'static str] = if percpu { &programs::KERNEL_PERCPU } else { &[] };
         let wanted: Vec<&'static str> = programs::KERNEL.iter().chain(percpu_programs).copied().collect();
         let missing = |tracepoint: &str, error: ProgramError| TracerError::KernelFeature {
@@ -421,6 +434,13 @@ fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, 
     ebpf.program_mut(name)
         .and_then(|program| <&mut UProbe>::try_from(program).ok())
         .ok_or(TracerError::Missing(name))
+}
+
+fn kernel_btf() -> Result<aya::Btf, TracerError> {
+    aya::Btf::from_sys_fs().map_err(|error| TracerError::KernelFeature {
+        feature: "BTF (CONFIG_DEBUG_INFO_BTF)".to_owned(),
+        detail: error.to_string(),
+    })
 }
 
 fn btf_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut BtfTracePoint, TracerError> {

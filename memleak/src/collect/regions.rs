@@ -56,6 +56,9 @@ impl Regions {
                 self.unmap(event.new_address, new_end);
                 self.by_start.insert(event.new_address, Region { end: new_end, ..moved });
             }
+            // The old program's regions stay for its final report; the
+            // session then starts the process's books afresh.
+            Ok(MappingChange::Exec) => {}
             Err(unknown) => log::debug!("unknown mapping change {unknown}: ignored"),
         }
     }

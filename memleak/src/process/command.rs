@@ -89,7 +89,8 @@ impl GatedCommand {
         events: tokio::sync::mpsc::UnboundedSender<TargetEvent>,
     ) -> Result<SpawnedCommand, CommandError> {
         let spawn_error = |source| CommandError::Spawn { program: self.name.clone(), source };
-        let watcher = match watch_command(self.pid, events) {
+        let (exec_sender, exec_stopped) = std::sync::mpsc::channel();
+        let watcher = match watch_command(self.pid, events, exec_sender) {
             Ok(watcher) => watcher,
             Err(source) => {
                 let error = spawn_error(source);
@@ -107,14 +108,15 @@ impl GatedCommand {
         let mut errno = [0u8; 4];
         let mut exec_error = File::from(self.exec_error);
         // EOF: the close-on-exec pipe closed, so the exec happened.
-        match exec_error.read(&mut errno) {
-            Ok(4) => {
-                let error = spawn_error(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)));
-                command.finish();
-                Err(error)
-            }
-            _ => Ok(command),
+        if let Ok(4) = exec_error.read(&mut errno) {
+            let error = spawn_error(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)));
+            command.finish();
+            return Err(error);
         }
+        // The exec stop comes after the kernel's exec tracepoint: past it,
+        // that first exec cannot be taken for a later one.
+        let _ = exec_stopped.recv();
+        Ok(command)
     }
 
     /// Gives up on the command: it never gets to run.
@@ -205,6 +207,7 @@ fn signal(pid: u32, signal: libc::c_int) {
 fn watch_command(
     pid: u32,
     events: tokio::sync::mpsc::UnboundedSender<TargetEvent>,
+    exec_stopped: std::sync::mpsc::Sender<()>,
 ) -> io::Result<std::thread::JoinHandle<()>> {
     let (seized_sender, seized) = std::sync::mpsc::channel();
     let watcher = std::thread::spawn(move || {
@@ -217,7 +220,7 @@ fn watch_command(
         let seized_ok = unsafe { libc::ptrace(libc::PTRACE_SEIZE, pid, 0, libc::c_long::from(options)) } == 0;
         let _ = seized_sender.send(if seized_ok { Ok(()) } else { Err(io::Error::last_os_error()) });
         if seized_ok {
-            follow_tracee(pid, &events);
+            follow_tracee(pid, &events, &exec_stopped);
         }
     });
     match seized.recv() {
@@ -228,7 +231,11 @@ fn watch_command(
 }
 
 /// Resumes the tracee after each stop until it is gone, and reaps it.
-fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<TargetEvent>) {
+fn follow_tracee(
+    pid: libc::pid_t,
+    events: &tokio::sync::mpsc::UnboundedSender<TargetEvent>,
+    exec_stopped: &std::sync::mpsc::Sender<()>,
+) {
     let resume = |request, signal: libc::c_int| {
         // SAFETY: the tracee is in a ptrace stop, as waitpid just told us.
         unsafe { libc::ptrace(request, pid, 0, libc::c_long::from(signal)) };
@@ -283,6 +290,9 @@ fn follow_tracee(pid: libc::pid_t, events: &tokio::sync::mpsc::UnboundedSender<T
                 resume(libc::PTRACE_CONT, stop_signal); // deliver the signal as if untraced
             }
             libc::PTRACE_EVENT_EXEC => {
+                if !exec_seen {
+                    let _ = exec_stopped.send(());
+                }
                 exec_seen = true;
                 hook = LinkMapHook::set(pid);
                 resume(libc::PTRACE_CONT, 0);

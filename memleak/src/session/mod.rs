@@ -8,7 +8,7 @@ mod targets;
 
 use std::{collections::HashSet, io, path::Path};
 
-use memleak_common::{MappingEvent, TraceEvent, KERNEL_TGID};
+use memleak_common::{MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 pub use targets::{ReportRequest, Target, TargetSpec};
@@ -77,6 +77,9 @@ pub enum SessionEvent {
     /// A target is exiting: its final report is due. See
     /// `TargetEvent::Exiting` for `ack`.
     Exiting { pid: u32, ack: Option<std::sync::mpsc::Sender<()>> },
+    /// A target called execve: the old program's final report is due,
+    /// then `restart_target`.
+    Exec { pid: u32 },
 }
 
 pub struct Session {
@@ -110,6 +113,8 @@ pub struct Session {
     /// How often the walkers' requests to rescan a process are taken: a
     /// library loaded since gets its rows before it allocates much.
     rescan_poll: tokio::time::Interval,
+    /// Targets that called execve, their old program's report not taken.
+    execs: std::collections::VecDeque<u32>,
 }
 
 impl Session {
@@ -145,6 +150,7 @@ impl Session {
             mapping_events: None,
             unwind: None,
             rescan_poll: tokio::time::interval(RESCAN_POLL),
+            execs: std::collections::VecDeque::new(),
         };
         let rows = session.tracer.unwind_rows(config.tracer.unwind_rows())?;
         session.unwind = Some(UnwindTables::new(rows, config.tracer.unwinding));
@@ -201,7 +207,8 @@ impl Session {
             let plan = attach::plan::plan_for_process(&space, &config.allocator)?;
             planned.push((pid, plan, space));
         }
-        let tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+        let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+        tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         for (pid, plan, space) in planned {
             session.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
@@ -218,7 +225,8 @@ impl Session {
             ignored_processes: excluded_pids(config),
             ..TracerConfig::new(config.tracer.clone())
         };
-        let tracer = Tracer::load(&tracer_config)?;
+        let mut tracer = Tracer::load(&tracer_config)?;
+        tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         session.cgroup = Some(cgroup);
         session.follow_cgroup()?;
@@ -234,6 +242,7 @@ impl Session {
             .map_err(SessionError::from)
             .and_then(|plan| {
                 let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+                tracer.watch_execs()?;
                 let links = tracer.attach(&plan, UProbeScope::OneProcess(nonzero(gated.pid)))?;
                 Ok((plan, Self::new(tracer, config)?, links))
             });
@@ -389,6 +398,9 @@ impl Session {
     /// mmap events are taken in as they come.
     pub async fn next_event(&mut self) -> Result<SessionEvent, SessionError> {
         loop {
+            if let Some(pid) = self.execs.pop_front() {
+                return Ok(SessionEvent::Exec { pid });
+            }
             tokio::select! {
                 ready = rings::readable(&mut self.trace_events) => {
                     ready.map_err(SessionError::Rings)?;
@@ -401,6 +413,9 @@ impl Session {
                 Some(event) = self.exit_events.recv() => match event {
                     TargetEvent::Exiting { pid, ack } => return Ok(SessionEvent::Exiting { pid, ack }),
                     TargetEvent::Mapped { pid, ack } => {
+                        // An exec noticed first keeps the old program's
+                        // mappings for its final report.
+                        self.take_mapping_events();
                         if let Some(index) = self.targets.iter().position(|target| target.pid == pid) {
                             self.refresh_target(index)?;
                         }
@@ -421,9 +436,17 @@ impl Session {
         let Some(ring) = self.mapping_events.as_mut() else { return };
         let events: Vec<MappingEvent> = ring.drain();
         for event in &events {
-            if let Some(target) = self.targets.iter_mut().find(|target| target.pid == event.tgid) {
-                target.regions.apply(event);
+            let Some(target) = self.targets.iter_mut().find(|target| target.pid == event.tgid) else {
+                continue;
+            };
+            if MappingChange::try_from(event.change) == Ok(MappingChange::Exec) {
+                if target.exec_ns.is_none() {
+                    target.exec_ns = Some(event.timestamp_ns);
+                    self.execs.push_back(target.pid);
+                }
+                continue;
             }
+            target.regions.apply(event);
         }
     }
 
@@ -476,6 +499,41 @@ impl Session {
             tables.forget(pid);
         }
         Ok(())
+    }
+
+    /// Starts process `pid`'s books afresh after its execve, its old
+    /// program's final report taken: the new program's allocator is
+    /// planned and probed, and what the old one left is forgotten.
+    /// Returns the new target, or `None` if the process is no longer
+    /// traced: it is gone, its new program has no allocator memleak knows,
+    /// or (with --cgroup) it will be picked up again as a newcomer.
+    pub fn restart_target(&mut self, pid: u32) -> Result<Option<&Target>, SessionError> {
+        let Some(old) = self.targets.iter().find(|target| target.pid == pid) else { return Ok(None) };
+        let watched = old.exit_watch.is_some();
+        self.remove_target(pid)?;
+        if self.cgroup.is_some() {
+            return Ok(None);
+        }
+        let planned = AddressSpace::read(pid)
+            .map_err(|source| SessionError::Maps { pid, source })
+            .and_then(|space| Ok((attach::plan::plan_for_process(&space, &self.allocator)?, space)));
+        let (plan, space) = match planned {
+            Ok(planned) => planned,
+            Err(error) => {
+                log::warn!("pid {pid} is no longer traced after its execve: {error}");
+                return Ok(None);
+            }
+        };
+        let mut target = Target::process(pid, plan, space);
+        target.links = Some(self.tracer.attach(&target.plan, UProbeScope::OneProcess(nonzero(pid)))?);
+        if watched {
+            target.exit_watch = Some(
+                lifecycle::watch_exit(pid, self.exits.clone())
+                    .map_err(|source| SessionError::Watch { pid, source })?,
+            );
+        }
+        self.push(target)?;
+        Ok(self.targets.last())
     }
 
     /// Whether the session still has something to trace: a cgroup may be

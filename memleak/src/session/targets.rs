@@ -62,6 +62,10 @@ pub struct Target {
     pub(super) unwind_table: Option<Box<ProcessMappings>>,
     /// What building its first table took.
     pub unwind_built: Option<TableBuilt>,
+    /// When (`CLOCK_MONOTONIC` ns) it called execve, until its books are
+    /// closed: its mappings are no longer re-read, and its last report
+    /// counts only what the old program allocated.
+    pub(super) exec_ns: Option<u64>,
 }
 
 impl Target {
@@ -82,6 +86,7 @@ impl Target {
             unwinding: None,
             unwind_table: None,
             unwind_built: None,
+            exec_ns: None,
         }
     }
 
@@ -104,6 +109,7 @@ impl Target {
             unwinding: None,
             unwind_table: None,
             unwind_built: None,
+            exec_ns: None,
         }
     }
 
@@ -115,7 +121,7 @@ impl Target {
     /// be symbolized even if it exits before its next report; says whether
     /// they changed.
     pub fn refresh(&mut self) -> bool {
-        if self.is_kernel() {
+        if self.is_kernel() || self.exec_ns.is_some() {
             return false;
         }
         let changes = self.space.refresh();
@@ -137,7 +143,13 @@ impl Target {
         request: &ReportRequest,
         sample_rate: u32,
     ) -> Report {
-        let options = &request.collect;
+        let mut options = request.collect;
+        if let Some(exec_ns) = self.exec_ns {
+            // Only what was allocated before the exec: the old program's.
+            let since_exec = maps.now_ns.saturating_sub(exec_ns);
+            options.min_age_ns = Some(options.min_age_ns.unwrap_or(0).max(since_exec));
+        }
+        let options = &options;
         let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
         let Self { space, symbolizer, regions, trends, .. } = self;
         collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |region| {
@@ -148,7 +160,7 @@ impl Target {
             program: &self.program,
             allocator: &self.plan.display_path,
             namespace_pid: self.namespace_pid,
-            min_age_ms: options.min_age_ns.unwrap_or(0) / 1_000_000,
+            min_age_ms: request.collect.min_age_ns.unwrap_or(0) / 1_000_000,
             top: request.top,
             sort: request.sort,
             sample_rate,
