@@ -133,3 +133,83 @@ fn debug_info_shipped_inside_the_container_is_found_first() {
     assert!(stack["frames"][0]["file"].as_str().unwrap().ends_with("tests/fixtures/leaker.c"), "{stack}");
     leaker.exit();
 }
+
+/// A FIFO on the host, which nothing reads: opening it to read would
+/// block forever.
+fn host_fifo(dir: &TempDir) -> std::path::PathBuf {
+    let fifo = dir.path().join("fifo");
+    let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    fifo
+}
+
+#[test]
+fn o_is_the_containers_file_and_its_links_stay_inside_it() {
+    let rootfs = leaker_rootfs();
+    let host = TempDir::new("memleak-host-side");
+    let fifo = host_fifo(&host);
+    // In the container, /evil.so leads to a path that is a FIFO only on
+    // the host: resolved inside the container, it leads nowhere.
+    std::os::unix::fs::symlink(&fifo, rootfs.path().join("evil.so")).unwrap();
+    let mut leaker = start_in_container(&rootfs);
+    let pid = leaker.leaker_pid();
+    let pid_text = pid.to_string();
+    let (code, stderr) = memleak_tests::run_to_end(&["-p", &pid_text, "-O", "/evil.so", "1", "1"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains(&format!("cannot read /evil.so in the root of pid {pid}")), "{stderr}");
+
+    // The container's own libc, a copy the host's path does not lead to.
+    let libc_path = fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .lines()
+        .find_map(|line| {
+            line.split_whitespace().nth(5).filter(|path| path.contains("libc.so")).map(str::to_owned)
+        })
+        .expect("the leaker maps libc");
+    let mut memleak =
+        Memleak::start(&["-p", &pid_text, "-O", &libc_path, "--format", "json", "-T", "100", "3600"]);
+    let said = memleak.stderr.wait_for("memleak to attach", |line| line.starts_with("memleak: tracing "));
+    assert!(said.contains(&format!("{libc_path} in the root of pid {pid}")), "{said}");
+    leaker.go();
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    assert_eq!(usage_at(reports.last().unwrap(), "fibonacci", "fibonacci"), (5 * 8192, 5));
+    leaker.exit();
+}
+
+#[test]
+fn a_debug_file_that_leads_to_a_host_fifo_is_not_opened() {
+    // A stripped leaker whose debug link the container answers with a link
+    // to a path that, on the host, is a FIFO.
+    let work = TempDir::new("memleak-debuglink-fifo");
+    let stripped = work.path().join("leaker");
+    let status = Command::new("objcopy")
+        .args(["--strip-debug", "--add-gnu-debuglink=/dev/null"])
+        .arg(fixture("leaker"))
+        .arg(&stripped)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rootfs = memleak_tests::rootfs_with(&stripped);
+    let fifo = host_fifo(&work);
+    for dir in ["app", "usr/lib/debug"] {
+        fs::create_dir_all(rootfs.path().join(dir)).unwrap();
+        std::os::unix::fs::symlink(&fifo, rootfs.path().join(dir).join("null")).unwrap();
+    }
+    let mut leaker = start_in_container(&rootfs);
+    let pid = leaker.leaker_pid();
+    // Would hang in the final report, reading the FIFO.
+    let report = trace_seed(&mut leaker, pid);
+    // Named from the symbol table: the debug file, file and line, is gone.
+    let fibonacci: u64 = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|stack| stack["frames"][0]["function"] == "fibonacci")
+        .map(|stack| stack["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(fibonacci, 5 * 8192, "{report:#}");
+    leaker.exit();
+}

@@ -236,3 +236,15 @@ fn an_exec_closes_the_old_programs_books_and_the_new_program_is_traced() {
     }
     leaker.exit();
 }
+
+#[test]
+fn o_opens_only_regular_files() {
+    // /dev/zero would be read until memory ran out.
+    let mut target = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    let pid = target.id().to_string();
+    let (code, stderr) = run_to_end(&["-p", &pid, "-O", "/dev/zero", "1", "1"]);
+    target.kill().unwrap();
+    target.wait().unwrap();
+    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(stderr, "memleak: error: cannot read /dev/zero: not a regular file\n");
+}

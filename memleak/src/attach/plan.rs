@@ -2,9 +2,11 @@
 //! which file offsets each allocator function starts.
 
 use std::{
-    fs,
+    fs::{self, File},
+    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     process::Command,
+    sync::Arc,
 };
 
 use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
@@ -12,7 +14,7 @@ use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
 use super::{link_order, placement};
 use crate::{
     elf,
-    process::address_space::{self, AddressSpace},
+    process::{files, AddressSpace},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -64,11 +66,15 @@ pub struct ProbeSite {
 /// The object to probe and the probe sites in it.
 #[derive(Clone, Debug)]
 pub struct AttachPlan {
-    /// Path that opens the object from memleak's own mount namespace.
+    /// Path that opens the object from memleak's own mount namespace:
+    /// memleak's descriptor of the file planned from (`object`).
     pub path: PathBuf,
     /// The object as the target names it, for reports.
     pub display_path: String,
     pub sites: Vec<ProbeSite>,
+    /// The file planned from, held open for `path`; `None` for the kernel.
+    #[allow(dead_code, reason = "held, never read: it keeps `path` valid")]
+    pub object: Option<Arc<File>>,
 }
 
 /// Symbol prefixes tried when the user names none: plain names, then
@@ -83,14 +89,21 @@ const AUTO_PREFIXES: [&str; 3] = ["", "je_", "_rjem_"];
 pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
     let prefix = choice.prefix.as_deref();
     if let Some(object) = &choice.object {
-        // A path on the host, or else inside the target's mount namespace.
-        let path = address_space::object_path(space.pid(), object);
-        return plan_for_object(&path, &object.display().to_string(), prefix.unwrap_or(""));
+        // As the target sees it: a container's own file, never the host's.
+        let pid = space.pid();
+        let display = if files::shares_root(pid) {
+            object.display().to_string()
+        } else {
+            format!("{} in the root of pid {pid}", object.display())
+        };
+        let file = files::open_in_root(pid, object)
+            .map_err(|source| PlanError::Read { path: PathBuf::from(&display), source })?;
+        return plan_for_file(file, &display, prefix.unwrap_or(""));
     }
     let objects = space.objects();
     let needed = objects
         .first()
-        .and_then(|binary| fs::read(binary.fd_path()).ok())
+        .and_then(|binary| files::read_regular(&binary.fd_path()).ok())
         .map(|data| elf::needed_libraries(&data))
         .unwrap_or_default();
     let environ = fs::read(format!("/proc/{}/environ", space.pid())).unwrap_or_default();
@@ -99,7 +112,9 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
     let candidates: Vec<(PathBuf, String)> = ordered
         .iter()
         .filter_map(|path| objects.iter().find(|object| object.path == *path))
-        .map(|object| (object.opened_from.clone(), object.path.clone()))
+        // Probed through memleak's own descriptor: the very file read here,
+        // whatever the target's root holds at its path.
+        .map(|object| (object.fd_path(), object.path.clone()))
         .collect();
     first_allocator(&candidates, prefix)
 }
@@ -116,7 +131,8 @@ pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<Atta
             choice.prefix.as_deref().unwrap_or(""),
         );
     }
-    let data = fs::read(program).map_err(|source| PlanError::Read { path: program.to_path_buf(), source })?;
+    let data = files::read_regular(program)
+        .map_err(|source| PlanError::Read { path: program.to_path_buf(), source })?;
     if let Some(interpreter) = script_interpreter(&data) {
         // A script: the allocator is its interpreter's.
         return plan_for_program(&interpreter, choice);
@@ -184,15 +200,25 @@ fn script_interpreter(data: &[u8]) -> Option<PathBuf> {
 /// Finds the allocator functions, named `PREFIXmalloc` and so on, in one ELF
 /// object, and the mapping functions beside them.
 pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<AttachPlan, PlanError> {
-    let data = fs::read(path).map_err(|source| PlanError::Read { path: path.to_path_buf(), source })?;
-    let file = object::File::parse(&*data).map_err(|_| PlanError::NotElf(path.to_path_buf()))?;
+    let read_error = |source| PlanError::Read { path: PathBuf::from(display_path), source };
+    plan_for_file(files::open_regular(path).map_err(read_error)?, display_path, prefix)
+}
+
+/// As `plan_for_object`, for a file opened already: the plan probes that
+/// very file, through memleak's own descriptor, whatever its path leads to
+/// by the time the probes are placed.
+fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<AttachPlan, PlanError> {
+    let read_error = |source| PlanError::Read { path: PathBuf::from(display_path), source };
+    let data = files::read_limited(&object, files::READ_LIMIT).map_err(read_error)?;
+    let path = PathBuf::from(display_path);
+    let file = object::File::parse(&*data).map_err(|_| PlanError::NotElf(path.clone()))?;
     let (mut sites, missing) = allocator_sites(&file, &data, prefix, display_path);
     // An allocator needs malloc and a way to free. A binary linked with
     // tikv-jemallocator keeps only what Rust calls: _rjem_sdallocx, no free.
     let frees = ["free", "sdallocx", "dallocx"];
     if missing.contains(&"malloc") || frees.iter().all(|free| missing.contains(free)) {
         return Err(if prefix.is_empty() {
-            PlanError::NoAllocator(path.to_path_buf())
+            PlanError::NoAllocator(path.clone())
         } else {
             PlanError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched: display_path.to_owned() }
         });
@@ -202,7 +228,13 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
     }
     let mapping = mapping_sites(&file, &sites);
     sites.extend(mapping);
-    Ok(AttachPlan { path: path.to_path_buf(), display_path: display_path.to_owned(), sites })
+    let object = Arc::new(object);
+    Ok(AttachPlan {
+        path: PathBuf::from(format!("/proc/self/fd/{}", object.as_raw_fd())),
+        display_path: display_path.to_owned(),
+        sites,
+        object: Some(object),
+    })
 }
 
 /// A site for each allocator function the object defines, aliases probed

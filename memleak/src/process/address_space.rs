@@ -1,7 +1,8 @@
 //! A process's address space as memleak needs it: the files it maps, each
 //! opened once and kept open, with their build ids.
 //!
-//! Files are opened through `/proc/PID/map_files` (then the process's root):
+//! Files are opened through `/proc/PID/map_files` (then the process's root,
+//! see `files::open_mapped`):
 //! that works for files that exist only inside a container and for files
 //! deleted since they were mapped. Kept open, they serve the symbolizer
 //! and the pprof mappings after the process has exited. The attach planner
@@ -12,11 +13,14 @@ use std::{
     collections::HashMap,
     fs::File,
     os::fd::AsRawFd as _,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{Arc, OnceLock},
 };
 
-use super::maps::{self, MapsEntry, Pathname};
+use super::{
+    files,
+    maps::{self, MapsEntry, Pathname},
+};
 use crate::{elf, model::ModuleMapping};
 
 /// What tells two files apart whatever their paths: device and inode.
@@ -32,8 +36,6 @@ pub struct MappedObject {
     pub id: FileId,
     /// The file as the process names it.
     pub path: String,
-    /// Where it was opened from; valid while the process maps it.
-    pub opened_from: PathBuf,
     file: File,
     build_id: OnceLock<Option<String>>,
 }
@@ -218,17 +220,8 @@ impl AddressSpace {
             objects.insert(id, object.clone());
             return Some(object);
         }
-        let (file, opened_from) = entry
-            .open_paths(self.pid)
-            .into_iter()
-            .find_map(|candidate| File::open(&candidate).ok().map(|file| (file, candidate)))?;
-        let object = Arc::new(MappedObject {
-            id,
-            path: path.to_owned(),
-            opened_from,
-            file,
-            build_id: OnceLock::new(),
-        });
+        let file = files::open_mapped(self.pid, entry)?;
+        let object = Arc::new(MappedObject { id, path: path.to_owned(), file, build_id: OnceLock::new() });
         objects.insert(id, object.clone());
         Some(object)
     }
@@ -291,16 +284,6 @@ impl AddressSpace {
     }
 }
 
-/// `object` as given with -O for process `pid`: a path on the host if it
-/// exists there, else inside the process's root.
-pub fn object_path(pid: u32, object: &Path) -> PathBuf {
-    if object.exists() {
-        object.to_path_buf()
-    } else {
-        maps::in_root(pid, &object.to_string_lossy())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,11 +320,10 @@ mod tests {
         let space = own_space();
         let objects = space.objects();
         let exe = std::fs::read_link("/proc/self/exe").unwrap();
-        assert_eq!(Path::new(&objects[0].path), exe, "the executable is mapped first");
+        assert_eq!(std::path::Path::new(&objects[0].path), exe, "the executable is mapped first");
         let mut ids: Vec<FileId> = objects.iter().map(|object| object.id).collect();
         ids.dedup();
         assert_eq!(ids.len(), objects.len(), "each object once");
-        assert!(objects[0].opened_from.starts_with("/proc"), "{:?}", objects[0].opened_from);
         let function = own_space as fn() -> AddressSpace as usize as u64;
         let mapping = space.find(function).expect("this function's code is mapped");
         assert!(mapping.executable && mapping.object.id == objects[0].id);

@@ -14,7 +14,10 @@
 
 use std::{fs, io};
 
-use super::maps::{self, MapsEntry};
+use super::{
+    files,
+    maps::{self, MapsEntry},
+};
 use crate::elf;
 
 /// `r_state` of `struct r_debug`: after `int r_version`, its padding, and
@@ -87,8 +90,7 @@ fn hook_in(pid: u32, entry: &MapsEntry, entries: &[MapsEntry]) -> Option<(u64, O
     if entry.offset != 0 {
         return None;
     }
-    let path = entry.open_paths(pid).into_iter().find(|path| path.exists())?;
-    let data = fs::read(path).ok()?;
+    let data = files::read_limited(&files::open_mapped(pid, entry)?, files::READ_LIMIT).ok()?;
     let file = object::File::parse(&*data).ok()?;
     let hook = elf::dynamic_symbol(&file, "_dl_debug_state")?;
     let r_debug = elf::dynamic_symbol(&file, "_r_debug");

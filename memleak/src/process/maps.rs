@@ -1,8 +1,6 @@
 //! The one reader of `/proc/PID/maps`: every other module gets a
 //! process's mappings from here, typed.
 
-use std::path::PathBuf;
-
 /// One line of `/proc/PID/maps`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MapsEntry {
@@ -40,22 +38,6 @@ impl MapsEntry {
             _ => None,
         }
     }
-
-    /// Where the mapped file can be opened, best first: `/proc/PID/map_files`
-    /// opens the very file mapped, wherever the target's root is (a
-    /// container, a chroot) and even once it is deleted; then the path
-    /// inside the target's root; then the path as the host sees it.
-    pub fn open_paths(&self, pid: u32) -> Vec<PathBuf> {
-        let Some(path) = self.file() else { return Vec::new() };
-        let map_files = PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", self.start, self.end));
-        vec![map_files, in_root(pid, path), PathBuf::from(path)]
-    }
-}
-
-/// `path` as process `pid` sees it, opened from the host: through the
-/// process's root directory.
-pub fn in_root(pid: u32, path: &str) -> PathBuf {
-    PathBuf::from(format!("/proc/{pid}/root")).join(path.trim_start_matches('/'))
 }
 
 /// Parses the text of a maps file; lines that do not parse are skipped.
@@ -126,20 +108,6 @@ mod tests {
             "the kernel's suffix is not part of the path"
         );
         assert_eq!(entries[4].device, (0xfd, 0x10));
-    }
-
-    #[test]
-    fn files_open_through_map_files_first() {
-        let entries = parse(MAPS);
-        assert_eq!(
-            entries[4].open_paths(7),
-            [
-                PathBuf::from("/proc/7/map_files/7f1000000000-7f1000001000"),
-                PathBuf::from("/proc/7/root/app/lib.so"),
-                PathBuf::from("/app/lib.so"),
-            ]
-        );
-        assert!(entries[2].open_paths(7).is_empty(), "the heap is no file");
     }
 
     #[test]

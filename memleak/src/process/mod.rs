@@ -1,12 +1,14 @@
 //! The processes memleak traces, seen from outside: their address space
 //! (`maps`, `address_space`), their life (`lifecycle`), a command memleak
 //! starts itself (`command`), cgroups of them (`cgroup`), and those it
-//! must leave alone (`feedback`).
+//! must leave alone (`feedback`); and opening the files they control
+//! (`files`).
 
 pub mod address_space;
 pub mod cgroup;
 pub mod command;
 pub mod feedback;
+pub mod files;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;

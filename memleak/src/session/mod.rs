@@ -184,8 +184,12 @@ impl Session {
         let mut tracer = Tracer::load(&tracer_config)?;
         tracer.attach_kernel(percpu)?;
         let mut session = Self::new(tracer, config)?;
-        let plan =
-            AttachPlan { path: btf.to_path_buf(), display_path: "kernel".to_owned(), sites: Vec::new() };
+        let plan = AttachPlan {
+            path: btf.to_path_buf(),
+            display_path: "kernel".to_owned(),
+            sites: Vec::new(),
+            object: None,
+        };
         session.targets.push(Target::kernel(plan));
         Ok(session)
     }

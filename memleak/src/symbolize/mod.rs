@@ -16,8 +16,10 @@ use blazesym::symbolize::{
 
 use crate::{model::Frame, process::AddressSpace};
 
+mod debug_links;
 mod perf_map;
 
+use debug_links::DebugLinks;
 use perf_map::PerfMap;
 
 /// Symbolizes stacks of one process, or of the kernel, each once.
@@ -28,6 +30,17 @@ pub struct StackSymbolizer {
     cache: HashMap<u64, Arc<[Frame]>>,
     /// Names of JIT-compiled code, where the process writes them.
     jit: Option<PerfMap>,
+    /// The debug files blazesym may read; none for the kernel.
+    debug_links: Option<DebugLinks>,
+}
+
+fn symbolizer(debug_dirs: &[PathBuf]) -> symbolize::Symbolizer {
+    symbolize::Symbolizer::builder()
+        .enable_code_info(true)
+        .enable_inlined_fns(true)
+        .enable_demangling(true)
+        .set_debug_dirs(Some(debug_dirs))
+        .build()
 }
 
 impl StackSymbolizer {
@@ -35,30 +48,27 @@ impl StackSymbolizer {
     /// `namespace_pid` (if it differs).
     pub fn new(pid: u32, namespace_pid: Option<u32>) -> Self {
         // Separate debug files (by build id, or named by .gnu_debuglink) are
-        // looked for inside the target's root first: a container ships its
-        // own. Then on the host.
-        let debug_dirs: Vec<PathBuf> = ["usr/lib/debug", "lib/debug"]
-            .iter()
-            .map(|dir| PathBuf::from(format!("/proc/{pid}/root")).join(dir))
-            .chain(["/usr/lib/debug", "/lib/debug"].map(PathBuf::from))
-            .collect();
-        let symbolizer = symbolize::Symbolizer::builder()
-            .enable_code_info(true)
-            .enable_inlined_fns(true)
-            .enable_demangling(true)
-            .set_debug_dirs(Some(&debug_dirs))
-            .build();
+        // looked for inside the target's root first (a container ships its
+        // own), then on the host: see `debug_links` for how safely.
+        let debug_links = DebugLinks::new(pid);
         Self {
             kernel: false,
-            symbolizer,
+            symbolizer: symbolizer(&debug_links.dirs()),
             cache: HashMap::new(),
             jit: Some(PerfMap::of_process(pid, namespace_pid)),
+            debug_links: Some(debug_links),
         }
     }
 
     /// For kernel stacks.
     pub fn kernel() -> Self {
-        Self { kernel: true, jit: None, ..Self::new(memleak_common::KERNEL_TGID, None) }
+        Self {
+            kernel: true,
+            symbolizer: symbolizer(&debug_links::host_dirs()),
+            cache: HashMap::new(),
+            jit: None,
+            debug_links: None,
+        }
     }
 
     pub fn cached(&self, stack_id: u64) -> Option<Arc<[Frame]>> {
@@ -118,7 +128,9 @@ impl StackSymbolizer {
             (self.symbolizer.symbolize_single(&source, Input::AbsAddr(address - 1)), None)
         } else {
             let Some(mapping) = space.find(address) else { return vec![self.jit_frame(address)] };
-            let source = Source::Elf(Elf::new(mapping.object.fd_path()));
+            let mut elf = Elf::new(mapping.object.fd_path());
+            elf.debug_syms = self.debug_links.as_mut().is_some_and(|links| links.allow(&mapping.object));
+            let source = Source::Elf(elf);
             let call_offset = mapping.file_offset(address - 1);
             let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
             (symbolized, Some(mapping.object.path.clone()))

@@ -5,12 +5,11 @@
 
 use std::{
     collections::BTreeMap,
-    fs::File,
     io::{Read as _, Seek as _, SeekFrom},
     path::PathBuf,
 };
 
-use crate::process::maps;
+use crate::process::files;
 
 /// Bytes of a perf map read at most: a runtime that writes more is not
 /// allowed to make memleak read without end.
@@ -18,6 +17,9 @@ const MAX_BYTES: u64 = 256 << 20;
 
 /// The perf map of one process, read as it grows.
 pub struct PerfMap {
+    /// The process whose root `path` is in: the file is the process's, and
+    /// its links lead where they would for the process.
+    pid: u32,
     path: PathBuf,
     /// Code by start address: (end, name). A later line for the same start
     /// (code freed and compiled again there) replaces the earlier one.
@@ -33,8 +35,8 @@ impl PerfMap {
     /// `namespace_pid`: the runtime names the file by the pid it sees, in
     /// its own /tmp.
     pub fn of_process(pid: u32, namespace_pid: Option<u32>) -> Self {
-        let path = maps::in_root(pid, &format!("/tmp/perf-{}.map", namespace_pid.unwrap_or(pid)));
-        Self { path, code: BTreeMap::new(), read: 0, partial: String::new() }
+        let path = PathBuf::from(format!("/tmp/perf-{}.map", namespace_pid.unwrap_or(pid)));
+        Self { pid, path, code: BTreeMap::new(), read: 0, partial: String::new() }
     }
 
     /// The name of the code at `address`, and how far into it the address
@@ -55,9 +57,8 @@ impl PerfMap {
 
     /// Reads what was appended since the last read.
     fn read_more(&mut self) {
-        let Ok(mut file) = File::open(&self.path) else { return };
-        if !file.metadata().is_ok_and(|meta| meta.is_file()) || file.seek(SeekFrom::Start(self.read)).is_err()
-        {
+        let Ok(mut file) = files::open_in_root(self.pid, &self.path) else { return };
+        if file.seek(SeekFrom::Start(self.read)).is_err() {
             return;
         }
         let mut text = String::new();
@@ -95,7 +96,13 @@ mod tests {
         let path = dir.join("perf-1.map");
         std::fs::write(&path, "7f2c96fc7080 1cc JS:^leakBuffers /app/leak.js:2:21\nnot a line\n1000 10 Bui")
             .unwrap();
-        let mut map = PerfMap { path: path.clone(), code: BTreeMap::new(), read: 0, partial: String::new() };
+        let mut map = PerfMap {
+            pid: std::process::id(),
+            path: path.clone(),
+            code: BTreeMap::new(),
+            read: 0,
+            partial: String::new(),
+        };
         assert_eq!(map.name(0x7f2c_96fc_718d), Some(("JS:^leakBuffers /app/leak.js:2:21", 0x10d)));
         assert_eq!(map.name(0x7f2c_96fc_724c), None, "past its end");
         assert_eq!(map.name(0x1004), None, "the last line is not finished yet");

@@ -24,7 +24,10 @@ use super::{
 use crate::{
     bpf::unwind_maps::RowArray,
     model::Unwinding,
-    process::address_space::{AddressSpace, CodeRange, FileId, MappedObject},
+    process::{
+        address_space::{AddressSpace, CodeRange, FileId, MappedObject},
+        files,
+    },
     status,
 };
 
@@ -245,7 +248,7 @@ impl UnwindTables {
         if self.unwinding == Unwinding::FramePointers {
             return without_rows(Vec::new());
         }
-        let data = match std::fs::read(object.fd_path()) {
+        let data = match files::read_regular(&object.fd_path()) {
             Ok(data) => data,
             Err(error) => {
                 log::debug!("cannot read {} for its unwind table: {error}", object.path);
@@ -308,11 +311,11 @@ fn with_debug_file(pid: u32, object: &MappedObject, data: &[u8], table: ObjectTa
     }
     let path = Path::new(&object.path);
     for candidate in debug_files::candidates(pid, &object.path, data, object.build_id()) {
-        let Ok(debug_data) = std::fs::read(&candidate) else { continue };
-        let debug_file = eh_frame::DebugFile { path: &candidate, data: &debug_data };
+        let Ok(debug_data) = candidate.read() else { continue };
+        let debug_file = eh_frame::DebugFile { path: &candidate.path, data: &debug_data };
         match eh_frame::build_with_debug_file(path, data, Some(debug_file)) {
             Ok(fuller) => {
-                log::debug!("unwind rows for {} from {}", object.path, candidate.display());
+                log::debug!("unwind rows for {} from {candidate}", object.path);
                 return fuller;
             }
             Err(error) => log::debug!("{error}"),
