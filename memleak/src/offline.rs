@@ -1,11 +1,14 @@
 //! `memleak report` and `memleak diff`: snapshots saved with --save,
 //! rendered or compared later, without root and without the process.
+//! Each snapshot is read with its frames held once (`Saved`): a report
+//! copies out the frames of the stacks it shows, a diff shares them.
 
 use crate::{
     config::{DiffConfig, ReportConfig},
     output::{Documents, Output, OutputError},
     report::{
         diff::Diff,
+        printable,
         saved::{self, SavedError},
     },
 };
@@ -19,37 +22,39 @@ pub enum OfflineError {
 }
 
 pub fn report(config: &ReportConfig) -> Result<(), OfflineError> {
-    let mut report = saved::load(&config.snapshot)?;
-    report.cut_for_display(&config.shown, config.output.rendering.format);
+    let report = saved::read(&config.snapshot)?.into_report(&config.shown, config.output.rendering.format)?;
     let mut output = Output::open(&config.output, Documents::One)?;
     finish(output.report(&report), output)
 }
 
 pub fn diff(config: &DiffConfig) -> Result<(), OfflineError> {
-    let base = saved::load(&config.base)?;
-    let new = saved::load(&config.new)?;
-    if base.program != new.program {
+    let base = saved::read(&config.base)?;
+    let new = saved::read(&config.new)?;
+    let (base_report, new_report) = (base.report(), new.report());
+    if base_report.program != new_report.program {
         log::warn!(
             "the snapshots are of different programs ({} and {}): stacks are compared by function names",
-            base.program,
-            new.program
+            printable(&base_report.program),
+            printable(&new_report.program)
         );
     }
-    if base.time_unix_ms > new.time_unix_ms {
+    if base_report.time_unix_ms > new_report.time_unix_ms {
         log::warn!(
             "{} was taken after {}: growth shows as shrinking",
             config.base.display(),
             config.new.display()
         );
     }
-    if base.sample_rate != new.sample_rate {
+    if base_report.sample_rate != new_report.sample_rate {
         log::warn!(
             "the snapshots were sampled differently (1 in {} and 1 in {}): the figures are estimates",
-            base.sample_rate,
-            new.sample_rate
+            base_report.sample_rate,
+            new_report.sample_rate
         );
     }
-    let diff = Diff::between(&base, &new, config.top);
+    let diff = Diff::of(&base, &new, config.top);
+    // The diff shares the frames it shows; the rest of both snapshots goes.
+    drop((base, new));
     let mut output = Output::open(&config.output, Documents::One)?;
     finish(output.diff(&diff), output)
 }

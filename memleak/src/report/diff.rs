@@ -4,12 +4,17 @@
 //! Stacks are matched by their symbolized frames, not by id or address:
 //! ids are per run and addresses move between runs (ASLR). A frame with no
 //! function name falls back to its module and address.
+//!
+//! A diff works on snapshots as read (`Saved`), each distinct frame held
+//! once: frames are numbered by identity across both snapshots, stacks
+//! are matched by those numbers, and the stacks of the diff share the
+//! snapshots' frames rather than copy them.
 
-use std::collections::HashMap;
+use std::{cmp::Ordering, collections::HashMap, sync::Arc};
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
-use super::{Report, ReportStack};
+use super::{saved::Saved, Report, ReportStack};
 use crate::model::{Frame, MappingKind, ModuleMapping};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -44,61 +49,51 @@ pub struct DiffStack {
     pub new_allocations: u64,
     pub delta_bytes: i64,
     pub delta_allocations: i64,
-    /// Innermost first, from the newer snapshot when the stack is in both.
-    pub frames: Vec<Frame>,
+    /// Innermost first, from the newer snapshot when the stack is in both;
+    /// shared with the snapshot.
+    #[serde(serialize_with = "frames_as_values")]
+    pub frames: Vec<Arc<Frame>>,
     pub stack_lost: bool,
     pub mapping: Option<MappingKind>,
 }
 
+/// Frames as a list of frame objects, as a report's are.
+fn frames_as_values<S: Serializer>(frames: &[Arc<Frame>], serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_seq(frames.iter().map(|frame| &**frame))
+}
+
 impl Diff {
+    /// Compares two reports held whole; see `of`. (memleak itself only
+    /// diffs snapshots as read.)
+    #[cfg(test)]
+    pub fn between(base: &Report, new: &Report, top: usize) -> Self {
+        Self::of(&Saved::from_report(base.clone()), &Saved::from_report(new.clone()), top)
+    }
+
     /// Compares every stack of `base` and `new`; keeps the `top` that grew
     /// most and the `top` that shrank most.
-    pub fn between(base: &Report, new: &Report, top: usize) -> Self {
-        let mut by_identity: HashMap<String, DiffStack> = HashMap::new();
-        for (stack, is_new) in
-            base.stacks.iter().map(|s| (s, false)).chain(new.stacks.iter().map(|s| (s, true)))
-        {
-            let entry = by_identity.entry(identity(stack)).or_insert_with(|| DiffStack {
-                base_bytes: 0,
-                new_bytes: 0,
-                base_allocations: 0,
-                new_allocations: 0,
-                delta_bytes: 0,
-                delta_allocations: 0,
-                frames: stack.frames.clone(),
-                stack_lost: stack.stack_lost,
-                mapping: stack.mapping,
-            });
-            if is_new {
-                entry.new_bytes += stack.bytes;
-                entry.new_allocations += stack.allocations;
-                entry.frames.clone_from(&stack.frames);
-            } else {
-                entry.base_bytes += stack.bytes;
-                entry.base_allocations += stack.allocations;
-            }
-        }
-        let mut changed: Vec<DiffStack> = by_identity
-            .into_values()
-            .map(|mut stack| {
-                stack.delta_bytes = stack.new_bytes as i64 - stack.base_bytes as i64;
-                stack.delta_allocations = stack.new_allocations as i64 - stack.base_allocations as i64;
-                stack
-            })
-            .filter(|stack| stack.delta_bytes != 0 || stack.delta_allocations != 0)
-            .collect();
+    pub fn of(base: &Saved, new: &Saved, top: usize) -> Self {
+        let sides = Sides::new([base, new]);
+        let mut changed = sides.changes();
         let total_stacks = changed.len();
         // Ties broken by the frames, so that a diff prints the same twice.
         changed.sort_by(|a, b| {
             (b.delta_bytes, b.delta_allocations)
                 .cmp(&(a.delta_bytes, a.delta_allocations))
-                .then_with(|| identity_of_frames(&a.frames).cmp(&identity_of_frames(&b.frames)))
+                .then_with(|| sides.compare_frames(a.source, b.source))
         });
-        let grew = changed.iter().take_while(|stack| stack.delta_bytes > 0).count().min(top);
-        let shrank = changed.iter().rev().take_while(|stack| stack.delta_bytes < 0).count().min(top);
+        let grew = changed.iter().take_while(|change| change.delta_bytes > 0).count().min(top);
+        let shrank = changed.iter().rev().take_while(|change| change.delta_bytes < 0).count().min(top);
         let shrank_from = changed.len() - shrank;
-        let stacks = changed[..grew].iter().chain(&changed[shrank_from..]).cloned().collect();
-        Diff { base: Side::of(base), new: Side::of(new), stacks, total_stacks, modules: new.modules.clone() }
+        let stacks =
+            changed[..grew].iter().chain(&changed[shrank_from..]).map(|change| sides.stack(change)).collect();
+        Diff {
+            base: Side::of(base.report()),
+            new: Side::of(new.report()),
+            stacks,
+            total_stacks,
+            modules: new.report().modules.clone(),
+        }
     }
 
     /// Bytes outstanding in the newer snapshot minus the base.
@@ -119,31 +114,172 @@ impl Side {
     }
 }
 
-/// What makes two stacks of different snapshots the same stack.
-fn identity(stack: &ReportStack) -> String {
-    let kind = match stack.mapping {
-        None => "",
-        Some(MappingKind::Mmap) => "mmap;",
-        Some(MappingKind::AllocatorMmap) => "allocator mmap;",
-        Some(MappingKind::ThreadStack) => "thread stack;",
-    };
-    if stack.stack_lost {
-        return format!("{kind}[stack lost]");
-    }
-    format!("{kind}{}", identity_of_frames(&stack.frames))
+const BASE: usize = 0;
+const NEW: usize = 1;
+
+/// A stack of one of the two snapshots: which one, and its place there.
+#[derive(Clone, Copy, Debug)]
+struct Source {
+    side: usize,
+    stack: usize,
 }
 
-fn identity_of_frames(frames: &[Frame]) -> String {
-    let names: Vec<String> = frames
-        .iter()
-        .map(|frame| match &frame.function {
-            Some(function) => {
-                format!("{function}@{}:{}", frame.file.as_deref().unwrap_or(""), frame.line.unwrap_or(0))
+/// A stack whose amounts changed, its frames not copied yet.
+struct Change {
+    base_bytes: u64,
+    new_bytes: u64,
+    base_allocations: u64,
+    new_allocations: u64,
+    delta_bytes: i64,
+    delta_allocations: i64,
+    stack_lost: bool,
+    mapping: Option<MappingKind>,
+    /// Whose frames the stack shows: the newer snapshot's when it is in both.
+    source: Source,
+}
+
+/// What makes two stacks of different snapshots the same stack: their
+/// kind, and their frames' identities (see `identity`) in order.
+#[derive(PartialEq, Eq, Hash)]
+struct StackKey {
+    mapping: Option<MappingKind>,
+    stack_lost: bool,
+    identities: Box<[u32]>,
+}
+
+/// The two snapshots, with each distinct frame's identity numbered across
+/// both.
+struct Sides<'a> {
+    saved: [&'a Saved; 2],
+    /// For each side, the identity of each frame of its table.
+    identities: [Vec<u32>; 2],
+}
+
+impl<'a> Sides<'a> {
+    #[allow(clippy::cast_possible_truncation, reason = "fewer than 2^32 frames: each takes over 100 bytes")]
+    fn new(saved: [&'a Saved; 2]) -> Self {
+        let mut numbers: HashMap<String, u32> = HashMap::new();
+        let identities = saved.map(|side| {
+            let table = side.frame_table();
+            table
+                .iter()
+                .map(|frame| {
+                    let next = numbers.len() as u32;
+                    *numbers.entry(identity(frame)).or_insert(next)
+                })
+                .collect()
+        });
+        Self { saved, identities }
+    }
+
+    /// A stack's frames, as places in its side's frame table.
+    fn frames(&self, source: Source) -> &'a [u32] {
+        self.saved[source.side].frames_of(source.stack)
+    }
+
+    fn identity(&self, side: usize, frame: u32) -> u32 {
+        self.identities[side][frame as usize]
+    }
+
+    fn key(&self, source: Source, stack: &ReportStack) -> StackKey {
+        let identities = if stack.stack_lost {
+            Box::default()
+        } else {
+            self.frames(source).iter().map(|&frame| self.identity(source.side, frame)).collect()
+        };
+        StackKey { mapping: stack.mapping, stack_lost: stack.stack_lost, identities }
+    }
+
+    /// Every stack whose amounts differ between the two sides.
+    fn changes(&self) -> Vec<Change> {
+        let mut by_key: HashMap<StackKey, Change> = HashMap::new();
+        for side in [BASE, NEW] {
+            for (place, stack) in self.saved[side].report().stacks.iter().enumerate() {
+                let source = Source { side, stack: place };
+                let change = by_key.entry(self.key(source, stack)).or_insert_with(|| Change {
+                    base_bytes: 0,
+                    new_bytes: 0,
+                    base_allocations: 0,
+                    new_allocations: 0,
+                    delta_bytes: 0,
+                    delta_allocations: 0,
+                    stack_lost: stack.stack_lost,
+                    mapping: stack.mapping,
+                    source,
+                });
+                if side == NEW {
+                    change.new_bytes += stack.bytes;
+                    change.new_allocations += stack.allocations;
+                    change.source = source;
+                } else {
+                    change.base_bytes += stack.bytes;
+                    change.base_allocations += stack.allocations;
+                }
             }
-            None => format!("{}@{:#x}", frame.module.as_deref().unwrap_or(""), frame.address),
+        }
+        by_key
+            .into_values()
+            .map(|mut change| {
+                change.delta_bytes = change.new_bytes as i64 - change.base_bytes as i64;
+                change.delta_allocations = change.new_allocations as i64 - change.base_allocations as i64;
+                change
+            })
+            .filter(|change| change.delta_bytes != 0 || change.delta_allocations != 0)
+            .collect()
+    }
+
+    /// Orders two stacks as their identities, joined by `;`, compare as
+    /// strings. Leading frames of the same identity are skipped by number;
+    /// the rest is spelled out only as far as it takes to differ.
+    fn compare_frames(&self, a: Source, b: Source) -> Ordering {
+        let same = self
+            .frames(a)
+            .iter()
+            .zip(self.frames(b))
+            .take_while(|&(&x, &y)| self.identity(a.side, x) == self.identity(b.side, y))
+            .count();
+        self.spelled(a, same).cmp(self.spelled(b, same))
+    }
+
+    /// The bytes of a stack's identities joined by `;`, from frame `from` on.
+    fn spelled(&self, source: Source, from: usize) -> impl Iterator<Item = u8> + 'a {
+        let table = self.saved[source.side].frame_table();
+        self.frames(source)[from..].iter().enumerate().flat_map(move |(i, &frame)| {
+            let separator = if from + i > 0 { ";" } else { "" };
+            format!("{separator}{}", identity(&table[frame as usize])).into_bytes()
         })
-        .collect();
-    names.join(";")
+    }
+
+    fn stack(&self, change: &Change) -> DiffStack {
+        let table = self.saved[change.source.side].frame_table();
+        DiffStack {
+            base_bytes: change.base_bytes,
+            new_bytes: change.new_bytes,
+            base_allocations: change.base_allocations,
+            new_allocations: change.new_allocations,
+            delta_bytes: change.delta_bytes,
+            delta_allocations: change.delta_allocations,
+            frames: self
+                .frames(change.source)
+                .iter()
+                .map(|&frame| Arc::clone(&table[frame as usize]))
+                .collect(),
+            stack_lost: change.stack_lost,
+            mapping: change.mapping,
+        }
+    }
+}
+
+/// What makes frames of different snapshots the same frame: the function,
+/// file and line, or for a frame with no function name, its module and
+/// address.
+fn identity(frame: &Frame) -> String {
+    match &frame.function {
+        Some(function) => {
+            format!("{function}@{}:{}", frame.file.as_deref().unwrap_or(""), frame.line.unwrap_or(0))
+        }
+        None => format!("{}@{:#x}", frame.module.as_deref().unwrap_or(""), frame.address),
+    }
 }
 
 #[cfg(test)]
@@ -240,13 +376,44 @@ pub(crate) mod tests {
         assert_eq!(deltas, [32_768, -49_152]);
     }
 
+    /// The diff's stacks point at the snapshots' frames: a frame in many
+    /// stacks is one frame in memory.
+    #[test]
+    fn stacks_share_their_frames() {
+        let base = report(7, 1_000, vec![]);
+        let new = report(7, 2_000, (1..=100).map(|n| stack(n, 1, &[&format!("leak{n}"), "main"])).collect());
+        let diff = Diff::between(&base, &new, usize::MAX);
+        assert_eq!(diff.stacks.len(), 100);
+        let main = &diff.stacks[0].frames[1];
+        assert_eq!(main.function.as_deref(), Some("main"));
+        assert!(
+            diff.stacks.iter().all(|stack| Arc::ptr_eq(&stack.frames[1], main)),
+            "one `main` frame for all"
+        );
+    }
+
+    /// Equal changes are ordered as the frames' identities joined by `;`
+    /// compare as strings, not frame by frame: `f@/src/app.c:12;main...`
+    /// comes before `f@/src/app.c:1;main...`, since `2` is before `;`.
+    #[test]
+    fn ties_are_ordered_as_the_joined_identities() {
+        let at_line = |line: u32| ReportStack {
+            frames: vec![frame("f", "/src/app.c", line), frame("main", "/src/app.c", 5)],
+            ..stack(64, 1, &[])
+        };
+        let new = report(7, 2_000, vec![at_line(1), at_line(12), at_line(2)]);
+        let diff = Diff::between(&report(7, 1_000, vec![]), &new, 10);
+        let lines: Vec<_> = diff.stacks.iter().map(|stack| stack.frames[0].line.unwrap()).collect();
+        assert_eq!(lines, [12, 1, 2]);
+    }
+
     #[test]
     fn unnamed_frames_match_by_module_and_address() {
         let mut unnamed = frame("x", "", 0);
         unnamed.function = None;
         let mut elsewhere = unnamed.clone();
         elsewhere.address += 0x10;
-        assert_ne!(identity_of_frames(&[unnamed.clone()]), identity_of_frames(&[elsewhere]));
-        assert_eq!(identity_of_frames(&[unnamed.clone()]), identity_of_frames(&[unnamed]));
+        assert_ne!(identity(&unnamed), identity(&elsewhere));
+        assert_eq!(identity(&unnamed), identity(&unnamed.clone()));
     }
 }

@@ -3,11 +3,12 @@
 //! inferno, speedscope and most flame graph tools.
 
 use std::{
+    borrow::Borrow,
     collections::BTreeMap,
     io::{self, Write},
 };
 
-use super::{diff::Diff, options::Weight, Report};
+use super::{diff::Diff, options::Weight, printable, Report};
 use crate::model::Frame;
 
 /// The folded lines of a report, identical stacks merged, in order.
@@ -40,22 +41,29 @@ pub fn diff_lines(diff: &Diff, weight: Weight) -> Vec<String> {
 }
 
 /// Frame names root first, joined by `;`.
-fn folded_stack(frames: &[Frame], stack_lost: bool) -> String {
+fn folded_stack<F: Borrow<Frame>>(frames: &[F], stack_lost: bool) -> String {
     if stack_lost {
         return "[stack lost]".to_owned();
     }
     if frames.is_empty() {
         return "[no frames]".to_owned();
     }
-    let names: Vec<String> =
-        frames.iter().rev().map(|frame| frame_name(frame.function.as_deref(), frame.inlined)).collect();
+    let names: Vec<String> = frames
+        .iter()
+        .rev()
+        .map(|frame| {
+            let frame: &Frame = frame.borrow();
+            frame_name(frame.function.as_deref(), frame.inlined)
+        })
+        .collect();
     names.join(";")
 }
 
 /// `;` separates frames and a space ends the stack, so neither may appear
-/// in a name (C++ and Rust names hold spaces).
+/// in a name (C++ and Rust names hold spaces); nor may a line break or any
+/// other control character (`printable`).
 fn frame_name(function: Option<&str>, inlined: bool) -> String {
-    let name = function.unwrap_or("[unknown]").replace(';', ":").replace(' ', "\u{a0}");
+    let name = printable(function.unwrap_or("[unknown]")).replace(';', ":").replace(' ', "\u{a0}");
     if inlined {
         format!("{name}_[i]")
     } else {
@@ -105,5 +113,14 @@ mod tests {
         );
         assert_eq!(frame_name(Some("a;b"), true), "a:b_[i]");
         assert_eq!(frame_name(None, false), "[unknown]");
+    }
+
+    #[test]
+    fn control_characters_in_names_are_escaped() {
+        assert_eq!(frame_name(Some("\x1b[31mred\nline 2;x"), false), "\\x1b[31mred\\nline\u{a0}2:x");
+        let mut report = sample_report(10);
+        report.stacks[0].frames[1].function = Some("child\n\u{9b}2J".to_owned());
+        let lines = lines(&report, Weight::Bytes);
+        assert!(lines.contains(&"child\\n\\u{9b}2J;fibonacci 24576".to_owned()), "{lines:?}");
     }
 }

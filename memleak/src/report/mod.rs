@@ -19,7 +19,9 @@ pub mod text;
 pub mod trace;
 
 use std::{
+    borrow::Cow,
     collections::{BTreeMap, HashMap},
+    fmt::Write as _,
     io,
     sync::Arc,
 };
@@ -281,7 +283,12 @@ impl Report {
 /// Largest first by the sort key; ties broken by id so that equal reports
 /// print identically.
 fn sort_stacks(stacks: &mut [ReportStack], sort: SortKey) {
-    let rank = |stack: &ReportStack| -> [i128; 3] {
+    stacks.sort_by(stack_order(sort));
+}
+
+/// The order in which stacks are shown: largest first by `sort`, then by id.
+fn stack_order(sort: SortKey) -> impl Fn(&ReportStack, &ReportStack) -> std::cmp::Ordering {
+    let rank = move |stack: &ReportStack| -> [i128; 3] {
         let (bytes, allocations) = (i128::from(stack.bytes), i128::from(stack.allocations));
         match sort {
             SortKey::Size => [bytes, allocations, 0],
@@ -293,7 +300,55 @@ fn sort_stacks(stacks: &mut [ReportStack], sort: SortKey) {
             ],
         }
     };
-    stacks.sort_by(|a, b| rank(b).cmp(&rank(a)).then(a.stack_id.cmp(&b.stack_id)));
+    move |a, b| rank(b).cmp(&rank(a)).then(a.stack_id.cmp(&b.stack_id))
+}
+
+/// The places in `stacks` of those `Report::cut_for_display` keeps, in
+/// the order it leaves them: for a reader that holds stacks in a form of
+/// its own (a saved snapshot's) and expands only the ones shown.
+pub fn shown_stacks(stacks: &[ReportStack], options: &ReportOptions, format: Format) -> Vec<usize> {
+    let mut shown: Vec<usize> =
+        (0..stacks.len()).filter(|&i| format.shows_freed_stacks() || stacks[i].allocations > 0).collect();
+    let order = stack_order(options.sort);
+    // Stable, as `sort_stacks` is: equal stacks keep their order.
+    shown.sort_by(|&a, &b| order(&stacks[a], &stacks[b]));
+    shown.truncate(options.top);
+    shown
+}
+
+/// `text` with each control character (C0, DEL and C1: what
+/// `char::is_control` says) written as an escape, `\n`, `\x1b` or `\u{9b}`, so
+/// that a name cannot move the cursor, retitle the terminal or start a
+/// line of its own. Text without any comes back as it was, not copied.
+///
+/// Names are escaped here, as the text formats (text, folded, and svg,
+/// drawn from folded lines) write them, not once when frames are
+/// symbolized: JSON and pprof carry a name as data, which their encodings
+/// already keep apart from the format's own characters, and their readers
+/// want the real name; saved snapshots keep the real name too, so that
+/// `memleak diff` matches stacks by it; and snapshots saved before names
+/// were escaped are escaped when rendered. Only what these formats write
+/// changes, and only where a name holds a control character.
+pub fn printable(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return Cow::Borrowed(text);
+    }
+    let mut escaped = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        match u32::from(c) {
+            _ if !c.is_control() => escaped.push(c),
+            _ if c == '\t' => escaped.push_str("\\t"),
+            _ if c == '\n' => escaped.push_str("\\n"),
+            _ if c == '\r' => escaped.push_str("\\r"),
+            code @ ..0x80 => {
+                let _ = write!(escaped, "\\x{code:02x}");
+            }
+            code => {
+                let _ = write!(escaped, "\\u{{{code:x}}}");
+            }
+        }
+    }
+    Cow::Owned(escaped)
 }
 
 /// Drops leading frames inside the allocator's own entry points, so that
@@ -314,6 +369,7 @@ fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
 pub(crate) mod tests {
     use super::*;
     use crate::model::StackUsage;
+    use options::Rendering;
 
     pub fn frame(function: &str, file: &str, line: u32) -> Frame {
         Frame {
@@ -417,6 +473,68 @@ pub(crate) mod tests {
         let kept = without_allocator_frames(&frames, "/usr/lib/libc.so.6");
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].function.as_deref(), Some("main"));
+    }
+
+    #[test]
+    fn control_characters_are_escaped_and_nothing_else() {
+        assert!(
+            matches!(printable("operator new(unsigned long)"), Cow::Borrowed(_)),
+            "nothing to escape: not copied"
+        );
+        assert_eq!(printable("\x1b[31mred\nline\ttab\x7f\0"), "\\x1b[31mred\\nline\\ttab\\x7f\\x00");
+        assert_eq!(printable("\u{9b}2J\u{85}"), "\\u{9b}2J\\u{85}", "C1 controls too");
+        let kept = "caf\u{e9} \u{a0}\u{2028}\u{200f}\\x1b";
+        assert_eq!(printable(kept), kept, "printable Unicode, and backslashes, are left as they are");
+    }
+
+    /// A report whose one stack a hostile program named: colour codes and a
+    /// line break in the function, a bell in the file, a C1 CSI in the module.
+    fn hostile_report() -> Report {
+        let mut report = sample_report(1);
+        let frame = &mut report.stacks[0].frames[0];
+        frame.function = Some("\x1b[31mred\nforged 999 bytes".to_owned());
+        frame.file = Some("/src/\x07bell.c".to_owned());
+        frame.module = Some("/lib/\u{9b}2Jlib.so".to_owned());
+        report
+    }
+
+    fn rendered(format: Format, report: &Report) -> String {
+        let mut out = Vec::new();
+        render(Rendering { format, weight: options::Weight::Bytes }, report, &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    /// What the format itself writes: lines, and tabs in text.
+    fn is_format_character(c: char) -> bool {
+        c == '\n' || c == '\t'
+    }
+
+    #[test]
+    fn hostile_names_are_escaped_in_text_and_folded_and_kept_in_json() {
+        let report = hostile_report();
+        let text = rendered(Format::Text, &report);
+        assert!(
+            text.contains(
+                "\n\t\t\\x1b[31mred\\nforged 999 bytes+0x1f (/src/\\x07bell.c:9) [/lib/\\u{9b}2Jlib.so]\n"
+            ),
+            "{text}"
+        );
+        assert!(!text.chars().any(|c| c.is_control() && !is_format_character(c)), "{text:?}");
+        let folded = rendered(Format::Folded, &report);
+        assert_eq!(folded, "child;\\x1b[31mred\\nforged\u{a0}999\u{a0}bytes 24576\n");
+        let json: serde_json::Value = serde_json::from_str(&rendered(Format::Json, &report)).unwrap();
+        let frame = &json["stacks"][0]["frames"][0];
+        assert_eq!(frame["function"], "\x1b[31mred\nforged 999 bytes", "JSON keeps the name as it is");
+        assert_eq!(
+            (&frame["file"], &frame["module"]),
+            (&"/src/\x07bell.c".into(), &"/lib/\u{9b}2Jlib.so".into())
+        );
+        let svg = rendered(Format::Svg, &report);
+        assert!(svg.contains("\\x1b[31mred\\nforged"), "drawn escaped");
+        assert!(
+            !svg.chars().any(|c| c.is_control() && !is_format_character(c)),
+            "no control character in the SVG"
+        );
     }
 }
 

@@ -10,6 +10,7 @@
 //! pprof expects.
 
 use std::{
+    borrow::Borrow,
     collections::HashMap,
     io::{self, Write},
 };
@@ -19,12 +20,13 @@ use flate2::{write::GzEncoder, Compression};
 use super::{diff::Diff, Report};
 use crate::model::{Frame, ModuleMapping};
 
-/// What a profile is made of, from a report or from a diff.
-struct Profile<'a> {
+/// What a profile is made of, from a report (frames `Frame`) or from a
+/// diff (frames shared, `Arc<Frame>`).
+struct Profile<'a, F> {
     /// (type, unit) of each value of a sample.
     sample_types: Vec<(&'static str, &'static str)>,
     /// Frames innermost first, and one value per sample type.
-    samples: Vec<(&'a [Frame], Vec<i64>)>,
+    samples: Vec<(&'a [F], Vec<i64>)>,
     /// The main binary first: pprof takes the first mapping for it.
     mappings: Vec<&'a ModuleMapping>,
     time_unix_ms: u64,
@@ -102,7 +104,7 @@ fn main_binary_first<'a>(modules: &'a [ModuleMapping], program: &str) -> Vec<&'a
 /// The profile.proto message of `input`. Strings, functions and
 /// locations are numbered in the order they are first met, so the same
 /// input always makes the same bytes.
-fn encode(input: &Profile) -> Vec<u8> {
+fn encode<F: Borrow<Frame>>(input: &Profile<F>) -> Vec<u8> {
     let mut encoder = Encoder { mappings: &input.mappings, ..Encoder::default() };
     let mut profile = Vec::new();
     for &(kind, unit) in &input.sample_types {
@@ -163,11 +165,11 @@ impl Encoder<'_> {
     }
 
     /// A Sample message: its locations, innermost first, and its values.
-    fn sample(&mut self, frames: &[Frame], values: &[i64]) -> Vec<u8> {
+    fn sample<F: Borrow<Frame>>(&mut self, frames: &[F], values: &[i64]) -> Vec<u8> {
         // Frames of one address are consecutive: the inlined ones, then
         // the function that holds them.
         let location_ids: Vec<u64> = frames
-            .chunk_by(|a, b| a.address == b.address)
+            .chunk_by(|a, b| a.borrow().address == b.borrow().address)
             .map(|at_address| self.location_id(at_address))
             .collect();
         let mut sample = Vec::new();
@@ -181,12 +183,13 @@ impl Encoder<'_> {
 
     /// The id of the location of frames sharing one address, numbered the
     /// first time it is met.
-    fn location_id(&mut self, frames_at_address: &[Frame]) -> u64 {
-        let address = frames_at_address[0].address;
+    fn location_id<F: Borrow<Frame>>(&mut self, frames_at_address: &[F]) -> u64 {
+        let address = frames_at_address[0].borrow().address;
         // An address with no symbol gets no Line: the location stays a bare
         // address in its mapping, which pprof shows as such.
         let lines: Vec<(u64, i64)> = frames_at_address
             .iter()
+            .map(Borrow::<Frame>::borrow)
             .filter_map(|frame| Some((frame, frame.function.as_deref()?)))
             .map(|(frame, name)| {
                 let file = frame.file.as_deref().or(frame.module.as_deref()).unwrap_or_default();

@@ -1,18 +1,21 @@
 //! An interactive flame graph of a report, drawn in-process by inferno
-//! from the folded lines: no perl, no flamegraph.pl.
+//! from the folded lines: no perl, no flamegraph.pl. Names reach it with
+//! control characters escaped (the folded lines and the title escape them,
+//! which XML 1.0 would not take anyway), and inferno escapes `<`, `&` and
+//! quotes in every text and title it writes.
 
 use std::io::{self, Write};
 
 use inferno::flamegraph::{self, Options};
 
-use super::{diff::Diff, folded, options::Weight, Report};
+use super::{diff::Diff, folded, options::Weight, printable, Report};
 
 pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let what = weight_name(weight);
     let title = if report.pid == memleak_common::KERNEL_TGID {
         format!("memleak: outstanding {what} in the kernel")
     } else {
-        format!("memleak: outstanding {what} in pid {} ({})", report.pid, report.allocator)
+        format!("memleak: outstanding {what} in pid {} ({})", report.pid, printable(&report.allocator))
     };
     draw(&folded::lines(report, weight), title, weight, out)
 }
@@ -42,7 +45,9 @@ fn draw(lines: &[String], title: String, weight: Weight, out: &mut (impl Write +
     "Function:".clone_into(&mut options.name_type);
     if lines.is_empty() {
         // inferno refuses an empty graph; an empty report is still an answer.
-        return writeln!(out, "<?xml version=\"1.0\" standalone=\"no\"?><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"600\" height=\"40\"><text x=\"10\" y=\"25\">{}: nothing outstanding</text></svg>", options.title);
+        // The title is text of the SVG: XML's own characters escaped.
+        let title = options.title.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+        return writeln!(out, "<?xml version=\"1.0\" standalone=\"no\"?><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"600\" height=\"40\"><text x=\"10\" y=\"25\">{title}: nothing outstanding</text></svg>");
     }
     flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out).map_err(io::Error::other)
 }
@@ -61,6 +66,17 @@ mod tests {
         assert!(svg.contains("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("fibonacci") && svg.contains("child"), "frames are drawn");
         assert!(svg.contains("outstanding bytes in pid 4242"), "the title says what is drawn");
+    }
+
+    #[test]
+    fn an_empty_graph_keeps_its_title_text() {
+        let mut report = sample_report(10);
+        report.stacks.clear();
+        report.allocator = "/lib/<script>\x1b&.so".to_owned();
+        let mut out = Vec::new();
+        render(&report, Weight::Bytes, &mut out).unwrap();
+        let svg = String::from_utf8(out).unwrap();
+        assert!(svg.contains("(/lib/&lt;script&gt;\\x1b&amp;.so): nothing outstanding</text>"), "{svg}");
     }
 
     #[test]

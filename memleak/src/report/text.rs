@@ -2,11 +2,12 @@
 //! `N bytes in M allocations from stack` and one frame per line.
 
 use std::{
+    borrow::Borrow,
     fmt::Write as _,
     io::{self, Write},
 };
 
-use super::{diff::Diff, CgroupTotal, Report};
+use super::{diff::Diff, printable, CgroupTotal, Report};
 use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
@@ -44,9 +45,9 @@ fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
     let whose = if report.pid == memleak_common::KERNEL_TGID {
         "the kernel".to_owned()
     } else if let Some(inner) = report.namespace_pid {
-        format!("pid {} ({inner} in its namespace) ({})", report.pid, report.allocator)
+        format!("pid {} ({inner} in its namespace) ({})", report.pid, printable(&report.allocator))
     } else {
-        format!("pid {} ({})", report.pid, report.allocator)
+        format!("pid {} ({})", report.pid, printable(&report.allocator))
     };
     let unwound = match report.unwinding {
         None => "",
@@ -70,12 +71,16 @@ fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
 }
 
 /// A stack's frames, one per line, or what became of them.
-fn write_frames(stack_lost: bool, frames: &[Frame], out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+fn write_frames<F: Borrow<Frame>>(
+    stack_lost: bool,
+    frames: &[F],
+    out: &mut (impl Write + ?Sized),
+) -> io::Result<()> {
     if stack_lost {
         writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
     }
     for frame in frames {
-        writeln!(out, "\t\t{}", describe(frame))?;
+        writeln!(out, "\t\t{}", describe(frame.borrow()))?;
     }
     Ok(())
 }
@@ -147,7 +152,10 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
     writeln!(
         out,
         "Changes in outstanding memory: base pid {} ({}), new pid {} ({}), {seconds} s {later}:",
-        base.pid, base.program, new.pid, new.program
+        base.pid,
+        printable(&base.program),
+        new.pid,
+        printable(&new.program)
     )?;
     for stack in &diff.stacks {
         writeln!(
@@ -182,7 +190,10 @@ pub fn render_cgroup_total(total: &CgroupTotal, out: &mut (impl Write + ?Sized))
     writeln!(
         out,
         "Cgroup {}: {} bytes in {} allocations outstanding in {} processes",
-        total.cgroup, total.total_bytes, total.total_allocations, total.processes
+        printable(&total.cgroup),
+        total.total_bytes,
+        total.total_allocations,
+        total.processes
     )
 }
 
@@ -213,14 +224,14 @@ fn describe_trend(trend: &Trend) -> String {
 }
 
 /// `function+0xoff (file:line) [module]`, with `[inlined]` for frames
-/// inlined into the next one.
+/// inlined into the next one. Names are escaped (`printable`).
 fn describe(frame: &Frame) -> String {
-    let mut text = match (&frame.function, frame.offset) {
+    let mut text = match (frame.function.as_deref().map(printable), frame.offset) {
         (Some(function), Some(offset)) => format!("{function}+{offset:#x}"),
-        (Some(function), None) => function.clone(),
+        (Some(function), None) => function.into_owned(),
         (None, _) => format!("[unknown] {:#x}", frame.address),
     };
-    if let Some(file) = &frame.file {
+    if let Some(file) = frame.file.as_deref().map(printable) {
         let _ = match frame.line {
             Some(line) => write!(text, " ({file}:{line})"),
             None => write!(text, " ({file})"),
@@ -228,7 +239,7 @@ fn describe(frame: &Frame) -> String {
     }
     if frame.inlined {
         text.push_str(" [inlined]");
-    } else if let Some(module) = &frame.module {
+    } else if let Some(module) = frame.module.as_deref().map(printable) {
         let _ = write!(text, " [{module}]");
     }
     text
@@ -248,6 +259,34 @@ mod tests {
         let masked = format!("[HH:MM:SS]{}", &text["[HH:MM:SS]".len()..]);
         let expected = include_str!("../../tests/data/report.txt");
         assert_eq!(masked, expected);
+    }
+
+    #[test]
+    fn control_characters_in_names_are_escaped() {
+        let mut frame = crate::report::tests::frame("\x1b]0;owned\x07main", "/src/\r\nforged.c", 3);
+        frame.module = Some("/app/\u{9b}31m".to_owned());
+        assert_eq!(describe(&frame), "\\x1b]0;owned\\x07main+0x1f (/src/\\r\\nforged.c:3) [/app/\\u{9b}31m]");
+    }
+
+    #[test]
+    fn a_program_and_an_allocator_are_escaped_too() {
+        let mut report = sample_report(1);
+        report.allocator = "/lib/\x1b[2Jlibc.so.6".to_owned();
+        let mut out = Vec::new();
+        render(&report, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.lines().next().unwrap().ends_with("in pid 4242 (/lib/\\x1b[2Jlibc.so.6):"), "{text}");
+        let mut diff = crate::report::diff::tests::sample_diff(1);
+        diff.new.program = "/app/\nserver".to_owned();
+        let mut out = Vec::new();
+        render_diff(&diff, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.starts_with(
+                "Changes in outstanding memory: base pid 7 (/app/server), new pid 7 (/app/\\nserver), "
+            ),
+            "{text}"
+        );
     }
 
     #[test]
