@@ -273,17 +273,19 @@ fn report_round(
             report.total_allocations,
             latency.as_millis()
         );
-        sinks.stats.report(&report, latency)?;
+        let writing = Instant::now();
         if let Some(saves) = sinks.saves.as_mut() {
             saves.write(|out| saved::write(&report, out))?;
             // Saved whole; shown as asked.
             report.cut_for_display(&config.shown, config.output.rendering.format);
         }
-        if skip_output {
-            continue;
+        if !skip_output {
+            sinks.output.report(&report)?;
         }
-        sinks.output.report(&report)?;
-        written.push(report);
+        sinks.stats.report(&report, latency, writing.elapsed())?;
+        if !skip_output {
+            written.push(report);
+        }
     }
     Ok(written)
 }

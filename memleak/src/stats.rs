@@ -53,6 +53,7 @@ enum Record<'a> {
         allocations: u64,
         bytes: u64,
         latency_ms: f64,
+        written_ms: f64,
     },
     Started {
         load_ms: f64,
@@ -102,17 +103,28 @@ impl Stats {
                 on_return: site.return_program.is_some(),
             })
             .collect();
-        self.write(&Record::Probes { pid, object: &plan.display_path, path: &plan.path, probes })
+        // `plan.path` is memleak's own descriptor of the file: the kernel's
+        // name for it says which file that is.
+        let path = std::fs::read_link(&plan.path).unwrap_or_else(|_| plan.path.clone());
+        self.write(&Record::Probes { pid, object: &plan.display_path, path: &path, probes })
     }
 
     /// A report, `latency` after the maps were read for it.
-    pub fn report(&mut self, report: &Report, latency: Duration) -> Result<(), StatsError> {
+    /// One report: `latency` from reading the maps to the report built,
+    /// `written` saving and writing it.
+    pub fn report(
+        &mut self,
+        report: &Report,
+        latency: Duration,
+        written: Duration,
+    ) -> Result<(), StatsError> {
         self.write(&Record::Report {
             pid: report.pid,
             stacks: report.total_stacks,
             allocations: report.total_allocations,
             bytes: report.total_bytes,
             latency_ms: latency.as_secs_f64() * 1000.0,
+            written_ms: written.as_secs_f64() * 1000.0,
         })
     }
 

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use memleak_common::{lost_stack_owner, Allocation, AllocationKey, StackKey, StackTotals};
+use memleak_common::{lost_stack_owner, Allocation, AllocationKey, StackTotals};
 
 use super::{Tracer, TracerError};
 use crate::{clock, model::HealthCounters};
@@ -40,10 +40,20 @@ impl MapContents {
 }
 
 /// The stacks read from the BPF stack map so far, by id. The map is read
-/// again only when a report meets an id not seen yet.
+/// again only when a report meets an id not seen yet, and then only the
+/// stacks not known yet.
 #[derive(Default)]
 pub struct StackCatalog {
-    stacks: HashMap<u64, StackKey>,
+    stacks: HashMap<u64, StoredStack>,
+}
+
+/// A stack as the catalog keeps it: its frames only, not the map's room
+/// for `MAX_STACK_DEPTH` of them.
+struct StoredStack {
+    tgid: u32,
+    /// How the walk ended, a `WalkEnd` as u32.
+    end: u32,
+    addresses: Box<[u64]>,
 }
 
 impl StackCatalog {
@@ -55,7 +65,15 @@ impl StackCatalog {
     ) -> Result<(), TracerError> {
         let mut ids = stack_ids.into_iter().filter(|id| lost_stack_owner(*id).is_none());
         if ids.any(|id| !self.stacks.contains_key(&id)) {
-            self.stacks.extend(tracer.stacks()?);
+            let mut new = Vec::new();
+            tracer.stacks(
+                |id, key| {
+                    let addresses = key.addresses().into();
+                    new.push((id, StoredStack { tgid: key.tgid, end: key.end, addresses }));
+                },
+                |id| self.stacks.contains_key(&id),
+            )?;
+            self.stacks.extend(new);
         }
         Ok(())
     }
@@ -67,16 +85,16 @@ impl StackCatalog {
 
     /// The return addresses of a stack, innermost first; none if unknown.
     pub fn addresses(&self, stack_id: u64) -> &[u64] {
-        self.stacks.get(&stack_id).map_or(&[], StackKey::addresses)
+        self.stacks.get(&stack_id).map_or(&[], |stack| &stack.addresses)
     }
 
     /// How the walk of a stored stack ended, a `WalkEnd` as u32.
     pub fn walk_end(&self, stack_id: u64) -> Option<u32> {
-        self.stacks.get(&stack_id).map(|key| key.end)
+        self.stacks.get(&stack_id).map(|stack| stack.end)
     }
 
     /// Drops the stacks of process `tgid`.
     pub fn forget(&mut self, tgid: u32) {
-        self.stacks.retain(|_, key| key.tgid != tgid);
+        self.stacks.retain(|_, stack| stack.tgid != tgid);
     }
 }

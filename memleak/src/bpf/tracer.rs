@@ -379,9 +379,21 @@ impl Tracer {
     }
 
     /// Every stored stack, with its id.
-    pub fn stacks(&self) -> Result<Vec<(u64, StackKey)>, TracerError> {
+    pub fn stacks(
+        &self,
+        mut take: impl FnMut(u64, &StackKey),
+        known: impl Fn(u64) -> bool,
+    ) -> Result<(), TracerError> {
         let map: HashMap<&MapData, u64, StackKey> = self.map(STACKS_MAP)?;
-        Ok(map.iter().filter_map(Result::ok).collect())
+        // Keys first: a stack's 1 KiB of frames is copied out only once.
+        let new: Vec<u64> = map.keys().filter_map(Result::ok).filter(|&id| !known(id)).collect();
+        for id in new {
+            // Gone since the keys were read: nothing to take.
+            if let Ok(stack) = map.get(&id, 0) {
+                take(id, &stack);
+            }
+        }
+        Ok(())
     }
 
     /// Outstanding totals of every stack, as the BPF side keeps them.

@@ -3,6 +3,8 @@
 //! this needs an ordered interval map, which user space has and BPF does
 //! not, so the BPF side sends the calls and the bookkeeping happens here.
 
+use std::sync::Arc;
+
 use std::collections::BTreeMap;
 
 use memleak_common::{MappingChange, MappingEvent};
@@ -99,7 +101,7 @@ impl Regions {
 
 /// Tells the allocator's own mappings and thread stacks from the
 /// program's mmaps; `frames` is the stack that mapped the region.
-pub fn classify(region: &Region, frames: &[Frame]) -> MappingKind {
+pub fn classify(region: &Region, frames: &[Arc<Frame>]) -> MappingKind {
     // glibc maps thread stacks in allocate_stack, inlined into pthread_create.
     let creates_thread = frames.iter().any(|frame| {
         frame

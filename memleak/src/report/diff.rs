@@ -292,7 +292,7 @@ pub(crate) mod tests {
             stack_id: bytes,
             bytes,
             allocations,
-            frames: functions.iter().map(|name| frame(name, "/src/app.c", 10)).collect(),
+            frames: functions.iter().map(|name| Arc::new(frame(name, "/src/app.c", 10))).collect(),
             stack_lost: false,
             truncated: None,
             trend: crate::model::Trend::default(),
@@ -398,7 +398,7 @@ pub(crate) mod tests {
     #[test]
     fn ties_are_ordered_as_the_joined_identities() {
         let at_line = |line: u32| ReportStack {
-            frames: vec![frame("f", "/src/app.c", line), frame("main", "/src/app.c", 5)],
+            frames: vec![Arc::new(frame("f", "/src/app.c", line)), Arc::new(frame("main", "/src/app.c", 5))],
             ..stack(64, 1, &[])
         };
         let new = report(7, 2_000, vec![at_line(1), at_line(12), at_line(2)]);

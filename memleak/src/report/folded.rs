@@ -119,7 +119,8 @@ mod tests {
     fn control_characters_in_names_are_escaped() {
         assert_eq!(frame_name(Some("\x1b[31mred\nline 2;x"), false), "\\x1b[31mred\\nline\u{a0}2:x");
         let mut report = sample_report(10);
-        report.stacks[0].frames[1].function = Some("child\n\u{9b}2J".to_owned());
+        std::sync::Arc::make_mut(&mut report.stacks[0].frames[1]).function =
+            Some("child\n\u{9b}2J".to_owned());
         let lines = lines(&report, Weight::Bytes);
         assert!(lines.contains(&"child\\n\\u{9b}2J;fibonacci 24576".to_owned()), "{lines:?}");
     }

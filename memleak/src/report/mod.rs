@@ -106,8 +106,9 @@ pub struct ReportStack {
     pub bytes: u64,
     pub allocations: u64,
     /// Innermost first; `frames[0]` called the allocator. Empty when the
-    /// stack was lost.
-    pub frames: Vec<Frame>,
+    /// stack was lost. Shared with every other stack through the same
+    /// code, and with the next report's.
+    pub frames: Vec<Arc<Frame>>,
     /// The stack could not be stored (--max-stacks reached).
     pub stack_lost: bool,
     /// Why the walk stopped short of the stack's root, if it did.
@@ -173,13 +174,13 @@ pub struct ReportContext<'a> {
 /// Where a report gets its stacks' frames, each symbolized once, and how
 /// their walks ended.
 pub trait StackSource {
-    fn frames(&mut self, stack_id: u64) -> Arc<[Frame]>;
+    fn frames(&mut self, stack_id: u64) -> Arc<[Arc<Frame>]>;
     fn truncation(&self, stack_id: u64) -> Option<Truncation>;
 }
 
 /// Frames alone, from a function: no stack is known to be truncated.
-impl<F: FnMut(u64) -> Arc<[Frame]>> StackSource for F {
-    fn frames(&mut self, stack_id: u64) -> Arc<[Frame]> {
+impl<F: FnMut(u64) -> Arc<[Arc<Frame>]>> StackSource for F {
+    fn frames(&mut self, stack_id: u64) -> Arc<[Arc<Frame>]> {
         self(stack_id)
     }
 
@@ -353,7 +354,7 @@ pub fn printable(text: &str) -> Cow<'_, str> {
 
 /// Drops leading frames inside the allocator's own entry points, so that
 /// `frames[0]` is the code that asked for memory.
-fn without_allocator_frames(frames: &[Frame], allocator: &str) -> Vec<Frame> {
+fn without_allocator_frames(frames: &[Arc<Frame>], allocator: &str) -> Vec<Arc<Frame>> {
     let is_allocator_entry = |frame: &Frame| {
         frame.module.as_deref() == Some(allocator)
             && frame
@@ -419,8 +420,10 @@ pub(crate) mod tests {
             (3, Trend { delta_bytes: Some(50), growing_reports: 5, growth_per_report: Some(20) }),
         ]);
         Report::build(snapshot, &context, &trends, |id| match id {
-            2 => vec![frame("fibonacci", "/src/leaker.c", 9), frame("child", "/src/leaker.c", 20)].into(),
-            _ => vec![frame("other", "/src/leaker.c", 30)].into(),
+            2 => [frame("fibonacci", "/src/leaker.c", 9), frame("child", "/src/leaker.c", 20)]
+                .map(Arc::new)
+                .into(),
+            _ => [frame("other", "/src/leaker.c", 30)].map(Arc::new).into(),
         })
     }
 
@@ -470,7 +473,7 @@ pub(crate) mod tests {
         let mut malloc = frame("malloc", "malloc.c", 1);
         malloc.module = Some("/usr/lib/libc.so.6".to_owned());
         let frames = [malloc, frame("main", "/src/leaker.c", 5)];
-        let kept = without_allocator_frames(&frames, "/usr/lib/libc.so.6");
+        let kept = without_allocator_frames(&frames.map(Arc::new), "/usr/lib/libc.so.6");
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].function.as_deref(), Some("main"));
     }
@@ -491,7 +494,7 @@ pub(crate) mod tests {
     /// line break in the function, a bell in the file, a C1 CSI in the module.
     fn hostile_report() -> Report {
         let mut report = sample_report(1);
-        let frame = &mut report.stacks[0].frames[0];
+        let frame = Arc::make_mut(&mut report.stacks[0].frames[0]);
         frame.function = Some("\x1b[31mred\nforged 999 bytes".to_owned());
         frame.file = Some("/src/\x07bell.c".to_owned());
         frame.module = Some("/lib/\u{9b}2Jlib.so".to_owned());

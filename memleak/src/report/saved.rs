@@ -34,7 +34,7 @@ use super::{
     Report,
 };
 use crate::model::Frame;
-use visit::{frame_cost, Body, Exceeded, Reading, ReportSeed};
+use visit::{Body, Exceeded, Reading, ReportSeed};
 
 /// What the header's `format` says.
 const FORMAT: &str = "memleak-snapshot";
@@ -174,7 +174,10 @@ impl Saved {
             .stacks
             .iter_mut()
             .map(|stack| {
-                mem::take(&mut stack.frames).into_iter().map(|frame| interner.intern(frame).0).collect()
+                mem::take(&mut stack.frames)
+                    .into_iter()
+                    .map(|frame| interner.intern(Arc::unwrap_or_clone(frame)).0)
+                    .collect()
             })
             .collect();
         Saved {
@@ -202,13 +205,11 @@ impl Saved {
         self.expand(&every, true)
     }
 
-    /// Keeps stacks `shown`, in that order, with their frames copied out.
+    /// Keeps stacks `shown`, in that order, with their frames: shared with
+    /// the frame table, a pointer each.
     fn expand(mut self, shown: &[usize], with_allocations: bool) -> Result<Report, SavedError> {
-        let needed: u64 = shown
-            .iter()
-            .flat_map(|&stack| self.frames_of(stack))
-            .map(|&frame| frame_cost(&self.frames[frame as usize]) as u64)
-            .sum();
+        let pointer = mem::size_of::<Arc<Frame>>() as u64;
+        let needed: u64 = shown.iter().map(|&stack| self.frames_of(stack).len() as u64 * pointer).sum();
         if needed > self.memory_left {
             return Err(SavedError::TooManyToShow { path: self.path, limit: self.memory_limit });
         }
@@ -216,11 +217,8 @@ impl Saved {
         self.report.stacks.reserve_exact(shown.len());
         for &place in shown {
             let Some(mut stack) = stacks.get_mut(place).and_then(Option::take) else { continue };
-            stack.frames = self
-                .frames_of(place)
-                .iter()
-                .map(|&frame| Frame::clone(&self.frames[frame as usize]))
-                .collect();
+            stack.frames =
+                self.frames_of(place).iter().map(|&frame| Arc::clone(&self.frames[frame as usize])).collect();
             if !with_allocations {
                 stack.outstanding = Vec::new();
             }

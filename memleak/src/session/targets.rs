@@ -189,7 +189,7 @@ struct TargetStacks<'a> {
 }
 
 impl StackSource for TargetStacks<'_> {
-    fn frames(&mut self, stack_id: u64) -> Arc<[Frame]> {
+    fn frames(&mut self, stack_id: u64) -> Arc<[Arc<Frame>]> {
         frames_of(self.symbolizer, self.space, self.stacks, stack_id)
     }
 
@@ -214,7 +214,7 @@ fn frames_of(
     space: &AddressSpace,
     stacks: &StackCatalog,
     stack_id: u64,
-) -> Arc<[Frame]> {
+) -> Arc<[Arc<Frame>]> {
     if let Some(frames) = symbolizer.cached(stack_id) {
         return frames;
     }

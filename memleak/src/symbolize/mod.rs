@@ -27,7 +27,12 @@ pub struct StackSymbolizer {
     /// Kernel stacks, symbolized through /proc/kallsyms.
     kernel: bool,
     symbolizer: symbolize::Symbolizer,
-    cache: HashMap<u64, Arc<[Frame]>>,
+    /// Each stack's frames, by stack id.
+    cache: HashMap<u64, Arc<[Arc<Frame>]>>,
+    /// The frames of each return address (inlined ones first), symbolized
+    /// once and shared by every stack through it: 65,536 stacks of 37
+    /// frames hold a few thousand distinct frames, not 2.4 million.
+    addresses: HashMap<u64, Arc<[Arc<Frame>]>>,
     /// Names of JIT-compiled code, where the process writes them.
     jit: Option<PerfMap>,
     /// The debug files blazesym may read; none for the kernel.
@@ -55,6 +60,7 @@ impl StackSymbolizer {
             kernel: false,
             symbolizer: symbolizer(&debug_links.dirs()),
             cache: HashMap::new(),
+            addresses: HashMap::new(),
             jit: Some(PerfMap::of_process(pid, namespace_pid)),
             debug_links: Some(debug_links),
         }
@@ -66,20 +72,31 @@ impl StackSymbolizer {
             kernel: true,
             symbolizer: symbolizer(&debug_links::host_dirs()),
             cache: HashMap::new(),
+            addresses: HashMap::new(),
             jit: None,
             debug_links: None,
         }
     }
 
-    pub fn cached(&self, stack_id: u64) -> Option<Arc<[Frame]>> {
+    pub fn cached(&self, stack_id: u64) -> Option<Arc<[Arc<Frame>]>> {
         self.cache.get(&stack_id).cloned()
     }
 
     /// Symbolizes and caches a stack given as return addresses, innermost
     /// first, of the process whose address space is `space`.
-    pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64], space: &AddressSpace) -> Arc<[Frame]> {
-        let mut frames: Vec<Frame> =
-            addresses.iter().flat_map(|&address| self.frames_at(address, space)).collect();
+    pub fn symbolize(&mut self, stack_id: u64, addresses: &[u64], space: &AddressSpace) -> Arc<[Arc<Frame>]> {
+        let mut frames: Vec<Arc<Frame>> = Vec::with_capacity(addresses.len());
+        for &address in addresses {
+            let at_address = if let Some(known) = self.addresses.get(&address) {
+                Arc::clone(known)
+            } else {
+                let symbolized: Arc<[Arc<Frame>]> =
+                    self.frames_at(address, space).into_iter().map(Arc::new).collect();
+                self.addresses.insert(address, Arc::clone(&symbolized));
+                symbolized
+            };
+            frames.extend(at_address.iter().cloned());
+        }
         if self.kernel {
             // A kernel stack starts in memleak's own BPF program and the
             // tracepoint's dispatch; the allocator comes after them.
@@ -94,8 +111,8 @@ impl StackSymbolizer {
             let skip = frames.iter().take_while(|frame| is_tracing(frame)).count();
             frames.drain(..skip);
         }
-        let frames: Arc<[Frame]> = frames.into();
-        self.cache.insert(stack_id, frames.clone());
+        let frames: Arc<[Arc<Frame>]> = frames.into();
+        self.cache.insert(stack_id, Arc::clone(&frames));
         frames
     }
 
@@ -174,5 +191,30 @@ impl StackSymbolizer {
             module,
         });
         frames
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[inline(never)]
+    fn a_function_of_ours() -> u64 {
+        a_function_of_ours as fn() -> u64 as usize as u64
+    }
+
+    #[test]
+    fn stacks_through_the_same_code_share_its_frames() {
+        let pid = std::process::id();
+        let space = AddressSpace::read(pid).unwrap();
+        let mut symbolizer = StackSymbolizer::new(pid, None);
+        // Return addresses one byte into the function: the call is before.
+        let ours = a_function_of_ours() + 2;
+        let other = stacks_through_the_same_code_share_its_frames as fn() as usize as u64 + 2;
+        let first = symbolizer.symbolize(1, &[ours, other], &space);
+        let second = symbolizer.symbolize(2, &[other, ours], &space);
+        assert!(first[0].function.as_deref().is_some_and(|name| name.contains("a_function_of_ours")));
+        assert!(Arc::ptr_eq(&first[0], &second[second.len() - 1]), "one frame for one address");
+        assert!(Arc::ptr_eq(&first[first.len() - 1], &second[0]));
     }
 }

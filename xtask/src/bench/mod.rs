@@ -14,6 +14,7 @@
 //! Ratios, not absolute times, are what carry across machines. CI does not
 //! run this.
 
+mod deep_stacks;
 mod empty_probes;
 mod latency;
 mod map_memory;
@@ -100,6 +101,8 @@ pub fn run(quick: bool) -> Result<()> {
     unwind_tables::print(&tables);
     let latencies = latency::measure_all(&workload.memleak, &spread, settings.latency_allocations);
     latency::print(&latencies);
+    eprintln!("bench: memleak's own cost at 65,536 deep stacks");
+    deep_stacks::print(&deep_stacks::measure(&workload.memleak, &spread));
     overhead::print_memleak_usage(&contenders);
     latency::print_map_memory(&latencies);
 

@@ -103,6 +103,9 @@ pub struct Report {
     pub allocations: u64,
     /// From reading memleak's maps to the report being built.
     pub latency_ms: f64,
+    /// Saving and writing the report (0 from a memleak too old to say).
+    #[serde(default)]
+    pub written_ms: f64,
 }
 
 impl Report {
