@@ -4,7 +4,7 @@
 
 use std::{
     borrow::Borrow,
-    collections::BTreeMap,
+    collections::HashMap,
     io::{self, Write},
 };
 
@@ -13,50 +13,75 @@ use crate::model::Frame;
 
 /// The folded lines of a report, identical stacks merged, in order.
 pub fn lines(report: &Report, weight: Weight) -> Vec<String> {
-    let mut merged: BTreeMap<String, u64> = BTreeMap::new();
+    let mut names = FrameNames::default();
+    let mut merged: HashMap<String, u64> = HashMap::new();
     for stack in &report.stacks {
         let amount = match weight {
             Weight::Bytes => stack.bytes,
             Weight::Count => stack.allocations,
         };
-        *merged.entry(folded_stack(&stack.frames, stack.stack_lost)).or_default() += amount;
+        *merged.entry(names.folded_stack(&stack.frames, stack.stack_lost)).or_default() += amount;
     }
-    merged.into_iter().map(|(stack, amount)| format!("{stack} {amount}")).collect()
+    sorted(merged).into_iter().map(|(stack, amount)| format!("{stack} {amount}")).collect()
 }
 
 /// A diff's lines in the two-column form of difffolded.pl, `stack base
 /// new`, which flame graph tools draw as a differential flame graph.
 pub fn diff_lines(diff: &Diff, weight: Weight) -> Vec<String> {
-    let mut merged: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let mut names = FrameNames::default();
+    let mut merged: HashMap<String, (u64, u64)> = HashMap::new();
     for stack in &diff.stacks {
         let (base, new) = match weight {
             Weight::Bytes => (stack.base_bytes, stack.new_bytes),
             Weight::Count => (stack.base_allocations, stack.new_allocations),
         };
-        let amounts = merged.entry(folded_stack(&stack.frames, stack.stack_lost)).or_default();
+        let amounts = merged.entry(names.folded_stack(&stack.frames, stack.stack_lost)).or_default();
         amounts.0 += base;
         amounts.1 += new;
     }
-    merged.into_iter().map(|(stack, (base, new))| format!("{stack} {base} {new}")).collect()
+    sorted(merged).into_iter().map(|(stack, (base, new))| format!("{stack} {base} {new}")).collect()
 }
 
-/// Frame names root first, joined by `;`.
-fn folded_stack<F: Borrow<Frame>>(frames: &[F], stack_lost: bool) -> String {
-    if stack_lost {
-        return "[stack lost]".to_owned();
-    }
-    if frames.is_empty() {
-        return "[no frames]".to_owned();
-    }
-    let names: Vec<String> = frames
-        .iter()
-        .rev()
-        .map(|frame| {
+/// Merged in a hash map, sorted once: stacks share long prefixes, which
+/// every comparison of a tree map would read again.
+fn sorted<V>(merged: HashMap<String, V>) -> Vec<(String, V)> {
+    let mut lines: Vec<(String, V)> = merged.into_iter().collect();
+    lines.sort_unstable_by(|(a, _), (b, _)| a.cmp(b));
+    lines
+}
+
+/// Each frame's folded name, made once: frames are shared by the stacks
+/// through the same code, so one is met again and again.
+#[derive(Default)]
+struct FrameNames {
+    /// By the frame's address in memory, which is stable while the report
+    /// is borrowed.
+    names: HashMap<*const Frame, String>,
+}
+
+impl FrameNames {
+    /// Frame names root first, joined by `;`.
+    fn folded_stack<F: Borrow<Frame>>(&mut self, frames: &[F], stack_lost: bool) -> String {
+        if stack_lost {
+            return "[stack lost]".to_owned();
+        }
+        if frames.is_empty() {
+            return "[no frames]".to_owned();
+        }
+        let mut folded = String::new();
+        for frame in frames.iter().rev() {
             let frame: &Frame = frame.borrow();
-            frame_name(frame.function.as_deref(), frame.inlined)
-        })
-        .collect();
-    names.join(";")
+            let name = self
+                .names
+                .entry(std::ptr::from_ref(frame))
+                .or_insert_with(|| frame_name(frame.function.as_deref(), frame.inlined));
+            if !folded.is_empty() {
+                folded.push(';');
+            }
+            folded.push_str(name);
+        }
+        folded
+    }
 }
 
 /// `;` separates frames and a space ends the stack, so neither may appear

@@ -207,8 +207,7 @@ impl Session {
                 return Err(SessionError::Excluded { pid, why: excluded.why });
             }
             lifecycle::check_process(pid)?;
-            let space = AddressSpace::read(pid).map_err(|source| SessionError::Maps { pid, source })?;
-            let plan = attach::plan::plan_for_process(&space, &config.allocator)?;
+            let (plan, space) = plan_process(pid, &config.allocator)?;
             planned.push((pid, plan, space));
         }
         let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
@@ -346,9 +345,7 @@ impl Session {
                 );
                 continue;
             }
-            let planned = AddressSpace::read(pid)
-                .map_err(|source| SessionError::Maps { pid, source })
-                .and_then(|space| Ok((attach::plan::plan_for_process(&space, &self.allocator)?, space)));
+            let planned = plan_process(pid, &self.allocator);
             let (plan, space) = match planned {
                 Ok(planned) => planned,
                 Err(error) => {
@@ -518,9 +515,7 @@ impl Session {
         if self.cgroup.is_some() {
             return Ok(None);
         }
-        let planned = AddressSpace::read(pid)
-            .map_err(|source| SessionError::Maps { pid, source })
-            .and_then(|space| Ok((attach::plan::plan_for_process(&space, &self.allocator)?, space)));
+        let planned = plan_process(pid, &self.allocator);
         let (plan, space) = match planned {
             Ok(planned) => planned,
             Err(error) => {
@@ -594,6 +589,13 @@ fn update_unwind_table(
     log::debug!("pid {}: unwind table of {} executable mappings in use", target.pid, table.count);
     target.unwind_table = Some(table);
     Ok(())
+}
+
+/// Process `pid`'s address space as it is now, and the probes for its
+/// allocator.
+fn plan_process(pid: u32, allocator: &AllocatorChoice) -> Result<(AttachPlan, AddressSpace), SessionError> {
+    let space = AddressSpace::read(pid).map_err(|source| SessionError::Maps { pid, source })?;
+    Ok((attach::plan::plan_for_process(&space, allocator)?, space))
 }
 
 fn excluded_pids(config: &SessionConfig) -> Vec<u32> {

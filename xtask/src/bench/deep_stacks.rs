@@ -4,7 +4,7 @@
 //! under 200 MB of memleak's RSS and under a second per report.
 
 use std::{
-    io::{BufRead, BufReader},
+    io::BufRead,
     path::Path,
     process::{ChildStdin, Command, Stdio},
     sync::mpsc::Receiver,
@@ -14,6 +14,7 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 
 use super::{
+    latency,
     process::{lines_as_they_come, release, spawn_with_pipe, wait_for_line},
     stats::{self, Record},
 };
@@ -36,15 +37,7 @@ pub struct DeepStacks {
 
 /// Runs `spread` under memleak reporting folded stacks every second.
 pub fn measure(memleak: &Path, spread: &Path) -> Result<DeepStacks> {
-    let mut target = Command::new(spread)
-        .args([STACKS.to_string(), STACKS.to_string(), DEPTH.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot run the spread fixture")?;
-    let mut target_stderr = BufReader::new(target.stderr.take().context("no stderr")?);
-    wait_for_line(&mut target_stderr, "waiting")?;
+    let (mut target, mut target_stderr) = latency::start_waiting(spread, &[STACKS, STACKS, DEPTH.into()])?;
     let mut command = Command::new(memleak);
     command
         .args(["-p", &target.id().to_string(), "--format", "folded", "--max-stacks", "70000", "1"])

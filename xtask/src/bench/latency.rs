@@ -5,7 +5,7 @@
 use std::{
     io::{BufRead, BufReader},
     path::Path,
-    process::{ChildStdin, Command, Stdio},
+    process::{Child, ChildStderr, ChildStdin, Command, Stdio},
     sync::mpsc::Receiver,
     time::{Duration, Instant},
 };
@@ -85,15 +85,7 @@ const PATIENCE: Duration = Duration::from_mins(2);
 /// Runs `spread` holding `allocations` blocks under memleak, reporting
 /// every second, and times a report that began after the last allocation.
 fn measure(memleak: &Path, spread: &Path, allocations: u64, mode: Mode) -> Result<Latency> {
-    let mut target = Command::new(spread)
-        .arg(allocations.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot run the spread fixture")?;
-    let mut target_stderr = BufReader::new(target.stderr.take().context("no stderr")?);
-    wait_for_line(&mut target_stderr, "waiting")?;
+    let (mut target, mut target_stderr) = start_waiting(spread, &[allocations])?;
 
     // memleak only sees allocations made while it is attached: it attaches
     // first, then the fixture allocates.
@@ -122,6 +114,21 @@ fn measure(memleak: &Path, spread: &Path, allocations: u64, mode: Mode) -> Resul
     }
     let (_, last_report) = reports.iter().last().context("memleak printed no report")?;
     Ok(Latency { report, not_tracked: not_tracked(&last_report)?, idle_memory, loaded_memory })
+}
+
+/// Starts `spread ARGS`, and waits until it waits for its go: it has
+/// allocated nothing yet.
+pub fn start_waiting(spread: &Path, args: &[u64]) -> Result<(Child, BufReader<ChildStderr>)> {
+    let mut target = Command::new(spread)
+        .args(args.iter().map(u64::to_string))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot run the spread fixture")?;
+    let mut target_stderr = BufReader::new(target.stderr.take().context("no stderr")?);
+    wait_for_line(&mut target_stderr, "waiting")?;
+    Ok((target, target_stderr))
 }
 
 /// memleak reporting on `pid` every second, in JSON.
