@@ -33,6 +33,11 @@ pub enum MappingChange {
     Remap = 2,
     /// The process called execve: a new program, a new address space.
     Exec = 3,
+    /// mprotect(`address`, `length`, `prot`) was called.
+    Protect = 4,
+    /// A followed process forked: `tgid` is the new process, `address`
+    /// the one that forked it.
+    Fork = 5,
 }
 
 impl TryFrom<u32> for MappingChange {
@@ -44,12 +49,14 @@ impl TryFrom<u32> for MappingChange {
             1 => Ok(MappingChange::Unmap),
             2 => Ok(MappingChange::Remap),
             3 => Ok(MappingChange::Exec),
+            4 => Ok(MappingChange::Protect),
+            5 => Ok(MappingChange::Fork),
             _ => Err(raw),
         }
     }
 }
 
-/// An mmap, munmap, mremap or exec of a traced process, sent through
+/// An mmap, munmap, mremap, mprotect, exec or fork of a traced process, sent through
 /// [`MAPPING_EVENTS_MAP`](crate::MAPPING_EVENTS_MAP). These are rare next
 /// to malloc and free, and a partial munmap needs interval bookkeeping
 /// that a BPF hash map cannot do, so user space keeps the regions.
@@ -73,5 +80,10 @@ pub struct MappingEvent {
     /// 1 if the call came from inside malloc & co.: the allocator's own
     /// arenas and large blocks, already counted as what malloc returned.
     pub inside_allocator: u32,
+    /// For `Map` and `Protect`: the protection asked for (`PROT_*`);
+    /// `PROT_NONE` reserves address space without making memory.
+    pub prot: u32,
+    /// For `Map`: mmap's flags (`MAP_STACK` marks a thread's stack).
+    pub flags: u32,
     pub _padding: u32,
 }

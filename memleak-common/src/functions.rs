@@ -120,7 +120,7 @@ pub struct MappingFunction {
 
 /// The mapping functions memleak probes (mmap64 is mmap on 64-bit
 /// systems; where it is a symbol of its own, it is probed once).
-pub const MAPPING_FUNCTIONS: [MappingFunction; 4] = [
+pub const MAPPING_FUNCTIONS: [MappingFunction; 5] = [
     MappingFunction {
         name: "mmap",
         entry_program: programs::MMAP_ENTER,
@@ -132,6 +132,8 @@ pub const MAPPING_FUNCTIONS: [MappingFunction; 4] = [
         return_program: Some(programs::MAPPING_RETURN),
     },
     MappingFunction { name: "munmap", entry_program: programs::MUNMAP_ENTER, return_program: None },
+    // Turns a PROT_NONE reservation into memory that can be touched, or back.
+    MappingFunction { name: "mprotect", entry_program: programs::MPROTECT_ENTER, return_program: None },
     MappingFunction {
         name: "mremap",
         entry_program: programs::MREMAP_ENTER,

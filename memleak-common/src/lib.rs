@@ -23,13 +23,13 @@ pub use functions::{
     AllocatorFunction, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
 };
 pub use names::{
-    programs, tunables, ALLOCATIONS_MAP, COUNTERS_MAP, EVENTS_MAP, MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES,
-    PENDING_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP,
+    programs, tunables, ALLOCATIONS_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES,
+    PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP,
     UNWIND_ROWS_MAP,
 };
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall,
-    PendingMapping, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID,
+    PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID,
     MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
 pub use unwind::{
@@ -75,8 +75,8 @@ const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackSlot>() == 16);
 const _: () = assert!(core::mem::size_of::<StackTotals>() == 32);
 const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
-const _: () = assert!(core::mem::size_of::<MappingEvent>() == 64);
-const _: () = assert!(core::mem::size_of::<PendingMapping>() == 32);
+const _: () = assert!(core::mem::size_of::<MappingEvent>() == 72);
+const _: () = assert!(core::mem::size_of::<PendingMapping>() == 40);
 const _: () = assert!(core::mem::size_of::<StackFrames>() == 8 * MAX_STACK_DEPTH);
 
 #[cfg(test)]
@@ -88,7 +88,14 @@ mod tests {
         for kind in [CallKind::Allocate, CallKind::Reallocate, CallKind::AllocateThroughPointer] {
             assert_eq!(CallKind::try_from(kind as u32), Ok(kind));
         }
-        for change in [MappingChange::Map, MappingChange::Unmap, MappingChange::Remap] {
+        for change in [
+            MappingChange::Map,
+            MappingChange::Unmap,
+            MappingChange::Remap,
+            MappingChange::Exec,
+            MappingChange::Protect,
+            MappingChange::Fork,
+        ] {
             assert_eq!(MappingChange::try_from(change as u32), Ok(change));
         }
         for counter in Counter::ALL {

@@ -11,8 +11,11 @@ pub const STACK_IDS_MAP: &str = "STACK_IDS";
 pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
 /// Thread id (u32) -> [`PendingCall`](crate::PendingCall).
 pub const PENDING_MAP: &str = "PENDING";
-/// Per-CPU u64 array indexed by [`Counter`](crate::Counter).
-pub const COUNTERS_MAP: &str = "COUNTERS";
+/// Process id (u32) -> [`ProcessCounters`](crate::ProcessCounters).
+pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
+/// Process id (u32) -> 1 (u32): processes whose new children are
+/// followed; the fork tracepoint adds each child it reports.
+pub const FOLLOWED_MAP: &str = "FOLLOWED";
 /// Ring buffer of [`TraceEvent`](crate::TraceEvent)s, written only with --trace.
 pub const EVENTS_MAP: &str = "EVENTS";
 /// Ring buffer of [`MappingEvent`](crate::MappingEvent)s.
@@ -45,6 +48,9 @@ pub mod tunables {
     pub const CGROUP_ID: &str = "CGROUP_ID";
     /// u32: offset of `size` in the kernel's struct `kmem_cache`.
     pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
+    /// u32: offset of `tgid` in the kernel's struct `task_struct`, to tell
+    /// a new process from a new thread.
+    pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
     /// u64, u64: kernel code range whose allocations are left out (the BPF
     /// memory allocator's refill, which serves memleak's own maps).
     pub const IGNORED_CALLER_START: &str = "IGNORED_CALLER_START";
@@ -78,6 +84,7 @@ pub mod programs {
     /// The return probe of mmap and mremap.
     pub const MAPPING_RETURN: &str = "mapping_return";
     pub const MUNMAP_ENTER: &str = "munmap_enter";
+    pub const MPROTECT_ENTER: &str = "mprotect_enter";
     /// Kernel allocations: program name and tracepoint name are the same.
     pub const KERNEL: [&str; 6] =
         ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];
@@ -88,4 +95,6 @@ pub mod programs {
     pub const KERNEL_PERCPU: [&str; 2] = ["percpu_alloc_percpu", "percpu_free_percpu"];
     /// The `sched_process_exec` tracepoint: a traced process's new program.
     pub const PROCESS_EXEC: &str = "sched_process_exec";
+    /// The `sched_process_fork` tracepoint: a followed process's child.
+    pub const PROCESS_FORK: &str = "sched_process_fork";
 }

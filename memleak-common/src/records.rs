@@ -176,13 +176,16 @@ pub struct PendingMapping {
     pub new_length: u64,
     /// A [`MappingChange`](crate::MappingChange) as u32.
     pub change: u32,
+    /// mmap's `prot` and `flags` arguments.
+    pub prot: u32,
+    pub flags: u32,
     pub _padding: u32,
 }
 
-/// Health counters, slots of the per-CPU
-/// [`COUNTERS_MAP`](crate::COUNTERS_MAP). Allocations recorded are not
-/// among them: the per-stack totals count those already
-/// ([`StackTotals::allocated_count`]).
+/// Health counters, slots of each process's
+/// [`ProcessCounters`] in [`PROCESS_COUNTERS_MAP`](crate::PROCESS_COUNTERS_MAP).
+/// Allocations recorded are not among them: the per-stack totals count
+/// those already ([`StackTotals::allocated_count`]).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
@@ -199,16 +202,20 @@ pub enum Counter {
     StacksLost = 3,
     /// --trace or mapping events dropped because a ring buffer was full.
     EventsLost = 4,
+    /// Allocation calls that returned a block, whether or not they were
+    /// sampled or in the size range recorded.
+    Allocations = 5,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 5] = [
+    pub const ALL: [Counter; 6] = [
         Counter::Frees,
         Counter::FailedAllocations,
         Counter::AllocationsNotTracked,
         Counter::StacksLost,
         Counter::EventsLost,
+        Counter::Allocations,
     ];
 }
 
@@ -220,6 +227,11 @@ impl TryFrom<u32> for Counter {
     }
 }
 
-/// Number of slots in [`COUNTERS_MAP`](crate::COUNTERS_MAP).
-#[allow(clippy::cast_possible_truncation, reason = "five counters")]
+/// Number of [`Counter`]s.
+#[allow(clippy::cast_possible_truncation, reason = "six counters")]
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
+
+/// One process's health counters, indexed by [`Counter`]: each process
+/// has its own, so that a report on one of several processes counts only
+/// what that one did.
+pub type ProcessCounters = [u64; COUNTER_SLOTS as usize];

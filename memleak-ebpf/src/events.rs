@@ -22,6 +22,6 @@ pub fn send(function: u32, address: u64, size: u64) {
         _padding: 0,
     };
     if EVENTS.output::<TraceEvent>(&event, 0).is_err() {
-        counters::increment(Counter::EventsLost);
+        counters::increment(event.tgid, Counter::EventsLost);
     }
 }

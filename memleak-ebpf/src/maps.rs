@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use memleak_common::{
-    Allocation, AllocationKey, PendingCall, PendingMapping, ProcessMappings, RuleCacheEntry, StackKey,
-    StackSlot, StackTotals, UnwindRow, COUNTER_SLOTS, RULE_CACHE_ENTRIES,
+    Allocation, AllocationKey, PendingCall, PendingMapping, ProcessCounters, ProcessMappings, RuleCacheEntry,
+    StackKey, StackSlot, StackTotals, UnwindRow, RULE_CACHE_ENTRIES,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -38,9 +38,13 @@ pub static STACK_TOTALS: HashMap<u64, StackTotals> = HashMap::with_max_entries(6
 #[map(name = "PENDING")]
 pub static PENDING: LruHashMap<u32, PendingCall> = LruHashMap::with_max_entries(16_384, 0);
 
-/// Health counters, see `memleak_common::Counter`.
-#[map(name = "COUNTERS")]
-pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+/// Process id -> its health counters; sized at load from --max-processes.
+#[map(name = "PROCESS_COUNTERS")]
+pub static PROCESS_COUNTERS: HashMap<u32, ProcessCounters> = HashMap::with_max_entries(1024, 0);
+
+/// Process id -> 1: the processes whose children are followed.
+#[map(name = "FOLLOWED")]
+pub static FOLLOWED: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
 
 /// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]

@@ -28,7 +28,7 @@ pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
         inserted = ALLOCATIONS.insert(key, allocation, 0);
     }
     if inserted.is_err() {
-        counters::increment(Counter::AllocationsNotTracked);
+        counters::increment(key.tgid, Counter::AllocationsNotTracked);
         return;
     }
     totals::add(allocation.stack_id, size);
@@ -41,7 +41,7 @@ pub fn release(tgid: u32, address: u64) -> Option<u64> {
     if address == 0 {
         return None;
     }
-    counters::increment(Counter::Frees);
+    counters::increment(tgid, Counter::Frees);
     forget(&AllocationKey { tgid, _padding: 0, address })
 }
 

@@ -43,7 +43,7 @@ fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
     if let Some(id) = store_current_stack(ctx, tgid, user) {
         id
     } else {
-        counters::increment(Counter::StacksLost);
+        counters::increment(tgid, Counter::StacksLost);
         lost_stack_id(tgid)
     }
 }

@@ -15,6 +15,8 @@ static TRACE: u32 = 0;
 #[unsafe(no_mangle)]
 static CACHE_SIZE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
+static TASK_TGID_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
 static CGROUP_ID: u64 = 0;
 #[unsafe(no_mangle)]
 static IGNORED_CALLER_START: u64 = 0;
@@ -66,6 +68,12 @@ pub fn trace() -> bool {
 pub fn cache_size_offset() -> u32 {
     // SAFETY: as above.
     unsafe { core::ptr::read_volatile(&raw const CACHE_SIZE_OFFSET) }
+}
+
+/// Offset of `tgid` in the kernel's struct `task_struct`, from its BTF.
+pub fn task_tgid_offset() -> u32 {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&raw const TASK_TGID_OFFSET) }
 }
 
 /// Whether a kernel allocation made from `call_site` is left out: the BPF

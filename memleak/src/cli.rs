@@ -37,6 +37,16 @@ pub struct Args {
     #[arg(short, long, value_name = "\"CMD ARGS\"")]
     pub command: Option<String>,
 
+    /// With -p: also trace the processes each one forks from now on (and
+    /// theirs), each with reports of its own.
+    #[arg(long, conflicts_with = "no_follow_forks")]
+    pub follow_forks: bool,
+
+    /// With -c: trace only the command's own process, not the processes it
+    /// forks (which are followed by default).
+    #[arg(long)]
+    pub no_follow_forks: bool,
+
     /// Seconds between reports.
     #[arg(value_name = "INTERVAL", default_value = "5", value_parser = parse_interval)]
     pub interval: Duration,

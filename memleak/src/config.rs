@@ -128,6 +128,10 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
             max_unwind_rows: args.max_unwind_rows,
         },
         allocator: AllocatorChoice { object: args.object, prefix: args.symbols_prefix },
+        follow_forks: match &target {
+            TargetSpec::Command(_) => !args.no_follow_forks,
+            _ => args.follow_forks,
+        },
         // Known once the output is open: see `report_loop::run`.
         excluded: Vec::new(),
     };
@@ -166,6 +170,12 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
         if let Some((_, flag)) = user_only.iter().find(|(given, _)| *given) {
             return Err(format!("{flag} needs a process: give -p PID or -c \"CMD ARGS\""));
         }
+    }
+    if args.follow_forks && !matches!(target, TargetSpec::Pids(_)) {
+        return Err("--follow-forks is for -p (-c follows forks already, and --cgroup its newcomers)".to_owned());
+    }
+    if args.no_follow_forks && !matches!(target, TargetSpec::Command(_)) {
+        return Err("--no-follow-forks is for -c: -p follows no forks unless given --follow-forks".to_owned());
     }
     if let TargetSpec::Pids(pids) = &target {
         let mut sorted = pids.clone();

@@ -10,9 +10,17 @@ use object::{
     Object as _, ObjectSegment as _, ObjectSymbol as _,
 };
 
-/// Addresses of the defined functions among `names`, by unprefixed name,
-/// from .dynsym first (what a stripped library still has), then .symtab.
-pub fn function_addresses(file: &object::File, prefix: &str, names: &[&str]) -> BTreeMap<String, u64> {
+/// A function's symbol: where it starts, and its length in bytes (0 when
+/// the symbol does not say).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FunctionSymbol {
+    pub address: u64,
+    pub size: u64,
+}
+
+/// The defined functions among `names`, by unprefixed name, from .dynsym
+/// first (what a stripped library still has), then .symtab.
+pub fn function_symbols(file: &object::File, prefix: &str, names: &[&str]) -> BTreeMap<String, FunctionSymbol> {
     let mut addresses = BTreeMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.address() == 0 || symbol.kind() != object::SymbolKind::Text {
@@ -20,7 +28,8 @@ pub fn function_addresses(file: &object::File, prefix: &str, names: &[&str]) -> 
         }
         let Some(name) = symbol.name().ok().and_then(|name| name.strip_prefix(prefix)) else { continue };
         if names.contains(&name) {
-            addresses.entry(name.to_owned()).or_insert(symbol.address());
+            let function = FunctionSymbol { address: symbol.address(), size: symbol.size() };
+            addresses.entry(name.to_owned()).or_insert(function);
         }
     }
     addresses

@@ -82,13 +82,19 @@ pub enum MappingKind {
     AllocatorMmap,
     /// A thread's stack, mapped by `pthread_create`.
     ThreadStack,
+    /// Address space reserved with `PROT_NONE`: no memory until made
+    /// usable (Go's heap arenas, JIT code spaces).
+    Reservation,
 }
 
 /// Bytes of the mmap regions a report does not show by default.
+#[allow(clippy::struct_field_names, reason = "each is a number of bytes; the names are the JSON's")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HiddenMappings {
     pub allocator_bytes: u64,
     pub thread_stack_bytes: u64,
+    #[serde(default)]
+    pub reserved_bytes: u64,
 }
 
 /// The outstanding allocations made from one call stack.
@@ -124,8 +130,13 @@ pub struct OutstandingAllocation {
 /// How much the tracer saw and what it could not keep, since attach.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthCounters {
-    /// Allocations recorded.
+    /// Allocation calls that returned a block, recorded or not.
     pub allocations: u64,
+    /// Those recorded: all of them, unless sampling (-s) or a size range
+    /// (-z, -Z) left some out, or --max-allocs was reached. `None` in
+    /// snapshots saved before memleak counted them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded_allocations: Option<u64>,
     /// Releases seen: free-like calls, and old blocks realloc gave up.
     pub frees: u64,
     /// Allocation calls that returned NULL (never counted as leaks).

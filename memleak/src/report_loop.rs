@@ -223,6 +223,10 @@ async fn next_round(
                     status::say(&format!("pid {pid} exited"));
                     Round::Exit { pid, ack }
                 }
+                SessionEvent::Followed { pid, parent } => {
+                    status::say(&format!("tracing pid {pid}, forked by pid {parent}"));
+                    continue;
+                }
                 SessionEvent::Exec { pid } => {
                     status::say(&format!("pid {pid} called execve: the final report of its old program"));
                     Round::Exec { pid }

@@ -95,12 +95,14 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
         }
     };
     events::send(call.function, address, call.size);
+    let tgid = calls::process_id();
     if address == 0 {
         if call.size != 0 {
-            counters::increment(Counter::FailedAllocations);
+            counters::increment(tgid, Counter::FailedAllocations);
         }
         return 0;
     }
+    counters::increment(tgid, Counter::Allocations);
     if call.sampled == 0
         || call.size == OVERFLOWED_SIZE
         || call.size < tunables::min_size()
@@ -108,7 +110,6 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
     {
         return 0;
     }
-    let tgid = calls::process_id();
     let key = AllocationKey { tgid, _padding: 0, address };
     record::store(key, call.size, stack::current_user_stack_id(&ctx, tgid));
     0

@@ -79,13 +79,14 @@ pub fn percpu_free_percpu(ctx: BtfTracePointContext) -> i32 {
 
 fn record(ctx: &BtfTracePointContext, address: u64, size: u64) {
     if address == 0 {
-        counters::increment(Counter::FailedAllocations);
-        return;
-    }
-    if size < tunables::min_size() || size > tunables::max_size() || !tunables::sample() {
+        counters::increment(KERNEL_TGID, Counter::FailedAllocations);
         return;
     }
     if tunables::ignored_process(crate::calls::process_id()) {
+        return;
+    }
+    counters::increment(KERNEL_TGID, Counter::Allocations);
+    if size < tunables::min_size() || size > tunables::max_size() || !tunables::sample() {
         return;
     }
     let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };

@@ -1,5 +1,6 @@
-//! mmap, munmap and mremap: sent to user space as events, which keeps the
-//! regions (a partial munmap splits them, which a hash map cannot do).
+//! mmap, munmap, mremap and mprotect: sent to user space as events, which
+//! keeps the regions (a partial munmap splits them, which a hash map
+//! cannot do).
 
 use aya_ebpf::{
     helpers::generated::bpf_ktime_get_ns,
@@ -23,8 +24,13 @@ pub fn mmap_enter(ctx: ProbeContext) -> u32 {
     if !tunables::in_scope() {
         return 0;
     }
-    let length: u64 = ctx.arg(1).unwrap_or(0);
-    let call = PendingMapping { length, change: MappingChange::Map as u32, ..PendingMapping::default() };
+    let call = PendingMapping {
+        length: ctx.arg(1).unwrap_or(0),
+        prot: ctx.arg(2).unwrap_or(0),
+        flags: ctx.arg(3).unwrap_or(0),
+        change: MappingChange::Map as u32,
+        ..PendingMapping::default()
+    };
     let _ = PENDING_MAPPINGS.insert(calls::thread_id(), call, 0);
     0
 }
@@ -40,7 +46,7 @@ pub fn mremap_enter(ctx: ProbeContext) -> u32 {
         length: ctx.arg(1).unwrap_or(0),
         new_length: ctx.arg(2).unwrap_or(0),
         change: MappingChange::Remap as u32,
-        _padding: 0,
+        ..PendingMapping::default()
     };
     let _ = PENDING_MAPPINGS.insert(calls::thread_id(), call, 0);
     0
@@ -65,6 +71,8 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         }
         event.address = returned;
         event.length = call.length;
+        event.prot = call.prot;
+        event.flags = call.flags;
         event.stack_id = stack::current_user_stack_id(&ctx, tgid);
     } else {
         event.address = call.address;
@@ -95,10 +103,28 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
+/// `mprotect(address, length, prot)`: a reservation made usable, or back.
+#[uprobe]
+pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
+    if !tunables::in_scope() {
+        return 0;
+    }
+    let event = MappingEvent {
+        address: ctx.arg(0).unwrap_or(0),
+        length: ctx.arg(1).unwrap_or(0),
+        prot: ctx.arg(2).unwrap_or(0),
+        tgid: calls::process_id(),
+        change: MappingChange::Protect as u32,
+        ..MappingEvent::default()
+    };
+    send(event);
+    0
+}
+
 pub(super) fn send(mut event: MappingEvent) {
     // SAFETY: a helper without arguments.
     event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
     if MAPPING_EVENTS.output::<MappingEvent>(&event, 0).is_err() {
-        counters::increment(Counter::EventsLost);
+        counters::increment(event.tgid, Counter::EventsLost);
     }
 }

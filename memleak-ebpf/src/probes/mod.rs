@@ -1,10 +1,11 @@
 //! The entry points: uprobes on the target's allocator and mapping
 //! functions, the kernel's allocation tracepoints, and its exec
-//! tracepoint. Each reads its
-//! arguments and hands over to `calls`, `record` and `stack`.
+//! and fork tracepoints. Each reads
+//! its arguments and hands over to `calls`, `record` and `stack`.
 
 mod alloc;
 mod exec;
+mod fork;
 mod free;
 mod kernel;
 mod mmap;

@@ -3,7 +3,7 @@
 
 use std::{
     fs::{self, File},
-    os::fd::AsRawFd as _,
+    os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
     path::{Path, PathBuf},
     process::Command,
     sync::Arc,
@@ -56,6 +56,8 @@ pub struct ProbeSite {
     pub return_program: Option<&'static str>,
     /// Where the function starts in its file.
     pub file_offset: u64,
+    /// Its length in bytes, as its symbol says (0 if it does not).
+    pub code_length: u64,
     /// Bytes past the start the entry probe goes; see `placement`.
     pub entry_skip: u64,
     /// The function and each alias sharing its code; given to the probes
@@ -73,8 +75,23 @@ pub struct AttachPlan {
     pub display_path: String,
     pub sites: Vec<ProbeSite>,
     /// The file planned from, held open for `path`; `None` for the kernel.
-    #[allow(dead_code, reason = "held, never read: it keeps `path` valid")]
     pub object: Option<Arc<File>>,
+}
+
+impl AttachPlan {
+    /// Whether `file_offset` of `mapped` lies inside one of the allocator's
+    /// entry points: code that runs only during a call into the allocator.
+    pub fn in_allocator_call(&self, mapped: &File, file_offset: u64) -> bool {
+        let Some(object) = &self.object else { return false };
+        let same_file = |a: &File, b: &File| match (a.metadata(), b.metadata()) {
+            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+            _ => false,
+        };
+        self.sites.iter().any(|site| {
+            site.functions != FunctionSet::default()
+                && (site.file_offset..site.file_offset + site.code_length).contains(&file_offset)
+        }) && same_file(object, mapped)
+    }
 }
 
 /// Symbol prefixes tried when the user names none: plain names, then
@@ -246,12 +263,14 @@ fn allocator_sites(
     display_path: &str,
 ) -> (Vec<ProbeSite>, Vec<&'static str>) {
     let names = ALLOCATOR_FUNCTIONS.map(|function| function.name);
-    let addresses = elf::function_addresses(file, prefix, &names);
+    let symbols = elf::function_symbols(file, prefix, &names);
     let mut sites: Vec<ProbeSite> = Vec::new();
     let mut missing = Vec::new();
     for (index, function) in ALLOCATOR_FUNCTIONS.iter().enumerate() {
-        let offset = addresses.get(function.name).and_then(|&address| elf::file_offset(file, address));
-        let Some(file_offset) = offset else {
+        let symbol = symbols.get(function.name);
+        let Some((file_offset, symbol)) =
+            symbol.and_then(|symbol| Some((elf::file_offset(file, symbol.address)?, symbol)))
+        else {
             missing.push(function.name);
             continue;
         };
@@ -281,6 +300,7 @@ fn allocator_sites(
             entry_program: function.entry_program,
             return_program: function.return_program(),
             file_offset,
+            code_length: symbol.size,
             entry_skip,
             functions: FunctionSet::of(index),
         });
@@ -292,11 +312,11 @@ fn allocator_sites(
 /// already among `sites`. mmap & co. are the C library's, never prefixed.
 fn mapping_sites(file: &object::File, sites: &[ProbeSite]) -> Vec<ProbeSite> {
     let names = MAPPING_FUNCTIONS.map(|function| function.name);
-    let addresses = elf::function_addresses(file, "", &names);
+    let symbols = elf::function_symbols(file, "", &names);
     let mut mapping: Vec<ProbeSite> = Vec::new();
     for function in MAPPING_FUNCTIONS {
-        let offset = addresses.get(function.name).and_then(|&address| elf::file_offset(file, address));
-        let Some(file_offset) = offset else { continue };
+        let symbol = symbols.get(function.name);
+        let Some(file_offset) = symbol.and_then(|symbol| elf::file_offset(file, symbol.address)) else { continue };
         if sites.iter().chain(&mapping).any(|site| site.file_offset == file_offset) {
             continue; // mmap64 is mmap
         }
@@ -305,6 +325,7 @@ fn mapping_sites(file: &object::File, sites: &[ProbeSite]) -> Vec<ProbeSite> {
             entry_program: function.entry_program,
             return_program: function.return_program,
             file_offset,
+            code_length: symbol.map_or(0, |symbol| symbol.size),
             entry_skip: 0,
             functions: FunctionSet::default(),
         });

@@ -13,7 +13,8 @@ pub struct MapContents {
     pub time_unix_ms: u64,
     /// `CLOCK_MONOTONIC`, the clock of the BPF timestamps.
     pub now_ns: u64,
-    pub counters: HealthCounters,
+    /// Each process's health counters, by process id.
+    counters: HashMap<u32, HealthCounters>,
     pub totals: Vec<(u64, StackTotals)>,
     /// Each allocation, read only when its age or address is wanted: the
     /// totals are one map entry per stack.
@@ -26,10 +27,16 @@ impl MapContents {
         Ok(Self {
             time_unix_ms: clock::wall_ms(),
             now_ns: clock::monotonic_ns(),
-            counters: tracer.counters(&totals)?,
+            counters: tracer.counters()?,
             allocations: if each_allocation { Some(tracer.allocations()?) } else { None },
             totals,
         })
+    }
+
+    /// The health counters of process `pid` (all zero before it counted
+    /// anything).
+    pub fn counters_of(&self, pid: u32) -> HealthCounters {
+        self.counters.get(&pid).copied().unwrap_or_default()
     }
 
     /// Every stack id the contents mention.

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use aya::{
-    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{HashMap, MapData, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
@@ -13,9 +13,9 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader, Pod,
 };
 use memleak_common::{
-    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessMappings,
-    StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, COUNTERS_MAP, EVENTS_MAP,
-    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_MAPPINGS_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessCounters, ProcessMappings,
+    StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, EVENTS_MAP, FOLLOWED_MAP,
+    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP,
     STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
@@ -109,6 +109,9 @@ pub struct TracerConfig {
     pub settings: TracerSettings,
     /// Offset of `size` in the kernel's struct `kmem_cache` (kernel mode).
     pub cache_size_offset: u32,
+    /// Offset of `tgid` in the kernel's struct `task_struct` (following
+    /// forks).
+    pub task_tgid_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
     /// With --cgroup, the only cgroup whose tasks are recorded.
@@ -123,6 +126,7 @@ impl TracerConfig {
         Self {
             settings,
             cache_size_offset: 0,
+            task_tgid_offset: 0,
             ignored_callers: 0..0,
             cgroup_id: 0,
             ignored_processes: Vec::new(),
@@ -188,6 +192,7 @@ impl Tracer {
             .override_global(tunables::SAMPLE_RATE, &settings.sample_rate, true)
             .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
+            .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
             .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
             .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
             .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
@@ -199,6 +204,10 @@ impl Tracer {
             .map_max_entries(UNWIND_ROWS_MAP, settings.unwind_rows())
             .map_max_entries(PROCESS_MAPPINGS_MAP, settings.max_processes)
             .map_max_entries(UNWIND_RESCANS_MAP, settings.max_processes)
+            // Room for processes that are counted but not traced: a
+            // cgroup's beyond --max-processes, children not followed yet.
+            .map_max_entries(PROCESS_COUNTERS_MAP, settings.max_processes.saturating_mul(2))
+            .map_max_entries(FOLLOWED_MAP, settings.max_processes.saturating_mul(2))
             .load(BPF_OBJECT)
             .map_err(|error| {
                 if caused_by_eperm(&error) {
@@ -290,6 +299,8 @@ impl Tracer {
         self.remove_entries::<u32, PendingCall>(PENDING_MAP, |_, call| call.tgid == tgid)?;
         self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| *pid == tgid)?;
         self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| *pid == tgid)?;
+        self.remove_entries::<u32, ProcessCounters>(PROCESS_COUNTERS_MAP, |pid, _| *pid == tgid)?;
+        self.remove_entries::<u32, u32>(FOLLOWED_MAP, |pid, _| *pid == tgid)?;
         Ok(())
     }
 
@@ -328,6 +339,28 @@ impl Tracer {
         program.load(tracepoint, &btf).map_err(missing)?;
         program.attach().map_err(missing)?;
         Ok(())
+    }
+
+    /// Attaches the fork tracepoint: a process made by a followed one (see
+    /// `follow`) is followed too, and comes as a `MappingChange::Fork`
+    /// event. Needs `TracerConfig::task_tgid_offset`.
+    pub fn watch_forks(&mut self) -> Result<(), TracerError> {
+        let btf = kernel_btf()?;
+        let tracepoint = programs::PROCESS_FORK;
+        let missing = |error: ProgramError| TracerError::KernelFeature {
+            feature: format!("the {tracepoint} tracepoint"),
+            detail: error.to_string(),
+        };
+        let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
+        program.load(tracepoint, &btf).map_err(missing)?;
+        program.attach().map_err(missing)?;
+        Ok(())
+    }
+
+    /// Follows the children process `tgid` makes from now on.
+    pub fn follow(&mut self, tgid: u32) -> Result<(), TracerError> {
+        let mut followed: HashMap<&mut MapData, u32, u32> = self.map_mut(FOLLOWED_MAP)?;
+        followed.insert(tgid, 1, 0).map_err(|source| TracerError::ReadMap { map: FOLLOWED_MAP, source })
     }
 
     /// Attaches the kernel allocation tracepoints (and the per-CPU ones).
@@ -402,27 +435,23 @@ impl Tracer {
         Ok(map.iter().filter_map(Result::ok).collect())
     }
 
-    /// Health counters, summed over CPUs and over every traced process.
-    /// The allocations recorded come from the per-stack `totals`, which
-    /// count them already.
-    pub fn counters(&self, totals: &[(u64, StackTotals)]) -> Result<HealthCounters, TracerError> {
-        let counters: PerCpuArray<&MapData, u64> = self.map(COUNTERS_MAP)?;
-        let read = |counter: Counter| -> Result<u64, TracerError> {
-            let per_cpu = counters
-                .get(&(counter as u32), 0)
-                .map_err(|source| TracerError::ReadMap { map: COUNTERS_MAP, source })?;
-            Ok(per_cpu.iter().sum())
+    /// Each process's health counters. The allocations recorded are not
+    /// among them: the per-stack totals count those.
+    pub fn counters(&self) -> Result<std::collections::HashMap<u32, HealthCounters>, TracerError> {
+        let counters: HashMap<&MapData, u32, ProcessCounters> = self.map(PROCESS_COUNTERS_MAP)?;
+        let health = |counters: &ProcessCounters| {
+            let read = |counter: Counter| counters[counter as usize];
+            HealthCounters {
+                allocations: read(Counter::Allocations),
+                recorded_allocations: None,
+                frees: read(Counter::Frees),
+                failed_allocations: read(Counter::FailedAllocations),
+                allocations_not_tracked: read(Counter::AllocationsNotTracked),
+                stacks_lost: read(Counter::StacksLost),
+                events_lost: read(Counter::EventsLost),
+            }
         };
-        let allocations_not_tracked = read(Counter::AllocationsNotTracked)?;
-        let tracked: u64 = totals.iter().map(|(_, totals)| totals.allocated_count).sum();
-        Ok(HealthCounters {
-            allocations: tracked + allocations_not_tracked,
-            frees: read(Counter::Frees)?,
-            failed_allocations: read(Counter::FailedAllocations)?,
-            allocations_not_tracked,
-            stacks_lost: read(Counter::StacksLost)?,
-            events_lost: read(Counter::EventsLost)?,
-        })
+        Ok(counters.iter().filter_map(Result::ok).map(|(pid, counters)| (pid, health(&counters))).collect())
     }
 
     fn map<'a, T>(&'a self, name: &'static str) -> Result<T, TracerError>

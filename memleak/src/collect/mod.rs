@@ -57,11 +57,17 @@ pub fn snapshot(
     owner: impl Fn(u64) -> Option<u32>,
     options: &CollectOptions,
 ) -> Snapshot {
+    let mut counters = maps.counters_of(pid);
+    counters.recorded_allocations = Some(
+        maps.totals
+            .iter()
+            .filter(|(stack_id, _)| owner(*stack_id) == Some(pid))
+            .map(|(_, totals)| totals.allocated_count)
+            .sum(),
+    );
     let mut snapshot = match &maps.allocations {
-        Some(allocations) => {
-            aggregate(pid, maps.time_unix_ms, maps.now_ns, allocations, maps.counters, options)
-        }
-        None => from_totals(pid, maps.time_unix_ms, &maps.totals, &owner, maps.counters),
+        Some(allocations) => aggregate(pid, maps.time_unix_ms, maps.now_ns, allocations, counters, options),
+        None => from_totals(pid, maps.time_unix_ms, &maps.totals, &owner, counters),
     };
     add_allocated(&mut snapshot, &maps.totals, &owner, options.freed_stacks);
     snapshot
@@ -140,6 +146,7 @@ pub fn add_regions(
         match kind_of(region) {
             MappingKind::AllocatorMmap if !options.all_mmaps => snapshot.hidden.allocator_bytes += size,
             MappingKind::ThreadStack if !options.all_mmaps => snapshot.hidden.thread_stack_bytes += size,
+            MappingKind::Reservation if !options.all_mmaps => snapshot.hidden.reserved_bytes += size,
             kind => by_stack.add(region.stack_id, Some(kind), start, size, age_ns),
         }
     }

@@ -13,6 +13,10 @@ use crate::model::{Frame, MappingKind};
 
 /// The kernel maps whole pages.
 const PAGE_SIZE: u64 = 4096;
+/// mmap's flag for a thread's stack (glibc's `allocate_stack` sets it).
+const MAP_STACK: u32 = 0x20000;
+/// No access: address space reserved, not memory.
+const PROT_NONE: u32 = 0;
 
 /// A mapped region, `[start, end)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +28,11 @@ pub struct Region {
     pub timestamp_ns: u64,
     /// Mapped by malloc & co. for themselves (arenas, large blocks).
     pub inside_allocator: bool,
+    /// Mapped as a thread's stack (`MAP_STACK`).
+    pub thread_stack: bool,
+    /// `PROT_NONE`: address space set aside, which no page can back until
+    /// an mprotect (or a `MAP_FIXED` mmap over it) makes it usable.
+    pub reserved: bool,
 }
 
 /// The live mmap regions of one process, by start address.
@@ -44,6 +53,8 @@ impl Regions {
                     stack_id: event.stack_id,
                     timestamp_ns: event.timestamp_ns,
                     inside_allocator: event.inside_allocator != 0,
+                    thread_stack: event.flags & MAP_STACK != 0,
+                    reserved: event.prot == PROT_NONE,
                 };
                 self.by_start.insert(event.address, region);
             }
@@ -58,9 +69,18 @@ impl Regions {
                 self.unmap(event.new_address, new_end);
                 self.by_start.insert(event.new_address, Region { end: new_end, ..moved });
             }
+            Ok(MappingChange::Protect) => {
+                // Only the parts of regions we know change; each piece
+                // keeps the stack that mapped it.
+                let span = (event.address, end(event.address, event.length));
+                for (start, region) in self.unmap(span.0, span.1) {
+                    self.by_start.insert(start, Region { reserved: event.prot == PROT_NONE, ..region });
+                }
+            }
             // The old program's regions stay for its final report; the
-            // session then starts the process's books afresh.
-            Ok(MappingChange::Exec) => {}
+            // session then starts the process's books afresh. A fork is
+            // another process's news.
+            Ok(MappingChange::Exec | MappingChange::Fork) => {}
             Err(unknown) => log::debug!("unknown mapping change {unknown}: ignored"),
         }
     }
@@ -99,20 +119,31 @@ impl Regions {
     }
 }
 
-/// Tells the allocator's own mappings and thread stacks from the
-/// program's mmaps; `frames` is the stack that mapped the region.
-pub fn classify(region: &Region, frames: &[Arc<Frame>]) -> MappingKind {
-    // glibc maps thread stacks in allocate_stack, inlined into pthread_create.
-    let creates_thread = frames.iter().any(|frame| {
-        frame
-            .function
-            .as_deref()
-            .is_some_and(|name| name.starts_with("pthread_create") || name == "allocate_stack")
-    });
-    if region.inside_allocator {
+/// Tells the allocator's own mappings, thread stacks and reservations
+/// from the program's mmaps. `frames` is the stack that mapped the
+/// region; `in_allocator` says whether a return address lies in one of
+/// the allocator's entry points.
+pub fn classify(region: &Region, frames: &[Arc<Frame>], in_allocator: impl Fn(u64) -> bool) -> MappingKind {
+    // The BPF side marks mappings made during an allocation call. A free
+    // can map memory too (glibc's free sets up a thread's tcache, and so
+    // its arena, the first time that thread calls the allocator): its
+    // frame on the stack says so.
+    let from_allocator = region.inside_allocator || frames.iter().any(|frame| in_allocator(frame.address));
+    // glibc maps thread stacks with MAP_STACK; musl does not, and there the
+    // caller is pthread_create (`__pthread_create_2_1` in a static glibc).
+    let creates_thread = region.thread_stack
+        || frames.iter().any(|frame| {
+            frame
+                .function
+                .as_deref()
+                .is_some_and(|name| name.contains("pthread_create") || name == "allocate_stack")
+        });
+    if from_allocator {
         MappingKind::AllocatorMmap
     } else if creates_thread {
         MappingKind::ThreadStack
+    } else if region.reserved {
+        MappingKind::Reservation
     } else {
         MappingKind::Mmap
     }
@@ -129,7 +160,63 @@ mod tests {
     const PAGE: u64 = PAGE_SIZE;
 
     fn event(change: MappingChange, address: u64, length: u64) -> MappingEvent {
-        MappingEvent { address, length, change: change as u32, stack_id: 7, ..MappingEvent::default() }
+        let prot = 3; // PROT_READ | PROT_WRITE
+        MappingEvent { address, length, change: change as u32, stack_id: 7, prot, ..MappingEvent::default() }
+    }
+
+    fn reserved(regions: &Regions) -> Vec<(u64, u64, bool)> {
+        regions.iter().map(|(start, region)| (start, region.end, region.reserved)).collect()
+    }
+
+    #[test]
+    fn mprotect_makes_parts_of_a_reservation_usable() {
+        // Go and glibc reserve address space with PROT_NONE and open it up
+        // piece by piece.
+        let mut regions = Regions::default();
+        let mut map = event(MappingChange::Map, 10 * PAGE, 8 * PAGE);
+        map.prot = PROT_NONE;
+        regions.apply(&map);
+        assert_eq!(reserved(&regions), [(10 * PAGE, 18 * PAGE, true)]);
+        regions.apply(&event(MappingChange::Protect, 12 * PAGE, 2 * PAGE));
+        assert_eq!(
+            reserved(&regions),
+            [(10 * PAGE, 12 * PAGE, true), (12 * PAGE, 14 * PAGE, false), (14 * PAGE, 18 * PAGE, true)]
+        );
+        let mut back = event(MappingChange::Protect, 13 * PAGE, PAGE);
+        back.prot = PROT_NONE;
+        regions.apply(&back);
+        assert_eq!(reserved(&regions)[1..3], [(12 * PAGE, 13 * PAGE, false), (13 * PAGE, 14 * PAGE, true)]);
+        // A MAP_FIXED mapping over a reservation replaces that part.
+        regions.apply(&event(MappingChange::Map, 16 * PAGE, PAGE));
+        assert!(reserved(&regions).contains(&(16 * PAGE, 17 * PAGE, false)));
+        assert!(regions.iter().all(|(_, region)| region.stack_id == 7));
+    }
+
+    #[test]
+    fn what_a_region_is() {
+        let region = |flags: u32, prot: u32, inside_allocator: u32| {
+            let mut regions = Regions::default();
+            let mut map = event(MappingChange::Map, PAGE, PAGE);
+            (map.flags, map.prot, map.inside_allocator) = (flags, prot, inside_allocator);
+            regions.apply(&map);
+            let (_, region) = regions.iter().next().map(|(start, region)| (start, *region)).unwrap();
+            region
+        };
+        let frame = |address: u64, function: &str| {
+            Arc::new(Frame { address, function: Some(function.to_owned()), ..Frame::default() })
+        };
+        let program = [frame(0x100, "main")];
+        let free = |address: u64| address == 0x200;
+        let plain = region(0, 3, 0);
+        assert_eq!(classify(&plain, &program, free), MappingKind::Mmap);
+        assert_eq!(classify(&region(0, 3, 1), &program, free), MappingKind::AllocatorMmap);
+        // A free's arena: no allocation call in flight, free on the stack.
+        let arena = [frame(0x150, "alloc_new_heap"), frame(0x200, "__libc_free"), frame(0x100, "main")];
+        assert_eq!(classify(&region(0, PROT_NONE, 0), &arena, free), MappingKind::AllocatorMmap);
+        assert_eq!(classify(&region(MAP_STACK, PROT_NONE, 0), &program, free), MappingKind::ThreadStack);
+        let static_glibc = [frame(0x300, "__pthread_create_2_1"), frame(0x100, "main")];
+        assert_eq!(classify(&plain, &static_glibc, free), MappingKind::ThreadStack);
+        assert_eq!(classify(&region(0, PROT_NONE, 0), &program, free), MappingKind::Reservation);
     }
 
     fn spans(regions: &Regions) -> Vec<(u64, u64)> {

@@ -47,6 +47,11 @@ impl MappedObject {
         PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
     }
 
+    /// The file itself, open.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// The GNU build id, in hex, read once.
     pub fn build_id(&self) -> Option<&str> {
         self.build_id.get_or_init(|| elf::build_id(&self.fd_path())).as_deref()

@@ -102,9 +102,18 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         report.total_bytes, report.total_allocations,
     )?;
     let health = &report.health;
+    // Every call is seen; with -s only some allocations are recorded,
+    // while every free is looked up. Say which figure counts what.
+    let recorded = match (report.sample_rate, health.recorded_allocations) {
+        // A snapshot saved before recorded allocations were counted.
+        (_, None) => String::new(),
+        (0 | 1, Some(recorded)) if recorded == health.allocations => String::new(),
+        (0 | 1, Some(recorded)) => format!(" ({recorded} recorded)"),
+        (rate, Some(sampled)) => format!(" ({sampled} sampled, 1 in {rate})"),
+    };
     writeln!(
         out,
-        "Seen: {} allocations, {} frees, {} failed allocations; {} allocations not tracked, {} stacks lost",
+        "Seen: {} allocations{recorded}, {} frees, {} failed allocations; {} allocations not tracked, {} stacks lost",
         health.allocations,
         health.frees,
         health.failed_allocations,
@@ -128,12 +137,17 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         writeln!(out, "{} allocations not tracked: raise --max-allocs", health.allocations_not_tracked)?;
     }
     let hidden = &report.hidden_mappings;
-    if hidden.allocator_bytes + hidden.thread_stack_bytes > 0 {
-        writeln!(
-            out,
-            "Not shown: {} bytes the allocator mapped for itself, {} bytes of thread stacks (--all-mmaps)",
-            hidden.allocator_bytes, hidden.thread_stack_bytes
-        )?;
+    let not_shown: Vec<String> = [
+        (hidden.allocator_bytes, "the allocator mapped for itself"),
+        (hidden.thread_stack_bytes, "of thread stacks"),
+        (hidden.reserved_bytes, "of address space reserved with PROT_NONE, not memory"),
+    ]
+    .iter()
+    .filter(|(bytes, _)| *bytes > 0)
+    .map(|(bytes, what)| format!("{bytes} bytes {what}"))
+    .collect();
+    if !not_shown.is_empty() {
+        writeln!(out, "Not shown: {} (--all-mmaps)", not_shown.join(", "))?;
     }
     if health.events_lost > 0 {
         writeln!(out, "{} trace events lost: memleak could not keep up", health.events_lost)?;
@@ -204,6 +218,7 @@ fn source(mapping: Option<MappingKind>) -> &'static str {
         Some(MappingKind::Mmap) => "mmap regions",
         Some(MappingKind::AllocatorMmap) => "allocator mmap regions",
         Some(MappingKind::ThreadStack) => "thread stacks",
+        Some(MappingKind::Reservation) => "PROT_NONE reservations",
     }
 }
 

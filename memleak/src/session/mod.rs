@@ -67,6 +67,9 @@ pub struct SessionConfig {
     /// Processes never traced: memleak, and with --trace its output's
     /// readers.
     pub excluded: Vec<Excluded>,
+    /// Trace the processes the targets fork, and theirs (-c by default,
+    /// -p with --follow-forks).
+    pub follow_forks: bool,
 }
 
 /// What a session has to say between reports.
@@ -80,6 +83,8 @@ pub enum SessionEvent {
     /// A target called execve: the old program's final report is due,
     /// then `restart_target`.
     Exec { pid: u32 },
+    /// A process forked by target `parent` is traced from now on.
+    Followed { pid: u32, parent: u32 },
 }
 
 pub struct Session {
@@ -115,6 +120,12 @@ pub struct Session {
     rescan_poll: tokio::time::Interval,
     /// Targets that called execve, their old program's report not taken.
     execs: std::collections::VecDeque<u32>,
+    /// Whether the targets' children are followed.
+    follow_forks: bool,
+    /// Whether the fork tracepoint is attached.
+    watching_forks: bool,
+    /// Processes forked by targets, (child, parent), not followed yet.
+    forks: std::collections::VecDeque<(u32, u32)>,
 }
 
 impl Session {
@@ -151,6 +162,9 @@ impl Session {
             unwind: None,
             rescan_poll: tokio::time::interval(RESCAN_POLL),
             execs: std::collections::VecDeque::new(),
+            follow_forks: config.follow_forks,
+            watching_forks: false,
+            forks: std::collections::VecDeque::new(),
         };
         let rows = session.tracer.unwind_rows(config.tracer.unwind_rows())?;
         session.unwind = Some(UnwindTables::new(rows, config.tracer.unwinding));
@@ -210,11 +224,12 @@ impl Session {
             let (plan, space) = plan_process(pid, &config.allocator)?;
             planned.push((pid, plan, space));
         }
-        let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+        let mut tracer = Tracer::load(&process_tracer_config(config)?)?;
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         for (pid, plan, space) in planned {
             session.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
+            session.follow_children_of(pid)?;
         }
         Ok(session)
     }
@@ -244,10 +259,13 @@ impl Session {
         let prepared = attach::plan::plan_for_program(&gated.program, &config.allocator)
             .map_err(SessionError::from)
             .and_then(|plan| {
-                let mut tracer = Tracer::load(&TracerConfig::new(config.tracer.clone()))?;
+                let mut tracer = Tracer::load(&process_tracer_config(config)?)?;
                 tracer.watch_execs()?;
                 let links = tracer.attach(&plan, UProbeScope::OneProcess(nonzero(gated.pid)))?;
-                Ok((plan, Self::new(tracer, config)?, links))
+                let mut session = Self::new(tracer, config)?;
+                // Before the command runs: its first fork is followed too.
+                session.follow_children_of(gated.pid)?;
+                Ok((plan, session, links))
             });
         let (plan, mut session, links) = match prepared {
             Ok(prepared) => prepared,
@@ -272,16 +290,68 @@ impl Session {
         Ok(session)
     }
 
+    /// With fork following on, has the fork tracepoint report the children
+    /// of `pid` (and theirs).
+    fn follow_children_of(&mut self, pid: u32) -> Result<(), SessionError> {
+        if self.follow_forks {
+            if !self.watching_forks {
+                self.tracer.watch_forks()?;
+                self.watching_forks = true;
+            }
+            self.tracer.follow(pid)?;
+        }
+        Ok(())
+    }
+
+    /// Starts tracing `child`, forked by target `parent`. A child that is
+    /// gone already, or whose allocator cannot be planned, is let go with
+    /// a line of its own: the session goes on.
+    fn follow_child(&mut self, child: u32, parent: u32) -> Option<SessionEvent> {
+        if self.targets.iter().any(|target| target.pid == child) {
+            return None;
+        }
+        let followed = if self.targets.len() >= self.max_processes as usize {
+            Err(format!("--max-processes {} reached", self.max_processes))
+        } else {
+            plan_process(child, &self.allocator)
+                .and_then(|(plan, space)| {
+                    self.add(Target::process(child, plan, space), UProbeScope::OneProcess(nonzero(child)))
+                })
+                .map_err(|error| error.to_string())
+        };
+        match followed {
+            Ok(()) => Some(SessionEvent::Followed { pid: child, parent }),
+            Err(why) => {
+                // Short-lived children often exit before they are planned.
+                if lifecycle::check_process(child).is_ok() {
+                    log::warn!("not tracing pid {child}, forked by pid {parent}: {why}");
+                } else {
+                    log::debug!("pid {child}, forked by pid {parent}, exited before it was traced");
+                }
+                // Nor its own children: nothing of it is kept.
+                let _ = self.remove_target(child);
+                let _ = self.tracer.forget_process(child);
+                None
+            }
+        }
+    }
+
     /// Attaches to process `pid` and follows it until it exits.
     fn add(&mut self, mut target: Target, scope: UProbeScope) -> Result<(), SessionError> {
         let pid = target.pid;
         if matches!(scope, UProbeScope::OneProcess(_)) {
             target.links = Some(self.tracer.attach(&target.plan, scope)?);
         }
-        target.exit_watch = Some(
-            lifecycle::watch_exit(pid, self.exits.clone())
-                .map_err(|source| SessionError::Watch { pid, source })?,
-        );
+        match lifecycle::watch_exit(pid, self.exits.clone()) {
+            Ok(watch) => target.exit_watch = Some(watch),
+            Err(source) => {
+                // Gone already (a child that lived a moment): its probes go too.
+                if let Some(links) = target.links.take() {
+                    self.tracer.detach(links);
+                }
+                return Err(SessionError::Watch { pid, source });
+            }
+        }
         self.push(target)
     }
 
@@ -402,6 +472,12 @@ impl Session {
             if let Some(pid) = self.execs.pop_front() {
                 return Ok(SessionEvent::Exec { pid });
             }
+            if let Some((child, parent)) = self.forks.pop_front() {
+                match self.follow_child(child, parent) {
+                    Some(event) => return Ok(event),
+                    None => continue,
+                }
+            }
             tokio::select! {
                 ready = rings::readable(&mut self.trace_events) => {
                     ready.map_err(SessionError::Rings)?;
@@ -437,6 +513,12 @@ impl Session {
         let Some(ring) = self.mapping_events.as_mut() else { return };
         let events: Vec<MappingEvent> = ring.drain();
         for event in &events {
+            if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
+                // The BPF side follows only the children of followed processes.
+                #[allow(clippy::cast_possible_truncation, reason = "the parent's tgid, sent as a u64")]
+                self.forks.push_back((event.tgid, event.address as u32));
+                continue;
+            }
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == event.tgid) else {
                 continue;
             };
@@ -596,6 +678,17 @@ fn update_unwind_table(
 fn plan_process(pid: u32, allocator: &AllocatorChoice) -> Result<(AttachPlan, AddressSpace), SessionError> {
     let space = AddressSpace::read(pid).map_err(|source| SessionError::Maps { pid, source })?;
     Ok((attach::plan::plan_for_process(&space, allocator)?, space))
+}
+
+/// The tracer's settings for processes (-p, -c): with fork following, the
+/// kernel's layout of a task, to tell its new processes from new threads.
+fn process_tracer_config(config: &SessionConfig) -> Result<TracerConfig, SessionError> {
+    let mut tracer_config = TracerConfig::new(config.tracer.clone());
+    if config.follow_forks {
+        let btf = Path::new(kernel_btf::VMLINUX_BTF);
+        tracer_config.task_tgid_offset = kernel_btf::member_offset(btf, "task_struct", "tgid")?;
+    }
+    Ok(tracer_config)
 }
 
 fn excluded_pids(config: &SessionConfig) -> Vec<u32> {

@@ -151,9 +151,18 @@ impl Target {
         }
         let options = &options;
         let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
-        let Self { space, symbolizer, regions, trends, .. } = self;
+        let Self { space, symbolizer, regions, trends, plan, .. } = self;
+        // A return address is one past its call: the call is what lies in
+        // the function.
+        let in_allocator = |address: u64| {
+            let call = address.saturating_sub(1);
+            space.find(call).is_some_and(|mapping| {
+                plan.in_allocator_call(mapping.object.file(), mapping.file_offset(call))
+            })
+        };
         collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |region| {
-            collect::regions::classify(region, &frames_of(symbolizer, space, stacks, region.stack_id))
+            let frames = frames_of(symbolizer, space, stacks, region.stack_id);
+            collect::regions::classify(region, &frames, in_allocator)
         });
         let trends = trends.observe(&snapshot);
         let context = ReportContext {
