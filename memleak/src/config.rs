@@ -172,7 +172,9 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
         }
     }
     if args.follow_forks && !matches!(target, TargetSpec::Pids(_)) {
-        return Err("--follow-forks is for -p (-c follows forks already, and --cgroup its newcomers)".to_owned());
+        return Err(
+            "--follow-forks is for -p (-c follows forks already, and --cgroup its newcomers)".to_owned()
+        );
     }
     if args.no_follow_forks && !matches!(target, TargetSpec::Command(_)) {
         return Err("--no-follow-forks is for -c: -p follows no forks unless given --follow-forks".to_owned());

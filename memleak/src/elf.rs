@@ -20,7 +20,11 @@ pub struct FunctionSymbol {
 
 /// The defined functions among `names`, by unprefixed name, from .dynsym
 /// first (what a stripped library still has), then .symtab.
-pub fn function_symbols(file: &object::File, prefix: &str, names: &[&str]) -> BTreeMap<String, FunctionSymbol> {
+pub fn function_symbols(
+    file: &object::File,
+    prefix: &str,
+    names: &[&str],
+) -> BTreeMap<String, FunctionSymbol> {
     let mut addresses = BTreeMap::new();
     for symbol in file.dynamic_symbols().chain(file.symbols()) {
         if symbol.is_undefined() || symbol.address() == 0 || symbol.kind() != object::SymbolKind::Text {

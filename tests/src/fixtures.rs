@@ -55,6 +55,13 @@ pub fn musl_leaker() -> PathBuf {
     compile("musl-gcc", &["-g", "-O0", "-fno-omit-frame-pointer"], &source, "leaker-musl")
 }
 
+/// The leaker linked statically against glibc: malloc, mmap and
+/// `pthread_create` live in the binary itself.
+pub fn static_leaker() -> PathBuf {
+    let source = workspace_root().join("tests/fixtures/leaker.c");
+    compile("gcc", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-static"], &source, "leaker-static")
+}
+
 /// Compiles `source` with `compiler` and `flags` into target/fixtures/NAME.
 /// Tests run in parallel: each builds under a private name, then renames,
 /// so that no test ever runs a half-written file.

@@ -16,7 +16,9 @@ pub mod memleak;
 pub mod rootfs;
 
 pub use consumers::{go_pprof, svg_titles};
-pub use fixtures::{build_id, fixture, marker_line, musl_leaker, optimized, shared_library, workspace_root};
+pub use fixtures::{
+    build_id, fixture, marker_line, musl_leaker, optimized, shared_library, static_leaker, workspace_root,
+};
 pub use leaker::Leaker;
 pub use memleak::{
     memleak_binary, run_to_end, stacks_at, trace_command, trace_fixture, trace_fixture_output,

@@ -102,6 +102,13 @@ fn several_processes_get_reports_of_their_own() {
         (Some(77), Some(1))
     );
     assert_eq!(usage_at(second_report, "churn", "churn-leak"), (77, 1));
+    // What each saw is its own, not the sum over both.
+    let seen = |report: &Value| {
+        let health = &report["health"];
+        (health["allocations"].as_u64(), health["frees"].as_u64(), health["failed_allocations"].as_u64())
+    };
+    assert_eq!(seen(first_report), (Some(17), Some(3), Some(3)), "{first_report:#}");
+    assert_eq!(seen(second_report), (Some(10_001), Some(10_000), Some(0)), "{second_report:#}");
     first.exit();
     second.exit();
 }

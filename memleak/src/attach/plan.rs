@@ -316,7 +316,9 @@ fn mapping_sites(file: &object::File, sites: &[ProbeSite]) -> Vec<ProbeSite> {
     let mut mapping: Vec<ProbeSite> = Vec::new();
     for function in MAPPING_FUNCTIONS {
         let symbol = symbols.get(function.name);
-        let Some(file_offset) = symbol.and_then(|symbol| elf::file_offset(file, symbol.address)) else { continue };
+        let Some(file_offset) = symbol.and_then(|symbol| elf::file_offset(file, symbol.address)) else {
+            continue;
+        };
         if sites.iter().chain(&mapping).any(|site| site.file_offset == file_offset) {
             continue; // mmap64 is mmap
         }

@@ -13,10 +13,11 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader, Pod,
 };
 use memleak_common::{
-    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessCounters, ProcessMappings,
-    StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, EVENTS_MAP, FOLLOWED_MAP,
-    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP,
-    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessCounters,
+    ProcessMappings, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, EVENTS_MAP,
+    FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP,
+    PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
 use super::map_costs::{self, MapCost};

@@ -1,0 +1,128 @@
+//! Reports that tell the truth on real programs: what the allocator maps
+//! for itself (even from a free), thread stacks, reservations that are not
+//! memory, the processes a command forks, and what sampling counts.
+
+use memleak_tests::{marker_line, static_leaker, trace_command, trace_program, usage_at, Memleak};
+use serde_json::Value;
+
+/// The stacks of a report that hold mmap regions of `kind`.
+fn mapped<'a>(report: &'a Value, kind: &str) -> Vec<&'a Value> {
+    report["stacks"].as_array().unwrap().iter().filter(|stack| stack["mapping"] == kind).collect()
+}
+
+fn bytes(stacks: &[&Value]) -> u64 {
+    stacks.iter().map(|stack| stack["bytes"].as_u64().unwrap()).sum()
+}
+
+#[test]
+fn an_arena_that_free_maps_is_the_allocators() {
+    // glibc 2.36: a thread whose first allocator call is free sets up its
+    // tcache and so an arena, which alloc_new_heap maps: 64 MiB.
+    let report = trace_command("free-in-thread", &[]);
+    assert_eq!(mapped(&report, "mmap"), Vec::<&Value>::new(), "{report:#}");
+    assert_eq!(report["hidden_mappings"]["allocator_bytes"], 64 << 20, "{report:#}");
+    let all = trace_command("free-in-thread", &["--all-mmaps"]);
+    let arena = mapped(&all, "allocator_mmap");
+    assert_eq!(bytes(&arena), 64 << 20, "{all:#}");
+    let frames = arena[0]["frames"].as_array().unwrap();
+    assert!(
+        frames.iter().any(|frame| frame["function"] == "free_it"),
+        "mapped from the thread's free: {all:#}"
+    );
+}
+
+#[test]
+fn thread_stacks_of_a_static_glibc_program_are_not_leaks() {
+    // In a static binary pthread_create is __pthread_create_2_1, in the
+    // program itself.
+    let reports = trace_program(&static_leaker(), "threads", &[]);
+    let report = reports.last().expect("a final report");
+    assert!(report["allocator"].as_str().unwrap().ends_with("leaker-static"), "{report:#}");
+    assert_eq!(mapped(report, "mmap"), Vec::<&Value>::new(), "{report:#}");
+    let hidden = report["hidden_mappings"]["thread_stack_bytes"].as_u64().unwrap();
+    assert!(hidden >= 3 * (8 << 20) && hidden.is_multiple_of(3), "three default thread stacks: {hidden}");
+}
+
+#[test]
+fn reserved_address_space_is_not_memory_until_made_usable() {
+    // 256 pages reserved PROT_NONE, 2 of them opened with mprotect.
+    let report = trace_command("reservations", &[]);
+    let usable = mapped(&report, "mmap");
+    assert_eq!((bytes(&usable), usable.len()), (2 * 4096, 1), "{report:#}");
+    assert_eq!(usable[0]["frames"][0]["line"], marker_line("leaker", "reserve"));
+    assert_eq!(report["hidden_mappings"]["reserved_bytes"], 254 * 4096, "{report:#}");
+    let all = trace_command("reservations", &["--all-mmaps"]);
+    assert_eq!(bytes(&mapped(&all, "reservation")), 254 * 4096, "{all:#}");
+    assert_eq!(all["hidden_mappings"]["reserved_bytes"], 0);
+}
+
+/// Runs `leaker forks` under memleak -c with `extra` flags: the child
+/// leaks 3 x 3000 bytes once a line arrives, after `before_go` has seen
+/// memleak's stderr. Returns every report and the stderr lines.
+fn trace_forks(extra: &[&str], before_go: &str) -> (Vec<Value>, String) {
+    let command = format!("{} forks", memleak_tests::fixture("leaker").display());
+    let mut args = vec!["-c", &command, "--format", "json", "-T", "1000", "3600"];
+    args.extend_from_slice(extra);
+    let mut memleak = Memleak::start(&args);
+    let seen = memleak.stderr.wait_for(before_go, |line| line.contains(before_go));
+    std::io::Write::write_all(memleak.stdin.as_mut().unwrap(), b"go\n").unwrap();
+    memleak.stderr.wait_for("the parent to finish", |line| line == "done");
+    memleak.close_stdin();
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    (reports, seen)
+}
+
+#[test]
+fn a_command_is_followed_into_the_processes_it_forks() {
+    let (reports, followed) = trace_forks(&[], "forked by pid");
+    // "memleak: tracing pid CHILD, forked by pid PARENT"
+    let pid = |word: usize| -> u64 { followed.split([' ', ',']).nth(word).unwrap().parse().unwrap() };
+    let (child, parent) = (pid(3), pid(8));
+    let final_of = |pid: u64| {
+        reports
+            .iter()
+            .rev()
+            .find(|report| report["pid"] == pid)
+            .unwrap_or_else(|| panic!("no report of {pid}"))
+    };
+    let child_report = final_of(child);
+    assert_eq!(usage_at(child_report, "forks", "child-leak"), (9000, 3), "{child_report:#}");
+    assert_eq!(child_report["total_bytes"], 9000, "{child_report:#}");
+    assert_eq!(child_report["health"]["allocations"], 3);
+    let parent_report = final_of(parent);
+    assert_eq!(usage_at(parent_report, "forks", "parent-leak"), (1000, 1), "{parent_report:#}");
+    assert_eq!(usage_at(parent_report, "forks", "child-leak"), (0, 0), "{parent_report:#}");
+}
+
+#[test]
+fn no_follow_forks_traces_the_command_alone() {
+    let (reports, _) = trace_forks(&["--no-follow-forks"], "child ready");
+    let pids: std::collections::BTreeSet<String> =
+        reports.iter().map(|report| report["pid"].to_string()).collect();
+    assert_eq!(pids.len(), 1, "{reports:#?}");
+    let report = reports.last().unwrap();
+    assert_eq!(report["total_bytes"], 1000, "{report:#}");
+}
+
+#[test]
+fn sampling_says_what_each_figure_counts() {
+    // 10,001 mallocs and 10,000 frees: every call is seen, one allocation
+    // in 10 is recorded, every free is looked up.
+    let report = trace_command("churn", &["-s", "10"]);
+    let health = &report["health"];
+    assert_eq!((health["allocations"].as_u64(), health["frees"].as_u64()), (Some(10_001), Some(10_000)));
+    let sampled = health["recorded_allocations"].as_u64().unwrap();
+    assert!((500..2000).contains(&sampled), "about 1,000 sampled: {sampled}");
+    let command = format!("{} churn --exit", memleak_tests::fixture("leaker").display());
+    let output = std::process::Command::new(memleak_tests::memleak_binary())
+        .args(["-c", &command, "-s", "10", "3600"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run memleak");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let text = String::from_utf8_lossy(&output.stdout);
+    let seen = text.lines().find(|line| line.starts_with("Seen: ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(seen.starts_with("Seen: 10001 allocations ("), "{seen}");
+    assert!(seen.contains(" sampled, 1 in 10), 10000 frees,"), "{seen}");
+}
