@@ -39,6 +39,12 @@ pub fn function_symbols(
     addresses
 }
 
+/// Whether the Go toolchain built it: Go's linker always writes the
+/// build information section.
+pub fn is_go_program(file: &object::File) -> bool {
+    file.section_by_name(".go.buildinfo").is_some()
+}
+
 /// The address of a symbol of the dynamic symbol table, function or data.
 pub fn dynamic_symbol(file: &object::File, name: &str) -> Option<u64> {
     file.dynamic_symbols()

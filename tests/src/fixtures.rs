@@ -62,6 +62,27 @@ pub fn static_leaker() -> PathBuf {
     compile("gcc", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-static"], &source, "leaker-static")
 }
 
+/// Builds the Go program in tests/fixtures/NAME with Debian's golang-go,
+/// into target/fixtures/NAME.
+pub fn go_program(name: &str) -> PathBuf {
+    let dir = workspace_root().join("target/fixtures");
+    fs::create_dir_all(&dir).expect("create target/fixtures");
+    let output = dir.join(name);
+    let private = dir.join(format!("{name}.{}.{:?}", std::process::id(), thread::current().id()));
+    let status = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&private)
+        .arg("main.go")
+        .current_dir(workspace_root().join("tests/fixtures").join(name))
+        // A lone file, no module: nothing to download.
+        .env("GO111MODULE", "off")
+        .status()
+        .unwrap_or_else(|error| panic!("run go (cargo xtask test installs golang-go): {error}"));
+    assert!(status.success(), "go build failed on tests/fixtures/{name}");
+    fs::rename(&private, &output).expect("rename fixture");
+    output
+}
+
 /// Compiles `source` with `compiler` and `flags` into target/fixtures/NAME.
 /// Tests run in parallel: each builds under a private name, then renames,
 /// so that no test ever runs a half-written file.

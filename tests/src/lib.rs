@@ -17,7 +17,8 @@ pub mod rootfs;
 
 pub use consumers::{go_pprof, svg_titles};
 pub use fixtures::{
-    build_id, fixture, marker_line, musl_leaker, optimized, shared_library, static_leaker, workspace_root,
+    build_id, fixture, go_program, marker_line, musl_leaker, optimized, shared_library, static_leaker,
+    workspace_root,
 };
 pub use leaker::Leaker;
 pub use memleak::{

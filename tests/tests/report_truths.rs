@@ -126,3 +126,40 @@ fn sampling_says_what_each_figure_counts() {
     assert!(seen.starts_with("Seen: 10001 allocations ("), "{seen}");
     assert!(seen.contains(" sampled, 1 in 10), 10000 frees,"), "{seen}");
 }
+
+#[test]
+fn a_go_program_without_cgo_is_told_why_there_is_nothing_to_trace() {
+    let program = memleak_tests::go_program("go-static");
+    let (code, stderr) = memleak_tests::run_to_end(&["-c", &program.display().to_string()]);
+    assert_eq!(code, Some(2), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("is a Go program without cgo: Go allocates through its own runtime"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_cgo_programs_c_leaks_are_found_and_go_reservations_are_not_memory() {
+    let reports = trace_program(&memleak_tests::go_program("go-cgo"), "", &[]);
+    let report = reports.last().expect("a final report");
+    let leaks: Vec<&Value> = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        // c_leak tail-calls malloc: cgo's wrapper of it is the caller seen.
+        .filter(|stack| {
+            stack["mapping"].is_null()
+                && stack["frames"][0]["function"].as_str().is_some_and(|name| name.ends_with("_Cfunc_c_leak"))
+        })
+        .collect();
+    assert_eq!(bytes(&leaks), 15_000, "{report:#}");
+    // Go reserves its heap's address space up front: hundreds of MB that
+    // no page backs.
+    let reserved = report["hidden_mappings"]["reserved_bytes"].as_u64().unwrap();
+    assert!(reserved > 256 << 20, "{report:#}");
+    assert_eq!(mapped(report, "reservation"), Vec::<&Value>::new());
+    let shown = bytes(&mapped(report, "mmap"));
+    assert!(shown < 128 << 20, "only mappings that can be touched: {shown} bytes");
+}

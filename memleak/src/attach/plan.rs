@@ -31,6 +31,8 @@ pub enum PlanError {
         "no {prefix}malloc and {prefix}free in {searched}: check --symbols-prefix, or give -O the object"
     )]
     NoPrefixedAllocator { prefix: String, searched: String },
+    #[error("{0} is a Go program without cgo: Go allocates through its own runtime, not malloc, so there is nothing for memleak to probe (it traces the C allocations of Go programs built with cgo; for the Go heap, use runtime/pprof)")]
+    GoWithoutCgo(String),
     #[error("cannot run `{0}`: it is neither an ELF executable nor a #! script")]
     NotExecutable(PathBuf),
     #[error("cannot find the libc that {program} will load: `{loader} --list` failed: {reason}")]
@@ -199,6 +201,14 @@ fn first_allocator(candidates: &[(PathBuf, String)], prefix: Option<&str>) -> Re
         prefixes.iter().find_map(|prefix| plan_for_object(path, display, prefix).ok())
     });
     found.ok_or_else(|| {
+        // The program comes first; a Go program without cgo is the only
+        // object and never calls a C allocator.
+        if let Some((program, display)) = candidates.first() {
+            let data = files::read_regular(program).unwrap_or_default();
+            if object::File::parse(&*data).is_ok_and(|file| elf::is_go_program(&file)) {
+                return PlanError::GoWithoutCgo(display.clone());
+            }
+        }
         let searched = candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", ");
         match prefix {
             None => PlanError::NoKnownAllocator { searched },
