@@ -87,10 +87,9 @@ fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result
             TargetSpec::Kernel { .. } => status::say("tracing kernel allocations; Ctrl-C to stop"),
             TargetSpec::Cgroup(_) => say_joined(traced),
             TargetSpec::Pids(_) | TargetSpec::Command(_) => status::say(&format!(
-                "tracing pid {} through {} ({} functions probed); Ctrl-C to stop",
+                "tracing pid {} through {}; Ctrl-C to stop",
                 traced.pid,
-                traced.plan.display_path,
-                traced.plan.sites.len()
+                traced.plan.describe()
             )),
         }
     }
@@ -244,10 +243,9 @@ async fn next_round(
 fn restart(session: &mut Session, sinks: &mut Sinks<'_>, pid: u32) -> Result<(), RunError> {
     if let Some(target) = session.restart_target(pid)? {
         status::say(&format!(
-            "pid {pid} now runs {}: tracing it through {} ({} functions probed)",
+            "pid {pid} now runs {}: tracing it through {}",
             target.program,
-            target.plan.display_path,
-            target.plan.sites.len()
+            target.plan.describe()
         ));
         sinks.stats.probes(target.pid, &target.plan)?;
     }

@@ -31,6 +31,26 @@ fn preloaded_allocators_are_the_ones_probed() {
 }
 
 #[test]
+fn a_program_on_another_allocator_has_its_own_mmaps_followed() {
+    // jemalloc's library does not define mmap: the program's mmaps go to
+    // the C library, probed beside it.
+    for name in ["libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libmimalloc.so.2"] {
+        let report = preloaded(name, "mappings", &[]);
+        let mapped: Vec<(u64, u64)> = report["stacks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|stack| stack["mapping"] == "mmap" && stack["frames"][0]["function"] == "map_pages")
+            .map(|stack| (stack["bytes"].as_u64().unwrap(), stack["allocations"].as_u64().unwrap()))
+            .collect();
+        // 3 pages kept, 8 cut to 2 + 2, 2 grown to 5: see leaker.c.
+        let total = mapped.iter().fold((0, 0), |(bytes, regions), (b, r)| (bytes + b, regions + r));
+        assert_eq!(total, (12 * 4096, 4), "{name}: {report:#}");
+        assert_eq!(usage_at(&report, "mappings", "big-malloc"), (1 << 20, 1), "{name}: {report:#}");
+    }
+}
+
+#[test]
 fn jemalloc_api_is_traced() {
     let report = preloaded("libjemalloc.so.2", "jemalloc-api", &[]);
     assert_eq!(usage_at(&report, "jemalloc_api", "mallocx"), (300, 1), "{report:#}");

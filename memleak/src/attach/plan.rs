@@ -78,9 +78,33 @@ pub struct AttachPlan {
     pub sites: Vec<ProbeSite>,
     /// The file planned from, held open for `path`; `None` for the kernel.
     pub object: Option<Arc<File>>,
+    /// When the allocator's object has no mmap & co. (jemalloc's library
+    /// calls the C library's), the C library's, probed for the program's
+    /// own mappings: only mapping sites.
+    pub mapping_object: Option<Box<AttachPlan>>,
 }
 
 impl AttachPlan {
+    /// What was probed, for people: "libc.so.6 (13 functions probed)".
+    pub fn describe(&self) -> String {
+        let own = format!("{} ({} functions probed)", self.display_path, self.sites.len());
+        match &self.mapping_object {
+            Some(mapping) => format!("{own}, with mmap & co. in {}", mapping.display_path),
+            None => own,
+        }
+    }
+
+    /// Adds the mapping functions of the first of `candidates` (link-map
+    /// order) that has them, unless the allocator's object has its own.
+    fn with_mapping_functions(mut self, candidates: &[(PathBuf, String)]) -> Self {
+        if self.sites.iter().any(|site| site.functions == FunctionSet::default()) {
+            return self;
+        }
+        self.mapping_object =
+            candidates.iter().find_map(|(path, display)| mapping_plan(path, display)).map(Box::new);
+        self
+    }
+
     /// Whether `file_offset` of `mapped` lies inside one of the allocator's
     /// entry points: code that runs only during a call into the allocator.
     pub fn in_allocator_call(&self, mapped: &File, file_offset: u64) -> bool {
@@ -106,6 +130,7 @@ const AUTO_PREFIXES: [&str; 3] = ["", "je_", "_rjem_"];
 /// libraries, so a preloaded or linked-in jemalloc wins over libc, as it
 /// does in the dynamic linker.
 pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
+    let candidates = link_ordered_objects(space);
     let prefix = choice.prefix.as_deref();
     if let Some(object) = &choice.object {
         // As the target sees it: a container's own file, never the host's.
@@ -117,8 +142,14 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
         };
         let file = files::open_in_root(pid, object)
             .map_err(|source| PlanError::Read { path: PathBuf::from(&display), source })?;
-        return plan_for_file(file, &display, prefix.unwrap_or(""));
+        return Ok(plan_for_file(file, &display, prefix.unwrap_or(""))?.with_mapping_functions(&candidates));
     }
+    first_allocator(&candidates, prefix)
+}
+
+/// The objects process `space` maps, in link-map order, each as memleak's
+/// path to it and the path the process names it by.
+fn link_ordered_objects(space: &AddressSpace) -> Vec<(PathBuf, String)> {
     let objects = space.objects();
     let needed = objects
         .first()
@@ -128,14 +159,13 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
     let environ = fs::read(format!("/proc/{}/environ", space.pid())).unwrap_or_default();
     let mapped: Vec<&str> = objects.iter().map(|object| object.path.as_str()).collect();
     let ordered = link_order::link_order(&mapped, &link_order::preloads(&environ), &needed);
-    let candidates: Vec<(PathBuf, String)> = ordered
+    ordered
         .iter()
         .filter_map(|path| objects.iter().find(|object| object.path == *path))
         // Probed through memleak's own descriptor: the very file read here,
         // whatever the target's root holds at its path.
         .map(|object| (object.fd_path(), object.path.clone()))
-        .collect();
-    first_allocator(&candidates, prefix)
+        .collect()
 }
 
 /// Plans probes for a program about to be run: the chosen object if there
@@ -143,13 +173,6 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
 /// build (asked of the loader itself, so `LD_PRELOAD`, `LD_LIBRARY_PATH` and
 /// the ld.so cache count) that defines the allocator.
 pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<AttachPlan, PlanError> {
-    if let Some(object) = &choice.object {
-        return plan_for_object(
-            object,
-            &object.display().to_string(),
-            choice.prefix.as_deref().unwrap_or(""),
-        );
-    }
     let data = files::read_regular(program)
         .map_err(|source| PlanError::Read { path: program.to_path_buf(), source })?;
     if let Some(interpreter) = script_interpreter(&data) {
@@ -162,6 +185,11 @@ pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<Atta
         for library in loaded_libraries(program, &loader)? {
             candidates.push((PathBuf::from(&library), library));
         }
+    }
+    if let Some(object) = &choice.object {
+        let plan =
+            plan_for_object(object, &object.display().to_string(), choice.prefix.as_deref().unwrap_or(""))?;
+        return Ok(plan.with_mapping_functions(&candidates));
     }
     first_allocator(&candidates, choice.prefix.as_deref())
 }
@@ -200,6 +228,7 @@ fn first_allocator(candidates: &[(PathBuf, String)], prefix: Option<&str>) -> Re
     let found = candidates.iter().find_map(|(path, display)| {
         prefixes.iter().find_map(|prefix| plan_for_object(path, display, prefix).ok())
     });
+    let found = found.map(|plan| plan.with_mapping_functions(candidates));
     found.ok_or_else(|| {
         // The program comes first; a Go program without cgo is the only
         // object and never calls a C allocator.
@@ -261,6 +290,26 @@ fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<Attac
         display_path: display_path.to_owned(),
         sites,
         object: Some(object),
+        mapping_object: None,
+    })
+}
+
+/// A plan of only the mapping functions of the object at `path`, if it
+/// defines any (the C library does).
+fn mapping_plan(path: &Path, display_path: &str) -> Option<AttachPlan> {
+    let object = files::open_regular(path).ok()?;
+    let data = files::read_limited(&object, files::READ_LIMIT).ok()?;
+    let sites = mapping_sites(&object::File::parse(&*data).ok()?, &[]);
+    if sites.is_empty() {
+        return None;
+    }
+    let object = Arc::new(object);
+    Some(AttachPlan {
+        path: PathBuf::from(format!("/proc/self/fd/{}", object.as_raw_fd())),
+        display_path: display_path.to_owned(),
+        sites,
+        object: Some(object),
+        mapping_object: None,
     })
 }
 

@@ -268,6 +268,10 @@ impl Tracer {
                 links.links.push((return_program, link));
             }
         }
+        if let Some(mapping) = &plan.mapping_object {
+            let more = self.attach(mapping, scope)?;
+            links.links.extend(more.links);
+        }
         Ok(links)
     }
 

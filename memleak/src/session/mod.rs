@@ -203,6 +203,7 @@ impl Session {
             display_path: "kernel".to_owned(),
             sites: Vec::new(),
             object: None,
+            mapping_object: None,
         };
         session.targets.push(Target::kernel(plan));
         Ok(session)
