@@ -24,13 +24,13 @@ pub use functions::{
 };
 pub use names::{
     programs, tunables, ALLOCATIONS_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES,
-    PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP,
-    UNWIND_ROWS_MAP,
+    PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall,
-    PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS, KERNEL_TGID,
-    MAX_STACK_DEPTH, OVERFLOWED_SIZE,
+    PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS,
+    KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
 pub use unwind::{
     ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkEnd, MAX_EXEC_MAPPINGS,
