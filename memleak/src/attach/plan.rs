@@ -114,7 +114,7 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
         .filter_map(|path| objects.iter().find(|object| object.path == *path))
         // Probed through memleak's own descriptor: the very file read here,
         // whatever the target's root holds at its path.
-        .map(|object| (object.fd_path(), object.path.clone()))
+        .map(|object| (object.fd_path(), object.name.clone()))
         .collect();
     first_allocator(&candidates, prefix)
 }

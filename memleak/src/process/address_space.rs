@@ -13,7 +13,7 @@ use std::{
     collections::HashMap,
     fs::File,
     os::fd::AsRawFd as _,
-    path::PathBuf,
+    path::{Component, PathBuf},
     sync::{Arc, OnceLock},
 };
 
@@ -34,8 +34,11 @@ pub struct FileId {
 #[derive(Debug)]
 pub struct MappedObject {
     pub id: FileId,
-    /// The file as the process names it.
+    /// The file as /proc/PID/maps names it: its links resolved.
     pub path: String,
+    /// The file as reports name it: `path`, except for the program started
+    /// through a link (see `started_as`).
+    pub name: String,
     file: File,
     build_id: OnceLock<Option<String>>,
 }
@@ -75,7 +78,7 @@ impl Mapping {
             start: self.start,
             end: self.end,
             file_offset: self.offset,
-            path: self.object.path.clone(),
+            path: self.object.name.clone(),
             build_id: self.object.build_id().map(str::to_owned),
         }
     }
@@ -121,6 +124,8 @@ pub struct AddressSpace {
     code: Vec<CodeRange>,
     /// The maps text last read, to skip work when nothing changed.
     last_maps: String,
+    /// The name of the program's executable, once it is mapped.
+    executable: Option<String>,
 }
 
 impl AddressSpace {
@@ -132,6 +137,7 @@ impl AddressSpace {
             objects: HashMap::new(),
             code: Vec::new(),
             last_maps: String::new(),
+            executable: None,
         }
     }
 
@@ -160,8 +166,13 @@ impl AddressSpace {
         let entries = maps::parse(maps);
         let mut objects = HashMap::new();
         let mut fresh = Vec::new();
+        // The same text as the maps' paths: both are the kernel's d_path of
+        // the file, seen from memleak's root.
+        let executable = std::fs::read_link(format!("/proc/{}/exe", self.pid))
+            .ok()
+            .map(|path| path.to_string_lossy().into_owned());
         for entry in &entries {
-            let Some(object) = self.object_of(entry, &mut objects) else { continue };
+            let Some(object) = self.object_of(entry, executable.as_deref(), &mut objects) else { continue };
             fresh.push(Mapping {
                 start: entry.start,
                 end: entry.end,
@@ -189,6 +200,9 @@ impl AddressSpace {
                 .collect(),
         };
         self.mappings = fresh;
+        if let Some(program) = objects.values().find(|object| Some(&object.path) == executable.as_ref()) {
+            self.executable = Some(program.name.clone());
+        }
         self.objects = objects;
         self.code = entries
             .iter()
@@ -211,6 +225,7 @@ impl AddressSpace {
     fn object_of(
         &self,
         entry: &MapsEntry,
+        executable: Option<&str>,
         objects: &mut HashMap<FileId, Arc<MappedObject>>,
     ) -> Option<Arc<MappedObject>> {
         let path = entry.file()?;
@@ -221,7 +236,13 @@ impl AddressSpace {
             return Some(object);
         }
         let file = files::open_mapped(self.pid, entry)?;
-        let object = Arc::new(MappedObject { id, path: path.to_owned(), file, build_id: OnceLock::new() });
+        let name = if Some(path) == executable {
+            started_as(self.pid, &file).unwrap_or_else(|| path.to_owned())
+        } else {
+            path.to_owned()
+        };
+        let object =
+            Arc::new(MappedObject { id, path: path.to_owned(), name, file, build_id: OnceLock::new() });
         objects.insert(id, object.clone());
         Some(object)
     }
@@ -256,11 +277,25 @@ impl AddressSpace {
         self.find(address).map(Mapping::describe)
     }
 
-    /// The executable code of the file at `path`, as the process names it.
-    pub fn executable_mapping(&self, path: &str) -> Option<ModuleMapping> {
+    /// The executable code of the file reports name `name`.
+    pub fn executable_mapping(&self, name: &str) -> Option<ModuleMapping> {
         let mapping =
-            self.mappings.iter().find(|mapping| mapping.object.path == path && mapping.executable)?;
+            self.mappings.iter().find(|mapping| mapping.object.name == name && mapping.executable)?;
         Some(mapping.describe())
+    }
+
+    /// The name of the program's executable, as reports name it, once the
+    /// process has been seen to map it.
+    pub fn executable_name(&self) -> Option<&str> {
+        self.executable.as_deref()
+    }
+
+    /// The object mapped now that is the very file `file` is (device and
+    /// inode): how a file planned from before the process ran is named as
+    /// the process maps it.
+    pub fn object_of_file(&self, file: &File) -> Option<Arc<MappedObject>> {
+        let identity = identity(file)?;
+        self.objects.values().find(|object| self::identity(&object.file) == Some(identity)).cloned()
     }
 
     /// The leading part of a walked stack that can be trusted: up to the
@@ -284,9 +319,94 @@ impl AddressSpace {
     }
 }
 
+/// A file's device and inode, from its open descriptor.
+fn identity(file: &File) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    file.metadata().ok().map(|metadata| (metadata.dev(), metadata.ino()))
+}
+
+/// The path process `pid` was started as, made absolute, if it leads to
+/// `executable`, the file it maps as its program.
+///
+/// /proc/PID/maps and /proc/PID/exe name the file with its links resolved:
+/// Debian's redis-server, a link to redis-check-rdb, would be reported as
+/// redis-check-rdb, a program nobody ran. argv[0] is what was typed, but
+/// programs rewrite it (redis-server's "redis-server 127.0.0.1:6379",
+/// nginx's "nginx: master process"), and a bare name would have to be
+/// looked up in a PATH the process may have changed. The kernel keeps the
+/// path execve was given, after the shell's PATH search, at the top of the
+/// process's stack (`AT_EXECFN`), past what those programs rewrite. The
+/// process can still write there, so the path is taken only if it leads,
+/// inside the process's root, to that very file (device and inode); a
+/// relative one only when the process shares memleak's root (its working
+/// directory is not known inside a container's). The file itself, not
+/// this name, is what gets read and symbolized.
+fn started_as(pid: u32, executable: &File) -> Option<String> {
+    let started = PathBuf::from(exec_filename(pid)?);
+    let candidate = if started.is_absolute() {
+        started
+    } else if files::shares_root(pid) {
+        // execve's relative path was taken from the working directory of
+        // the time; a process that has left it fails the check below.
+        std::fs::read_link(format!("/proc/{pid}/cwd")).ok()?.join(started)
+    } else {
+        return None;
+    };
+    // The kernel resolves ".." through links: a name with ".." could say
+    // another directory than the one it leads to.
+    if candidate.components().any(|component| component == Component::ParentDir) {
+        return None;
+    }
+    let opened = files::open_in_root(pid, &candidate).ok()?;
+    // Collecting the components drops the "." of "./server".
+    (identity(&opened)? == identity(executable)?)
+        .then(|| candidate.components().collect::<PathBuf>().to_string_lossy().into_owned())
+}
+
+/// The path process `pid`'s execve was given: the string its `AT_EXECFN`
+/// auxiliary vector entry points to, in its memory.
+fn exec_filename(pid: u32) -> Option<String> {
+    const AT_EXECFN: u64 = 31;
+    const PATH_MAX: usize = 4096;
+    const PAGE: usize = 4096;
+    let auxv = std::fs::read(format!("/proc/{pid}/auxv")).ok()?;
+    let entries = auxv.chunks_exact(16).map(|entry| {
+        let word = |bytes: &[u8]| u64::from_ne_bytes(bytes.try_into().unwrap_or_default());
+        (word(&entry[..8]), word(&entry[8..]))
+    });
+    let mut address = entries.into_iter().find(|&(kind, _)| kind == AT_EXECFN)?.1;
+    let memory = File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut name = Vec::new();
+    // Page by page: the string ends near the end of the stack, and a read
+    // past a mapping's end fails whole.
+    while name.len() < PATH_MAX {
+        let mut chunk = [0u8; PAGE];
+        let wanted = PAGE - usize::try_from(address % PAGE as u64).ok()?;
+        let read = std::os::unix::fs::FileExt::read_at(&memory, &mut chunk[..wanted], address).ok()?;
+        if read == 0 {
+            return None;
+        }
+        if let Some(end) = chunk[..read].iter().position(|&byte| byte == 0) {
+            name.extend_from_slice(&chunk[..end]);
+            return String::from_utf8(name).ok();
+        }
+        name.extend_from_slice(&chunk[..read]);
+        address += read as u64;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_program_is_named_by_the_path_it_was_started_as() {
+        let executable = File::open("/proc/self/exe").unwrap();
+        let started = started_as(std::process::id(), &executable);
+        // cargo starts the test binary by its path, links resolved.
+        assert_eq!(started, Some(std::env::current_exe().unwrap().display().to_string()));
+    }
 
     /// This test's own process: its binary and libc are real files.
     fn own_space() -> AddressSpace {

@@ -279,6 +279,15 @@ impl Session {
         target.links = Some(links);
         // The exec has happened: the program and its loader are mapped.
         target.refresh();
+        target.name_as_mapped();
+        if target.naming_pending() {
+            // Its libraries are not mapped yet: the kernel names a mapped
+            // file by its path with every link resolved, so this is the
+            // name it will have until `refresh` finds it mapped.
+            if let Ok(resolved) = std::fs::canonicalize(&target.plan.display_path) {
+                target.plan.display_path = resolved.display().to_string();
+            }
+        }
         session.command = Some(command);
         session.push(target)?;
         Ok(session)

@@ -150,7 +150,7 @@ impl StackSymbolizer {
             let source = Source::Elf(elf);
             let call_offset = mapping.file_offset(address - 1);
             let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
-            (symbolized, Some(mapping.object.path.clone()))
+            (symbolized, Some(mapping.object.name.clone()))
         };
         let Ok(Symbolized::Sym(sym)) = symbolized else {
             return vec![Frame { module, ..unknown }];
