@@ -97,6 +97,8 @@ pub struct CodeRange {
     /// The kernel's `[uprobes]` page: where a function whose return is
     /// probed returns to. No code of the program's own.
     pub uprobes_trampoline: bool,
+    /// Anonymous memory: code a JIT compiler or the program itself wrote.
+    pub anonymous: bool,
 }
 
 /// What a `refresh` found changed.
@@ -114,7 +116,8 @@ pub struct Changes {
 /// after it exits.
 pub struct AddressSpace {
     pid: u32,
-    /// Sorted by start. Mappings that disappeared stay unless a new one
+    /// Sorted by start. Mappings that disappeared stay unless a new one,
+    /// of a file or not,
     /// covers their addresses: old stacks may still point there.
     mappings: Vec<Mapping>,
     /// The objects mapped now, by file.
@@ -181,7 +184,9 @@ impl AddressSpace {
                 object,
             });
         }
-        let overlaps = |old: &Mapping| fresh.iter().any(|new| new.start < old.end && old.start < new.end);
+        // Any mapping counts, not only a file's: a JIT's code mmap'd where
+        // a file was once mapped must not be taken for that file.
+        let overlaps = |old: &Mapping| entries.iter().any(|new| new.start < old.end && old.start < new.end);
         let kept: Vec<Mapping> = self.mappings.iter().filter(|old| !overlaps(old)).cloned().collect();
         fresh.extend(kept);
         fresh.sort_by_key(|mapping| mapping.start);
@@ -215,6 +220,7 @@ impl AddressSpace {
                     .file()
                     .and(self.objects.get(&FileId { device: entry.device, inode: entry.inode }).cloned()),
                 uprobes_trampoline: entry.pathname == Pathname::Special("[uprobes]".to_owned()),
+                anonymous: entry.pathname == Pathname::Anonymous,
             })
             .collect();
         maps.clone_into(&mut self.last_maps);
@@ -263,6 +269,12 @@ impl AddressSpace {
     /// The ranges mapped executable now, sorted by address.
     pub fn code(&self) -> &[CodeRange] {
         &self.code
+    }
+
+    /// Whether `address` is in anonymous memory mapped executable now.
+    pub fn in_anonymous_code(&self, address: u64) -> bool {
+        let index = self.code.partition_point(|range| range.start <= address);
+        index.checked_sub(1).is_some_and(|index| self.code[index].anonymous && address < self.code[index].end)
     }
 
     /// The mapping `address` falls in.
@@ -433,6 +445,30 @@ mod tests {
         let stack = [0x55d0_a000_1010, 0x7f00_0000_0100, 0x55d0_a100_0070, 0x55d0_a000_1010];
         assert_eq!(space.code_prefix(&stack), &stack[..2], "the walk is not trusted past the heap");
         assert_eq!(space.code_prefix(&[0x55d0_a000_1010, 0, 0x55d0_a000_1010]), &[0x55d0_a000_1010]);
+    }
+
+    #[test]
+    fn code_mapped_where_a_file_was_is_not_that_file() {
+        // A file that really exists, mapped at an address no longer mapped
+        // now: its device and inode let AddressSpace open it by path.
+        use std::os::unix::fs::MetadataExt as _;
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let metadata = std::fs::metadata(&exe).unwrap();
+        let (major, minor) = (libc::major(metadata.dev()), libc::minor(metadata.dev()));
+        let file = format!(
+            "7f0000000000-7f0000001000 r--p 00000000 {major:x}:{minor:x} {} {}",
+            metadata.ino(),
+            exe.display()
+        );
+        let mut space = AddressSpace::new(std::process::id());
+        space.update(&file);
+        assert!(space.find(0x7f00_0000_0010).is_some(), "the file is mapped there");
+        // A JIT's code mmap'd where the file was, as ld.so.cache's pages are
+        // reused once unmapped.
+        space.update("7f0000000000-7f0000001000 r-xp 00000000 00:00 0");
+        assert!(space.find(0x7f00_0000_0010).is_none(), "the file is no longer there");
+        assert!(space.in_anonymous_code(0x7f00_0000_0010));
+        assert!(!space.in_anonymous_code(0x7f00_0000_1010), "past its end");
     }
 
     #[test]
