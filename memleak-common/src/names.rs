@@ -43,9 +43,14 @@ pub mod tunables {
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
     /// u32: 1 to send a [`crate::TraceEvent`] per allocation and free.
     pub const TRACE: &str = "TRACE";
-    /// u64: with --cgroup, the cgroup v2 id whose tasks are recorded; 0
-    /// records every task the probes fire for.
+    /// u64: with --cgroup, the cgroup v2 id whose tasks, and those of its
+    /// descendant cgroups, are recorded; 0 records every task the probes
+    /// fire for.
     pub const CGROUP_ID: &str = "CGROUP_ID";
+    /// u32: the level of [`CGROUP_ID`] below the cgroup2 root (the root is
+    /// 0), or [`crate::CGROUP_LEVEL_UNKNOWN`]: then only tasks directly in
+    /// it are recorded.
+    pub const CGROUP_LEVEL: &str = "CGROUP_LEVEL";
     /// u32: offset of `size` in the kernel's struct `kmem_cache`.
     pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
     /// u32: offset of `tgid` in the kernel's struct `task_struct`, to tell
@@ -62,6 +67,9 @@ pub mod tunables {
     /// processes (--cgroup, the kernel); elsewhere they are never probed.
     pub const IGNORED_PROCESSES: &str = "IGNORED_PROCESSES";
 }
+
+/// [`tunables::CGROUP_LEVEL`] when the cgroup's level is not known.
+pub const CGROUP_LEVEL_UNKNOWN: u32 = u32::MAX;
 
 /// How many processes [`tunables::IGNORED_PROCESSES`] holds.
 pub const MAX_IGNORED_PROCESSES: usize = 8;

@@ -1,6 +1,6 @@
 //! Read-only globals that user space sets at load time.
 
-use memleak_common::{MAX_IGNORED_PROCESSES, MAX_STACK_DEPTH};
+use memleak_common::{CGROUP_LEVEL_UNKNOWN, MAX_IGNORED_PROCESSES, MAX_STACK_DEPTH};
 
 #[unsafe(no_mangle)]
 static MIN_SIZE: u64 = 0;
@@ -18,6 +18,8 @@ static CACHE_SIZE_OFFSET: u32 = 0;
 static TASK_TGID_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static CGROUP_ID: u64 = 0;
+#[unsafe(no_mangle)]
+static CGROUP_LEVEL: u32 = CGROUP_LEVEL_UNKNOWN;
 #[unsafe(no_mangle)]
 static IGNORED_CALLER_START: u64 = 0;
 #[unsafe(no_mangle)]
@@ -92,15 +94,33 @@ pub fn ignored_caller(call_site: u64) -> bool {
 
 /// Whether the current task is one memleak traces. With --cgroup, probes
 /// are placed once per allocator file for every process that maps it, and
-/// only the cgroup's processes are recorded; otherwise the kernel's pid
-/// filter already did the work.
+/// only the processes of the cgroup and its descendants are recorded;
+/// otherwise the kernel's pid filter already did the work.
 pub fn in_scope() -> bool {
     // SAFETY: as above.
     let cgroup = unsafe { core::ptr::read_volatile(&raw const CGROUP_ID) };
-    // SAFETY: a helper without arguments.
-    cgroup == 0
-        || (unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup
-            && !ignored_process(crate::calls::process_id()))
+    cgroup == 0 || (in_cgroup_subtree(cgroup) && !ignored_process(crate::calls::process_id()))
+}
+
+/// Whether the current task's cgroup is `cgroup` or below it. Its ancestor
+/// at `cgroup`'s level is `cgroup` exactly then: one helper call that
+/// reads the kernel's array of a cgroup's ancestors, no map. Runs on every
+/// allocator call of every process mapping a probed file, so the cheapest
+/// correct test: `bpf_current_task_under_cgroup` is as exact but looks the
+/// cgroup up in a cgroup-array map, which aya 0.14's user side cannot
+/// fill, and walking ancestors in BPF would cost one read per level.
+fn in_cgroup_subtree(cgroup: u64) -> bool {
+    // SAFETY: as above.
+    let level = unsafe { core::ptr::read_volatile(&raw const CGROUP_LEVEL) };
+    // CGROUP_LEVEL_UNKNOWN, past i32::MAX, is the only level that does not
+    // fit: the kernel nests cgroups at most a few hundred deep.
+    let Ok(level) = i32::try_from(level) else {
+        // SAFETY: a helper without arguments.
+        return unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup;
+    };
+    // A level past the task's own gives 0, never a cgroup's id.
+    // SAFETY: a helper taking a plain integer.
+    unsafe { aya_ebpf::helpers::generated::bpf_get_current_ancestor_cgroup_id(level) == cgroup }
 }
 
 /// Whether process `tgid` is one never recorded: see

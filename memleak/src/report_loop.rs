@@ -13,7 +13,7 @@ use crate::{
     output::{NumberedFiles, Output, OutputError},
     process::feedback,
     report::{saved, CgroupTotal, Report},
-    session::{Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec},
+    session::{CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec},
     stats::{Stats, StatsError},
     status,
 };
@@ -94,9 +94,30 @@ fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result
         }
     }
     if let Some(cgroup) = session.cgroup() {
+        say_census(&cgroup.path, session.cgroup_census());
         status::say(&format!("tracing cgroup {} (id {}); Ctrl-C to stop", cgroup.path.display(), cgroup.id));
     }
     Ok(())
+}
+
+/// How many processes a cgroup had at the start. None is said as a
+/// warning: a pod's or a slice's directory given by mistake, or a
+/// container already gone, must not look like a program that allocates
+/// nothing.
+fn say_census(path: &std::path::Path, census: CgroupCensus) {
+    if census.processes == 0 {
+        log::warn!(
+            "no processes to trace in {} or its descendant cgroups: tracing those that join it",
+            path.display()
+        );
+    } else {
+        status::say(&format!(
+            "tracing {} processes in {} ({} in descendant cgroups)",
+            census.processes,
+            path.display(),
+            census.in_descendants
+        ));
+    }
 }
 
 fn write_unwind_stats(session: &Session, target: &Target, stats: &mut Stats) -> Result<(), RunError> {

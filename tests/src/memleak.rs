@@ -91,9 +91,16 @@ impl Memleak {
     /// Starts memleak with extra environment variables, which a -c command
     /// inherits (`LD_PRELOAD`, say).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(memleak_binary())
-            .args(args)
-            .envs(env.iter().copied())
+        Self::spawn(Command::new(memleak_binary()).args(args).envs(env.iter().copied()))
+    }
+
+    /// Starts memleak in `directory`, where a -c command starts too.
+    pub fn start_in(directory: &Path, args: &[&str]) -> Self {
+        Self::spawn(Command::new(memleak_binary()).args(args).current_dir(directory))
+    }
+
+    fn spawn(command: &mut Command) -> Self {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -28,10 +28,26 @@ impl TestCgroup {
     fn join(&self, pid: u32) {
         fs::write(self.0.join("cgroup.procs"), pid.to_string()).expect("move a process into the cgroup");
     }
+
+    /// A child cgroup, as a pod or a slice has one per container or
+    /// service; removed with its parent.
+    fn child(&self, name: &str) -> Self {
+        let path = self.0.join(name);
+        fs::create_dir(&path).expect("create a child cgroup");
+        Self(path)
+    }
 }
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
+        // Children first: rmdir refuses a cgroup that has children.
+        if let Ok(entries) = fs::read_dir(&self.0) {
+            for entry in entries.flatten() {
+                if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                    drop(Self(entry.path()));
+                }
+            }
+        }
         let _ = fs::remove_dir(&self.0);
     }
 }
@@ -132,6 +148,73 @@ fn processes_that_come_and_go_leave_nothing_behind_in_the_maps() {
         lines.iter().rev().find(|line| line["pid"] == stayer.pid()).expect("the stayer's final report");
     assert_eq!(last["total_bytes"], 17_264, "the process that stayed is reported whole: {last:#}");
     stayer.exit();
+}
+
+/// A pod's or a slice's cgroup holds few processes of its own: its
+/// containers and services are in child cgroups. Tracing the parent traces
+/// them all, those that join a child later included.
+#[test]
+fn a_parent_cgroup_includes_the_processes_of_its_descendants() {
+    let pod = TestCgroup::new();
+    let container = pod.child("container");
+    let nested = container.child("nested");
+    let mut direct = Leaker::start_waiting(&["all"]);
+    let mut in_child = Leaker::start_waiting(&["all"]);
+    let mut in_grandchild = Leaker::start_waiting(&["all"]);
+    let mut outsider = Leaker::start_waiting(&["all"]);
+    pod.join(direct.pid());
+    container.join(in_child.pid());
+    nested.join(in_grandchild.pid());
+    let path = pod.0.to_str().unwrap();
+    let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "100", "3600"]);
+    let census = memleak.stderr.wait_for("how many processes memleak found", |line| {
+        line.starts_with("memleak: tracing ") && !line.starts_with("memleak: tracing cgroup")
+    });
+    assert_eq!(census, format!("memleak: tracing 3 processes in {path} (2 in descendant cgroups)"));
+    memleak.wait_attached();
+    let mut latecomer = Leaker::start_waiting(&["all"]);
+    nested.join(latecomer.pid());
+    let joined = format!("memleak: pid {} is in the cgroup", latecomer.pid());
+    memleak.stderr.wait_for("memleak to pick up a process joining a child", |line| line.starts_with(&joined));
+    for leaker in [&mut direct, &mut in_child, &mut in_grandchild, &mut latecomer, &mut outsider] {
+        leaker.go();
+    }
+    memleak.signal(libc::SIGINT);
+    let (status, lines) = memleak.finish();
+    assert!(status.success());
+    for leaker in [&direct, &in_child, &in_grandchild, &latecomer] {
+        let report = lines
+            .iter()
+            .find(|line| line["pid"] == leaker.pid())
+            .unwrap_or_else(|| panic!("a report for pid {}: {lines:#?}", leaker.pid()));
+        assert_eq!(report["total_bytes"], 17_264, "{report:#}");
+        assert_eq!(usage_at(report, "leak_malloc", "malloc"), (3000, 3), "{report:#}");
+    }
+    assert!(
+        lines.iter().all(|line| line["pid"] != outsider.pid()),
+        "a process outside the cgroup is not reported"
+    );
+    let total: &Value = lines.iter().find(|line| line.get("cgroup").is_some()).expect("a cgroup total");
+    assert_eq!(total["processes"], 4, "{total}");
+    assert_eq!(total["total_bytes"], 4 * 17_264, "{total}");
+    for leaker in [direct, in_child, in_grandchild, latecomer, outsider] {
+        leaker.exit();
+    }
+}
+
+/// The wrong directory (a slice with no processes, a pod already gone)
+/// must not look like a program that allocates nothing.
+#[test]
+fn a_cgroup_without_processes_says_so() {
+    let slice = TestCgroup::new();
+    let _empty_child = slice.child("empty");
+    let path = slice.0.to_str().unwrap();
+    let (code, stderr) = memleak_tests::run_to_end(&["--cgroup", path, "1", "1"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let expected = format!(
+        "memleak: warn: no processes to trace in {path} or its descendant cgroups: tracing those that join it\n"
+    );
+    assert!(stderr.contains(&expected), "expected {expected:?} in: {stderr}");
 }
 
 #[test]

@@ -263,3 +263,22 @@ fn node_jit_frames_are_named_from_its_perf_map() {
     assert!(stack["bytes"].as_u64().unwrap() >= 100_000, "{stack:#}");
     assert!(functions(stack).contains(&"node::Start(int, char**)"), "{:?}", functions(stack));
 }
+
+/// Code in anonymous executable memory that no perf map names (a JIT
+/// without --perf-basic-prof, a trampoline) says where it is, and the
+/// walk goes on through its frame pointers.
+#[test]
+fn code_in_anonymous_memory_is_named_as_such() {
+    let report = final_report(Command::new(memleak_tests::fixture("jit")), &[]);
+    let stacks = report["stacks"].as_array().unwrap();
+    let through_jit: Vec<&Value> = stacks.iter().filter(|stack| stack["bytes"] == 4242).collect();
+    assert_eq!(through_jit.len(), 1, "one stack of the allocation through the trampoline: {report:#}");
+    let stack = through_jit[0];
+    assert_eq!(stack["allocations"], 1, "{stack:#}");
+    let trampoline = &stack["frames"][0];
+    assert_eq!(trampoline["module"], "anonymous executable memory", "{stack:#}");
+    assert!(trampoline["function"].is_null(), "no name for code nothing names: {stack:#}");
+    assert_eq!(stack["frames"][1]["function"], "run_jit", "{stack:#}");
+    assert_eq!(stack["frames"][1]["line"], memleak_tests::marker_line("jit", "jit-call"), "{stack:#}");
+    assert_eq!(stack["frames"][2]["function"], "main", "{stack:#}");
+}

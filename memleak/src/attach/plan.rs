@@ -164,7 +164,7 @@ fn link_ordered_objects(space: &AddressSpace) -> Vec<(PathBuf, String)> {
         .filter_map(|path| objects.iter().find(|object| object.path == *path))
         // Probed through memleak's own descriptor: the very file read here,
         // whatever the target's root holds at its path.
-        .map(|object| (object.fd_path(), object.path.clone()))
+        .map(|object| (object.fd_path(), object.name.clone()))
         .collect()
 }
 

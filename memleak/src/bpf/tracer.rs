@@ -115,8 +115,12 @@ pub struct TracerConfig {
     pub task_tgid_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
-    /// With --cgroup, the only cgroup whose tasks are recorded.
+    /// With --cgroup, the only cgroup whose tasks (and those of its
+    /// descendants) are recorded.
     pub cgroup_id: u64,
+    /// The cgroup's level below the cgroup2 root; `None`: only the tasks
+    /// directly in it are recorded.
+    pub cgroup_level: Option<u32>,
     /// Processes never recorded where a probe serves many (--cgroup, the
     /// kernel): memleak, and with --trace the readers of its output.
     pub ignored_processes: Vec<u32>,
@@ -130,6 +134,7 @@ impl TracerConfig {
             task_tgid_offset: 0,
             ignored_callers: 0..0,
             cgroup_id: 0,
+            cgroup_level: None,
             ignored_processes: Vec::new(),
         }
     }
@@ -195,6 +200,11 @@ impl Tracer {
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
             .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
             .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
+            .override_global(
+                tunables::CGROUP_LEVEL,
+                &config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN),
+                true,
+            )
             .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
             .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
             .override_global(tunables::IGNORED_PROCESSES, &ignored_processes(&config.ignored_processes), true)

@@ -13,7 +13,7 @@ use std::{
     collections::HashMap,
     fs::File,
     os::fd::AsRawFd as _,
-    path::PathBuf,
+    path::{Component, PathBuf},
     sync::{Arc, OnceLock},
 };
 
@@ -34,8 +34,11 @@ pub struct FileId {
 #[derive(Debug)]
 pub struct MappedObject {
     pub id: FileId,
-    /// The file as the process names it.
+    /// The file as /proc/PID/maps names it: its links resolved.
     pub path: String,
+    /// The file as reports name it: `path`, except for the program started
+    /// through a link (see `started_as`).
+    pub name: String,
     file: File,
     build_id: OnceLock<Option<String>>,
 }
@@ -80,7 +83,7 @@ impl Mapping {
             start: self.start,
             end: self.end,
             file_offset: self.offset,
-            path: self.object.path.clone(),
+            path: self.object.name.clone(),
             build_id: self.object.build_id().map(str::to_owned),
         }
     }
@@ -99,6 +102,8 @@ pub struct CodeRange {
     /// The kernel's `[uprobes]` page: where a function whose return is
     /// probed returns to. No code of the program's own.
     pub uprobes_trampoline: bool,
+    /// Anonymous memory: code a JIT compiler or the program itself wrote.
+    pub anonymous: bool,
 }
 
 /// What a `refresh` found changed.
@@ -116,7 +121,8 @@ pub struct Changes {
 /// after it exits.
 pub struct AddressSpace {
     pid: u32,
-    /// Sorted by start. Mappings that disappeared stay unless a new one
+    /// Sorted by start. Mappings that disappeared stay unless a new one,
+    /// of a file or not,
     /// covers their addresses: old stacks may still point there.
     mappings: Vec<Mapping>,
     /// The objects mapped now, by file.
@@ -126,6 +132,8 @@ pub struct AddressSpace {
     code: Vec<CodeRange>,
     /// The maps text last read, to skip work when nothing changed.
     last_maps: String,
+    /// The name of the program's executable, once it is mapped.
+    executable: Option<String>,
 }
 
 impl AddressSpace {
@@ -137,6 +145,7 @@ impl AddressSpace {
             objects: HashMap::new(),
             code: Vec::new(),
             last_maps: String::new(),
+            executable: None,
         }
     }
 
@@ -165,8 +174,13 @@ impl AddressSpace {
         let entries = maps::parse(maps);
         let mut objects = HashMap::new();
         let mut fresh = Vec::new();
+        // The same text as the maps' paths: both are the kernel's d_path of
+        // the file, seen from memleak's root.
+        let executable = std::fs::read_link(format!("/proc/{}/exe", self.pid))
+            .ok()
+            .map(|path| path.to_string_lossy().into_owned());
         for entry in &entries {
-            let Some(object) = self.object_of(entry, &mut objects) else { continue };
+            let Some(object) = self.object_of(entry, executable.as_deref(), &mut objects) else { continue };
             fresh.push(Mapping {
                 start: entry.start,
                 end: entry.end,
@@ -175,7 +189,9 @@ impl AddressSpace {
                 object,
             });
         }
-        let overlaps = |old: &Mapping| fresh.iter().any(|new| new.start < old.end && old.start < new.end);
+        // Any mapping counts, not only a file's: a JIT's code mmap'd where
+        // a file was once mapped must not be taken for that file.
+        let overlaps = |old: &Mapping| entries.iter().any(|new| new.start < old.end && old.start < new.end);
         let kept: Vec<Mapping> = self.mappings.iter().filter(|old| !overlaps(old)).cloned().collect();
         fresh.extend(kept);
         fresh.sort_by_key(|mapping| mapping.start);
@@ -194,6 +210,9 @@ impl AddressSpace {
                 .collect(),
         };
         self.mappings = fresh;
+        if let Some(program) = objects.values().find(|object| Some(&object.path) == executable.as_ref()) {
+            self.executable = Some(program.name.clone());
+        }
         self.objects = objects;
         self.code = entries
             .iter()
@@ -206,6 +225,7 @@ impl AddressSpace {
                     .file()
                     .and(self.objects.get(&FileId { device: entry.device, inode: entry.inode }).cloned()),
                 uprobes_trampoline: entry.pathname == Pathname::Special("[uprobes]".to_owned()),
+                anonymous: entry.pathname == Pathname::Anonymous,
             })
             .collect();
         maps.clone_into(&mut self.last_maps);
@@ -216,6 +236,7 @@ impl AddressSpace {
     fn object_of(
         &self,
         entry: &MapsEntry,
+        executable: Option<&str>,
         objects: &mut HashMap<FileId, Arc<MappedObject>>,
     ) -> Option<Arc<MappedObject>> {
         let path = entry.file()?;
@@ -226,7 +247,13 @@ impl AddressSpace {
             return Some(object);
         }
         let file = files::open_mapped(self.pid, entry)?;
-        let object = Arc::new(MappedObject { id, path: path.to_owned(), file, build_id: OnceLock::new() });
+        let name = if Some(path) == executable {
+            started_as(self.pid, &file).unwrap_or_else(|| path.to_owned())
+        } else {
+            path.to_owned()
+        };
+        let object =
+            Arc::new(MappedObject { id, path: path.to_owned(), name, file, build_id: OnceLock::new() });
         objects.insert(id, object.clone());
         Some(object)
     }
@@ -249,6 +276,12 @@ impl AddressSpace {
         &self.code
     }
 
+    /// Whether `address` is in anonymous memory mapped executable now.
+    pub fn in_anonymous_code(&self, address: u64) -> bool {
+        let index = self.code.partition_point(|range| range.start <= address);
+        index.checked_sub(1).is_some_and(|index| self.code[index].anonymous && address < self.code[index].end)
+    }
+
     /// The mapping `address` falls in.
     pub fn find(&self, address: u64) -> Option<&Mapping> {
         let index = self.mappings.partition_point(|mapping| mapping.start <= address);
@@ -261,11 +294,25 @@ impl AddressSpace {
         self.find(address).map(Mapping::describe)
     }
 
-    /// The executable code of the file at `path`, as the process names it.
-    pub fn executable_mapping(&self, path: &str) -> Option<ModuleMapping> {
+    /// The executable code of the file reports name `name`.
+    pub fn executable_mapping(&self, name: &str) -> Option<ModuleMapping> {
         let mapping =
-            self.mappings.iter().find(|mapping| mapping.object.path == path && mapping.executable)?;
+            self.mappings.iter().find(|mapping| mapping.object.name == name && mapping.executable)?;
         Some(mapping.describe())
+    }
+
+    /// The name of the program's executable, as reports name it, once the
+    /// process has been seen to map it.
+    pub fn executable_name(&self) -> Option<&str> {
+        self.executable.as_deref()
+    }
+
+    /// The object mapped now that is the very file `file` is (device and
+    /// inode): how a file planned from before the process ran is named as
+    /// the process maps it.
+    pub fn object_of_file(&self, file: &File) -> Option<Arc<MappedObject>> {
+        let identity = identity(file)?;
+        self.objects.values().find(|object| self::identity(&object.file) == Some(identity)).cloned()
     }
 
     /// The leading part of a walked stack that can be trusted: up to the
@@ -289,9 +336,94 @@ impl AddressSpace {
     }
 }
 
+/// A file's device and inode, from its open descriptor.
+fn identity(file: &File) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    file.metadata().ok().map(|metadata| (metadata.dev(), metadata.ino()))
+}
+
+/// The path process `pid` was started as, made absolute, if it leads to
+/// `executable`, the file it maps as its program.
+///
+/// /proc/PID/maps and /proc/PID/exe name the file with its links resolved:
+/// Debian's redis-server, a link to redis-check-rdb, would be reported as
+/// redis-check-rdb, a program nobody ran. argv[0] is what was typed, but
+/// programs rewrite it (redis-server's "redis-server 127.0.0.1:6379",
+/// nginx's "nginx: master process"), and a bare name would have to be
+/// looked up in a PATH the process may have changed. The kernel keeps the
+/// path execve was given, after the shell's PATH search, at the top of the
+/// process's stack (`AT_EXECFN`), past what those programs rewrite. The
+/// process can still write there, so the path is taken only if it leads,
+/// inside the process's root, to that very file (device and inode); a
+/// relative one only when the process shares memleak's root (its working
+/// directory is not known inside a container's). The file itself, not
+/// this name, is what gets read and symbolized.
+fn started_as(pid: u32, executable: &File) -> Option<String> {
+    let started = PathBuf::from(exec_filename(pid)?);
+    let candidate = if started.is_absolute() {
+        started
+    } else if files::shares_root(pid) {
+        // execve's relative path was taken from the working directory of
+        // the time; a process that has left it fails the check below.
+        std::fs::read_link(format!("/proc/{pid}/cwd")).ok()?.join(started)
+    } else {
+        return None;
+    };
+    // The kernel resolves ".." through links: a name with ".." could say
+    // another directory than the one it leads to.
+    if candidate.components().any(|component| component == Component::ParentDir) {
+        return None;
+    }
+    let opened = files::open_in_root(pid, &candidate).ok()?;
+    // Collecting the components drops the "." of "./server".
+    (identity(&opened)? == identity(executable)?)
+        .then(|| candidate.components().collect::<PathBuf>().to_string_lossy().into_owned())
+}
+
+/// The path process `pid`'s execve was given: the string its `AT_EXECFN`
+/// auxiliary vector entry points to, in its memory.
+fn exec_filename(pid: u32) -> Option<String> {
+    const AT_EXECFN: u64 = 31;
+    const PATH_MAX: usize = 4096;
+    const PAGE: usize = 4096;
+    let auxv = std::fs::read(format!("/proc/{pid}/auxv")).ok()?;
+    let entries = auxv.chunks_exact(16).map(|entry| {
+        let word = |bytes: &[u8]| u64::from_ne_bytes(bytes.try_into().unwrap_or_default());
+        (word(&entry[..8]), word(&entry[8..]))
+    });
+    let mut address = entries.into_iter().find(|&(kind, _)| kind == AT_EXECFN)?.1;
+    let memory = File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut name = Vec::new();
+    // Page by page: the string ends near the end of the stack, and a read
+    // past a mapping's end fails whole.
+    while name.len() < PATH_MAX {
+        let mut chunk = [0u8; PAGE];
+        let wanted = PAGE - usize::try_from(address % PAGE as u64).ok()?;
+        let read = std::os::unix::fs::FileExt::read_at(&memory, &mut chunk[..wanted], address).ok()?;
+        if read == 0 {
+            return None;
+        }
+        if let Some(end) = chunk[..read].iter().position(|&byte| byte == 0) {
+            name.extend_from_slice(&chunk[..end]);
+            return String::from_utf8(name).ok();
+        }
+        name.extend_from_slice(&chunk[..read]);
+        address += read as u64;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_program_is_named_by_the_path_it_was_started_as() {
+        let executable = File::open("/proc/self/exe").unwrap();
+        let started = started_as(std::process::id(), &executable);
+        // cargo starts the test binary by its path, links resolved.
+        assert_eq!(started, Some(std::env::current_exe().unwrap().display().to_string()));
+    }
 
     /// This test's own process: its binary and libc are real files.
     fn own_space() -> AddressSpace {
@@ -318,6 +450,30 @@ mod tests {
         let stack = [0x55d0_a000_1010, 0x7f00_0000_0100, 0x55d0_a100_0070, 0x55d0_a000_1010];
         assert_eq!(space.code_prefix(&stack), &stack[..2], "the walk is not trusted past the heap");
         assert_eq!(space.code_prefix(&[0x55d0_a000_1010, 0, 0x55d0_a000_1010]), &[0x55d0_a000_1010]);
+    }
+
+    #[test]
+    fn code_mapped_where_a_file_was_is_not_that_file() {
+        // A file that really exists, mapped at an address no longer mapped
+        // now: its device and inode let AddressSpace open it by path.
+        use std::os::unix::fs::MetadataExt as _;
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let metadata = std::fs::metadata(&exe).unwrap();
+        let (major, minor) = (libc::major(metadata.dev()), libc::minor(metadata.dev()));
+        let file = format!(
+            "7f0000000000-7f0000001000 r--p 00000000 {major:x}:{minor:x} {} {}",
+            metadata.ino(),
+            exe.display()
+        );
+        let mut space = AddressSpace::new(std::process::id());
+        space.update(&file);
+        assert!(space.find(0x7f00_0000_0010).is_some(), "the file is mapped there");
+        // A JIT's code mmap'd where the file was, as ld.so.cache's pages are
+        // reused once unmapped.
+        space.update("7f0000000000-7f0000001000 r-xp 00000000 00:00 0");
+        assert!(space.find(0x7f00_0000_0010).is_none(), "the file is no longer there");
+        assert!(space.in_anonymous_code(0x7f00_0000_0010));
+        assert!(!space.in_anonymous_code(0x7f00_0000_1010), "past its end");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::{
         rings, EventRing, Links, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings,
     },
     process::{
-        cgroup::{Cgroup, CgroupError},
+        cgroup::{Cgroup, CgroupError, CgroupProcess},
         command::{CommandError, GatedCommand, SpawnedCommand},
         feedback::Excluded,
         lifecycle::{self, ProcessError},
@@ -72,6 +72,14 @@ pub struct SessionConfig {
     pub follow_forks: bool,
 }
 
+/// How many processes of a cgroup's subtree were added at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CgroupCensus {
+    pub processes: usize,
+    /// Of them, those in descendant cgroups.
+    pub in_descendants: usize,
+}
+
 /// What a session has to say between reports.
 #[derive(Debug)]
 pub enum SessionEvent {
@@ -97,6 +105,8 @@ pub struct Session {
     stacks: StackCatalog,
     /// With --cgroup: the cgroup whose processes are followed.
     cgroup: Option<Cgroup>,
+    /// With --cgroup: the processes traced from the start.
+    cgroup_census: CgroupCensus,
     /// Processes never traced, and with --cgroup those of them already
     /// said to be left out.
     excluded: Vec<Excluded>,
@@ -151,6 +161,7 @@ impl Session {
             targets: Vec::new(),
             stacks: StackCatalog::default(),
             cgroup: None,
+            cgroup_census: CgroupCensus::default(),
             excluded: config.excluded.clone(),
             excluded_said: HashSet::new(),
             shared_links: Vec::new(),
@@ -241,6 +252,7 @@ impl Session {
         let cgroup = Cgroup::open(path)?;
         let tracer_config = TracerConfig {
             cgroup_id: cgroup.id,
+            cgroup_level: cgroup.level,
             ignored_processes: excluded_pids(config),
             ..TracerConfig::new(config.tracer.clone())
         };
@@ -248,7 +260,7 @@ impl Session {
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         session.cgroup = Some(cgroup);
-        session.follow_cgroup()?;
+        session.cgroup_census = session.follow_cgroup()?;
         Ok(session)
     }
 
@@ -286,6 +298,15 @@ impl Session {
         target.links = Some(links);
         // The exec has happened: the program and its loader are mapped.
         target.refresh();
+        target.name_as_mapped();
+        if target.naming_pending() {
+            // Its libraries are not mapped yet: the kernel names a mapped
+            // file by its path with every link resolved, so this is the
+            // name it will have until `refresh` finds it mapped.
+            if let Ok(resolved) = std::fs::canonicalize(&target.plan.display_path) {
+                target.plan.display_path = resolved.display().to_string();
+            }
+        }
         session.command = Some(command);
         session.push(target)?;
         Ok(session)
@@ -391,15 +412,16 @@ impl Session {
         Ok(())
     }
 
-    /// Starts following the cgroup's processes not followed yet, probing
-    /// each allocator file once, for every process that maps it. Returns
-    /// how many were added.
-    fn follow_cgroup(&mut self) -> Result<usize, SessionError> {
-        let Some(cgroup) = self.cgroup.as_ref() else { return Ok(0) };
+    /// Starts following the processes of the cgroup and its descendants
+    /// not followed yet, probing each allocator file once, for every
+    /// process that maps it. Returns how many were added.
+    fn follow_cgroup(&mut self) -> Result<CgroupCensus, SessionError> {
+        let Some(cgroup) = self.cgroup.as_ref() else { return Ok(CgroupCensus::default()) };
         let known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
-        let joined: Vec<u32> = cgroup.processes().into_iter().filter(|pid| !known.contains(pid)).collect();
-        let mut added = 0;
-        for pid in joined {
+        let joined: Vec<CgroupProcess> =
+            cgroup.processes().into_iter().filter(|process| !known.contains(&process.pid)).collect();
+        let mut added = CgroupCensus::default();
+        for CgroupProcess { pid, in_descendant } in joined {
             if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
                 if self.excluded_said.insert(pid) {
                     log::warn!("not tracing pid {pid} of the cgroup: {}", excluded.why);
@@ -431,7 +453,8 @@ impl Session {
                 log::debug!("probed {} for the cgroup", plan.display_path);
             }
             self.add(Target::process(pid, plan, space), UProbeScope::AllProcesses)?;
-            added += 1;
+            added.processes += 1;
+            added.in_descendants += usize::from(in_descendant);
         }
         Ok(added)
     }
@@ -456,6 +479,11 @@ impl Session {
         self.cgroup.as_ref()
     }
 
+    /// With --cgroup: the processes traced from the start.
+    pub fn cgroup_census(&self) -> CgroupCensus {
+        self.cgroup_census
+    }
+
     /// Re-reads the targets' mappings, and picks up processes that joined
     /// the cgroup followed. Returns how many were added: the last of
     /// `targets()`.
@@ -463,7 +491,7 @@ impl Session {
         for index in 0..self.targets.len() {
             self.refresh_target(index)?;
         }
-        self.follow_cgroup()
+        Ok(self.follow_cgroup()?.processes)
     }
 
     /// Waits for the next thing to say: trace events, or a target's exit.

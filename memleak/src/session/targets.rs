@@ -66,6 +66,9 @@ pub struct Target {
     /// closed: its mappings are no longer re-read, and its last report
     /// counts only what the old program allocated.
     pub(super) exec_ns: Option<u64>,
+    /// Whether the program and allocator are still named as planned, not
+    /// yet as the process maps them: see `name_as_mapped`.
+    naming_pending: bool,
 }
 
 impl Target {
@@ -74,7 +77,7 @@ impl Target {
         let namespace_pid = lifecycle::namespace_pid(pid);
         Self {
             pid,
-            program: lifecycle::program(pid),
+            program: space.executable_name().map_or_else(|| lifecycle::program(pid), str::to_owned),
             plan,
             namespace_pid,
             space,
@@ -87,6 +90,7 @@ impl Target {
             unwind_table: None,
             unwind_built: None,
             exec_ns: None,
+            naming_pending: false,
         }
     }
 
@@ -110,6 +114,7 @@ impl Target {
             unwind_table: None,
             unwind_built: None,
             exec_ns: None,
+            naming_pending: false,
         }
     }
 
@@ -125,6 +130,9 @@ impl Target {
             return false;
         }
         let changes = self.space.refresh();
+        if self.naming_pending && changes.any {
+            self.name_as_mapped();
+        }
         for object in &changes.added {
             log::debug!("pid {} maps {}", self.pid, object.path);
         }
@@ -132,6 +140,28 @@ impl Target {
             log::debug!("pid {} no longer maps {}", self.pid, object.path);
         }
         changes.any
+    }
+
+    /// Names the program and the allocator as the process maps them, once
+    /// it has: a command planned before its exec was planned from the
+    /// paths memleak found (`./server`, or the dynamic loader's
+    /// `/lib/x86_64-linux-gnu/libc.so.6` where the process maps
+    /// `/usr/lib/x86_64-linux-gnu/libc.so.6`).
+    /// Until the allocator is mapped, `refresh` tries again.
+    pub fn name_as_mapped(&mut self) {
+        if let Some(program) = self.space.executable_name() {
+            program.clone_into(&mut self.program);
+        }
+        let planned = self.plan.object.as_ref().and_then(|file| self.space.object_of_file(file));
+        self.naming_pending = planned.is_none();
+        if let Some(object) = planned {
+            self.plan.display_path.clone_from(&object.name);
+        }
+    }
+
+    /// Whether `name_as_mapped` has yet to find the allocator mapped.
+    pub fn naming_pending(&self) -> bool {
+        self.naming_pending
     }
 
     /// The process's report from `maps`; `stacks` must know every stack

@@ -22,6 +22,10 @@ mod perf_map;
 use debug_links::DebugLinks;
 use perf_map::PerfMap;
 
+/// The module of a frame in anonymous executable memory that no perf map
+/// names.
+pub const ANONYMOUS_CODE: &str = "anonymous executable memory";
+
 /// Symbolizes stacks of one process, or of the kernel, each once.
 pub struct StackSymbolizer {
     /// Kernel stacks, symbolized through /proc/kallsyms.
@@ -117,8 +121,10 @@ impl StackSymbolizer {
     }
 
     /// A frame in code of no file: named from the perf map if the runtime
-    /// that compiled it writes one.
-    fn jit_frame(&mut self, address: u64) -> Frame {
+    /// that compiled it writes one; else, in anonymous executable memory,
+    /// said to be there, which tells JIT code or a trampoline from an
+    /// address memleak knows nothing of.
+    fn jit_frame(&mut self, address: u64, space: &AddressSpace) -> Frame {
         let named = self.jit.as_mut().and_then(|jit| jit.name(address - 1));
         match named {
             // The runtime's name often carries the source location
@@ -130,7 +136,11 @@ impl StackSymbolizer {
                 module: Some("jit".to_owned()),
                 ..Frame::default()
             },
-            None => Frame { address, ..Frame::default() },
+            None => Frame {
+                address,
+                module: space.in_anonymous_code(address - 1).then(|| ANONYMOUS_CODE.to_owned()),
+                ..Frame::default()
+            },
         }
     }
 
@@ -144,13 +154,13 @@ impl StackSymbolizer {
             let source = Source::Kernel(Kernel::default());
             (self.symbolizer.symbolize_single(&source, Input::AbsAddr(address - 1)), None)
         } else {
-            let Some(mapping) = space.find(address) else { return vec![self.jit_frame(address)] };
+            let Some(mapping) = space.find(address) else { return vec![self.jit_frame(address, space)] };
             let mut elf = Elf::new(mapping.object.fd_path());
             elf.debug_syms = self.debug_links.as_mut().is_some_and(|links| links.allow(&mapping.object));
             let source = Source::Elf(elf);
             let call_offset = mapping.file_offset(address - 1);
             let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
-            (symbolized, Some(mapping.object.path.clone()))
+            (symbolized, Some(mapping.object.name.clone()))
         };
         let Ok(Symbolized::Sym(sym)) = symbolized else {
             return vec![Frame { module, ..unknown }];

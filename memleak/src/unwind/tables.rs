@@ -439,6 +439,7 @@ mod tests {
             offset: 0x2_7000,
             object: None,
             uprobes_trampoline: false,
+            anonymous: false,
         };
         let mapping = tables.mapping_of(&key, &range);
         assert_eq!((mapping.first_row, mapping.row_count), (1, 99));
