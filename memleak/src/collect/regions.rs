@@ -71,11 +71,20 @@ impl Regions {
             }
             Ok(MappingChange::Protect) => {
                 // Only the parts of regions we know change; each piece
-                // keeps the stack that mapped it.
+                // keeps the stack that mapped it. Thread stacks and the
+                // allocator's mappings are what they are whatever their
+                // protection (glibc opens both up from PROT_NONE): they
+                // stay whole, one region per mmap.
                 let span = (event.address, end(event.address, event.length));
                 for (start, region) in self.unmap(span.0, span.1) {
-                    self.by_start.insert(start, Region { reserved: event.prot == PROT_NONE, ..region });
+                    let reserved = if region.thread_stack || region.inside_allocator {
+                        region.reserved
+                    } else {
+                        event.prot == PROT_NONE
+                    };
+                    self.by_start.insert(start, Region { reserved, ..region });
                 }
+                self.merge_around(span.0, span.1);
             }
             // The old program's regions stay for its final report; the
             // session then starts the process's books afresh. A fork is
@@ -111,6 +120,19 @@ impl Regions {
         }
         removed.reverse();
         removed
+    }
+
+    /// Joins the pieces at `start` and `end` back to their neighbours when
+    /// nothing tells them apart.
+    fn merge_around(&mut self, start: u64, end: u64) {
+        for boundary in [end, start] {
+            let Some((&before_start, &before)) = self.by_start.range(..boundary).next_back() else { continue };
+            let Some(&after) = self.by_start.get(&boundary) else { continue };
+            if before.end == boundary && (Region { end: after.end, ..before }) == after {
+                self.by_start.remove(&boundary);
+                self.by_start.insert(before_start, after);
+            }
+        }
     }
 
     /// Every region, by start address.
@@ -185,11 +207,22 @@ mod tests {
         let mut back = event(MappingChange::Protect, 13 * PAGE, PAGE);
         back.prot = PROT_NONE;
         regions.apply(&back);
-        assert_eq!(reserved(&regions)[1..3], [(12 * PAGE, 13 * PAGE, false), (13 * PAGE, 14 * PAGE, true)]);
+        assert_eq!(reserved(&regions)[1..], [(12 * PAGE, 13 * PAGE, false), (13 * PAGE, 18 * PAGE, true)]);
         // A MAP_FIXED mapping over a reservation replaces that part.
         regions.apply(&event(MappingChange::Map, 16 * PAGE, PAGE));
         assert!(reserved(&regions).contains(&(16 * PAGE, 17 * PAGE, false)));
         assert!(regions.iter().all(|(_, region)| region.stack_id == 7));
+    }
+
+    #[test]
+    fn a_thread_stack_stays_one_region_whatever_its_protection() {
+        // glibc maps a stack PROT_NONE and opens all but the guard page.
+        let mut regions = Regions::default();
+        let mut map = event(MappingChange::Map, 10 * PAGE, 8 * PAGE);
+        (map.prot, map.flags) = (PROT_NONE, MAP_STACK);
+        regions.apply(&map);
+        regions.apply(&event(MappingChange::Protect, 11 * PAGE, 7 * PAGE));
+        assert_eq!(reserved(&regions), [(10 * PAGE, 18 * PAGE, true)]);
     }
 
     #[test]
