@@ -378,6 +378,18 @@ impl Tracer {
         followed.insert(tgid, 1, 0).map_err(|source| TracerError::ReadMap { map: FOLLOWED_MAP, source })
     }
 
+    /// Forgets process `tgid`, never traced: its children are not
+    /// followed, and what it counted is dropped. Two deletions, not a
+    /// walk of every map as `forget_process` does: short-lived children
+    /// come and go often.
+    pub fn unfollow(&mut self, tgid: u32) -> Result<(), TracerError> {
+        let mut followed: HashMap<&mut MapData, u32, u32> = self.map_mut(FOLLOWED_MAP)?;
+        let _ = followed.remove(&tgid);
+        let mut counters: HashMap<&mut MapData, u32, ProcessCounters> = self.map_mut(PROCESS_COUNTERS_MAP)?;
+        let _ = counters.remove(&tgid);
+        Ok(())
+    }
+
     /// Attaches the kernel allocation tracepoints (and the per-CPU ones).
     pub fn attach_kernel(&mut self, percpu: bool) -> Result<(), TracerError> {
         let btf = kernel_btf()?;

@@ -126,7 +126,9 @@ impl Regions {
     /// nothing tells them apart.
     fn merge_around(&mut self, start: u64, end: u64) {
         for boundary in [end, start] {
-            let Some((&before_start, &before)) = self.by_start.range(..boundary).next_back() else { continue };
+            let Some((&before_start, &before)) = self.by_start.range(..boundary).next_back() else {
+                continue;
+            };
             let Some(&after) = self.by_start.get(&boundary) else { continue };
             if before.end == boundary && (Region { end: after.end, ..before }) == after {
                 self.by_start.remove(&boundary);

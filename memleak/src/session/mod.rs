@@ -352,7 +352,7 @@ impl Session {
                 }
                 // Nor its own children: nothing of it is kept.
                 let _ = self.remove_target(child);
-                let _ = self.tracer.forget_process(child);
+                let _ = self.tracer.unfollow(child);
                 None
             }
         }
