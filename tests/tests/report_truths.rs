@@ -148,13 +148,12 @@ fn a_cgo_programs_c_leaks_are_found_and_go_reservations_are_not_memory() {
         .as_array()
         .unwrap()
         .iter()
-        // c_leak tail-calls malloc: cgo's wrapper of it is the caller seen.
-        .filter(|stack| {
-            stack["mapping"].is_null()
-                && stack["frames"][0]["function"].as_str().is_some_and(|name| name.ends_with("_Cfunc_c_leak"))
-        })
+        .filter(|stack| stack["mapping"].is_null() && stack["frames"][0]["function"] == "c_leak")
         .collect();
     assert_eq!(bytes(&leaks), 15_000, "{report:#}");
+    // Inlined into the wrapper cgo writes for each C function Go calls.
+    let caller = leaks[0]["frames"][1]["function"].as_str().unwrap();
+    assert!(caller.ends_with("_Cfunc_c_leak"), "{caller}");
     // Go reserves its heap's address space up front: hundreds of MB that
     // no page backs.
     let reserved = report["hidden_mappings"]["reserved_bytes"].as_u64().unwrap();
@@ -162,4 +161,74 @@ fn a_cgo_programs_c_leaks_are_found_and_go_reservations_are_not_memory() {
     assert_eq!(mapped(report, "reservation"), Vec::<&Value>::new());
     let shown = bytes(&mapped(report, "mmap"));
     assert!(shown < 128 << 20, "only mappings that can be touched: {shown} bytes");
+}
+
+/// Requests sent to nginx.
+const NGINX_REQUESTS: u64 = 50;
+
+/// Debian's nginx, as its package starts it: the first process forks the
+/// master and exits (daemon mode), and the master forks the worker that
+/// serves every request.
+#[test]
+fn nginx_started_with_c_is_followed_into_its_worker() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-nginx");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let temp = |name: &str| format!("{name}_temp_path {}/{name};", dir.path().display());
+    let config = format!(
+        "worker_processes 1; pid {root}/nginx.pid; error_log {root}/error.log;\n\
+         events {{ worker_connections 64; }}\n\
+         http {{ access_log off; {} {} {} {} {}\n\
+         server {{ listen 127.0.0.1:{port}; location / {{ return 200 \"hello\\n\"; }} }} }}\n",
+        temp("client_body"),
+        temp("proxy"),
+        temp("fastcgi"),
+        temp("uwsgi"),
+        temp("scgi"),
+        root = dir.path().display()
+    );
+    std::fs::write(dir.path().join("nginx.conf"), config).unwrap();
+    let command = format!("/usr/sbin/nginx -p {0} -c {0}/nginx.conf", dir.path().display());
+    let mut memleak = Memleak::start(&["-c", &command, "--format", "json", "-T", "100", "3600"]);
+    let followed = |line: &str| -> (u64, u64) {
+        let words: Vec<&str> = line.split([' ', ',']).collect();
+        (words[3].parse().unwrap(), words[8].parse().unwrap())
+    };
+    let (master, first) =
+        followed(&memleak.stderr.wait_for("the master", |line| line.contains("forked by pid")));
+    let (worker, parent) =
+        followed(&memleak.stderr.wait_for("the worker", |line| line.contains("forked by pid")));
+    assert_eq!(parent, master, "the worker is the master's child");
+    assert_ne!(first, master);
+    for _ in 0..NGINX_REQUESTS {
+        let mut connection = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        std::io::Write::write_all(&mut connection, b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        std::io::Read::read_to_string(&mut connection, &mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    // memleak did not start the master: it goes on, and is stopped here.
+    let master_pid = libc::pid_t::try_from(master).unwrap();
+    // SAFETY: kill(2) on the nginx master this test started.
+    unsafe { libc::kill(master_pid, libc::SIGTERM) };
+    assert!(status.success());
+    let final_of = |pid: u64| {
+        reports
+            .iter()
+            .rev()
+            .find(|report| report["pid"] == pid)
+            .unwrap_or_else(|| panic!("no report of {pid}"))
+    };
+    let served = &final_of(worker)["health"];
+    assert!(
+        served["allocations"].as_u64().unwrap() >= NGINX_REQUESTS,
+        "a pool per request at least: {served}"
+    );
+    assert!(served["frees"].as_u64().unwrap() >= NGINX_REQUESTS, "{served}");
+    assert!(final_of(worker)["program"].as_str().unwrap().ends_with("/nginx"));
+    assert_eq!(
+        final_of(master)["health"]["allocations"].as_u64().map(|calls| calls < NGINX_REQUESTS),
+        Some(true)
+    );
 }

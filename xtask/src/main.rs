@@ -144,11 +144,11 @@ fn demo() -> Result<()> {
 
 /// Debian packages the end-to-end tests use: compilers for the fixtures
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
-/// are run with, redis-server as a real program, go tool pprof (with
+/// are run with, redis-server and nginx as real programs, go tool pprof (with
 /// graphviz for its -svg) to read memleak's profiles, bpftool to count
 /// what memleak's maps hold without taking memleak's word for it, and
 /// Debian's python3 and a node to unwind real interpreters and JIT code.
-const TEST_PACKAGES: [&str; 13] = [
+const TEST_PACKAGES: [&str; 14] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -160,6 +160,7 @@ const TEST_PACKAGES: [&str; 13] = [
     "libtcmalloc-minimal4",
     "libmimalloc2.0",
     "redis-server",
+    "nginx",
     "golang-go",
     "graphviz",
 ];
