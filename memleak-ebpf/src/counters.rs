@@ -7,6 +7,7 @@ use crate::{maps::PROCESS_COUNTERS, totals::atomic_add};
 
 /// Adds one to process `tgid`'s `counter`. Atomic: the process's threads
 /// count on several CPUs at once.
+#[inline(never)]
 pub fn increment(tgid: u32, counter: Counter) {
     let counters = if let Some(counters) = PROCESS_COUNTERS.get_ptr_mut(tgid) {
         counters

@@ -85,6 +85,19 @@ pub struct AttachPlan {
 }
 
 impl AttachPlan {
+    /// A plan of `sites` in `object`, which it holds open and probes
+    /// through memleak's descriptor of it.
+    fn holding(object: File, display_path: &str, sites: Vec<ProbeSite>) -> Self {
+        let object = Arc::new(object);
+        Self {
+            path: PathBuf::from(format!("/proc/self/fd/{}", object.as_raw_fd())),
+            display_path: display_path.to_owned(),
+            sites,
+            object: Some(object),
+            mapping_object: None,
+        }
+    }
+
     /// What was probed, for people: "libc.so.6 (13 functions probed)".
     pub fn describe(&self) -> String {
         let own = format!("{} ({} functions probed)", self.display_path, self.sites.len());
@@ -284,14 +297,7 @@ fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<Attac
     }
     let mapping = mapping_sites(&file, &sites);
     sites.extend(mapping);
-    let object = Arc::new(object);
-    Ok(AttachPlan {
-        path: PathBuf::from(format!("/proc/self/fd/{}", object.as_raw_fd())),
-        display_path: display_path.to_owned(),
-        sites,
-        object: Some(object),
-        mapping_object: None,
-    })
+    Ok(AttachPlan::holding(object, display_path, sites))
 }
 
 /// A plan of only the mapping functions of the object at `path`, if it
@@ -303,14 +309,7 @@ fn mapping_plan(path: &Path, display_path: &str) -> Option<AttachPlan> {
     if sites.is_empty() {
         return None;
     }
-    let object = Arc::new(object);
-    Some(AttachPlan {
-        path: PathBuf::from(format!("/proc/self/fd/{}", object.as_raw_fd())),
-        display_path: display_path.to_owned(),
-        sites,
-        object: Some(object),
-        mapping_object: None,
-    })
+    Some(AttachPlan::holding(object, display_path, sites))
 }
 
 /// A site for each allocator function the object defines, aliases probed
