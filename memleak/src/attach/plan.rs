@@ -60,7 +60,8 @@ pub struct ProbeSite {
     pub file_offset: u64,
     /// Its length in bytes, as its symbol says (0 if it does not).
     pub code_length: u64,
-    /// Bytes past the start the entry probe goes; see `placement`.
+    /// Bytes past the start the entry and return probes go; see
+    /// `placement`.
     pub entry_skip: u64,
     /// The function and each alias sharing its code; given to the probes
     /// as their attach cookie. Empty for the mapping functions.
@@ -295,7 +296,7 @@ fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<Attac
     for function in &missing {
         log::debug!("{display_path} does not define {function}: not probed");
     }
-    let mapping = mapping_sites(&file, &sites);
+    let mapping = mapping_sites(&file, &data, &sites, display_path);
     sites.extend(mapping);
     Ok(AttachPlan::holding(object, display_path, sites))
 }
@@ -305,7 +306,7 @@ fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<Attac
 fn mapping_plan(path: &Path, display_path: &str) -> Option<AttachPlan> {
     let object = files::open_regular(path).ok()?;
     let data = files::read_limited(&object, files::READ_LIMIT).ok()?;
-    let sites = mapping_sites(&object::File::parse(&*data).ok()?, &[]);
+    let sites = mapping_sites(&object::File::parse(&*data).ok()?, &data, &[], display_path);
     if sites.is_empty() {
         return None;
     }
@@ -339,20 +340,14 @@ fn allocator_sites(
             first.functions = first.functions.union(FunctionSet::of(index));
             continue;
         }
-        // A return probe needs the entry (it takes over the return address
-        // there); a free has none and may skip a costly first instruction.
-        let entry_skip = if function.releases {
-            let code = usize::try_from(file_offset).ok().and_then(|start| data.get(start..)).unwrap_or(&[]);
-            placement::entry_probe_offset(&code[..code.len().min(32)])
-        } else {
-            0
-        };
-        if entry_skip > 0 {
-            log::debug!(
-                "{}: entry probe at +{entry_skip}, past `test %rdi,%rdi`, on the NULL check's jump, which the kernel emulates instead of single-stepping",
-                function.name
-            );
-        }
+        let entry_skip = probes_offset(
+            function.name,
+            function.entry_program,
+            data,
+            file_offset,
+            symbol.size,
+            display_path,
+        );
         sites.push(ProbeSite {
             function: function.name,
             entry_program: function.entry_program,
@@ -366,15 +361,55 @@ fn allocator_sites(
     (sites, missing)
 }
 
+/// Bytes past a function's start to put its probes at: see `placement`.
+/// Without a size, its branches cannot be checked, and it keeps the entry.
+fn probes_offset(
+    function: &str,
+    entry_program: &str,
+    data: &[u8],
+    file_offset: u64,
+    size: u64,
+    display_path: &str,
+) -> u64 {
+    // Past this, a function's branches are not looked through: no
+    // allocator entry point is near that long.
+    const LONGEST: u64 = 64 << 10;
+    let code = usize::try_from(file_offset)
+        .ok()
+        .zip(usize::try_from(size.min(LONGEST)).ok())
+        .and_then(|(start, length)| data.get(start..start.checked_add(length)?))
+        .unwrap_or(&[]);
+    let placement = placement::probe_placement(code, placement::arguments_read(entry_program));
+    match placement.single_stepped {
+        _ if placement.offset > 0 => log::debug!(
+            "{function} in {display_path}: probes at +{}, on `{:?}`, which the kernel emulates, past what it would single-step",
+            placement.offset,
+            placement.probed
+        ),
+        Some(first) => log::debug!(
+            "{function} in {display_path}: probes at the entry, on `{first:?}`, which the kernel single-steps: no emulated instruction they may move to"
+        ),
+        None => {}
+    }
+    placement.offset
+}
+
 /// A site for each mapping function the object defines that is not
 /// already among `sites`. mmap & co. are the C library's, never prefixed.
-fn mapping_sites(file: &object::File, sites: &[ProbeSite]) -> Vec<ProbeSite> {
+fn mapping_sites(
+    file: &object::File,
+    data: &[u8],
+    sites: &[ProbeSite],
+    display_path: &str,
+) -> Vec<ProbeSite> {
     let names = MAPPING_FUNCTIONS.map(|function| function.name);
     let symbols = elf::function_symbols(file, "", &names);
     let mut mapping: Vec<ProbeSite> = Vec::new();
     for function in MAPPING_FUNCTIONS {
         let symbol = symbols.get(function.name);
-        let Some(file_offset) = symbol.and_then(|symbol| elf::file_offset(file, symbol.address)) else {
+        let Some((file_offset, symbol)) =
+            symbol.and_then(|symbol| Some((elf::file_offset(file, symbol.address)?, symbol)))
+        else {
             continue;
         };
         if sites.iter().chain(&mapping).any(|site| site.file_offset == file_offset) {
@@ -385,8 +420,15 @@ fn mapping_sites(file: &object::File, sites: &[ProbeSite]) -> Vec<ProbeSite> {
             entry_program: function.entry_program,
             return_program: function.return_program,
             file_offset,
-            code_length: symbol.map_or(0, |symbol| symbol.size),
-            entry_skip: 0,
+            code_length: symbol.size,
+            entry_skip: probes_offset(
+                function.name,
+                function.entry_program,
+                data,
+                file_offset,
+                symbol.size,
+                display_path,
+            ),
             functions: FunctionSet::default(),
         });
     }
@@ -408,11 +450,6 @@ mod tests {
         }
         let free = plan.sites.iter().find(|site| site.function == "free").unwrap();
         assert_eq!(free.entry_skip, 3, "glibc's free starts with test %rdi,%rdi; je");
-        assert!(plan
-            .sites
-            .iter()
-            .filter(|site| site.return_program.is_some())
-            .all(|site| site.entry_skip == 0));
         let mut offsets: Vec<_> = plan.sites.iter().map(|site| site.file_offset).collect();
         offsets.sort_unstable();
         offsets.dedup();
