@@ -457,6 +457,25 @@ mod tests {
     }
 
     #[test]
+    fn debians_allocators_are_probed_past_what_the_kernel_single_steps() {
+        // (library, function, bytes past its entry) on Debian 12's builds;
+        // the end-to-end tests check the counts are exact with these.
+        let expected = [
+            ("libjemalloc.so.2", "malloc", 7), // cmp $0x1000,%rdi; ja
+            ("libjemalloc.so.2", "free", 48),  // nine moves and arithmetic; jne
+            ("libtcmalloc_minimal.so.4", "free", 10),
+            ("libmimalloc.so.2", "free", 6), // mov %rdi,%rcx; test %rdi,%rdi; je
+            ("libc.so.6", "malloc", 0),      // push %r12, emulated where it is
+        ];
+        for (library, function, offset) in expected {
+            let path = Path::new("/usr/lib/x86_64-linux-gnu").join(library);
+            let plan = plan_for_object(&path, library, "").expect("installed by cargo xtask test");
+            let site = plan.sites.iter().find(|site| site.function == function).unwrap();
+            assert_eq!(site.entry_skip, offset, "{library} {function}");
+        }
+    }
+
+    #[test]
     fn a_file_that_is_not_elf_is_refused() {
         let error = plan_for_object(Path::new("/etc/hostname"), "/etc/hostname", "").unwrap_err();
         assert!(matches!(error, PlanError::NotElf(_)), "{error}");
