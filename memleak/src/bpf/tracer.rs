@@ -263,6 +263,8 @@ impl Tracer {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
                 cookie: Some(u64::from(site.functions.0)),
             };
+            // The entry and return probes share one breakpoint, past the
+            // first instructions when `placement` found that safe.
             let entry = site.file_offset + site.entry_skip;
             let probe = uprobe(&mut self.ebpf, site.entry_program)?;
             let link = probe
@@ -273,7 +275,7 @@ impl Tracer {
             if let Some(return_program) = site.return_program {
                 let ret = uprobe(&mut self.ebpf, return_program)?;
                 let link = ret
-                    .attach(point(site.file_offset), &plan.path, scope)
+                    .attach(point(entry), &plan.path, scope)
                     .map_err(|source| fail(site.function, source))?;
                 links.links.push((return_program, link));
             }
