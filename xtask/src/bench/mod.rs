@@ -7,7 +7,9 @@
 //! probes. Each slowdown is against the untraced run of its own build, and
 //! the results are ratios of slowdowns: memleak to the floor and to
 //! libbpf-tools', and what unwinding by tables costs over frame pointers.
-//! Then what memleak's unwind tables take for real programs (python3,
+//! Then Debian's redis-server, which allocates through jemalloc, under
+//! redis-benchmark: its throughput under memleak and under the
+//! libbpf-tools probe set, over untraced. Then what memleak's unwind tables take for real programs (python3,
 //! redis-server): their rows, kernel memory and build time, and memleak's
 //! start; the time one report takes with up to a million allocations
 //! outstanding; memleak's CPU and memory, and its BPF maps' memory.
@@ -20,6 +22,7 @@ mod latency;
 mod map_memory;
 mod overhead;
 mod process;
+mod redis;
 mod stats;
 mod unwind_tables;
 mod workload;
@@ -42,15 +45,27 @@ struct Settings {
     runs: usize,
     /// Outstanding allocations to measure a report's latency at.
     latency_allocations: &'static [u64],
+    /// SETs and GETs per redis-benchmark run.
+    redis_requests: u32,
 }
 
 /// Under 2 minutes here, even with the machine busy. Most of the time
 /// goes in memleak's exits: closing each of its uprobes takes about
 /// 100 ms (an RCU grace period), about 2 s a run; 1M allocations take 40 s.
-const QUICK: Settings =
-    Settings { threads: 2, iterations: 20_000, runs: 3, latency_allocations: &[10_000, 100_000] };
-const FULL: Settings =
-    Settings { threads: 2, iterations: 100_000, runs: 5, latency_allocations: &[10_000, 100_000, 1_000_000] };
+const QUICK: Settings = Settings {
+    threads: 2,
+    iterations: 20_000,
+    runs: 3,
+    latency_allocations: &[10_000, 100_000],
+    redis_requests: 20_000,
+};
+const FULL: Settings = Settings {
+    threads: 2,
+    iterations: 100_000,
+    runs: 5,
+    latency_allocations: &[10_000, 100_000, 1_000_000],
+    redis_requests: 100_000,
+};
 
 /// One allocation in this many is leaked through `leak_one()`.
 const LEAK_EVERY: u32 = 100;
@@ -97,6 +112,11 @@ pub fn run(quick: bool) -> Result<()> {
     println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
     overhead::measure(&mut contenders, &workload, settings.runs)?;
     overhead::print(&contenders);
+    eprintln!("bench: redis-server under redis-benchmark");
+    match redis::measure(&workload.memleak, &workload.scratch, settings.runs, settings.redis_requests) {
+        Ok(results) => redis::print(&results),
+        Err(error) => println!("\nredis-server under redis-benchmark: not measured: {error:#}"),
+    }
     let tables = unwind_tables::measure_all(&workload.memleak, &workload.scratch);
     unwind_tables::print(&tables);
     let latencies = latency::measure_all(&workload.memleak, &spread, settings.latency_allocations);

@@ -57,15 +57,42 @@ impl Program {
                 command.args(["-c", PYTHON_SCRIPT]).stdin(Stdio::piped());
                 Running::start(command, "ready")
             }
-            Program::Redis => {
-                let port = free_port()?.to_string();
-                let mut command = Command::new("redis-server");
-                command.args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]);
-                // Where a redis-server would write its files, were it asked to.
-                command.current_dir(scratch).stdin(Stdio::null());
-                Running::start(command, "Ready to accept connections")
-            }
+            Program::Redis => RedisServer::start(scratch).map(|server| server.running),
         }
+    }
+}
+
+/// A redis-server the bench started, on a port of its own, saving nothing.
+pub struct RedisServer {
+    running: Running,
+    port: u16,
+}
+
+impl RedisServer {
+    pub fn start(scratch: &Path) -> Result<Self> {
+        let port = free_port()?;
+        let mut command = Command::new("redis-server");
+        command.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        // Where a redis-server would write its files, were it asked to.
+        command.current_dir(scratch).stdin(Stdio::null());
+        Ok(Self { running: Running::start(command, "Ready to accept connections")?, port })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.running.pid()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
     }
 }
 
