@@ -11,6 +11,9 @@ pub const STACK_IDS_MAP: &str = "STACK_IDS";
 pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
 /// Thread id (u32) -> [`PendingCall`](crate::PendingCall).
 pub const PENDING_MAP: &str = "PENDING";
+/// Program array whose slot 0 user space sets to
+/// [`programs::RECORD_WITH_USER_STACK`].
+pub const USER_STACK_RECORDER_MAP: &str = "USER_STACK_RECORDER";
 /// Process id (u32) -> [`ProcessCounters`](crate::ProcessCounters).
 pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
 /// Process id (u32) -> 1 (u32): processes whose new children are
@@ -92,6 +95,9 @@ pub mod programs {
     /// The return probe of mmap and mremap.
     pub const MAPPING_RETURN: &str = "mapping_return";
     pub const MUNMAP_ENTER: &str = "munmap_enter";
+    /// The one program that walks user stacks, tail-called by the return
+    /// probes through [`crate::USER_STACK_RECORDER_MAP`]; never attached.
+    pub const RECORD_WITH_USER_STACK: &str = "record_with_user_stack";
     pub const MPROTECT_ENTER: &str = "mprotect_enter";
     /// Kernel allocations: program name and tracepoint name are the same.
     pub const KERNEL: [&str; 6] =

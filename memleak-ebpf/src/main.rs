@@ -8,6 +8,8 @@
 //! - `calls`: allocator calls in flight between entry and return;
 //! - `record`: recording and forgetting allocations, with `totals`;
 //! - `unwind`: the stack walkers; `stack`: storing a walked stack once;
+//!   `deferred`: handing work that needs the stack to the one program
+//!   that walks it;
 //! - `maps`, `tunables`, `counters`, `events`: state and plumbing.
 #![no_std]
 #![no_main]
@@ -26,6 +28,7 @@
 
 mod calls;
 mod counters;
+mod deferred;
 mod events;
 mod maps;
 mod probes;

@@ -5,11 +5,11 @@
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
 };
 use memleak_common::{
-    Allocation, AllocationKey, PendingCall, PendingMapping, ProcessCounters, ProcessMappings, RuleCacheEntry,
-    StackKey, StackSlot, StackTotals, UnwindRow, RULE_CACHE_ENTRIES,
+    Allocation, AllocationKey, MappingEvent, PendingCall, PendingMapping, ProcessCounters, ProcessMappings,
+    RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow, RULE_CACHE_ENTRIES,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -94,6 +94,27 @@ pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0
 #[map(name = "RULE_CACHE")]
 pub static RULE_CACHE: PerCpuArray<[RuleCacheEntry; RULE_CACHE_ENTRIES]> =
     PerCpuArray::with_max_entries(1, 0);
+
+/// What the return probes leave for `record_with_user_stack`: see
+/// `deferred`.
+#[map(name = "PENDING_RECORD")]
+pub static PENDING_RECORD: PerCpuArray<PendingRecord> = PerCpuArray::with_max_entries(1, 0);
+
+/// Slot 0: `record_with_user_stack`, which user space puts there.
+#[map(name = "USER_STACK_RECORDER")]
+pub static USER_STACK_RECORDER: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// An allocation or a mapping to record with the current user stack.
+#[repr(C)]
+pub struct PendingRecord {
+    /// `deferred::ALLOCATION`, `deferred::MAPPING` or `deferred::NOTHING`.
+    pub kind: u32,
+    /// The process whose stack it is.
+    pub tgid: u32,
+    pub key: AllocationKey,
+    pub size: u64,
+    pub mapping: MappingEvent,
+}
 
 /// A stack and its id, the value of `LAST_STACK`.
 #[repr(C)]

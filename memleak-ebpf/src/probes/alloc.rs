@@ -13,7 +13,7 @@ use memleak_common::{AllocationKey, CallKind, Counter, OVERFLOWED_SIZE};
 
 use crate::{
     calls::{self, enter},
-    counters, events, record, stack, tunables,
+    counters, deferred, events, record, tunables,
 };
 
 /// `malloc(size)`, `valloc(size)`, `pvalloc(size)`, `mallocx(size, flags)`.
@@ -110,8 +110,7 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
     {
         return 0;
     }
-    let key = AllocationKey { tgid, _padding: 0, address };
-    record::store(key, call.size, stack::current_user_stack_id(&ctx, tgid));
+    deferred::store_allocation(&ctx, AllocationKey { tgid, _padding: 0, address }, call.size);
     0
 }
 

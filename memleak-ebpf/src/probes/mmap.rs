@@ -10,9 +10,9 @@ use aya_ebpf::{
 use memleak_common::{Counter, MappingChange, MappingEvent, PendingMapping};
 
 use crate::{
-    calls, counters,
+    calls, counters, deferred,
     maps::{MAPPING_EVENTS, PENDING_MAPPINGS},
-    stack, tunables,
+    tunables,
 };
 
 /// mmap's and mremap's failure value.
@@ -73,16 +73,16 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         event.length = call.length;
         event.prot = call.prot;
         event.flags = call.flags;
-        event.stack_id = stack::current_user_stack_id(&ctx, tgid);
+        // malloc & co. in progress on this thread: the allocator's own mapping.
+        event.inside_allocator = u32::from(calls::inside_allocator());
+        deferred::send_mapping(&ctx, event);
     } else {
         event.address = call.address;
         event.length = call.length;
         event.new_address = returned;
         event.new_length = call.new_length;
+        send(event);
     }
-    // malloc & co. in progress on this thread: the allocator's own mapping.
-    event.inside_allocator = u32::from(calls::inside_allocator());
-    send(event);
     0
 }
 
@@ -121,7 +121,7 @@ pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-pub(super) fn send(mut event: MappingEvent) {
+pub(crate) fn send(mut event: MappingEvent) {
     // SAFETY: a helper without arguments.
     event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
     if MAPPING_EVENTS.output::<MappingEvent>(&event, 0).is_err() {

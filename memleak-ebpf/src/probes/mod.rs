@@ -8,4 +8,5 @@ mod exec;
 mod fork;
 mod free;
 mod kernel;
-mod mmap;
+pub(crate) mod mmap;
+mod recorder;

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use aya::{
-    maps::{HashMap, MapData, RingBuf},
+    maps::{HashMap, MapData, ProgramArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
@@ -17,7 +17,7 @@ use memleak_common::{
     ProcessMappings, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, EVENTS_MAP,
     FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP,
     PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
-    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
 };
 
 use super::map_costs::{self, MapCost};
@@ -154,11 +154,12 @@ pub struct Tracer {
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
 
-/// Every uprobe program of the function tables, each once.
+/// Every uprobe program of the function tables, each once, and the stack
+/// recorder they tail-call.
 fn uprobe_programs() -> Vec<&'static str> {
     let allocator = ALLOCATOR_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program()]);
     let mapping = MAPPING_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program]);
-    let mut programs: Vec<&'static str> = Vec::new();
+    let mut programs: Vec<&'static str> = vec![programs::RECORD_WITH_USER_STACK];
     for program in allocator.chain(mapping).flatten() {
         if !programs.contains(&program) {
             programs.push(program);
@@ -239,6 +240,17 @@ impl Tracer {
             })?;
             log::debug!("{program} verified and loaded in {} ms", loading.elapsed().as_millis());
         }
+        let recorder = uprobe(&mut ebpf, programs::RECORD_WITH_USER_STACK)?
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+            .map_err(|source| TracerError::Verifier { program: programs::RECORD_WITH_USER_STACK, source })?;
+        let map =
+            ebpf.map_mut(USER_STACK_RECORDER_MAP).ok_or(TracerError::Missing(USER_STACK_RECORDER_MAP))?;
+        let mut recorders: ProgramArray<&mut MapData> = ProgramArray::try_from(map)
+            .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
+        recorders
+            .set(0, &recorder, 0)
+            .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
         Ok(Self { ebpf, load_time: started.elapsed() })
     }
 

@@ -1,0 +1,57 @@
+//! Work that needs the current user stack, handed to the one program that
+//! walks it. Both return probes (malloc & co.'s and mmap's) record with a
+//! stack; were the walker in each, the kernel would verify it twice, which
+//! was most of memleak's start-up. Instead each leaves what to record in a
+//! per-CPU slot and tail-calls `record_with_user_stack`, verified once.
+//! BPF programs run without migrating, so the slot is theirs until then.
+
+use aya_ebpf::programs::RetProbeContext;
+use memleak_common::{lost_stack_id, AllocationKey, Counter, MappingEvent};
+
+use crate::{
+    counters,
+    maps::{PendingRecord, PENDING_RECORD, USER_STACK_RECORDER},
+    probes::mmap,
+    record,
+};
+
+/// What the slot asks for.
+pub const NOTHING: u32 = 0;
+pub const ALLOCATION: u32 = 1;
+pub const MAPPING: u32 = 2;
+
+/// Records allocation `key` of `size` bytes with the current user stack.
+pub fn store_allocation(ctx: &RetProbeContext, key: AllocationKey, size: u64) {
+    hand_over(ctx, |pending| {
+        pending.kind = ALLOCATION;
+        pending.tgid = key.tgid;
+        pending.key = key;
+        pending.size = size;
+    });
+    // Not handed over (the recorder is missing): kept, without its stack.
+    counters::increment(key.tgid, Counter::StacksLost);
+    record::store(key, size, lost_stack_id(key.tgid));
+}
+
+/// Sends mapping `event` with the current user stack.
+pub fn send_mapping(ctx: &RetProbeContext, event: MappingEvent) {
+    hand_over(ctx, |pending| {
+        pending.kind = MAPPING;
+        pending.tgid = event.tgid;
+        pending.mapping = event;
+    });
+    counters::increment(event.tgid, Counter::StacksLost);
+    mmap::send(MappingEvent { stack_id: lost_stack_id(event.tgid), ..event });
+}
+
+/// Fills this CPU's slot and tail-calls the recorder, which does not come
+/// back; returns only if that could not happen.
+fn hand_over(ctx: &RetProbeContext, fill: impl FnOnce(&mut PendingRecord)) {
+    let Some(pending) = PENDING_RECORD.get_ptr_mut(0) else { return };
+    // SAFETY: this CPU's slot, used only until the tail call below.
+    fill(unsafe { &mut *pending });
+    // SAFETY: the recorder takes the same context: a return probe's.
+    unsafe { USER_STACK_RECORDER.tail_call(ctx, 0) };
+    // SAFETY: as above.
+    unsafe { (*pending).kind = NOTHING };
+}

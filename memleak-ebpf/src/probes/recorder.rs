@@ -1,0 +1,31 @@
+//! The one program that walks user stacks: the return probes tail-call it
+//! with what to record in this CPU's slot (see `deferred`). Never attached.
+
+use aya_ebpf::{macros::uretprobe, programs::RetProbeContext};
+
+use super::mmap;
+use crate::{
+    deferred::{ALLOCATION, MAPPING, NOTHING},
+    maps::PENDING_RECORD,
+    record, stack,
+};
+
+#[uretprobe]
+pub fn record_with_user_stack(ctx: RetProbeContext) -> u32 {
+    let Some(pending) = PENDING_RECORD.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's slot, filled by the program that tail-called us.
+    let pending = unsafe { &mut *pending };
+    // One walk, before anything branches on the kind: the verifier then
+    // checks the walker once.
+    let stack_id = stack::current_user_stack_id(&ctx, pending.tgid);
+    match pending.kind {
+        ALLOCATION => record::store(pending.key, pending.size, stack_id),
+        MAPPING => {
+            pending.mapping.stack_id = stack_id;
+            mmap::send(pending.mapping);
+        }
+        _ => {}
+    }
+    pending.kind = NOTHING;
+    0
+}
