@@ -191,6 +191,23 @@ fn run_traced_command(command: &str, memleak_args: &[&str], env: &[(&str, &str)]
     reports
 }
 
+/// Attaches memleak -p to `target` (JSON, one report at the end), lets it
+/// allocate, and stops memleak with SIGINT; returns memleak's reports and
+/// what it said on stderr.
+pub fn trace_running(target: &mut crate::Leaker, memleak_args: &[&str]) -> (Vec<Value>, Vec<String>) {
+    let pid = target.pid().to_string();
+    let mut args = vec!["-p", &pid, "--format", "json", "-T", "1000", "3600"];
+    args.extend_from_slice(memleak_args);
+    let mut memleak = Memleak::start(&args);
+    memleak.wait_attached();
+    target.go();
+    memleak.signal(libc::SIGINT);
+    let stderr = memleak.stderr.rest();
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    (reports, stderr)
+}
+
 /// Stacks of a report whose first frame is `function` at `line`.
 pub fn stacks_at<'a>(report: &'a Value, function: &str, line: u64) -> Vec<&'a Value> {
     report["stacks"]

@@ -220,13 +220,7 @@ fn a_rust_release_build_with_tikv_jemallocator() {
     assert!(status.success(), "building the tikv-jemallocator fixture failed");
     let program = target_dir.join("release/rust-jemalloc");
     let mut target = Leaker::start_command(std::process::Command::new(&program));
-    let pid = target.pid().to_string();
-    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
-    memleak.wait_attached();
-    target.go();
-    memleak.signal(libc::SIGINT);
-    let (status, reports) = memleak.finish();
-    assert!(status.success());
+    let (reports, _) = memleak_tests::trace_running(&mut target, &[]);
     target.exit();
     let report = reports.last().expect("a final report");
     assert_eq!(report["allocator"], program.to_str().unwrap(), "the binary's own jemalloc is probed");

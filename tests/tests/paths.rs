@@ -99,13 +99,7 @@ fn a_program_started_through_a_symlink_is_named_by_the_symlink() {
         command.args(["seed", "2", "--wait"]);
         command
     });
-    let pid = leaker.pid().to_string();
-    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
-    memleak.wait_attached();
-    leaker.go();
-    memleak.signal(libc::SIGINT);
-    let (status, reports) = memleak.finish();
-    assert!(status.success());
+    let (reports, _) = memleak_tests::trace_running(&mut leaker, &[]);
     let report = reports.last().unwrap();
     assert_eq!(report["program"], alias, "{report:#}");
     assert_all_named(&modules_of(report, "fibonacci"), alias, report);

@@ -56,6 +56,17 @@ fn reserved_address_space_is_not_memory_until_made_usable() {
     assert_eq!(all["hidden_mappings"]["reserved_bytes"], 0);
 }
 
+/// (child, parent) from "memleak: tracing pid CHILD, forked by pid PARENT".
+fn forked(line: &str) -> (u64, u64) {
+    let words: Vec<&str> = line.split([' ', ',']).collect();
+    (words[3].parse().unwrap(), words[8].parse().unwrap())
+}
+
+/// The last report of process `pid`.
+fn final_report(reports: &[Value], pid: u64) -> &Value {
+    reports.iter().rev().find(|report| report["pid"] == pid).unwrap_or_else(|| panic!("no report of {pid}"))
+}
+
 /// Runs `leaker forks` under memleak -c with `extra` flags: the child
 /// leaks 3 x 3000 bytes once a line arrives, after `before_go` has seen
 /// memleak's stderr. Returns every report and the stderr lines.
@@ -77,15 +88,8 @@ fn trace_forks(extra: &[&str], before_go: &str) -> (Vec<Value>, String) {
 fn a_command_is_followed_into_the_processes_it_forks() {
     let (reports, followed) = trace_forks(&[], "forked by pid");
     // "memleak: tracing pid CHILD, forked by pid PARENT"
-    let pid = |word: usize| -> u64 { followed.split([' ', ',']).nth(word).unwrap().parse().unwrap() };
-    let (child, parent) = (pid(3), pid(8));
-    let final_of = |pid: u64| {
-        reports
-            .iter()
-            .rev()
-            .find(|report| report["pid"] == pid)
-            .unwrap_or_else(|| panic!("no report of {pid}"))
-    };
+    let (child, parent) = forked(&followed);
+    let final_of = |pid: u64| final_report(&reports, pid);
     let child_report = final_of(child);
     assert_eq!(usage_at(child_report, "forks", "child-leak"), (9000, 3), "{child_report:#}");
     assert_eq!(child_report["total_bytes"], 9000, "{child_report:#}");
@@ -189,14 +193,10 @@ fn nginx_started_with_c_is_followed_into_its_worker() {
     std::fs::write(dir.path().join("nginx.conf"), config).unwrap();
     let command = format!("/usr/sbin/nginx -p {0} -c {0}/nginx.conf", dir.path().display());
     let mut memleak = Memleak::start(&["-c", &command, "--format", "json", "-T", "100", "3600"]);
-    let followed = |line: &str| -> (u64, u64) {
-        let words: Vec<&str> = line.split([' ', ',']).collect();
-        (words[3].parse().unwrap(), words[8].parse().unwrap())
-    };
     let (master, first) =
-        followed(&memleak.stderr.wait_for("the master", |line| line.contains("forked by pid")));
+        forked(&memleak.stderr.wait_for("the master", |line| line.contains("forked by pid")));
     let (worker, parent) =
-        followed(&memleak.stderr.wait_for("the worker", |line| line.contains("forked by pid")));
+        forked(&memleak.stderr.wait_for("the worker", |line| line.contains("forked by pid")));
     assert_eq!(parent, master, "the worker is the master's child");
     assert_ne!(first, master);
     for _ in 0..NGINX_REQUESTS {
@@ -213,13 +213,7 @@ fn nginx_started_with_c_is_followed_into_its_worker() {
     // SAFETY: kill(2) on the nginx master this test started.
     unsafe { libc::kill(master_pid, libc::SIGTERM) };
     assert!(status.success());
-    let final_of = |pid: u64| {
-        reports
-            .iter()
-            .rev()
-            .find(|report| report["pid"] == pid)
-            .unwrap_or_else(|| panic!("no report of {pid}"))
-    };
+    let final_of = |pid: u64| final_report(&reports, pid);
     let served = &final_of(worker)["health"];
     assert!(
         served["allocations"].as_u64().unwrap() >= NGINX_REQUESTS,

@@ -16,16 +16,7 @@ fn final_report(program: Command, memleak_args: &[&str]) -> Value {
 /// As `final_report`, with what memleak said on stderr.
 fn final_report_and_stderr(program: Command, memleak_args: &[&str]) -> (Value, Vec<String>) {
     let mut target = Leaker::start_command(program);
-    let pid = target.pid().to_string();
-    let mut args = vec!["-p", &pid, "--format", "json", "-T", "1000", "3600"];
-    args.extend_from_slice(memleak_args);
-    let mut memleak = Memleak::start(&args);
-    memleak.wait_attached();
-    target.go();
-    memleak.signal(libc::SIGINT);
-    let stderr = memleak.stderr.rest();
-    let (status, reports) = memleak.finish();
-    assert!(status.success(), "memleak exited with {status}");
+    let (reports, stderr) = memleak_tests::trace_running(&mut target, memleak_args);
     target.exit();
     (reports.last().cloned().expect("a final report"), stderr)
 }

@@ -358,24 +358,19 @@ impl Tracer {
     /// as a `MappingChange::Exec` event, and its table of mappings is
     /// dropped.
     pub fn watch_execs(&mut self) -> Result<(), TracerError> {
-        let btf = kernel_btf()?;
-        let tracepoint = programs::PROCESS_EXEC;
-        let missing = |error: ProgramError| TracerError::KernelFeature {
-            feature: format!("the {tracepoint} tracepoint"),
-            detail: error.to_string(),
-        };
-        let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
-        program.load(tracepoint, &btf).map_err(missing)?;
-        program.attach().map_err(missing)?;
-        Ok(())
+        self.attach_tracepoint(programs::PROCESS_EXEC)
     }
 
     /// Attaches the fork tracepoint: a process made by a followed one (see
     /// `follow`) is followed too, and comes as a `MappingChange::Fork`
     /// event. Needs `TracerConfig::task_tgid_offset`.
     pub fn watch_forks(&mut self) -> Result<(), TracerError> {
+        self.attach_tracepoint(programs::PROCESS_FORK)
+    }
+
+    /// Loads and attaches the BTF tracepoint program of that name.
+    fn attach_tracepoint(&mut self, tracepoint: &'static str) -> Result<(), TracerError> {
         let btf = kernel_btf()?;
-        let tracepoint = programs::PROCESS_FORK;
         let missing = |error: ProgramError| TracerError::KernelFeature {
             feature: format!("the {tracepoint} tracepoint"),
             detail: error.to_string(),
