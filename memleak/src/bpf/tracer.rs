@@ -150,6 +150,8 @@ pub struct Tracer {
     pub(super) ebpf: Ebpf,
     /// How long loading took, the kernel's verifier most of it.
     load_time: std::time::Duration,
+    /// The kernel's BTF, parsed once (tens of ms) for every tracepoint.
+    btf: Option<aya::Btf>,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -251,7 +253,7 @@ impl Tracer {
         recorders
             .set(0, &recorder, 0)
             .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
-        Ok(Self { ebpf, load_time: started.elapsed() })
+        Ok(Self { ebpf, load_time: started.elapsed(), btf: None })
     }
 
     /// How long loading took, the kernel's verifier most of it.
@@ -370,15 +372,24 @@ impl Tracer {
 
     /// Loads and attaches the BTF tracepoint program of that name.
     fn attach_tracepoint(&mut self, tracepoint: &'static str) -> Result<(), TracerError> {
-        let btf = kernel_btf()?;
+        let btf = self.kernel_btf()?;
         let missing = |error: ProgramError| TracerError::KernelFeature {
             feature: format!("the {tracepoint} tracepoint"),
             detail: error.to_string(),
         };
         let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
-        program.load(tracepoint, &btf).map_err(missing)?;
-        program.attach().map_err(missing)?;
-        Ok(())
+        let loaded = program.load(tracepoint, &btf).and_then(|()| program.attach().map(drop));
+        self.btf = Some(btf);
+        loaded.map_err(missing)
+    }
+
+    /// The kernel's BTF, parsed the first time only; put it back in
+    /// `self.btf` after use.
+    fn kernel_btf(&mut self) -> Result<aya::Btf, TracerError> {
+        match self.btf.take() {
+            Some(btf) => Ok(btf),
+            None => kernel_btf(),
+        }
     }
 
     /// Follows the children process `tgid` makes from now on.
