@@ -313,26 +313,39 @@ impl Tracer {
 
     /// Deletes every entry process `tgid` left in the maps: its
     /// allocations, stacks, stack ids, per-stack totals, its threads' call
-    /// entries (which the LRU map would evict only in time) and its unwind
-    /// table. For a
-    /// process that has exited and had its final report.
+    /// entries (which the LRU map would evict only in time), its unwind
+    /// table, counters and follow mark. For a process that has exited and
+    /// had its final report.
     pub fn forget_process(&mut self, tgid: u32) -> Result<(), TracerError> {
-        self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| key.tgid == tgid)?;
+        self.forget_processes(&HashSet::from([tgid]))
+    }
+
+    /// `forget_process` for each of `gone`, in one pass over each map.
+    pub fn forget_processes(&mut self, gone: &HashSet<u32>) -> Result<(), TracerError> {
+        self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| gone.contains(&key.tgid))?;
         let stacks: HashSet<u64> = self
-            .remove_entries::<u64, StackKey>(STACKS_MAP, |_, key| key.tgid == tgid)?
+            .remove_entries::<u64, StackKey>(STACKS_MAP, |_, key| gone.contains(&key.tgid))?
             .into_iter()
             .collect();
-        self.remove_entries::<StackSlot, u64>(STACK_IDS_MAP, |slot, _| slot.tgid == tgid)?;
-        let lost = lost_stack_id(tgid);
+        self.remove_entries::<StackSlot, u64>(STACK_IDS_MAP, |slot, _| gone.contains(&slot.tgid))?;
+        let lost: HashSet<u64> = gone.iter().map(|&tgid| lost_stack_id(tgid)).collect();
         self.remove_entries::<u64, StackTotals>(STACK_TOTALS_MAP, |id, _| {
-            *id == lost || stacks.contains(id)
+            lost.contains(id) || stacks.contains(id)
         })?;
-        self.remove_entries::<u32, PendingCall>(PENDING_MAP, |_, call| call.tgid == tgid)?;
-        self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| *pid == tgid)?;
-        self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| *pid == tgid)?;
-        self.remove_entries::<u32, ProcessCounters>(PROCESS_COUNTERS_MAP, |pid, _| *pid == tgid)?;
-        self.remove_entries::<u32, u32>(FOLLOWED_MAP, |pid, _| *pid == tgid)?;
+        self.remove_entries::<u32, PendingCall>(PENDING_MAP, |_, call| gone.contains(&call.tgid))?;
+        let by_pid = |pid: &u32| gone.contains(pid);
+        self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| by_pid(pid))?;
+        self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| by_pid(pid))?;
+        self.remove_entries::<u32, ProcessCounters>(PROCESS_COUNTERS_MAP, |pid, _| by_pid(pid))?;
+        self.remove_entries::<u32, u32>(FOLLOWED_MAP, |pid, _| by_pid(pid))?;
         Ok(())
+    }
+
+    /// The processes that have counted anything: every one whose calls the
+    /// probes saw, traced or not.
+    pub fn counted_processes(&self) -> Result<Vec<u32>, TracerError> {
+        let counters: HashMap<&MapData, u32, ProcessCounters> = self.map(PROCESS_COUNTERS_MAP)?;
+        Ok(counters.keys().filter_map(Result::ok).collect())
     }
 
     /// Deletes the entries of hash map `name` for which `doomed` holds, and

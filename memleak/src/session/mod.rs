@@ -491,7 +491,34 @@ impl Session {
         for index in 0..self.targets.len() {
             self.refresh_target(index)?;
         }
+        self.forget_untraced()?;
         Ok(self.follow_cgroup()?.processes)
+    }
+
+    /// With --cgroup, the probes record every process of the cgroup from
+    /// its first call, before memleak has picked it up: one that exits
+    /// before that would leave its allocations, stacks and counters in
+    /// the maps for good. Those of processes gone and never traced are
+    /// deleted.
+    fn forget_untraced(&mut self) -> Result<(), SessionError> {
+        if self.cgroup.is_none() {
+            return Ok(());
+        }
+        let traced: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
+        let gone: HashSet<u32> = self
+            .tracer
+            .counted_processes()?
+            .into_iter()
+            .filter(|pid| !traced.contains(pid) && !Path::new(&format!("/proc/{pid}")).exists())
+            .collect();
+        if !gone.is_empty() {
+            log::debug!("forgetting {} processes that left the cgroup untraced", gone.len());
+            self.tracer.forget_processes(&gone)?;
+            for &pid in &gone {
+                self.stacks.forget(pid);
+            }
+        }
+        Ok(())
     }
 
     /// Waits for the next thing to say: trace events, or a target's exit.
