@@ -226,3 +226,26 @@ fn nginx_started_with_c_is_followed_into_its_worker() {
         Some(true)
     );
 }
+
+#[test]
+fn follow_forks_traces_the_children_of_a_running_process() {
+    let mut leaker = memleak_tests::Leaker::start_waiting(&["forks"]);
+    let pid = leaker.pid().to_string();
+    let mut memleak =
+        Memleak::start(&["-p", &pid, "--follow-forks", "--format", "json", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    leaker.send("go", "child ready");
+    let (child, parent) =
+        forked(&memleak.stderr.wait_for("the child", |line| line.contains("forked by pid")));
+    assert_eq!(parent, u64::from(leaker.pid()));
+    // The child reads this line, leaks and exits; then the parent is done.
+    leaker.send("go", "done");
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success());
+    let child_report = final_report(&reports, child);
+    assert_eq!(usage_at(child_report, "forks", "child-leak"), (9000, 3), "{child_report:#}");
+    let parent_report = final_report(&reports, parent);
+    assert_eq!(usage_at(parent_report, "forks", "parent-leak"), (1000, 1), "{parent_report:#}");
+    leaker.exit();
+}
