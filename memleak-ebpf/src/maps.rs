@@ -5,7 +5,7 @@
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf},
 };
 use memleak_common::{
     Allocation, AllocationKey, MappingEvent, PendingCall, PendingMapping, ProcessCounters, ProcessMappings,
@@ -38,9 +38,11 @@ pub static STACK_TOTALS: HashMap<u64, StackTotals> = HashMap::with_max_entries(6
 #[map(name = "PENDING")]
 pub static PENDING: LruHashMap<u32, PendingCall> = LruHashMap::with_max_entries(16_384, 0);
 
-/// Process id -> its health counters; sized at load from --max-processes.
+/// Process id -> its health counters, one copy per CPU: every allocation
+/// and free counts, and a shared copy would bounce one cache line between
+/// the CPUs a process's threads run on. Sized at load from --max-processes.
 #[map(name = "PROCESS_COUNTERS")]
-pub static PROCESS_COUNTERS: HashMap<u32, ProcessCounters> = HashMap::with_max_entries(1024, 0);
+pub static PROCESS_COUNTERS: PerCpuHashMap<u32, ProcessCounters> = PerCpuHashMap::with_max_entries(1024, 0);
 
 /// Process id -> 1: the processes whose children are followed.
 #[map(name = "FOLLOWED")]

@@ -50,7 +50,7 @@ fn update(stack_id: u64, bytes: u64, allocations: u64, allocated: bool) {
 ///
 /// # Safety
 /// `target` must be valid for writes and 8-byte aligned.
-pub unsafe fn atomic_add(target: *mut u64, value: u64) {
+unsafe fn atomic_add(target: *mut u64, value: u64) {
     // SAFETY: guaranteed by the caller.
     unsafe { core::arch::asm!("lock *(u64 *)({0} + 0) += {1}", in(reg) target, in(reg) value) };
 }

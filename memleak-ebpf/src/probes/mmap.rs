@@ -89,36 +89,31 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
 /// `munmap(address, length)`.
 #[uprobe]
 pub fn munmap_enter(ctx: ProbeContext) -> u32 {
-    if !tunables::in_scope() {
-        return 0;
-    }
-    let event = MappingEvent {
-        address: ctx.arg(0).unwrap_or(0),
-        length: ctx.arg(1).unwrap_or(0),
-        tgid: calls::process_id(),
-        change: MappingChange::Unmap as u32,
-        ..MappingEvent::default()
-    };
-    send(event);
+    send_range_change(&ctx, MappingChange::Unmap, 0);
     0
 }
 
 /// `mprotect(address, length, prot)`: a reservation made usable, or back.
 #[uprobe]
 pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
+    send_range_change(&ctx, MappingChange::Protect, ctx.arg(2).unwrap_or(0));
+    0
+}
+
+/// Sends `change` of the range the call's first two arguments name, as
+/// the call begins: munmap and mprotect return nothing memleak needs.
+fn send_range_change(ctx: &ProbeContext, change: MappingChange, prot: u32) {
     if !tunables::in_scope() {
-        return 0;
+        return;
     }
-    let event = MappingEvent {
+    send(MappingEvent {
         address: ctx.arg(0).unwrap_or(0),
         length: ctx.arg(1).unwrap_or(0),
-        prot: ctx.arg(2).unwrap_or(0),
+        prot,
         tgid: calls::process_id(),
-        change: MappingChange::Protect as u32,
+        change: change as u32,
         ..MappingEvent::default()
-    };
-    send(event);
-    0
+    });
 }
 
 pub(crate) fn send(mut event: MappingEvent) {

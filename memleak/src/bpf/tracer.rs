@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use aya::{
-    maps::{HashMap, MapData, ProgramArray, RingBuf},
+    maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
@@ -336,7 +336,12 @@ impl Tracer {
         let by_pid = |pid: &u32| gone.contains(pid);
         self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| by_pid(pid))?;
         self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| by_pid(pid))?;
-        self.remove_entries::<u32, ProcessCounters>(PROCESS_COUNTERS_MAP, |pid, _| by_pid(pid))?;
+        let mut counters: PerCpuHashMap<&mut MapData, u32, ProcessCounters> =
+            self.map_mut(PROCESS_COUNTERS_MAP)?;
+        let counted: Vec<u32> = counters.keys().filter_map(Result::ok).filter(|pid| by_pid(pid)).collect();
+        for pid in counted {
+            let _ = counters.remove(&pid);
+        }
         self.remove_entries::<u32, u32>(FOLLOWED_MAP, |pid, _| by_pid(pid))?;
         Ok(())
     }
@@ -344,7 +349,7 @@ impl Tracer {
     /// The processes that have counted anything: every one whose calls the
     /// probes saw, traced or not.
     pub fn counted_processes(&self) -> Result<Vec<u32>, TracerError> {
-        let counters: HashMap<&MapData, u32, ProcessCounters> = self.map(PROCESS_COUNTERS_MAP)?;
+        let counters: PerCpuHashMap<&MapData, u32, ProcessCounters> = self.map(PROCESS_COUNTERS_MAP)?;
         Ok(counters.keys().filter_map(Result::ok).collect())
     }
 
@@ -418,7 +423,8 @@ impl Tracer {
     pub fn unfollow(&mut self, tgid: u32) -> Result<(), TracerError> {
         let mut followed: HashMap<&mut MapData, u32, u32> = self.map_mut(FOLLOWED_MAP)?;
         let _ = followed.remove(&tgid);
-        let mut counters: HashMap<&mut MapData, u32, ProcessCounters> = self.map_mut(PROCESS_COUNTERS_MAP)?;
+        let mut counters: PerCpuHashMap<&mut MapData, u32, ProcessCounters> =
+            self.map_mut(PROCESS_COUNTERS_MAP)?;
         let _ = counters.remove(&tgid);
         Ok(())
     }
@@ -498,9 +504,9 @@ impl Tracer {
     /// Each process's health counters. The allocations recorded are not
     /// among them: the per-stack totals count those.
     pub fn counters(&self) -> Result<std::collections::HashMap<u32, HealthCounters>, TracerError> {
-        let counters: HashMap<&MapData, u32, ProcessCounters> = self.map(PROCESS_COUNTERS_MAP)?;
-        let health = |counters: &ProcessCounters| {
-            let read = |counter: Counter| counters[counter as usize];
+        let counters: PerCpuHashMap<&MapData, u32, ProcessCounters> = self.map(PROCESS_COUNTERS_MAP)?;
+        let health = |per_cpu: &PerCpuValues<ProcessCounters>| {
+            let read = |counter: Counter| per_cpu.iter().map(|counters| counters[counter as usize]).sum();
             HealthCounters {
                 allocations: read(Counter::Allocations),
                 recorded_allocations: None,
