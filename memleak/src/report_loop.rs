@@ -63,7 +63,8 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
         log::debug!("never tracing pid {}: {}", excluded.pid, excluded.why);
     }
     let mut session = Session::start(&config.target, &session_config)?;
-    stats.started(session.load_time(), starting.elapsed())?;
+    let attached = session.first_attached().map(|at| at.saturating_duration_since(starting));
+    stats.started(session.load_time(), attached, starting.elapsed())?;
     announce(&session, &config.target, &mut stats)?;
     let mut sinks = Sinks { output: &mut output, saves: saves.as_mut(), stats: &mut stats };
     let ended = drive(config, &mut session, &mut sinks, &mut stop).await;

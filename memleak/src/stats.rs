@@ -57,6 +57,9 @@ enum Record<'a> {
     },
     Started {
         load_ms: f64,
+        /// Until the first uprobe was attached; absent in kernel mode.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        attached_ms: Option<f64>,
         start_ms: f64,
     },
     UnwindTables {
@@ -131,9 +134,15 @@ impl Stats {
     /// How long memleak took to start tracing: `load` of it loading its
     /// BPF programs (the kernel's verifier, mostly), `start` in all, the
     /// first tables and probes included.
-    pub fn started(&mut self, load: Duration, start: Duration) -> Result<(), StatsError> {
+    pub fn started(
+        &mut self,
+        load: Duration,
+        attached: Option<Duration>,
+        start: Duration,
+    ) -> Result<(), StatsError> {
         self.write(&Record::Started {
             load_ms: load.as_secs_f64() * 1000.0,
+            attached_ms: attached.map(|attached| attached.as_secs_f64() * 1000.0),
             start_ms: start.as_secs_f64() * 1000.0,
         })
     }

@@ -18,6 +18,10 @@ use crate::fixtures::{fixture, marker_line, workspace_root};
 pub const PATIENCE: Duration = Duration::from_mins(1);
 
 /// The memleak binary under test (`cargo xtask test` builds it first).
+/// Set, memleak attaches one perf-event uprobe per site rather than one
+/// multi-uprobe link per program.
+pub const PERF_EVENT_UPROBES: &str = "MEMLEAK_PERF_EVENT_UPROBES";
+
 pub fn memleak_binary() -> PathBuf {
     let binary = std::env::var_os("MEMLEAK_BIN")
         .map_or_else(|| workspace_root().join("target/debug/memleak"), PathBuf::from);

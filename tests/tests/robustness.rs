@@ -152,20 +152,39 @@ fn a_target_that_exits_while_memleak_attaches_is_named_as_the_cause() {
 }
 
 #[test]
-fn cap_bpf_and_cap_perfmon_alone_are_told_what_tracing_a_process_needs() {
+fn cap_bpf_and_cap_perfmon_alone_trace_a_process_through_multi_uprobe_links() {
+    let leaker = memleak_tests::fixture("leaker");
+    let output = std::process::Command::new("setpriv")
+        .arg("--bounding-set=-all,+bpf,+perfmon")
+        .arg(memleak_tests::memleak_binary())
+        .args(["-c", &format!("{} all --exit", leaker.display()), "--format", "json", "-T", "1", "3600"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(
+        (report["total_bytes"].as_u64(), report["total_allocations"].as_u64()),
+        (Some(17_264), Some(15))
+    );
+}
+
+#[test]
+fn cap_bpf_and_cap_perfmon_alone_are_told_what_perf_event_uprobes_need() {
     let target = std::process::id().to_string();
     let output = std::process::Command::new("setpriv")
         .arg("--bounding-set=-all,+bpf,+perfmon")
         .arg(memleak_tests::memleak_binary())
         .args(["-p", &target, "1", "1"])
+        .env(memleak_tests::PERF_EVENT_UPROBES, "1")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.ends_with(
-            "(permission denied): tracing a process needs root or CAP_SYS_ADMIN; CAP_BPF and CAP_PERFMON \
-             are enough only to trace the kernel\n"
+            "(permission denied): tracing a process with perf-event uprobes needs root or CAP_SYS_ADMIN; \
+             CAP_BPF and CAP_PERFMON are enough for multi-uprobe links (Linux 6.6) and the kernel\n"
         ),
         "{stderr}"
     );

@@ -4,6 +4,7 @@
 
 pub mod contents;
 pub mod map_costs;
+pub mod multi_uprobes;
 pub mod rings;
 pub mod tracer;
 pub mod unwind_maps;

@@ -2,7 +2,7 @@
 //! reading its maps and forgetting what a gone process left in them.
 //! Dropping the tracer detaches every probe.
 
-use std::collections::HashSet;
+use std::{collections::HashSet, os::fd::OwnedFd};
 
 use aya::{
     maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
@@ -20,7 +20,10 @@ use memleak_common::{
     UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
 };
 
-use super::map_costs::{self, MapCost};
+use super::{
+    map_costs::{self, MapCost},
+    multi_uprobes::{self, LoadError, MultiUprobePrograms},
+};
 use crate::{
     attach::AttachPlan,
     model::{HealthCounters, Unwinding},
@@ -38,13 +41,20 @@ pub enum TracerError {
     Load(#[source] EbpfError),
     #[error("the kernel rejected BPF program `{program}`: {source}")]
     Verifier { program: &'static str, source: ProgramError },
+    #[error("{0}")]
+    MultiLoad(#[source] LoadError),
+    #[error("cannot make the stack recorder the uretprobes' tail call: {0}")]
+    TailCall(#[source] std::io::Error),
     #[error("failed to attach uprobe to `{function}` in {object}: {}", root_cause(source))]
     Attach { function: &'static str, object: String, source: ProgramError },
     #[error(
         "the kernel refused a uprobe on `{function}` in {object} (permission denied): tracing a process \
-         needs root or CAP_SYS_ADMIN; CAP_BPF and CAP_PERFMON are enough only to trace the kernel"
+         with perf-event uprobes needs root or CAP_SYS_ADMIN; CAP_BPF and CAP_PERFMON are enough for \
+         multi-uprobe links (Linux 6.6) and the kernel"
     )]
     UprobesNotPermitted { function: &'static str, object: String },
+    #[error("failed to attach uprobes in {object}: {}", status::os_reason(source))]
+    AttachMulti { object: String, source: std::io::Error },
     #[error("pid {pid} exited while memleak was attaching to it")]
     TargetGone { pid: u32 },
     #[error("failed to read BPF map {map}: {source}")]
@@ -143,15 +153,39 @@ impl TracerConfig {
 /// The probes one `attach` placed, to take them out again.
 #[derive(Debug, Default)]
 pub struct Links {
+    /// One perf-event uprobe per site and program.
     links: Vec<(&'static str, UProbeLinkId)>,
+    /// One multi-uprobe link per program: closing it detaches them all.
+    multi: Vec<OwnedFd>,
+}
+
+impl Drop for Links {
+    /// Closes the multi-uprobe links at once: each close waits for the
+    /// kernel's RCU grace period, about 50 ms here, and closes waiting
+    /// together share one.
+    fn drop(&mut self) {
+        std::thread::scope(|scope| {
+            for link in self.multi.drain(..) {
+                scope.spawn(move || drop(link));
+            }
+        });
+    }
 }
 
 pub struct Tracer {
     pub(super) ebpf: Ebpf,
+    /// The uprobe programs, when loaded for multi-uprobe links; `None`:
+    /// aya loaded them in `ebpf` for one perf-event uprobe per site.
+    multi: Option<MultiUprobePrograms>,
     /// How long loading took, the kernel's verifier most of it.
     load_time: std::time::Duration,
     /// The kernel's BTF, parsed once (tens of ms) for every tracepoint.
     btf: Option<aya::Btf>,
+    /// The kernel's BTF as a thread parses it, from the start of `load`:
+    /// on another CPU while the kernel verifies the programs.
+    btf_parsing: Option<std::thread::JoinHandle<Result<aya::Btf, TracerError>>>,
+    /// When the first uprobe was attached.
+    first_attached: Option<std::time::Instant>,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -168,6 +202,58 @@ fn uprobe_programs() -> Vec<&'static str> {
         }
     }
     programs
+}
+
+/// Set, memleak attaches one perf-event uprobe per site even where the
+/// kernel has multi-uprobe links: to test that way on a new kernel.
+pub const PERF_EVENT_UPROBES: &str = "MEMLEAK_PERF_EVENT_UPROBES";
+
+/// Loads the uprobe programs through aya, for perf-event uprobes, and
+/// makes the stack recorder the uretprobes' tail call.
+fn load_for_perf_events(ebpf: &mut Ebpf) -> Result<(), TracerError> {
+    for program in uprobe_programs() {
+        let loading = std::time::Instant::now();
+        let probe = uprobe(ebpf, program)?;
+        probe.load().map_err(|source| {
+            if caused_by_eperm(&source) {
+                TracerError::NotPermitted
+            } else {
+                TracerError::Verifier { program, source }
+            }
+        })?;
+        log::debug!("{program} verified and loaded in {} ms", loading.elapsed().as_millis());
+    }
+    let recorder = uprobe(ebpf, programs::RECORD_WITH_USER_STACK)?
+        .fd()
+        .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+        .map_err(|source| TracerError::Verifier { program: programs::RECORD_WITH_USER_STACK, source })?;
+    let map = ebpf.map_mut(USER_STACK_RECORDER_MAP).ok_or(TracerError::Missing(USER_STACK_RECORDER_MAP))?;
+    let mut recorders: ProgramArray<&mut MapData> = ProgramArray::try_from(map)
+        .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
+    recorders
+        .set(0, &recorder, 0)
+        .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })
+}
+
+/// Loads the uprobe programs for multi-uprobe links, and makes the stack
+/// recorder the uretprobes' tail call (a tail call's target must be
+/// loaded for the same kind of attachment as its caller).
+fn load_for_multi_links(ebpf: &Ebpf) -> Result<MultiUprobePrograms, TracerError> {
+    let programs =
+        MultiUprobePrograms::load(BPF_OBJECT, ebpf, &uprobe_programs()).map_err(|error| match error {
+            LoadError::Verifier { ref source, .. } | LoadError::BtfRefused(ref source)
+                if source.raw_os_error() == Some(libc::EPERM) =>
+            {
+                TracerError::NotPermitted
+            }
+            error => TracerError::MultiLoad(error),
+        })?;
+    let recorder = programs
+        .program(programs::RECORD_WITH_USER_STACK)
+        .ok_or(TracerError::Missing(programs::RECORD_WITH_USER_STACK))?;
+    let map = ebpf.map(USER_STACK_RECORDER_MAP).ok_or(TracerError::Missing(USER_STACK_RECORDER_MAP))?;
+    multi_uprobes::set_tail_call(map, 0, recorder).map_err(TracerError::TailCall)?;
+    Ok(programs)
 }
 
 impl Tracer {
@@ -193,6 +279,7 @@ impl Tracer {
 
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
         let started = std::time::Instant::now();
+        let btf_parsing = Some(std::thread::spawn(kernel_btf));
         let settings = &config.settings;
         let mut ebpf = EbpfLoader::new()
             .override_global(tunables::MIN_SIZE, &settings.min_size, true)
@@ -230,30 +317,15 @@ impl Tracer {
                     map_refused(error, settings)
                 }
             })?;
-        for program in uprobe_programs() {
-            let loading = std::time::Instant::now();
-            let probe = uprobe(&mut ebpf, program)?;
-            probe.load().map_err(|source| {
-                if caused_by_eperm(&source) {
-                    TracerError::NotPermitted
-                } else {
-                    TracerError::Verifier { program, source }
-                }
-            })?;
-            log::debug!("{program} verified and loaded in {} ms", loading.elapsed().as_millis());
-        }
-        let recorder = uprobe(&mut ebpf, programs::RECORD_WITH_USER_STACK)?
-            .fd()
-            .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
-            .map_err(|source| TracerError::Verifier { program: programs::RECORD_WITH_USER_STACK, source })?;
-        let map =
-            ebpf.map_mut(USER_STACK_RECORDER_MAP).ok_or(TracerError::Missing(USER_STACK_RECORDER_MAP))?;
-        let mut recorders: ProgramArray<&mut MapData> = ProgramArray::try_from(map)
-            .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
-        recorders
-            .set(0, &recorder, 0)
-            .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
-        Ok(Self { ebpf, load_time: started.elapsed(), btf: None })
+        let multi = if multi_uprobes::supported() && std::env::var_os(PERF_EVENT_UPROBES).is_none() {
+            log::debug!("uprobes: one multi-uprobe link per program and object");
+            Some(load_for_multi_links(&ebpf)?)
+        } else {
+            log::debug!("uprobes: one perf-event uprobe per site and program");
+            load_for_perf_events(&mut ebpf)?;
+            None
+        };
+        Ok(Self { ebpf, multi, load_time: started.elapsed(), btf: None, btf_parsing, first_attached: None })
     }
 
     /// How long loading took, the kernel's verifier most of it.
@@ -265,6 +337,21 @@ impl Tracer {
     /// its threads (the kernel filters uprobes by address space), or for
     /// every process that maps the object with `UProbeScope::AllProcesses`.
     pub fn attach(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
+        let links = match &self.multi {
+            Some(programs) => attach_multi(programs, plan, scope)?,
+            None => self.attach_perf_events(plan, scope)?,
+        };
+        self.first_attached.get_or_insert_with(std::time::Instant::now);
+        Ok(links)
+    }
+
+    /// When the first uprobe was attached, if one was.
+    pub fn first_attached(&self) -> Option<std::time::Instant> {
+        self.first_attached
+    }
+
+    /// `attach` with one perf-event uprobe per site and program.
+    fn attach_perf_events(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
         let fail = |function, source| attach_error(function, &plan.display_path, scope, source);
         // Frees (and munmap) first: an allocation recorded while its free is
         // not probed yet would stay outstanding for good.
@@ -295,15 +382,15 @@ impl Tracer {
             }
         }
         if let Some(mapping) = &plan.mapping_object {
-            let more = self.attach(mapping, scope)?;
-            links.links.extend(more.links);
+            let mut more = self.attach_perf_events(mapping, scope)?;
+            links.links.append(&mut more.links);
         }
         Ok(links)
     }
 
     /// Takes out the probes of one `attach`.
-    pub fn detach(&mut self, links: Links) {
-        for (program, link) in links.links {
+    pub fn detach(&mut self, mut links: Links) {
+        for (program, link) in std::mem::take(&mut links.links) {
             if let Ok(probe) = uprobe(&mut self.ebpf, program) {
                 // A probe on a process that is gone may already be gone too.
                 let _ = probe.detach(link);
@@ -404,9 +491,13 @@ impl Tracer {
     /// The kernel's BTF, parsed the first time only; put it back in
     /// `self.btf` after use.
     fn kernel_btf(&mut self) -> Result<aya::Btf, TracerError> {
-        match self.btf.take() {
-            Some(btf) => Ok(btf),
-            None => kernel_btf(),
+        if let Some(btf) = self.btf.take() {
+            return Ok(btf);
+        }
+        match self.btf_parsing.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(parsed)) => parsed,
+            // The thread panicked: parse here, to fail here if it must.
+            Some(Err(_)) | None => kernel_btf(),
         }
     }
 
@@ -431,7 +522,7 @@ impl Tracer {
 
     /// Attaches the kernel allocation tracepoints (and the per-CPU ones).
     pub fn attach_kernel(&mut self, percpu: bool) -> Result<(), TracerError> {
-        let btf = kernel_btf()?;
+        let btf = self.kernel_btf()?;
         let percpu_programs: &[&'static str] = if percpu { &programs::KERNEL_PERCPU } else { &[] };
         let wanted: Vec<&'static str> = programs::KERNEL.iter().chain(percpu_programs).copied().collect();
         let missing = |tracepoint: &str, error: ProgramError| TracerError::KernelFeature {
@@ -582,6 +673,67 @@ fn ignored_processes(pids: &[u32]) -> [u32; MAX_IGNORED_PROCESSES] {
         log::warn!("{} more processes read memleak's output than it can leave out: {left:?}", left.len());
     }
     ignored
+}
+
+/// The sites one multi-uprobe link attaches a program to.
+struct LinkGroup {
+    program: &'static str,
+    on_return: bool,
+    offsets: Vec<u64>,
+    cookies: Vec<u64>,
+}
+
+/// `Tracer::attach` with one multi-uprobe link per program: frees first,
+/// as there.
+fn attach_multi(
+    programs: &MultiUprobePrograms,
+    plan: &AttachPlan,
+    scope: UProbeScope,
+) -> Result<Links, TracerError> {
+    let pid = match scope {
+        UProbeScope::OneProcess(pid) => Some(pid.get()),
+        UProbeScope::AllProcesses | UProbeScope::CallingProcess => None,
+    };
+    let (frees, allocations): (Vec<_>, Vec<_>) =
+        plan.sites.iter().partition(|site| site.return_program.is_none());
+    // Each program's sites, in the order first seen.
+    let mut groups: Vec<LinkGroup> = Vec::new();
+    for site in frees.into_iter().chain(allocations) {
+        let entry = site.file_offset + site.entry_skip;
+        log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
+        let programs =
+            [(site.entry_program, false)].into_iter().chain(site.return_program.map(|ret| (ret, true)));
+        for (program, on_return) in programs {
+            let found =
+                groups.iter().position(|group| group.program == program && group.on_return == on_return);
+            let index = found.unwrap_or_else(|| {
+                groups.push(LinkGroup { program, on_return, offsets: Vec::new(), cookies: Vec::new() });
+                groups.len() - 1
+            });
+            groups[index].offsets.push(entry);
+            // The cookie tells the shared programs which function fired.
+            groups[index].cookies.push(u64::from(site.functions.0));
+        }
+    }
+    let path = multi_uprobes::c_path(&plan.path)
+        .map_err(|source| TracerError::AttachMulti { object: plan.display_path.clone(), source })?;
+    let mut links = Links::default();
+    for LinkGroup { program, on_return, offsets, cookies } in groups {
+        let fd = programs.program(program).ok_or(TracerError::Missing(program))?;
+        let link =
+            multi_uprobes::link(fd, &path, &offsets, &cookies, pid, on_return).map_err(|source| {
+                match (source.raw_os_error(), pid) {
+                    (Some(libc::ESRCH), Some(pid)) => TracerError::TargetGone { pid },
+                    _ => TracerError::AttachMulti { object: plan.display_path.clone(), source },
+                }
+            })?;
+        links.multi.push(link);
+    }
+    if let Some(mapping) = &plan.mapping_object {
+        let mut more = attach_multi(programs, mapping, scope)?;
+        links.multi.append(&mut more.multi);
+    }
+    Ok(links)
 }
 
 /// Why a uprobe could not be attached, in the terms of what to do about it.

@@ -469,6 +469,11 @@ impl Session {
         self.tracer.load_time()
     }
 
+    /// When the first uprobe was attached, if one was (not in kernel mode).
+    pub fn first_attached(&self) -> Option<std::time::Instant> {
+        self.tracer.first_attached()
+    }
+
     /// What the unwind tables hold for every process, if there are any.
     pub fn unwind_stats(&self) -> Option<UnwindStats> {
         self.unwind.as_ref().map(UnwindTables::stats)
