@@ -92,10 +92,10 @@ pub fn ignored_caller(call_site: u64) -> bool {
     call_site >= start && call_site < end
 }
 
-/// Whether the current task is one memleak traces. With --cgroup, probes
-/// are placed once per allocator file for every process that maps it, and
-/// only the processes of the cgroup and its descendants are recorded;
-/// otherwise the kernel's pid filter already did the work.
+/// Whether the current task is one memleak traces. The kernel's pid filter
+/// has done most of the work: probes fire only in the processes memleak
+/// attached them to. With --cgroup, a process that has left the cgroup
+/// (and its descendants) since is not recorded any more.
 pub fn in_scope() -> bool {
     // SAFETY: as above.
     let cgroup = unsafe { core::ptr::read_volatile(&raw const CGROUP_ID) };

@@ -130,6 +130,9 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
         allocator: AllocatorChoice { object: args.object, prefix: args.symbols_prefix },
         follow_forks: match &target {
             TargetSpec::Command(_) => !args.no_follow_forks,
+            // A cgroup's processes are probed one by one: the processes
+            // they fork are found at once, not at the next look.
+            TargetSpec::Cgroup(_) => true,
             _ => args.follow_forks,
         },
         // Known once the output is open: see `report_loop::run`.

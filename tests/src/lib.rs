@@ -6,7 +6,8 @@
 //! - `leaker`: a leaker process for memleak to attach to;
 //! - `rootfs`: root filesystems for container tests;
 //! - `consumers`: flame graphs and profiles, read as their users would;
-//! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool.
+//! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool;
+//! - `uprobes`: memleak's uprobe links, and the breakpoints they place.
 
 pub mod bpf_maps;
 pub mod consumers;
@@ -14,6 +15,7 @@ pub mod fixtures;
 pub mod leaker;
 pub mod memleak;
 pub mod rootfs;
+pub mod uprobes;
 
 pub use consumers::{go_pprof, svg_titles};
 pub use fixtures::{

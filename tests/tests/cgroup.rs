@@ -3,7 +3,11 @@
 
 use std::{fs, path::PathBuf};
 
-use memleak_tests::{bpf_maps::map_entries, usage_at, Leaker, Memleak, PATIENCE};
+use memleak_tests::{
+    bpf_maps::map_entries,
+    uprobes::{byte_in_file, byte_in_process, multi_links},
+    usage_at, Leaker, Memleak, PATIENCE,
+};
 use serde_json::Value;
 
 /// A fresh cgroup v2 directory, removed when dropped.
@@ -82,8 +86,7 @@ fn processes_that_join_later_are_traced_and_others_are_not() {
     let total: &Value = lines.iter().find(|line| line.get("cgroup").is_some()).expect("a cgroup total");
     assert_eq!(total["processes"], 2);
     assert_eq!(total["total_bytes"], 17_264 + 77, "{total}");
-    // Each process's calls are its own, though the probes sit on the libc
-    // every process on the machine maps.
+    // Each process's calls are its own: its probes are placed in it alone.
     assert_eq!(first_report["health"]["allocations"], 17);
     assert_eq!(second_report["health"]["allocations"], 10_001);
     for leaker in [first, second, outsider] {
@@ -258,4 +261,29 @@ fn memleak_in_the_cgroup_it_traces_never_traces_itself() {
     let own: u32 = own.parse().unwrap();
     assert!(lines.iter().all(|line| line["pid"] != own), "memleak's own events or report: {lines:#?}");
     assert!(lines.iter().any(|line| line["cgroup"].is_string()), "the cgroup's total: {lines:#?}");
+}
+
+#[test]
+fn only_the_cgroups_processes_get_breakpoints_in_a_libc_the_host_shares() {
+    const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+    let cgroup = TestCgroup::new();
+    let member = Leaker::start_waiting(&["all"]);
+    let outsider = Leaker::start_waiting(&["all"]);
+    cgroup.join(member.pid());
+    let path = cgroup.0.to_str().unwrap();
+    let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "100", "3600"]);
+    memleak.wait_attached();
+    let links = multi_links(memleak.child.id());
+    assert!(!links.is_empty() && links.iter().all(|link| link.pid == member.pid()), "{links:#?}");
+    for offset in links.iter().flat_map(|link| &link.offsets) {
+        assert_eq!(byte_in_process(member.pid(), LIBC, *offset), 0xcc, "int3 at {offset:#x}");
+        // The same libc file, mapped by a process outside the cgroup: untouched.
+        assert_eq!(
+            byte_in_process(outsider.pid(), LIBC, *offset),
+            byte_in_file(LIBC, *offset),
+            "{offset:#x}"
+        );
+    }
+    memleak.signal(libc::SIGINT);
+    assert!(memleak.finish().0.success());
 }

@@ -334,8 +334,8 @@ impl Tracer {
     }
 
     /// Attaches the probes of `plan`, firing only for process `pid` and
-    /// its threads (the kernel filters uprobes by address space), or for
-    /// every process that maps the object with `UProbeScope::AllProcesses`.
+    /// its threads (the kernel filters uprobes by address space): a
+    /// process outside the targets never takes their trap.
     pub fn attach(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
         let links = match &self.multi {
             Some(programs) => attach_multi(programs, plan, scope)?,

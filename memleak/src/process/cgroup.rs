@@ -1,10 +1,9 @@
 //! --cgroup: every process of a cgroup v2 and of its descendant cgroups,
 //! including those that join after memleak started. A pod's or a slice's
 //! directory holds few processes of its own: its containers and services
-//! are in child cgroups. Probes go once on each distinct allocator file,
-//! for every process that maps it; the BPF side keeps only the tasks
-//! under the cgroup. A container's libc is usually a file of its own
-//! image, so the probes seldom fire outside it.
+//! are in child cgroups. Each process found is probed on its own, as with
+//! -p: a process outside the cgroup that maps the same libc never takes
+//! a probe's trap. The processes they fork are followed at once.
 
 use std::{
     collections::HashSet,
@@ -24,7 +23,7 @@ const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 /// The id of the cgroup2 hierarchy's root, whose directory is inode 1.
 const ROOT_CGROUP_ID: u64 = 1;
 
-/// A cgroup v2 directory and the allocator files already probed for it.
+/// A cgroup v2 directory.
 pub struct Cgroup {
     pub path: PathBuf,
     /// The id BPF's `bpf_get_current_cgroup_id()` returns: the directory's
@@ -35,8 +34,6 @@ pub struct Cgroup {
     /// root is out of sight (a cgroup namespace, a mount of a subtree):
     /// then only the processes directly in the cgroup are traced.
     pub level: Option<u32>,
-    /// (device, inode) of every allocator object probed.
-    probed: HashSet<(u64, u64)>,
 }
 
 impl Cgroup {
@@ -54,7 +51,7 @@ impl Cgroup {
                 path.display()
             );
         }
-        Ok(Self { path: path.to_path_buf(), id, level, probed: HashSet::new() })
+        Ok(Self { path: path.to_path_buf(), id, level })
     }
 
     /// The processes in the cgroup and, when its level is known, in its
@@ -85,14 +82,6 @@ impl Cgroup {
             directories.extend(children);
         }
         found
-    }
-
-    /// Records that `object` is probed; `false` if it already was.
-    pub fn first_probe_of(&mut self, object: &Path) -> bool {
-        match std::fs::metadata(object) {
-            Ok(meta) => self.probed.insert((meta.dev(), meta.ino())),
-            Err(_) => true,
-        }
     }
 }
 

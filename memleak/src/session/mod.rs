@@ -15,9 +15,7 @@ pub use targets::{ReportRequest, Target, TargetSpec};
 
 use crate::{
     attach::{self, kernel_btf, AllocatorChoice, AttachPlan},
-    bpf::{
-        rings, EventRing, Links, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings,
-    },
+    bpf::{rings, EventRing, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings},
     process::{
         cgroup::{Cgroup, CgroupError, CgroupProcess},
         command::{CommandError, GatedCommand, SpawnedCommand},
@@ -111,9 +109,6 @@ pub struct Session {
     /// said to be left out.
     excluded: Vec<Excluded>,
     excluded_said: HashSet<u32>,
-    /// With --cgroup: the probes on each allocator file its processes map,
-    /// which serve all of them.
-    shared_links: Vec<Links>,
     /// With -c: the command memleak started.
     command: Option<SpawnedCommand>,
     exits: UnboundedSender<TargetEvent>,
@@ -164,7 +159,6 @@ impl Session {
             cgroup_census: CgroupCensus::default(),
             excluded: config.excluded.clone(),
             excluded_said: HashSet::new(),
-            shared_links: Vec::new(),
             command: None,
             exits,
             exit_events,
@@ -254,7 +248,7 @@ impl Session {
             cgroup_id: cgroup.id,
             cgroup_level: cgroup.level,
             ignored_processes: excluded_pids(config),
-            ..TracerConfig::new(config.tracer.clone())
+            ..process_tracer_config(config)?
         };
         let mut tracer = Tracer::load(&tracer_config)?;
         tracer.watch_execs()?;
@@ -446,13 +440,8 @@ impl Session {
                     continue;
                 }
             };
-            if self.cgroup.as_mut().is_some_and(|cgroup| cgroup.first_probe_of(&plan.path)) {
-                // Held for the whole session: these probes serve every
-                // process of the cgroup that maps the file.
-                self.shared_links.push(self.tracer.attach(&plan, UProbeScope::AllProcesses)?);
-                log::debug!("probed {} for the cgroup", plan.display_path);
-            }
-            self.add(Target::process(pid, plan, space), UProbeScope::AllProcesses)?;
+            self.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
+            self.follow_children_of(pid)?;
             added.processes += 1;
             added.in_descendants += usize::from(in_descendant);
         }

@@ -51,8 +51,8 @@ pub struct Target {
     symbolizer: StackSymbolizer,
     trends: TrendTracker,
     pub(super) regions: Regions,
-    /// The probes placed for this process alone (`-p`), taken out when it
-    /// is forgotten; none when its probes serve others too.
+    /// The probes placed for this process alone, taken out when it is
+    /// forgotten; none for the kernel.
     pub(super) links: Option<Links>,
     /// Its exit watch, for a process memleak did not start.
     pub(super) exit_watch: Option<AbortHandle>,
