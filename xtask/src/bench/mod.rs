@@ -9,13 +9,17 @@
 //! libbpf-tools', and what unwinding by tables costs over frame pointers.
 //! Then Debian's redis-server, which allocates through jemalloc, under
 //! redis-benchmark: its throughput under memleak and under the
-//! libbpf-tools probe set, over untraced. Then what memleak's unwind tables take for real programs (python3,
+//! libbpf-tools probe set, over untraced. Then memleak's start until its
+//! first uprobe and its exit, with multi-uprobe links and with perf-event
+//! uprobes, and an untraced workload's speed beside a memleak tracing
+//! another process. Then what memleak's unwind tables take for real programs (python3,
 //! redis-server): their rows, kernel memory and build time, and memleak's
 //! start; the time one report takes with up to a million allocations
 //! outstanding; memleak's CPU and memory, and its BPF maps' memory.
 //! Ratios, not absolute times, are what carry across machines. CI does not
 //! run this.
 
+mod attachment;
 mod deep_stacks;
 mod empty_probes;
 mod latency;
@@ -117,6 +121,8 @@ pub fn run(quick: bool) -> Result<()> {
         Ok(results) => redis::print(&results),
         Err(error) => println!("\nredis-server under redis-benchmark: not measured: {error:#}"),
     }
+    attachment::print_lifecycle(&attachment::measure_lifecycle(&workload.memleak, settings.runs)?);
+    attachment::print_bystander(&attachment::measure_bystander(&workload, settings.runs)?);
     let tables = unwind_tables::measure_all(&workload.memleak, &workload.scratch);
     unwind_tables::print(&tables);
     let latencies = latency::measure_all(&workload.memleak, &spread, settings.latency_allocations);

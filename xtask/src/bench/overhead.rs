@@ -260,6 +260,17 @@ fn print_ratios(contenders: &[Contender]) {
         floor_of(NoFramePointers),
         "goal <= 1.6, stretch <= 1.3",
     );
+    let sampled = slowdown_of(FramePointers, |tracer| {
+        matches!(tracer, Tracer::Memleak { sample_rate: 10, unwinder: Unwinder::Dwarf })
+    });
+    // Time added over the untraced run, not slowdowns: what sampling saves
+    // of what tracing costs.
+    print_target(
+        "memleak -s 10's added time / memleak's",
+        sampled.map(|slowdown| slowdown - 1.0),
+        memleak.map(|slowdown| slowdown - 1.0),
+        "goal <= 0.7",
+    );
     let fp = slowdown_of(FramePointers, frame_pointers);
     print_target(
         "memleak (dwarf, no frame pointers) / memleak --unwind fp (frame pointers)",

@@ -31,9 +31,13 @@ impl Record {
 
 /// How long memleak took to start tracing.
 #[derive(Debug, Deserialize)]
+#[expect(clippy::struct_field_names, reason = "each is a time in ms, as memleak writes it")]
 pub struct Started {
     /// Loading the BPF programs: the kernel's verifier, mostly.
     pub load_ms: f64,
+    /// Until the first uprobe was attached (memleak of December 2026 on).
+    #[serde(default)]
+    pub attached_ms: Option<f64>,
     /// Everything until tracing began, the first unwind tables and probes
     /// included.
     pub start_ms: f64,
