@@ -87,6 +87,18 @@ pub struct Memleak {
     pub stderr: Lines,
 }
 
+/// A test that fails midway must not leave memleak running, its probes
+/// in place (with --cgroup on an old memleak, in every process mapping
+/// libc) for the tests after it.
+impl Drop for Memleak {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 impl Memleak {
     pub fn start(args: &[&str]) -> Self {
         Self::start_with_env(args, &[])

@@ -279,7 +279,6 @@ impl Tracer {
 
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
         let started = std::time::Instant::now();
-        let btf_parsing = Some(std::thread::spawn(kernel_btf));
         let settings = &config.settings;
         let mut ebpf = EbpfLoader::new()
             .override_global(tunables::MIN_SIZE, &settings.min_size, true)
@@ -317,6 +316,9 @@ impl Tracer {
                     map_refused(error, settings)
                 }
             })?;
+        // Once the maps are made: a map the kernel refuses must fail the
+        // start with that reason, not with what parsing took.
+        let btf_parsing = Some(std::thread::spawn(kernel_btf));
         let multi = if multi_uprobes::supported() && std::env::var_os(PERF_EVENT_UPROBES).is_none() {
             log::debug!("uprobes: one multi-uprobe link per program and object");
             Some(load_for_multi_links(&ebpf)?)
