@@ -61,7 +61,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
     let walked = if user {
-        unwind::user_stack(ctx, tgid, &mut key.frames)
+        unwind::user_stack(ctx, tgid, key)
     } else {
         Walked { depth: unwind::kernel_stack(ctx, &mut key.frames)?, end: WalkEnd::Root as u32 }
     };

@@ -8,7 +8,7 @@ mod kernel;
 mod tables;
 
 use aya_ebpf::EbpfContext;
-use memleak_common::{StackFrames, WalkEnd};
+use memleak_common::{StackKey, WalkEnd};
 
 use crate::{maps::PROCESS_MAPPINGS, tunables};
 
@@ -27,12 +27,12 @@ pub struct Walked {
 /// rows, or with none under `--unwind fp`: then every step follows the
 /// frame pointer, and is kept only if it lands in code), else through
 /// frame pointers alone.
-pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, frames: &mut StackFrames) -> Walked {
+pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, key: &mut StackKey) -> Walked {
     let limit = tunables::stack_depth();
     if let Some(mappings) = PROCESS_MAPPINGS.get_ptr(tgid) {
-        return tables::walk(ctx, tgid, mappings, frames, limit);
+        return tables::walk(ctx, tgid, mappings, key, limit);
     }
     // No table yet: the process has just been found, or just started.
-    let depth = frame_pointer::walk_user_stack(ctx, frames);
+    let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames);
     Walked { depth, end: WalkEnd::FramePointers as u32 }
 }

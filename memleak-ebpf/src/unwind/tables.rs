@@ -17,7 +17,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use memleak_common::{
-    ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, StackFrames, WalkEnd, MAX_EXEC_MAPPINGS,
+    ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, StackKey, WalkEnd, MAX_EXEC_MAPPINGS,
     MAX_STACK_DEPTH, RULE_CACHE_ENTRIES,
 };
 
@@ -41,15 +41,18 @@ const SIGNAL_RSP: u64 = 40 + 120;
 const SIGNAL_RIP: u64 = 40 + 128;
 
 /// The state of one walk, on the BPF stack, handed to each iteration.
+/// The frames taken so far are counted in the key's `depth`, in map
+/// memory, where the verifier knows no value: counted here, each depth
+/// would be a state of its own, and it checked an iteration (with the
+/// searches inside it) once per depth, most of memleak's start-up.
 #[repr(C)]
 struct Walk {
     pc: u64,
     sp: u64,
     bp: u64,
     mappings: *const ProcessMappings,
-    frames: *mut StackFrames,
+    key: *mut StackKey,
     tgid: u32,
-    depth: u32,
     /// 1 when `pc` is the interrupted instruction itself (after a signal
     /// frame), not a return address that points past a call.
     exact_pc: u32,
@@ -57,7 +60,6 @@ struct Walk {
     end: u32,
     /// Frames to take at most.
     limit: u32,
-    _padding: u32,
 }
 
 /// Walks the user stack of process `tgid` from the registers of a return
@@ -66,32 +68,35 @@ pub fn walk<C: EbpfContext>(
     ctx: &C,
     tgid: u32,
     mappings: *const ProcessMappings,
-    frames: &mut StackFrames,
+    key: &mut StackKey,
     limit: u32,
 ) -> Walked {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
     let (ip, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
-    frames[0] = ip;
-    let mut walk = Walk {
-        pc: ip,
-        sp,
-        bp,
-        mappings,
-        frames,
-        tgid,
-        depth: 1,
-        exact_pc: 0,
-        end: WalkEnd::DepthLimit as u32,
-        limit,
-        _padding: 0,
-    };
+    key.frames[0] = ip;
+    set_depth(key, 1);
+    let mut walk =
+        Walk { pc: ip, sp, bp, mappings, key, tgid, exact_pc: 0, end: WalkEnd::DepthLimit as u32, limit };
     // SAFETY: the helper calls `step` at most `limit` times with a pointer
     // to `walk`, which outlives the call.
     unsafe {
         aya_ebpf::helpers::generated::bpf_loop(limit, step as *mut c_void, (&raw mut walk).cast(), 0);
     }
-    Walked { depth: walk.depth, end: walk.end }
+    // SAFETY: the key `walk` pointed at, alive for this program run.
+    Walked { depth: depth(unsafe { &*walk.key }), end: walk.end }
+}
+
+/// The frames the walk has taken, as the key counts them.
+fn depth(key: &StackKey) -> u32 {
+    // SAFETY: a field of a live key; volatile, for the verifier to read
+    // it from memory (see `Walk`).
+    unsafe { core::ptr::read_volatile(&raw const key.depth) }
+}
+
+fn set_depth(key: &mut StackKey, depth: u32) {
+    // SAFETY: as in `depth`.
+    unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
 }
 
 /// One iteration: one frame more, or the end (returns 1).
@@ -108,7 +113,10 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
 /// caller's return address; `None` when the walk ends, `walk.end` saying
 /// why.
 fn next_frame(walk: &mut Walk) -> Option<()> {
-    if walk.depth >= walk.limit || walk.depth as usize >= MAX_STACK_DEPTH {
+    // SAFETY: the scratch key, valid for this program run.
+    let key = unsafe { &mut *walk.key };
+    let taken = depth(key);
+    if taken >= walk.limit || taken as usize >= MAX_STACK_DEPTH {
         walk.end = WalkEnd::DepthLimit as u32;
         return None;
     }
@@ -135,13 +143,9 @@ fn next_frame(walk: &mut Walk) -> Option<()> {
     if caller.pc == 0 {
         return end(walk, WalkEnd::Root);
     }
-    let depth = walk.depth as usize;
-    if depth >= MAX_STACK_DEPTH {
-        return end(walk, WalkEnd::DepthLimit);
-    }
-    // SAFETY: the scratch key's frames, valid for this program run.
-    unsafe { (*walk.frames)[depth] = caller.pc };
-    walk.depth += 1;
+    let Some(frame) = key.frames.get_mut(taken as usize) else { return end(walk, WalkEnd::DepthLimit) };
+    *frame = caller.pc;
+    set_depth(key, taken + 1);
     walk.pc = caller.pc;
     walk.sp = caller.sp;
     walk.bp = caller.bp;
