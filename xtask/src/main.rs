@@ -122,12 +122,33 @@ pub fn build_fixture_without_frame_pointers(
     compile_fixture(name, output_name, &["-g", "-pthread"], flags)
 }
 
+/// `build_fixture_with` by another C compiler (musl-gcc, say), to
+/// target/fixtures/`output_name`.
+pub fn build_fixture_with_compiler(
+    compiler: &str,
+    name: &str,
+    output_name: &str,
+    flags: &[&str],
+) -> Result<PathBuf> {
+    compile(compiler, name, output_name, &["-g", "-fno-omit-frame-pointer", "-pthread"], flags)
+}
+
 fn compile_fixture(name: &str, output_name: &str, base_flags: &[&str], flags: &[&str]) -> Result<PathBuf> {
+    compile("gcc", name, output_name, base_flags, flags)
+}
+
+fn compile(
+    compiler: &str,
+    name: &str,
+    output_name: &str,
+    base_flags: &[&str],
+    flags: &[&str],
+) -> Result<PathBuf> {
     let source = root().join("tests/fixtures").join(format!("{name}.c"));
     let output_dir = root().join("target/fixtures");
     std::fs::create_dir_all(&output_dir)?;
     let output = output_dir.join(output_name);
-    run(Command::new("gcc").args(base_flags).args(flags).arg("-o").arg(&output).arg(&source))?;
+    run(Command::new(compiler).args(base_flags).args(flags).arg("-o").arg(&output).arg(&source))?;
     Ok(output)
 }
 

@@ -9,7 +9,9 @@
 //! libbpf-tools', and what unwinding by tables costs over frame pointers.
 //! Then Debian's redis-server, which allocates through jemalloc, under
 //! redis-benchmark: its throughput under memleak and under the
-//! libbpf-tools probe set, over untraced. Then memleak's start until its
+//! libbpf-tools probe set, over untraced. Then the workload on each
+//! allocator (glibc, jemalloc, tcmalloc, mimalloc, musl) under memleak,
+//! its floor and heaptrack. Then memleak's start until its
 //! first uprobe and its exit, with multi-uprobe links and with perf-event
 //! uprobes, and an untraced workload's speed beside a memleak tracing
 //! another process. Then what memleak's unwind tables take for real programs (python3,
@@ -19,6 +21,7 @@
 //! Ratios, not absolute times, are what carry across machines. CI does not
 //! run this.
 
+mod allocators;
 mod attachment;
 mod deep_stacks;
 mod empty_probes;
@@ -78,18 +81,7 @@ pub fn run(quick: bool) -> Result<()> {
     let settings = if quick { QUICK } else { FULL };
     setup::run()?;
     require_root("the benchmark")?;
-    // redis-server is one of the real programs whose unwind tables are measured.
-    install_missing_packages(&["bpftrace", "bpftool", "redis-server"], "the benchmark")?;
-    // heaptrack is only a comparison: the bench goes on without it.
-    let heaptrack_installed = match install_missing_packages(&["heaptrack"], "the benchmark") {
-        Ok(()) => true,
-        Err(error) => {
-            eprintln!(
-                "bench: heaptrack is missing and could not be installed, going on without it: {error:#}"
-            );
-            false
-        }
-    };
+    let heaptrack_installed = install_packages()?;
     run_command(cargo().args(["build", "--release", "--package", "memleak"]))?;
     let scratch = root().join("target/bench");
     std::fs::create_dir_all(&scratch)?;
@@ -103,6 +95,7 @@ pub fn run(quick: bool) -> Result<()> {
         args: [settings.threads, settings.iterations, LEAK_EVERY].map(|n| n.to_string()).to_vec(),
         memleak: root().join("target/release/memleak"),
         scratch,
+        env: Vec::new(),
     };
     let spread = build_fixture_with("spread", &["-O2"])?;
     let plan = ProbePlan::read(&workload)?;
@@ -121,8 +114,7 @@ pub fn run(quick: bool) -> Result<()> {
         Ok(results) => redis::print(&results),
         Err(error) => println!("\nredis-server under redis-benchmark: not measured: {error:#}"),
     }
-    attachment::print_lifecycle(&attachment::measure_lifecycle(&workload.memleak, settings.runs)?);
-    attachment::print_bystander(&attachment::measure_bystander(&workload, settings.runs)?);
+    probe_costs(&workload, settings.runs, heaptrack_installed)?;
     let tables = unwind_tables::measure_all(&workload.memleak, &workload.scratch);
     unwind_tables::print(&tables);
     let latencies = latency::measure_all(&workload.memleak, &spread, settings.latency_allocations);
@@ -133,6 +125,44 @@ pub fn run(quick: bool) -> Result<()> {
     latency::print_map_memory(&latencies);
 
     overhead::memleak_exact(&contenders)
+}
+
+/// What the bench runs, installed if missing; whether heaptrack is, which
+/// is only a comparison: the bench goes on without it.
+fn install_packages() -> Result<bool> {
+    // redis-server is one of the real programs whose unwind tables are
+    // measured; the allocators and musl are the workload's others.
+    install_missing_packages(
+        &[
+            "bpftrace",
+            "bpftool",
+            "redis-server",
+            "libjemalloc2",
+            "libtcmalloc-minimal4",
+            "libmimalloc2.0",
+            "musl-tools",
+        ],
+        "the benchmark",
+    )?;
+    Ok(match install_missing_packages(&["heaptrack"], "the benchmark") {
+        Ok(()) => true,
+        Err(error) => {
+            eprintln!(
+                "bench: heaptrack is missing and could not be installed, going on without it: {error:#}"
+            );
+            false
+        }
+    })
+}
+
+/// The probe-cost issue's measures beyond glibc: every allocator, start
+/// and exit, and a bystander's speed.
+fn probe_costs(workload: &Workload, runs: usize, heaptrack_installed: bool) -> Result<()> {
+    let musl_build = crate::build_fixture_with_compiler("musl-gcc", "workload", "workload-musl", &["-O2"])?;
+    allocators::print(&allocators::measure_all(workload, &musl_build, runs, heaptrack_installed));
+    attachment::print_lifecycle(&attachment::measure_lifecycle(&workload.memleak, runs)?);
+    attachment::print_bystander(&attachment::measure_bystander(workload, runs)?);
+    Ok(())
 }
 
 /// The rows of the overhead table: the build with frame pointers, untraced

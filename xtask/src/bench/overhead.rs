@@ -111,23 +111,24 @@ pub fn measure(contenders: &mut [Contender], workload: &Workload, rounds: usize)
 /// Runs `build` of the workload once under `tracer`.
 fn run_once(tracer: &Tracer, build: Build, workload: &Workload) -> Result<Run> {
     let path = workload.path(build);
+    let env = || workload.env.iter().map(|(name, value)| (name, value));
     let finished = match tracer {
-        Tracer::Untraced => run_to_end(Command::new(path).args(&workload.args))?,
+        Tracer::Untraced => run_to_end(Command::new(path).args(&workload.args).envs(env()))?,
         &Tracer::Memleak { sample_rate, unwinder } => {
             run_to_end(&mut memleak_command(workload, build, sample_rate, unwinder))?
         }
-        Tracer::Bpftrace { script } => {
-            run_to_end(Command::new("bpftrace").arg(script).args(["-c", &workload.command_line(build)]))?
-        }
+        Tracer::Bpftrace { script } => run_to_end(
+            Command::new("bpftrace").arg(script).args(["-c", &workload.command_line(build)]).envs(env()),
+        )?,
         Tracer::Heaptrack => {
             let mut command = Command::new("heaptrack");
-            command.arg(path).args(&workload.args).current_dir(&workload.scratch);
+            command.arg(path).args(&workload.args).envs(env()).current_dir(&workload.scratch);
             let finished = run_to_end(&mut command);
             remove_heaptrack_data(&workload.scratch);
             finished?
         }
         Tracer::EmptyProbes(sites) => {
-            run_attached(path, &workload.args, |pid| EmptyProbes::attach(sites, pid))?
+            run_attached(path, &workload.args, &workload.env, |pid| EmptyProbes::attach(sites, pid))?
         }
     };
     let summary = Summary::parse(&finished.stderr)?;
@@ -157,6 +158,7 @@ fn memleak_command(workload: &Workload, build: Build, sample_rate: u32, unwinder
     command.args(["-c", &workload.command_line(build), "-s", &sample_rate.to_string()]);
     command.args(["--unwind", unwinder.argument()]);
     command.args(["--format", "json", "-o", "0", "-T", "1000", "3600"]);
+    command.envs(workload.env.iter().map(|(name, value)| (name, value)));
     command
 }
 
@@ -284,6 +286,17 @@ fn print_ratios(contenders: &[Contender]) {
         fp,
         "the unwinders alone",
     );
+}
+
+/// The slowdown of the contender labelled `label`, if it ran.
+pub fn slowdown_of_label(contenders: &[Contender], label: &str) -> Option<f64> {
+    slowdown(contenders, contenders.iter().find(|contender| contender.label == label)?)
+}
+
+/// The median wall time of the contender labelled `label`, in ms.
+pub fn median_ms_of_label(contenders: &[Contender], label: &str) -> Option<f64> {
+    let median = contenders.iter().find(|contender| contender.label == label)?.median_ns()?;
+    Some(median as f64 / 1e6)
 }
 
 /// The slowdown of the first `build` contender whose tracer is `wanted`.

@@ -48,11 +48,13 @@ pub fn run_to_end(command: &mut Command) -> Result<Finished> {
 pub fn run_attached<T>(
     program: &std::path::Path,
     args: &[String],
+    env: &[(String, String)],
     attach: impl FnOnce(u32) -> Result<T>,
 ) -> Result<Finished> {
     // The shell's pid becomes the program's: `exec` keeps it.
     let mut command = Command::new("sh");
     command.args(["-c", "read -r _ && exec \"$0\" \"$@\""]).arg(program).args(args);
+    command.envs(env.iter().map(|(name, value)| (name, value)));
     let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

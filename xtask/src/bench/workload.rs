@@ -35,6 +35,9 @@ pub struct Workload {
     pub memleak: PathBuf,
     /// Where bpftrace's script and heaptrack's data files go.
     pub scratch: PathBuf,
+    /// Environment of every run (`LD_PRELOAD` of another allocator);
+    /// memleak and bpftrace pass it on to the workload they start.
+    pub env: Vec<(String, String)>,
 }
 
 impl Workload {
@@ -101,6 +104,7 @@ impl ProbePlan {
         let stats = workload.scratch.join("probe-plan-stats.jsonl");
         let command_line = format!("{} 1 1 1", workload.path(Build::FramePointers).display());
         let mut memleak = Command::new(&workload.memleak);
+        memleak.envs(workload.env.iter().map(|(name, value)| (name, value)));
         run_to_end(memleak.args(["-c", &command_line, "--stats"]).arg(&stats).arg("1"))?;
         let records = std::fs::read_to_string(&stats)
             .with_context(|| format!("cannot read memleak's --stats file {}", stats.display()))?;
