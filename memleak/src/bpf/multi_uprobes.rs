@@ -1,7 +1,7 @@
 //! Multi-uprobe links (`BPF_TRACE_UPROBE_MULTI`, Linux 6.6): all of one
 //! object's sites for one program in a single link, made and taken out
 //! in one `bpf()` call each. A perf-event uprobe costs the kernel a
-//! synchronisation on removal, about 0.1 s each, so a process's 22 of
+//! synchronisation on removal, about 0.1 s each, so a process's 23 of
 //! them took over two seconds to detach; a link takes one.
 //!
 //! aya 0.14 can neither load a uprobe program with the expected attach

@@ -181,8 +181,8 @@ pub struct Tracer {
     load_time: std::time::Duration,
     /// The kernel's BTF, parsed once (tens of ms) for every tracepoint.
     btf: Option<aya::Btf>,
-    /// The kernel's BTF as a thread parses it, from the start of `load`:
-    /// on another CPU while the kernel verifies the programs.
+    /// The kernel's BTF as a thread parses it, from when `load` has made
+    /// the maps: on another CPU while the kernel verifies the programs.
     btf_parsing: Option<std::thread::JoinHandle<Result<aya::Btf, TracerError>>>,
     /// When the first uprobe was attached.
     first_attached: Option<std::time::Instant>,
