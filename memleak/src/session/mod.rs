@@ -407,8 +407,8 @@ impl Session {
     }
 
     /// Starts following the processes of the cgroup and its descendants
-    /// not followed yet, probing each allocator file once, for every
-    /// process that maps it. Returns how many were added.
+    /// not followed yet, each probed on its own. Returns how many were
+    /// added.
     fn follow_cgroup(&mut self) -> Result<CgroupCensus, SessionError> {
         let Some(cgroup) = self.cgroup.as_ref() else { return Ok(CgroupCensus::default()) };
         let known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
@@ -440,8 +440,21 @@ impl Session {
                     continue;
                 }
             };
-            self.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
-            self.follow_children_of(pid)?;
+            let traced = self
+                .add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))
+                .and_then(|()| self.follow_children_of(pid));
+            if let Err(error) = traced {
+                // Processes come and go: one that exits while memleak
+                // attaches, or cannot be probed, must not end the trace.
+                if lifecycle::check_process(pid).is_ok() {
+                    log::warn!("not tracing pid {pid} of the cgroup: {error}");
+                } else {
+                    log::debug!("pid {pid} of the cgroup exited before it was traced");
+                }
+                let _ = self.remove_target(pid);
+                let _ = self.tracer.unfollow(pid);
+                continue;
+            }
             added.processes += 1;
             added.in_descendants += usize::from(in_descendant);
         }
