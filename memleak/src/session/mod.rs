@@ -254,7 +254,7 @@ impl Session {
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         session.cgroup = Some(cgroup);
-        session.cgroup_census = session.follow_cgroup()?;
+        session.cgroup_census = session.follow_cgroup();
         Ok(session)
     }
 
@@ -409,8 +409,8 @@ impl Session {
     /// Starts following the processes of the cgroup and its descendants
     /// not followed yet, each probed on its own. Returns how many were
     /// added.
-    fn follow_cgroup(&mut self) -> Result<CgroupCensus, SessionError> {
-        let Some(cgroup) = self.cgroup.as_ref() else { return Ok(CgroupCensus::default()) };
+    fn follow_cgroup(&mut self) -> CgroupCensus {
+        let Some(cgroup) = self.cgroup.as_ref() else { return CgroupCensus::default() };
         let known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
         let joined: Vec<CgroupProcess> =
             cgroup.processes().into_iter().filter(|process| !known.contains(&process.pid)).collect();
@@ -458,7 +458,7 @@ impl Session {
             added.processes += 1;
             added.in_descendants += usize::from(in_descendant);
         }
-        Ok(added)
+        added
     }
 
     /// The processes traced, in the order they were added.
@@ -499,14 +499,14 @@ impl Session {
             self.refresh_target(index)?;
         }
         self.forget_untraced()?;
-        Ok(self.follow_cgroup()?.processes)
+        Ok(self.follow_cgroup().processes)
     }
 
-    /// With --cgroup, the probes record every process of the cgroup from
-    /// its first call, before memleak has picked it up: one that exits
-    /// before that would leave its allocations, stacks and counters in
-    /// the maps for good. Those of processes gone and never traced are
-    /// deleted.
+    /// With --cgroup, processes come and go between memleak's looks: a
+    /// child of a traced process is counted and followed from its fork,
+    /// before memleak has probed it, and one that exits before that would
+    /// leave its entries in the maps for good. Those of processes gone and
+    /// never traced are deleted.
     fn forget_untraced(&mut self) -> Result<(), SessionError> {
         if self.cgroup.is_none() {
             return Ok(());
