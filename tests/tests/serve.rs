@@ -4,6 +4,7 @@
 
 use std::{
     io::Write as _,
+    net::TcpStream,
     process::{Command, Stdio},
     time::Instant,
 };
@@ -84,6 +85,10 @@ fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let health = get(port, "/healthz").expect("GET /healthz");
     assert_eq!((health.status, health.body.as_str()), (200, "ok\n"), "{health:#?}");
 
+    // A client that never finishes its request holds up nothing.
+    let mut stalled = TcpStream::connect(("127.0.0.1", port)).expect("connect a stalled client");
+    stalled.write_all(b"GET /metrics HTTP/1.1\r\nHost: memleak\r\n").unwrap();
+
     leaker.go();
     let pid = leaker.pid();
     let bytes = format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\"}} 17264");
@@ -120,6 +125,33 @@ fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let (status, _) = memleak.finish();
     assert!(status.success(), "SIGTERM: {status}");
     assert_detached(&leaker, &offsets);
+    drop(stalled);
+}
+
+/// The first followed process in a response of `/api/v1/targets`.
+fn first_target(targets: &Response) -> Value {
+    let list: Value =
+        serde_json::from_str(&targets.body).unwrap_or_else(|error| panic!("{error}: {targets:#?}"));
+    list["targets"][0].clone()
+}
+
+/// Polls `/api/v1/targets` until its first process is as `wanted`.
+fn target_until(port: u16, wanted: impl Fn(&Value) -> bool) -> Value {
+    first_target(&get_until(port, "/api/v1/targets", |response| wanted(&first_target(response))))
+}
+
+#[test]
+fn an_exited_process_keeps_its_last_report() {
+    let mut leaker = Leaker::start_waiting(&["all"]);
+    let (memleak, port) = serve(leaker.pid());
+    leaker.go();
+    target_until(port, |target| target["outstanding_bytes"] == 17_264);
+    leaker.exit();
+    let exited = target_until(port, |target| target["exited"] == true);
+    assert_eq!(exited["outstanding_bytes"], 17_264, "the last report stays: {exited:#}");
+    memleak.signal(libc::SIGTERM);
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "SIGTERM: {status}");
 }
 
 #[test]
