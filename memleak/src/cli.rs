@@ -6,7 +6,7 @@
 
 #![allow(clippy::doc_markdown, reason = "doc comments here are --help text, where backticks would show")]
 
-use std::{num::NonZeroU64, path::PathBuf, time::Duration};
+use std::{net::IpAddr, num::NonZeroU64, path::PathBuf, time::Duration};
 
 use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
 
@@ -18,9 +18,10 @@ use crate::report::options::{Choice, Format, SortKey, Weight};
 #[derive(Debug, Parser)]
 #[command(name = "memleak", version, about, after_help = EXAMPLES, args_conflicts_with_subcommands = true)]
 pub struct Args {
-    /// Render or compare saved snapshots instead of tracing.
+    /// Render or compare saved snapshots, or serve reports over HTTP,
+    /// instead of tracing.
     #[command(subcommand)]
-    pub offline: Option<Offline>,
+    pub action: Option<Action>,
 
     /// Trace these running processes (-p 12,34 or -p 12 -p 34); each gets
     /// reports of its own.
@@ -120,12 +121,12 @@ pub struct Args {
     /// Outstanding allocations tracked at most; more are counted as not
     /// tracked. Kernel memory: 16 bytes per N reserved at start (16 MiB by
     /// default), then about 96 bytes per allocation outstanding.
-    #[arg(long, value_name = "N", default_value_t = 1_000_000, value_parser = clap::value_parser!(u32).range(1..=MAX_ALLOCS))]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ALLOCS, value_parser = clap::value_parser!(u32).range(1..=MAX_ALLOCS))]
     pub max_allocs: u32,
 
     /// Distinct call stacks stored at most; allocations from further stacks
     /// are counted as "stacks lost".
-    #[arg(long, value_name = "N", default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..=MAX_STACKS))]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_STACKS, value_parser = clap::value_parser!(u32).range(1..=MAX_STACKS))]
     pub max_stacks: u32,
 
     /// How user stacks are walked: with the unwind tables of each object's
@@ -138,17 +139,17 @@ pub struct Args {
     /// traced process, about 8 bytes each; objects past it are walked with
     /// frame pointers, and the report says so. A Debian python3 needs about
     /// 200,000.
-    #[arg(long, value_name = "N", default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..=MAX_UNWIND_ROWS))]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_UNWIND_ROWS, value_parser = clap::value_parser!(u32).range(1..=MAX_UNWIND_ROWS))]
     pub max_unwind_rows: u32,
 
     /// Frames kept per stack (1 to 127).
-    #[arg(long, value_name = "N", default_value_t = 127, value_parser = clap::value_parser!(u32).range(1..=127))]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_STACK_DEPTH, value_parser = clap::value_parser!(u32).range(1..=127))]
     pub max_stack_depth: u32,
 
     /// Processes traced at once at most (a cgroup's come and go); more
     /// are counted and left untraced. Each may hold one entry of kernel
     /// memory for allocations whose stack could not be stored.
-    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
     pub max_processes: u32,
 
     #[command(flatten)]
@@ -199,14 +200,38 @@ pub struct Rendering {
     pub weight: Weight,
 }
 
-/// Work on snapshots saved with --save: no root, no process needed.
+/// What memleak does instead of tracing to stdout: work on snapshots
+/// saved with --save (no root, no process needed), or serve reports.
 #[derive(Debug, Subcommand)]
-pub enum Offline {
+pub enum Action {
     /// Render a snapshot saved with --save, in any format.
     Report(ReportArgs),
     /// Show what grew and what shrank between two snapshots, stack by
     /// stack (jeprof's --base); as SVG, a differential flame graph.
     Diff(DiffArgs),
+    /// Run as a daemon: follow processes and serve their latest reports
+    /// over HTTP, for Prometheus and curl.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Follow these running processes (--pid 12,34 or --pid 12 --pid 34).
+    #[arg(short, long, value_name = "PID", value_delimiter = ',', required = true)]
+    pub pid: Vec<u32>,
+
+    /// Address to listen on. Only loopback addresses are accepted until
+    /// memleak can require a token.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    pub listen: IpAddr,
+
+    /// Port to listen on.
+    #[arg(long, value_name = "PORT", default_value_t = DEFAULT_SERVE_PORT)]
+    pub port: u16,
+
+    /// Seconds between collections; a scrape also asks for a fresh one.
+    #[arg(long, value_name = "SECONDS", default_value = "2", value_parser = parse_interval)]
+    pub interval: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -277,7 +302,18 @@ Examples:
   memleak --percpu 10          the kernel's allocations, per-CPU ones too
   memleak -p 1234 --format json | jq .total_bytes
   memleak -p 1234 --save heap.snap 60 2
-  memleak diff heap.1.snap heap.2.snap --output growth.svg";
+  memleak diff heap.1.snap heap.2.snap --output growth.svg
+  memleak serve --pid 1234     serve /metrics on 127.0.0.1:9943";
+
+// The tracer's defaults, for `memleak serve` too, which does not take
+// these flags yet.
+pub const DEFAULT_MAX_ALLOCS: u32 = 1_000_000;
+pub const DEFAULT_MAX_STACKS: u32 = 65_536;
+pub const DEFAULT_MAX_UNWIND_ROWS: u32 = 1 << 20;
+pub const DEFAULT_MAX_STACK_DEPTH: u32 = 127;
+pub const DEFAULT_MAX_PROCESSES: u32 = 1024;
+/// Where `memleak serve` listens unless --port says otherwise.
+pub const DEFAULT_SERVE_PORT: u16 = 9943;
 
 // The largest sizes accepted: each map past these would ask the kernel for
 // gigabytes at start (see `bpf::map_costs`), far more than any real target

@@ -3,12 +3,12 @@
 //! what to collect, what to show and where to write it. Every check that
 //! clap cannot express is made here, so nothing below `main` sees `Args`.
 
-use std::{num::NonZeroU64, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, num::NonZeroU64, path::PathBuf, time::Duration};
 
 use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
-    cli::{Args, DiffArgs, Offline, Rendering as RenderingArgs, ReportArgs, Unwind},
+    cli::{self, Action, Args, DiffArgs, Rendering as RenderingArgs, ReportArgs, ServeArgs, Unwind},
     collect::CollectOptions,
     model::Unwinding,
     output::{Documents, OutputConfig},
@@ -23,6 +23,17 @@ pub enum Run {
     Report(ReportConfig),
     /// `memleak diff`: compare two saved snapshots.
     Diff(DiffConfig),
+    /// `memleak serve`: follow processes and serve their reports.
+    Serve(Box<ServeConfig>),
+}
+
+/// `memleak serve --pid PID...`.
+pub struct ServeConfig {
+    pub pids: Vec<u32>,
+    pub session: SessionConfig,
+    pub listen: SocketAddr,
+    /// Time between collections when nobody asks for one.
+    pub interval: Duration,
 }
 
 /// A tracing run.
@@ -86,9 +97,10 @@ pub struct DiffConfig {
 
 /// Resolves the command line; the error is one line for the user.
 pub fn resolve(args: Args) -> Result<Run, String> {
-    match args.offline {
-        Some(Offline::Report(report)) => resolve_report(report).map(Run::Report),
-        Some(Offline::Diff(diff)) => resolve_diff(diff).map(Run::Diff),
+    match args.action {
+        Some(Action::Report(report)) => resolve_report(report).map(Run::Report),
+        Some(Action::Diff(diff)) => resolve_diff(diff).map(Run::Diff),
+        Some(Action::Serve(serve)) => resolve_serve(serve).map(|config| Run::Serve(Box::new(config))),
         None => resolve_trace(args).map(|config| Run::Trace(Box::new(config))),
     }
 }
@@ -183,11 +195,7 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
         return Err("--no-follow-forks is for -c: -p follows no forks unless given --follow-forks".to_owned());
     }
     if let TargetSpec::Pids(pids) = &target {
-        let mut sorted = pids.clone();
-        sorted.sort_unstable();
-        if let Some(&[pid, _]) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
-            return Err(format!("pid {pid} is given twice"));
-        }
+        check_unique(pids)?;
     }
     Ok(target)
 }
@@ -237,6 +245,52 @@ fn shown(
 ) -> ReportOptions {
     let top = if format.wants_every_stack() { usize::MAX } else { rendering.top };
     ReportOptions { sort, top, show_allocs }
+}
+
+/// The daemon traces with the tracer's defaults; it takes none of the
+/// tuning flags yet. Until a token can be required, it listens on
+/// loopback only: the reports name a host's programs and their files.
+fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
+    if !args.listen.is_loopback() {
+        return Err(format!(
+            "--listen {}: memleak serve listens on loopback addresses only, as it cannot require a token yet",
+            args.listen
+        ));
+    }
+    check_unique(&args.pid)?;
+    let session = SessionConfig {
+        tracer: TracerSettings {
+            min_size: 0,
+            max_size: u64::MAX,
+            stack_depth: cli::DEFAULT_MAX_STACK_DEPTH,
+            max_allocations: cli::DEFAULT_MAX_ALLOCS,
+            max_stacks: cli::DEFAULT_MAX_STACKS,
+            max_processes: cli::DEFAULT_MAX_PROCESSES,
+            sample_rate: 1,
+            trace_events: false,
+            unwinding: Unwinding::Dwarf,
+            max_unwind_rows: cli::DEFAULT_MAX_UNWIND_ROWS,
+        },
+        allocator: AllocatorChoice { object: None, prefix: None },
+        follow_forks: false,
+        // memleak itself, known once it runs: see `serve::run`.
+        excluded: Vec::new(),
+    };
+    Ok(ServeConfig {
+        pids: args.pid,
+        session,
+        listen: SocketAddr::new(args.listen, args.port),
+        interval: args.interval,
+    })
+}
+
+fn check_unique(pids: &[u32]) -> Result<(), String> {
+    let mut sorted = pids.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+        Some(&[pid, _]) => Err(format!("pid {pid} is given twice")),
+        _ => Ok(()),
+    }
 }
 
 fn resolve_report(args: ReportArgs) -> Result<ReportConfig, String> {
@@ -302,6 +356,28 @@ mod tests {
         assert_eq!(trace("-p 1,2 1 1").documents(), Documents::Several);
         assert_eq!(trace("--cgroup /x 1 1").documents(), Documents::Several);
         assert_eq!(trace("-c ls").documents(), Documents::Several, "no count: a report per interval");
+    }
+
+    fn serve(line: &str) -> Result<ServeConfig, String> {
+        match resolved(line)? {
+            Run::Serve(config) => Ok(*config),
+            _ => panic!("{line}: not serve"),
+        }
+    }
+
+    #[test]
+    fn serve_listens_on_loopback_only() {
+        let config = serve("serve --pid 1,2").unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!((config.pids, config.listen.to_string()), (vec![1, 2], "127.0.0.1:9943".to_owned()));
+        assert_eq!(config.interval, Duration::from_secs(2));
+        let config = serve("serve --pid 1 --listen ::1 --port 80").unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(config.listen.to_string(), "[::1]:80");
+        assert_eq!(
+            serve("serve --pid 1 --listen 0.0.0.0").err().as_deref(),
+            Some("--listen 0.0.0.0: memleak serve listens on loopback addresses only, as it cannot require a token yet")
+        );
+        assert_eq!(serve("serve --pid 3,3").err().as_deref(), Some("pid 3 is given twice"));
+        assert!(serve("serve").is_err(), "--pid is required");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! `process` and `attach` find what to probe; `bpf` loads the tracer and
 //! reads its maps; `collect` turns them into snapshots; `symbolize` names
 //! the frames; `report` and `output` write the reports. `session` holds a
-//! run's state, and `report_loop` drives it for the command line.
+//! run's state; `report_loop` drives it for the command line, `serve` for
+//! the HTTP daemon.
 //!
 //! Exit codes: 0 when the run ended as asked (a closed stdout included),
 //! 2 on any error, which is one line on stderr.
@@ -23,6 +24,7 @@ mod output;
 mod process;
 mod report;
 mod report_loop;
+mod serve;
 mod session;
 mod stats;
 mod status;
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Ok(Run::Trace(config)) => trace(&config),
         Ok(Run::Report(config)) => offline::report(&config).map_err(anyhow::Error::from),
         Ok(Run::Diff(config)) => offline::diff(&config).map_err(anyhow::Error::from),
+        Ok(Run::Serve(config)) => serve(&config),
         Err(message) => Err(anyhow::Error::msg(message)),
     };
     match result {
@@ -90,4 +93,12 @@ fn trace(config: &config::TraceConfig) -> anyhow::Result<()> {
         .build()
         .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
     Ok(runtime.block_on(report_loop::run(config))?)
+}
+
+fn serve(config: &config::ServeConfig) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
+    Ok(runtime.block_on(serve::run(config))?)
 }

@@ -4,6 +4,7 @@
 //! - `fixtures`: compiling the C and C++ programs the tests trace;
 //! - `memleak`: running memleak and reading its JSON reports;
 //! - `leaker`: a leaker process for memleak to attach to;
+//! - `http`: GET requests to `memleak serve`;
 //! - `rootfs`: root filesystems for container tests;
 //! - `consumers`: flame graphs and profiles, read as their users would;
 //! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool;
@@ -12,6 +13,7 @@
 pub mod bpf_maps;
 pub mod consumers;
 pub mod fixtures;
+pub mod http;
 pub mod leaker;
 pub mod memleak;
 pub mod rootfs;

@@ -167,9 +167,10 @@ fn demo() -> Result<()> {
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
 /// are run with, redis-server and nginx as real programs, go tool pprof (with
 /// graphviz for its -svg) to read memleak's profiles, bpftool to count
-/// what memleak's maps hold without taking memleak's word for it, and
-/// Debian's python3 and a node to unwind real interpreters and JIT code.
-const TEST_PACKAGES: [&str; 14] = [
+/// what memleak's maps hold without taking memleak's word for it,
+/// Debian's python3 and a node to unwind real interpreters and JIT code,
+/// and prometheus for promtool, which checks `memleak serve`'s /metrics.
+const TEST_PACKAGES: [&str; 15] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -184,6 +185,7 @@ const TEST_PACKAGES: [&str; 14] = [
     "nginx",
     "golang-go",
     "graphviz",
+    "prometheus",
 ];
 
 fn test(test_args: &[String]) -> Result<()> {

@@ -1,0 +1,198 @@
+//! The HTTP side of `memleak serve`, on a thread and a runtime of its
+//! own: the session is not `Send` and its collections block, so neither
+//! shares a thread with the other. Handlers read the published rounds
+//! (see `state`); nothing in a request reaches the session, the
+//! filesystem or a command line.
+//!
+//! hyper's HTTP/1 server, without a framework: three GET endpoints need
+//! no router, and hyper sets the bounds on a request's head and time
+//! directly.
+
+use std::{convert::Infallible, io, net::SocketAddr, sync::Arc, thread, time::Duration};
+
+use http_body_util::Full;
+use hyper::{
+    body::{Bytes, Incoming},
+    header, Method, Request, Response, StatusCode,
+};
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    server::graceful::GracefulShutdown,
+};
+use tokio::sync::{watch, Semaphore};
+
+use super::{
+    metrics,
+    state::{BoardReader, Followed, Published, TargetSummary},
+};
+
+/// Connections served at once; more are closed as they come.
+const MAX_CONNECTIONS: usize = 64;
+/// The most a request's head may take, in bytes (hyper's smallest
+/// buffer): every endpoint is a short GET.
+const MAX_REQUEST_HEAD: usize = 8192;
+/// How long a client has to send a request's head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection may stay open, keep-alive included.
+const CONNECTION_LIFETIME: Duration = Duration::from_mins(2);
+/// How long the requests in flight at shutdown get to be answered.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+const ENDPOINTS: &str = "/metrics, /api/v1/targets and /healthz";
+
+/// The server thread; it ends once `stop` is sent `true`.
+pub struct Server {
+    thread: thread::JoinHandle<()>,
+    stop: watch::Sender<bool>,
+}
+
+impl Server {
+    /// Serves on `listener`, bound already, so that a port in use is an
+    /// error before anything is attached.
+    pub fn start(listener: std::net::TcpListener, board: BoardReader) -> io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let (stop, stopped) = watch::channel(false);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let thread = thread::Builder::new()
+            .name("memleak-http".to_owned())
+            .spawn(move || runtime.block_on(accept(listener, board, stopped)))?;
+        Ok(Self { thread, stop })
+    }
+
+    /// Stops accepting, answers the requests in flight (for a while) and
+    /// closes every connection.
+    pub fn stop(self) {
+        self.stop.send_replace(true);
+        if self.thread.join().is_err() {
+            log::warn!("the HTTP server's thread panicked");
+        }
+    }
+}
+
+async fn accept(listener: std::net::TcpListener, board: BoardReader, mut stopped: watch::Receiver<bool>) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(error) => {
+            log::error!("cannot serve: {error}");
+            return;
+        }
+    };
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let Ok(permit) = permits.clone().try_acquire_owned() else {
+                        log::debug!("closing the connection from {peer}: {MAX_CONNECTIONS} connections open");
+                        continue;
+                    };
+                    let connection = http1()
+                        .serve_connection(TokioIo::new(stream), hyper::service::service_fn({
+                            let board = board.clone();
+                            move |request| answer(request, board.clone())
+                        }));
+                    let connection = graceful.watch(connection);
+                    tokio::spawn(async move {
+                        close_when_done(connection, peer).await;
+                        drop(permit);
+                    });
+                }
+                // Out of descriptors, say: the next accept may succeed.
+                Err(error) => {
+                    log::warn!("cannot accept a connection: {error}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = stopped.changed() => break,
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
+        log::debug!("closing connections still open {SHUTDOWN_GRACE:?} after the stop");
+    }
+}
+
+fn http1() -> hyper::server::conn::http1::Builder {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(MAX_REQUEST_HEAD);
+    builder
+}
+
+async fn close_when_done(connection: impl std::future::Future<Output = hyper::Result<()>>, peer: SocketAddr) {
+    match tokio::time::timeout(CONNECTION_LIFETIME, connection).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => log::debug!("connection from {peer}: {error}"),
+        Err(_) => log::debug!("closing the connection from {peer} after {CONNECTION_LIFETIME:?}"),
+    }
+}
+
+/// The endpoints served.
+#[derive(Clone, Copy)]
+enum Endpoint {
+    Healthz,
+    Metrics,
+    Targets,
+}
+
+async fn answer(request: Request<Incoming>, board: BoardReader) -> Result<Response<Full<Bytes>>, Infallible> {
+    if request.method() != Method::GET {
+        let mut response = plain(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n".to_owned());
+        response.headers_mut().insert(header::ALLOW, header::HeaderValue::from_static("GET"));
+        return Ok(response);
+    }
+    let path = request.uri().path();
+    let endpoint = match path {
+        "/healthz" => Endpoint::Healthz,
+        "/metrics" => Endpoint::Metrics,
+        "/api/v1/targets" => Endpoint::Targets,
+        _ => {
+            return Ok(plain(
+                StatusCode::NOT_FOUND,
+                format!("no endpoint {path}: memleak serves {ENDPOINTS}\n"),
+            ))
+        }
+    };
+    if request.uri().query().is_some_and(|query| !query.is_empty()) {
+        return Ok(plain(StatusCode::BAD_REQUEST, format!("{path} takes no query parameters\n")));
+    }
+    Ok(match endpoint {
+        Endpoint::Healthz => plain(StatusCode::OK, "ok\n".to_owned()),
+        Endpoint::Metrics => {
+            let body = metrics::render(&*board.fresh().await);
+            with_type(StatusCode::OK, metrics::CONTENT_TYPE, body)
+        }
+        Endpoint::Targets => targets(&*board.fresh().await),
+    })
+}
+
+/// `/api/v1/targets`'s body.
+#[derive(serde::Serialize)]
+struct TargetList<'a> {
+    targets: Vec<TargetSummary<'a>>,
+}
+
+fn targets(published: &Published) -> Response<Full<Bytes>> {
+    let list = TargetList { targets: published.targets.iter().map(Followed::summary).collect() };
+    match serde_json::to_string(&list) {
+        Ok(mut body) => {
+            body.push('\n');
+            with_type(StatusCode::OK, "application/json", body)
+        }
+        Err(error) => plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the list: {error}\n")),
+    }
+}
+
+fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    with_type(status, "text/plain; charset=utf-8", body)
+}
+
+fn with_type(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
+    // Text is text, whatever a browser would guess from it.
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    response
+}

@@ -1,0 +1,203 @@
+//! `memleak serve`: a daemon that follows processes and serves their
+//! latest reports over HTTP, for Prometheus and curl.
+//!
+//! Two threads. This one drives the `Session` (which is not `Send`): a
+//! round of reports every interval, or sooner when a request asks for
+//! one, each round published whole to the `state::Board`. The HTTP
+//! server (`http`) runs on a thread of its own and reads only what was
+//! published, so a slow client never holds up collection, nor a long
+//! collection a scrape of the last round.
+
+mod http;
+mod metrics;
+mod state;
+
+use std::{collections::BTreeMap, net::TcpListener, sync::Arc, time::Duration};
+
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::{
+    bpf::{Tracer, TracerError},
+    collect::CollectOptions,
+    config::ServeConfig,
+    process::feedback,
+    report::options::SortKey,
+    session::{ReportRequest, Session, SessionConfig, SessionError, SessionEvent, TargetSpec},
+    status,
+};
+use state::{Board, Followed, Published};
+
+/// How often the targets' mappings are re-read, as the report loop does.
+const REFRESH: Duration = Duration::from_millis(250);
+
+/// Stacks kept in each report. The endpoints of this version show
+/// totals only, which are over every stack whatever is kept.
+const STACKS_KEPT: usize = 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Tracer(#[from] TracerError),
+    #[error("cannot listen on {address}: {}", status::os_reason(source))]
+    Listen { address: std::net::SocketAddr, source: std::io::Error },
+    #[error("cannot start the HTTP server: {0}")]
+    Server(std::io::Error),
+    #[error("cannot handle signals: {0}")]
+    Signals(std::io::Error),
+}
+
+/// Follows the processes and serves their reports until SIGINT or
+/// SIGTERM; then every probe is detached.
+pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
+    // Before anything is attached: a signal from now on ends the run
+    // cleanly instead of killing memleak with its probes half-placed.
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
+    let mut terminate = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
+    Tracer::check_privileges()?;
+    let listener = TcpListener::bind(config.listen)
+        .map_err(|source| ServeError::Listen { address: config.listen, source })?;
+    let session_config =
+        SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
+    let mut session = Session::start(&TargetSpec::Pids(config.pids.clone()), &session_config)?;
+    for traced in session.targets() {
+        status::say(&format!("tracing pid {} through {}", traced.pid, traced.plan.describe()));
+    }
+    let (board, reader) = Board::new();
+    let server = http::Server::start(listener, reader).map_err(ServeError::Server)?;
+    status::say(&format!("serving http://{}/metrics; Ctrl-C to stop", config.listen));
+    let mut collector = Collector::new(&session);
+    let stop = async {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    };
+    let ended = tokio::select! {
+        ended = collector.follow(&mut session, &board, config.interval) => ended,
+        () = stop => Ok(()),
+    };
+    // Detaches every probe, then closes the connections.
+    drop(session);
+    server.stop();
+    ended
+}
+
+/// The latest report of each process followed, published after each
+/// round; and the last collection error, said once.
+struct Collector {
+    followed: BTreeMap<u32, Followed>,
+    last_error: Option<String>,
+}
+
+impl Collector {
+    fn new(session: &Session) -> Self {
+        let followed = session
+            .targets()
+            .iter()
+            .map(|target| {
+                let followed = Followed {
+                    pid: target.pid,
+                    program: target.program.clone(),
+                    exited: false,
+                    report: None,
+                };
+                (target.pid, followed)
+            })
+            .collect();
+        Self { followed, last_error: None }
+    }
+
+    /// A round every `interval` or when asked, until an error the session
+    /// cannot go on from.
+    async fn follow(
+        &mut self,
+        session: &mut Session,
+        board: &Board,
+        interval: Duration,
+    ) -> Result<(), ServeError> {
+        let mut rounds = tokio::time::interval(interval);
+        rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refresh = tokio::time::interval(REFRESH);
+        loop {
+            tokio::select! {
+                _ = rounds.tick() => self.round(session, board, None),
+                () = board.asked() => {
+                    self.round(session, board, None);
+                    rounds.reset();
+                }
+                _ = refresh.tick() => {
+                    session.refresh()?;
+                }
+                event = session.next_event() => self.take_event(session, board, event?)?,
+            }
+        }
+    }
+
+    /// A target's exit or exec: its final report, then it is let go, or
+    /// its new program is traced.
+    fn take_event(
+        &mut self,
+        session: &mut Session,
+        board: &Board,
+        event: SessionEvent,
+    ) -> Result<(), ServeError> {
+        match event {
+            SessionEvent::Exiting { pid, ack } => {
+                status::say(&format!("pid {pid} exited; its last report stays"));
+                self.round(session, board, Some(pid));
+                drop(ack);
+                session.remove_target(pid)?;
+                if let Some(followed) = self.followed.get_mut(&pid) {
+                    followed.exited = true;
+                }
+                self.publish(board);
+            }
+            SessionEvent::Exec { pid } => {
+                self.round(session, board, Some(pid));
+                if let Some(target) = session.restart_target(pid)? {
+                    status::say(&format!("pid {pid} now runs {}: tracing it", target.program));
+                    if let Some(followed) = self.followed.get_mut(&pid) {
+                        followed.program.clone_from(&target.program);
+                        followed.report = None;
+                    }
+                }
+                self.publish(board);
+            }
+            SessionEvent::Trace(_) | SessionEvent::Followed { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Takes the reports of every target (or of `only`) and publishes
+    /// them. A failed collection is said once and leaves the last
+    /// reports served: the daemon goes on.
+    fn round(&mut self, session: &mut Session, board: &Board, only: Option<u32>) {
+        let request =
+            ReportRequest { collect: CollectOptions::default(), sort: SortKey::Size, top: STACKS_KEPT };
+        match session.collect(only, &request) {
+            Ok(reports) => {
+                self.last_error = None;
+                for report in reports {
+                    if let Some(followed) = self.followed.get_mut(&report.pid) {
+                        followed.program.clone_from(&report.program);
+                        followed.report = Some(Arc::new(report));
+                    }
+                }
+            }
+            Err(error) => {
+                let message = error.to_string();
+                if self.last_error.as_deref() != Some(&message) {
+                    log::warn!("cannot collect reports, serving the last ones: {message}");
+                }
+                self.last_error = Some(message);
+            }
+        }
+        self.publish(board);
+    }
+
+    fn publish(&self, board: &Board) {
+        board.publish(Published { targets: self.followed.values().cloned().collect() });
+    }
+}

@@ -1,0 +1,171 @@
+//! `memleak serve`: the daemon follows a process and serves its totals
+//! over HTTP, as Prometheus and curl read them; SIGTERM and SIGINT
+//! detach every probe and end it with 0.
+
+use std::{
+    io::Write as _,
+    net::TcpStream,
+    process::{Command, Stdio},
+    time::Instant,
+};
+
+use memleak_tests::{
+    http::{free_port, get, Response},
+    uprobes::{byte_in_file, byte_in_process, multi_links},
+    Leaker, Memleak, PATIENCE,
+};
+use serde_json::Value;
+
+const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+
+/// `memleak serve --pid PID` on a free port, once it serves.
+fn serve(pid: u32) -> (Memleak, u16) {
+    let port = free_port();
+    let mut memleak = Memleak::start(&["serve", "--pid", &pid.to_string(), "--port", &port.to_string()]);
+    memleak.wait_attached();
+    memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
+    (memleak, port)
+}
+
+/// GETs `path` until `wanted` holds for the response, or gives up after
+/// `PATIENCE` with the last response seen.
+fn get_until(port: u16, path: &str, wanted: impl Fn(&Response) -> bool) -> Response {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let response = get(port, path).unwrap_or_else(|error| panic!("GET {path}: {error}"));
+        if wanted(&response) {
+            return response;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "GET {path}: not the response wanted after {PATIENCE:?}: {response:#?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// `promtool check metrics` on `body`: its complaints, if any.
+fn promtool_check(body: &str) {
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool (Debian's prometheus package; `cargo xtask test` installs it)");
+    promtool.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
+    let output = promtool.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "promtool check metrics: {}{}\non:\n{body}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The probes memleak placed in libc, and the check that each is gone
+/// from the traced process once memleak has ended.
+fn assert_detached(leaker: &Leaker, offsets: &[u64]) {
+    for &offset in offsets {
+        assert_eq!(
+            byte_in_process(leaker.pid(), LIBC, offset),
+            byte_in_file(LIBC, offset),
+            "a breakpoint left at {offset:#x}"
+        );
+    }
+}
+
+#[test]
+fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
+    let mut leaker = Leaker::start_waiting(&["all"]);
+    let (memleak, port) = serve(leaker.pid());
+    let offsets: Vec<u64> =
+        multi_links(memleak.child.id()).iter().flat_map(|link| link.offsets.clone()).collect();
+    assert!(!offsets.is_empty(), "memleak placed no multi-uprobe link");
+    let health = get(port, "/healthz").expect("GET /healthz");
+    assert_eq!((health.status, health.body.as_str()), (200, "ok\n"), "{health:#?}");
+
+    // A client that never finishes its request holds up nothing.
+    let mut stalled = TcpStream::connect(("127.0.0.1", port)).expect("connect a stalled client");
+    stalled.write_all(b"GET /metrics HTTP/1.1\r\nHost: memleak\r\n").unwrap();
+
+    leaker.go();
+    let pid = leaker.pid();
+    let bytes = format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\"}} 17264");
+    let metrics = get_until(port, "/metrics", |response| response.body.lines().any(|line| line == bytes));
+    assert_eq!(metrics.status, 200);
+    assert_eq!(metrics.content_type.as_deref(), Some("text/plain; version=0.0.4; charset=utf-8"));
+    let series = |name: &str| format!("{name}{{pid=\"{pid}\",exe=\"leaker\"}} ");
+    let value = |name: &str| {
+        let prefix = series(name);
+        metrics.body.lines().find_map(|line| line.strip_prefix(prefix.as_str())).map(str::to_owned)
+    };
+    assert_eq!(value("memleak_outstanding_allocations").as_deref(), Some("15"), "{}", metrics.body);
+    let allocations: u64 = value("memleak_allocations_total").and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!(allocations >= 15, "allocations seen: {}", metrics.body);
+    assert!(metrics.body.contains("# TYPE memleak_frees_total counter\n"), "{}", metrics.body);
+    promtool_check(&metrics.body);
+
+    let targets = get(port, "/api/v1/targets").expect("GET /api/v1/targets");
+    assert_eq!(targets.status, 200, "{targets:#?}");
+    let list: Value =
+        serde_json::from_str(&targets.body).unwrap_or_else(|error| panic!("{error}: {targets:#?}"));
+    let listed = &list["targets"][0];
+    assert_eq!(list["targets"].as_array().map(Vec::len), Some(1), "{list:#}");
+    assert_eq!((listed["pid"].as_u64(), listed["executable"].as_str()), (Some(pid.into()), Some("leaker")));
+    assert_eq!(listed["outstanding_bytes"], 17_264, "{list:#}");
+
+    let missing = get(port, "/nowhere").expect("GET /nowhere");
+    assert_eq!(missing.status, 404, "{missing:#?}");
+    assert_eq!(missing.body.lines().count(), 1, "one line of reason: {missing:#?}");
+    let bad_query = get(port, "/metrics?pid=1").expect("GET /metrics?pid=1");
+    assert_eq!(bad_query.status, 400, "{bad_query:#?}");
+
+    memleak.signal(libc::SIGTERM);
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "SIGTERM: {status}");
+    assert_detached(&leaker, &offsets);
+    drop(stalled);
+}
+
+/// The first followed process in a response of `/api/v1/targets`.
+fn first_target(targets: &Response) -> Value {
+    let list: Value =
+        serde_json::from_str(&targets.body).unwrap_or_else(|error| panic!("{error}: {targets:#?}"));
+    list["targets"][0].clone()
+}
+
+/// Polls `/api/v1/targets` until its first process is as `wanted`.
+fn target_until(port: u16, wanted: impl Fn(&Value) -> bool) -> Value {
+    first_target(&get_until(port, "/api/v1/targets", |response| wanted(&first_target(response))))
+}
+
+#[test]
+fn an_exited_process_keeps_its_last_report() {
+    let mut leaker = Leaker::start_waiting(&["all"]);
+    let (memleak, port) = serve(leaker.pid());
+    leaker.go();
+    target_until(port, |target| target["outstanding_bytes"] == 17_264);
+    leaker.exit();
+    let exited = target_until(port, |target| target["exited"] == true);
+    assert_eq!(exited["outstanding_bytes"], 17_264, "the last report stays: {exited:#}");
+    memleak.signal(libc::SIGTERM);
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "SIGTERM: {status}");
+}
+
+#[test]
+fn sigint_detaches_every_probe_and_exits_0() {
+    let leaker = Leaker::start_waiting(&["all"]);
+    let (memleak, port) = serve(leaker.pid());
+    let offsets: Vec<u64> =
+        multi_links(memleak.child.id()).iter().flat_map(|link| link.offsets.clone()).collect();
+    assert!(!offsets.is_empty(), "memleak placed no multi-uprobe link");
+    let health = get(port, "/healthz").expect("GET /healthz");
+    assert_eq!(health.status, 200);
+    memleak.signal(libc::SIGINT);
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "SIGINT: {status}");
+    assert_detached(&leaker, &offsets);
+    assert!(get(port, "/healthz").is_err(), "still listening after it exited");
+}
