@@ -12,7 +12,12 @@ mod http;
 mod metrics;
 mod state;
 
-use std::{collections::BTreeMap, net::TcpListener, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::TcpListener,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -29,6 +34,10 @@ use state::{Board, Followed, Published};
 
 /// How often the targets' mappings are re-read, as the report loop does.
 const REFRESH: Duration = Duration::from_millis(250);
+
+/// A request finds a round taken this recently fresh enough, and gets
+/// it rather than a new one.
+const FRESH_ENOUGH: Duration = Duration::from_millis(500);
 
 /// Stacks kept in each report. The endpoints of this version show
 /// totals only, which are over every stack whatever is kept.
@@ -89,6 +98,8 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
 struct Collector {
     followed: BTreeMap<u32, Followed>,
     last_error: Option<String>,
+    /// When the last round of every target was taken.
+    last_round: Option<Instant>,
 }
 
 impl Collector {
@@ -106,7 +117,7 @@ impl Collector {
                 (target.pid, followed)
             })
             .collect();
-        Self { followed, last_error: None }
+        Self { followed, last_error: None, last_round: None }
     }
 
     /// A round every `interval` or when asked, until an error the session
@@ -124,8 +135,14 @@ impl Collector {
             tokio::select! {
                 _ = rounds.tick() => self.round(session, board, None),
                 () = board.asked() => {
-                    self.round(session, board, None);
-                    rounds.reset();
+                    // A client asking again and again must not keep the
+                    // collector busy: a round this recent is fresh enough.
+                    if self.last_round.is_some_and(|at| at.elapsed() < FRESH_ENOUGH) {
+                        self.publish(board);
+                    } else {
+                        self.round(session, board, None);
+                        rounds.reset();
+                    }
                 }
                 _ = refresh.tick() => {
                     session.refresh()?;
@@ -174,6 +191,9 @@ impl Collector {
     /// them. A failed collection is said once and leaves the last
     /// reports served: the daemon goes on.
     fn round(&mut self, session: &mut Session, board: &Board, only: Option<u32>) {
+        if only.is_none() {
+            self.last_round = Some(Instant::now());
+        }
         let request =
             ReportRequest { collect: CollectOptions::default(), sort: SortKey::Size, top: STACKS_KEPT };
         match session.collect(only, &request) {
