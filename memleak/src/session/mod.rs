@@ -339,17 +339,24 @@ impl Session {
             Ok(()) => Some(SessionEvent::Followed { pid: child, parent }),
             Err(why) => {
                 // Short-lived children often exit before they are planned.
-                if lifecycle::check_process(child).is_ok() {
-                    log::warn!("not tracing pid {child}, forked by pid {parent}: {why}");
-                } else {
-                    log::debug!("pid {child}, forked by pid {parent}, exited before it was traced");
-                }
-                // Nor its own children: nothing of it is kept.
-                let _ = self.remove_target(child);
-                let _ = self.tracer.unfollow(child);
+                self.let_go(child, &format!(", forked by pid {parent}"), &why);
                 None
             }
         }
+    }
+
+    /// Lets go of process `pid` (described by `whose`), which could not be
+    /// traced because of `why`: said as a warning if it still runs, as
+    /// debug if it exited meanwhile. Nothing of it is kept, nor are its
+    /// children followed.
+    fn let_go(&mut self, pid: u32, whose: &str, why: &dyn std::fmt::Display) {
+        if lifecycle::check_process(pid).is_ok() {
+            log::warn!("not tracing pid {pid}{whose}: {why}");
+        } else {
+            log::debug!("pid {pid}{whose}: exited before it was traced");
+        }
+        let _ = self.remove_target(pid);
+        let _ = self.tracer.unfollow(pid);
     }
 
     /// Attaches to process `pid` and follows it until it exits.
@@ -446,13 +453,7 @@ impl Session {
             if let Err(error) = traced {
                 // Processes come and go: one that exits while memleak
                 // attaches, or cannot be probed, must not end the trace.
-                if lifecycle::check_process(pid).is_ok() {
-                    log::warn!("not tracing pid {pid} of the cgroup: {error}");
-                } else {
-                    log::debug!("pid {pid} of the cgroup exited before it was traced");
-                }
-                let _ = self.remove_target(pid);
-                let _ = self.tracer.unfollow(pid);
+                self.let_go(pid, " of the cgroup", &error);
                 continue;
             }
             added.processes += 1;
