@@ -2,9 +2,11 @@
 //! compiled on demand, and what the tests read off them.
 
 use std::{
+    collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
     process::Command,
+    sync::{Mutex, PoisonError},
     thread,
 };
 
@@ -86,7 +88,16 @@ pub fn go_program(name: &str) -> PathBuf {
 /// Compiles `source` with `compiler` and `flags` into target/fixtures/NAME.
 /// Tests run in parallel: each builds under a private name, then renames,
 /// so that no test ever runs a half-written file.
+/// Compiles `source` to target/fixtures/`name`, once per test process:
+/// a test's fixture must never be replaced under a process another test
+/// started from it, or the kernel would name that process's program
+/// "... (deleted)".
 fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf {
+    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(output) = built.get(name) {
+        return output.clone();
+    }
     let dir = workspace_root().join("target/fixtures");
     fs::create_dir_all(&dir).expect("create target/fixtures");
     let output = dir.join(name);
@@ -100,6 +111,7 @@ fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf
         .unwrap_or_else(|error| panic!("run {compiler} (cargo xtask test installs it): {error}"));
     assert!(status.success(), "{compiler} failed on {}", source.display());
     fs::rename(&private, &output).expect("rename fixture");
+    built.insert(name.to_owned(), output.clone());
     output
 }
 
