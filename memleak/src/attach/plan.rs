@@ -68,6 +68,15 @@ pub struct ProbeSite {
     pub functions: FunctionSet,
 }
 
+impl ProbeSite {
+    /// The site with its probes placed past its first instructions when
+    /// that is safe (`entry_skip`): see `placement`. `data` is the
+    /// object's file.
+    fn placed(self, data: &[u8], display_path: &str) -> Self {
+        Self { entry_skip: probes_offset(&self, data, display_path), ..self }
+    }
+}
+
 /// The object to probe and the probe sites in it.
 #[derive(Clone, Debug)]
 pub struct AttachPlan {
@@ -340,46 +349,33 @@ fn allocator_sites(
             first.functions = first.functions.union(FunctionSet::of(index));
             continue;
         }
-        let entry_skip = probes_offset(
-            function.name,
-            function.entry_program,
-            data,
-            file_offset,
-            symbol.size,
-            display_path,
-        );
-        sites.push(ProbeSite {
+        let site = ProbeSite {
             function: function.name,
             entry_program: function.entry_program,
             return_program: function.return_program(),
             file_offset,
             code_length: symbol.size,
-            entry_skip,
+            entry_skip: 0,
             functions: FunctionSet::of(index),
-        });
+        };
+        sites.push(site.placed(data, display_path));
     }
     (sites, missing)
 }
 
 /// Bytes past a function's start to put its probes at: see `placement`.
 /// Without a size, its branches cannot be checked, and it keeps the entry.
-fn probes_offset(
-    function: &str,
-    entry_program: &str,
-    data: &[u8],
-    file_offset: u64,
-    size: u64,
-    display_path: &str,
-) -> u64 {
+fn probes_offset(site: &ProbeSite, data: &[u8], display_path: &str) -> u64 {
     // Past this, a function's branches are not looked through: no
     // allocator entry point is near that long.
     const LONGEST: u64 = 64 << 10;
-    let code = usize::try_from(file_offset)
+    let code = usize::try_from(site.file_offset)
         .ok()
-        .zip(usize::try_from(size.min(LONGEST)).ok())
+        .zip(usize::try_from(site.code_length.min(LONGEST)).ok())
         .and_then(|(start, length)| data.get(start..start.checked_add(length)?))
         .unwrap_or(&[]);
-    let placement = placement::probe_placement(code, placement::arguments_read(entry_program));
+    let function = site.function;
+    let placement = placement::probe_placement(code, placement::arguments_read(site.entry_program));
     match placement.single_stepped {
         _ if placement.offset > 0 => log::debug!(
             "{function} in {display_path}: probes at +{}, on `{:?}`, which the kernel emulates, past what it would single-step",
@@ -415,22 +411,18 @@ fn mapping_sites(
         if sites.iter().chain(&mapping).any(|site| site.file_offset == file_offset) {
             continue; // mmap64 is mmap
         }
-        mapping.push(ProbeSite {
-            function: function.name,
-            entry_program: function.entry_program,
-            return_program: function.return_program,
-            file_offset,
-            code_length: symbol.size,
-            entry_skip: probes_offset(
-                function.name,
-                function.entry_program,
-                data,
+        mapping.push(
+            ProbeSite {
+                function: function.name,
+                entry_program: function.entry_program,
+                return_program: function.return_program,
                 file_offset,
-                symbol.size,
-                display_path,
-            ),
-            functions: FunctionSet::default(),
-        });
+                code_length: symbol.size,
+                entry_skip: 0,
+                functions: FunctionSet::default(),
+            }
+            .placed(data, display_path),
+        );
     }
     mapping
 }

@@ -64,10 +64,13 @@ pub fn namespace_pid(pid: u32) -> Option<u32> {
 }
 
 /// The process's executable, as it names it, or `pid N` if that cannot be
-/// read.
+/// read. Without the " (deleted)" the kernel adds once the file is
+/// replaced (an upgrade, a rebuild), as the mappings' names are: a
+/// process keeps its program's name.
 pub fn program(pid: u32) -> String {
-    fs::read_link(format!("/proc/{pid}/exe"))
-        .map_or_else(|_| format!("pid {pid}"), |path| path.display().to_string())
+    let Ok(path) = fs::read_link(format!("/proc/{pid}/exe")) else { return format!("pid {pid}") };
+    let path = path.display().to_string();
+    path.strip_suffix(" (deleted)").map_or_else(|| path.clone(), str::to_owned)
 }
 
 /// Sends `TargetEvent::Exiting` for process `pid` once it has exited.
@@ -113,6 +116,21 @@ fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_program_whose_file_was_replaced_keeps_its_name() {
+        let dir = std::env::temp_dir().join(format!("memleak-program-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let copy = dir.join("sleeper");
+        fs::copy("/bin/sleep", &copy).unwrap();
+        let mut child = std::process::Command::new(&copy).arg("60").spawn().unwrap();
+        fs::remove_file(&copy).unwrap();
+        let named = program(child.id());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let _ = fs::remove_dir(&dir);
+        assert_eq!(named, copy.display().to_string());
+    }
 
     #[test]
     fn this_process_is_a_live_user_process_and_pid_1_is_not_a_kernel_thread() {

@@ -158,13 +158,6 @@ mod tests {
     }
 
     #[test]
-    fn a_replaced_executable_keeps_its_name() {
-        let published = Published { targets: vec![followed(7, "/usr/bin/leaker (deleted)", 1)] };
-        let body = render(&published);
-        assert!(body.contains("memleak_outstanding_bytes{pid=\"7\",exe=\"leaker\"} 1\n"), "{body}");
-    }
-
-    #[test]
     fn label_values_are_escaped() {
         let published = Published { targets: vec![followed(7, "/tmp/a\"b\\c\nd", 1)] };
         let body = render(&published);

@@ -29,12 +29,8 @@ pub struct Followed {
 
 impl Followed {
     /// The executable's file name: the `exe` label and the list's name.
-    /// Without the " (deleted)" the kernel adds to a program's name once
-    /// its file is replaced (an upgrade, a rebuild): the series of a
-    /// process keeps its labels.
     pub fn executable(&self) -> &str {
-        let program = self.program.strip_suffix(" (deleted)").unwrap_or(&self.program);
-        Path::new(program).file_name().and_then(|name| name.to_str()).unwrap_or(program)
+        Path::new(&self.program).file_name().and_then(|name| name.to_str()).unwrap_or(&self.program)
     }
 
     pub fn summary(&self) -> TargetSummary<'_> {
