@@ -220,14 +220,25 @@ pub struct ServeArgs {
     #[arg(short, long, value_name = "PID", value_delimiter = ',', required = true)]
     pub pid: Vec<u32>,
 
-    /// Address to listen on. Only loopback addresses are accepted until
-    /// memleak can require a token.
+    /// Address to listen on. Any but a loopback address needs
+    /// --token-file.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
     pub listen: IpAddr,
+
+    /// Require `Authorization: Bearer <token>` on every request but
+    /// /healthz, the token being this file's first line (16 characters
+    /// at least).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
 
     /// Port to listen on.
     #[arg(long, value_name = "PORT", default_value_t = DEFAULT_SERVE_PORT)]
     pub port: u16,
+
+    /// Print debug logs (probe placement, each request's window) to
+    /// stderr.
+    #[arg(short, long)]
+    pub verbose: bool,
 
     /// Seconds between collections; a scrape also asks for a fresh one.
     #[arg(long, value_name = "SECONDS", default_value = "2", value_parser = parse_interval)]

@@ -34,6 +34,8 @@ pub struct ServeConfig {
     pub listen: SocketAddr,
     /// Time between collections when nobody asks for one.
     pub interval: Duration,
+    /// The bearer token's file, read at start.
+    pub token_file: Option<PathBuf>,
 }
 
 /// A tracing run.
@@ -59,7 +61,7 @@ impl TraceConfig {
     /// are saved (they are cut to what is shown after saving).
     pub fn request(&self) -> ReportRequest {
         let top = if self.save.is_some() { usize::MAX } else { self.shown.top };
-        ReportRequest { collect: self.collect, sort: self.shown.sort, top }
+        ReportRequest { collect: self.collect, sort: self.shown.sort, top, in_series: true }
     }
 
     /// Whether the run may write several documents, which are then
@@ -122,6 +124,7 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
         freed_stacks: format.shows_freed_stacks() || saving,
         modules: format.needs_modules() || saving,
         all_mmaps: args.all_mmaps,
+        born_since_ns: None,
     };
     let session = SessionConfig {
         tracer: TracerSettings {
@@ -248,12 +251,12 @@ fn shown(
 }
 
 /// The daemon traces with the tracer's defaults; it takes none of the
-/// tuning flags yet. Until a token can be required, it listens on
-/// loopback only: the reports name a host's programs and their files.
+/// tuning flags yet. Beyond loopback it wants a token: the reports name
+/// a host's programs and their files.
 fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
-    if !args.listen.is_loopback() {
+    if !args.listen.is_loopback() && args.token_file.is_none() {
         return Err(format!(
-            "--listen {}: memleak serve listens on loopback addresses only, as it cannot require a token yet",
+            "--listen {}: beyond loopback, memleak serve needs --token-file FILE, the token clients must send",
             args.listen
         ));
     }
@@ -281,6 +284,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         session,
         listen: SocketAddr::new(args.listen, args.port),
         interval: args.interval,
+        token_file: args.token_file,
     })
 }
 
@@ -374,8 +378,11 @@ mod tests {
         assert_eq!(config.listen.to_string(), "[::1]:80");
         assert_eq!(
             serve("serve --pid 1 --listen 0.0.0.0").err().as_deref(),
-            Some("--listen 0.0.0.0: memleak serve listens on loopback addresses only, as it cannot require a token yet")
+            Some("--listen 0.0.0.0: beyond loopback, memleak serve needs --token-file FILE, the token clients must send")
         );
+        let config = serve("serve --pid 1 --listen 0.0.0.0 --token-file /etc/memleak/token")
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(config.token_file, Some(PathBuf::from("/etc/memleak/token")));
         assert_eq!(serve("serve --pid 3,3").err().as_deref(), Some("pid 3 is given twice"));
         assert!(serve("serve").is_err(), "--pid is required");
     }

@@ -55,7 +55,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_logging(args.verbose);
+    let serving_verbosely = matches!(&args.action, Some(cli::Action::Serve(serve)) if serve.verbose);
+    init_logging(args.verbose || serving_verbosely);
     let result = match config::resolve(args) {
         Ok(Run::Trace(config)) => trace(&config),
         Ok(Run::Report(config)) => offline::report(&config).map_err(anyhow::Error::from),

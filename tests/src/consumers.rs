@@ -32,11 +32,21 @@ pub fn svg_titles(svg: &str) -> Vec<String> {
 /// Runs `go tool pprof ARGS PROFILE` and returns what it printed. Go
 /// keeps a cache under $HOME: the profile's directory serves.
 pub fn go_pprof(profile: &Path, args: &[&str]) -> String {
+    go_pprof_source(profile.as_os_str(), profile.parent().expect("a profile in a directory"), args)
+}
+
+/// Runs `go tool pprof ARGS URL`, pprof fetching the profile itself, with
+/// `home` for Go's cache and the copy pprof saves of what it fetched.
+pub fn go_pprof_url(url: &str, home: &Path, args: &[&str]) -> String {
+    go_pprof_source(url.as_ref(), home, args)
+}
+
+fn go_pprof_source(source: &std::ffi::OsStr, home: &Path, args: &[&str]) -> String {
     let output = Command::new("go")
         .args(["tool", "pprof"])
         .args(args)
-        .arg(profile)
-        .env("HOME", profile.parent().expect("a profile in a directory"))
+        .arg(source)
+        .env("HOME", home)
         .output()
         .expect("run go tool pprof (cargo xtask test installs golang-go)");
     assert!(output.status.success(), "go tool pprof {args:?}: {}", String::from_utf8_lossy(&output.stderr));

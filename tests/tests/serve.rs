@@ -6,42 +6,21 @@ use std::{
     io::Write as _,
     net::TcpStream,
     process::{Command, Stdio},
-    time::Instant,
 };
 
 use memleak_tests::{
-    http::{free_port, get, Response},
+    http::{self, get, get_until, Response},
     uprobes::{byte_in_file, byte_in_process, multi_links},
-    Leaker, Memleak, PATIENCE,
+    Leaker, Memleak,
 };
 use serde_json::Value;
 
 const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
 
-/// `memleak serve --pid PID` on a free port, once it serves.
+/// `memleak serve --pid PID` on a free port, once it serves (its
+/// probes placed before).
 fn serve(pid: u32) -> (Memleak, u16) {
-    let port = free_port();
-    let mut memleak = Memleak::start(&["serve", "--pid", &pid.to_string(), "--port", &port.to_string()]);
-    memleak.wait_attached();
-    memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
-    (memleak, port)
-}
-
-/// GETs `path` until `wanted` holds for the response, or gives up after
-/// `PATIENCE` with the last response seen.
-fn get_until(port: u16, path: &str, wanted: impl Fn(&Response) -> bool) -> Response {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let response = get(port, path).unwrap_or_else(|error| panic!("GET {path}: {error}"));
-        if wanted(&response) {
-            return response;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "GET {path}: not the response wanted after {PATIENCE:?}: {response:#?}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    http::serve(&["--pid", &pid.to_string()])
 }
 
 /// `promtool check metrics` on `body`: its complaints, if any.

@@ -170,7 +170,7 @@ fn demo() -> Result<()> {
 /// what memleak's maps hold without taking memleak's word for it,
 /// Debian's python3 and a node to unwind real interpreters and JIT code,
 /// and prometheus for promtool, which checks `memleak serve`'s /metrics.
-const TEST_PACKAGES: [&str; 15] = [
+const TEST_PACKAGES: [&str; 16] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -186,6 +186,7 @@ const TEST_PACKAGES: [&str; 15] = [
     "golang-go",
     "graphviz",
     "prometheus",
+    "chromium",
 ];
 
 fn test(test_args: &[String]) -> Result<()> {

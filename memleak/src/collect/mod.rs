@@ -23,6 +23,10 @@ pub struct CollectOptions {
     /// bcc's `-o`: only allocations at least this old (ns) count. Ages
     /// need each allocation read, so any value, 0 included, reads them.
     pub min_age_ns: Option<u64>,
+    /// Only allocations made at or after this `CLOCK_MONOTONIC` time (ns)
+    /// count: what a window of time left outstanding (`memleak serve`'s
+    /// `?seconds=N`). Reads each allocation, as `min_age_ns` does.
+    pub born_since_ns: Option<u64>,
     /// Each allocation's address, size and age (`-a`, a saved snapshot).
     pub each_allocation: bool,
     /// The stacks whose every allocation was freed, with what they
@@ -37,14 +41,26 @@ pub struct CollectOptions {
 }
 
 impl CollectOptions {
+    /// Per-stack totals only, as `Default` gives, for a `const`.
+    pub const NONE: Self = Self {
+        min_age_ns: None,
+        born_since_ns: None,
+        each_allocation: false,
+        freed_stacks: false,
+        modules: false,
+        all_mmaps: false,
+    };
+
     /// Whether the maps must be read allocation by allocation, not only
     /// per stack.
     pub fn reads_each_allocation(&self) -> bool {
-        self.each_allocation || self.min_age_ns.is_some()
+        self.each_allocation || self.min_age_ns.is_some() || self.born_since_ns.is_some()
     }
 
-    fn min_age(&self) -> u64 {
-        self.min_age_ns.unwrap_or(0)
+    /// Whether an allocation made at `timestamp_ns` counts at `now_ns`.
+    fn counts(&self, timestamp_ns: u64, now_ns: u64) -> bool {
+        now_ns.saturating_sub(timestamp_ns) >= self.min_age_ns.unwrap_or(0)
+            && self.born_since_ns.is_none_or(|since| timestamp_ns >= since)
     }
 }
 
@@ -118,8 +134,8 @@ pub fn aggregate(
 ) -> Snapshot {
     let mut by_stack = ByStack::new(options);
     for (key, allocation) in allocations.iter().filter(|(key, _)| key.tgid == pid) {
-        let age_ns = now_ns.saturating_sub(allocation.timestamp_ns);
-        if age_ns >= options.min_age() {
+        if options.counts(allocation.timestamp_ns, now_ns) {
+            let age_ns = now_ns.saturating_sub(allocation.timestamp_ns);
             by_stack.add(allocation.stack_id, None, key.address, allocation.size, age_ns);
         }
     }
@@ -138,10 +154,10 @@ pub fn add_regions(
 ) {
     let mut by_stack = ByStack::new(options);
     for (start, region) in regions.iter() {
-        let age_ns = now_ns.saturating_sub(region.timestamp_ns);
-        if age_ns < options.min_age() {
+        if !options.counts(region.timestamp_ns, now_ns) {
             continue;
         }
+        let age_ns = now_ns.saturating_sub(region.timestamp_ns);
         let size = region.end - start;
         match kind_of(region) {
             MappingKind::AllocatorMmap if !options.all_mmaps => snapshot.hidden.allocator_bytes += size,
@@ -239,6 +255,22 @@ mod tests {
         assert_eq!((stacks[0].stack_id, stacks[0].bytes, stacks[0].allocations), (7, 150, 2));
         assert_eq!((stacks[1].stack_id, stacks[1].bytes, stacks[1].allocations), (9, 8, 1));
         assert_eq!(stacks[0].outstanding[1], OutstandingAllocation { address: 0x2000, size: 50, age_ms: 0 });
+    }
+
+    #[test]
+    fn a_window_counts_only_the_allocations_made_since_it_began() {
+        let allocations = [
+            (key(42, 0x1000), allocation(100, 1_000, 7)), // before the window
+            (key(42, 0x2000), allocation(50, 4_000, 7)),  // as it began
+            (key(42, 0x3000), allocation(8, 9_000, 9)),
+        ];
+        let options = CollectOptions { born_since_ns: Some(4_000), ..CollectOptions::default() };
+        assert!(options.reads_each_allocation());
+        let snapshot = aggregate(42, 0, 10_000, &allocations, HealthCounters::default(), &options);
+        let mut stacks: Vec<_> =
+            snapshot.stacks.iter().map(|s| (s.stack_id, s.bytes, s.allocations)).collect();
+        stacks.sort_unstable();
+        assert_eq!(stacks, [(7, 50, 1), (9, 8, 1)]);
     }
 
     #[test]

@@ -26,6 +26,18 @@ struct Seen {
 impl TrendTracker {
     /// Compares `snapshot` with the previous one and remembers it.
     pub fn observe(&mut self, snapshot: &Snapshot) -> HashMap<u64, Trend> {
+        let (trends, current) = self.compare(snapshot);
+        self.previous = Some(current);
+        trends
+    }
+
+    /// Compares `snapshot` with the previous one, which stays the one the
+    /// next report is compared with: for a report taken aside the series.
+    pub fn peek(&self, snapshot: &Snapshot) -> HashMap<u64, Trend> {
+        self.compare(snapshot).0
+    }
+
+    fn compare(&self, snapshot: &Snapshot) -> (HashMap<u64, Trend>, HashMap<u64, Seen>) {
         let mut current = HashMap::with_capacity(snapshot.stacks.len());
         let mut trends = HashMap::with_capacity(snapshot.stacks.len());
         for stack in &snapshot.stacks {
@@ -50,8 +62,7 @@ impl TrendTracker {
             current.insert(stack.stack_id, seen);
             trends.insert(stack.stack_id, trend);
         }
-        self.previous = Some(current);
-        trends
+        (trends, current)
     }
 }
 
@@ -101,5 +112,15 @@ mod tests {
         tracker.observe(&snapshot(&[(1, 1400)]));
         let trend = tracker.observe(&snapshot(&[(1, 1600)]))[&1];
         assert_eq!((trend.growing_reports, trend.growth_per_report), (3, Some(200)));
+    }
+
+    #[test]
+    fn a_report_taken_aside_leaves_the_series_as_it_was() {
+        let mut tracker = TrendTracker::default();
+        tracker.observe(&snapshot(&[(1, 100)]));
+        let aside = tracker.peek(&snapshot(&[(1, 900)]));
+        assert_eq!(aside[&1].delta_bytes, Some(800));
+        let next = tracker.observe(&snapshot(&[(1, 150)]));
+        assert_eq!(next[&1].delta_bytes, Some(50), "compared with the last report of the series");
     }
 }

@@ -4,9 +4,9 @@
 //! (see `state`); nothing in a request reaches the session, the
 //! filesystem or a command line.
 //!
-//! hyper's HTTP/1 server, without a framework: three GET endpoints need
-//! no router, and hyper sets the bounds on a request's head and time
-//! directly.
+//! hyper's HTTP/1 server, without a framework: a handful of GET
+//! endpoints need no router, and hyper sets the bounds on a request's
+//! head and time directly.
 
 use std::{convert::Infallible, io, net::SocketAddr, sync::Arc, thread, time::Duration};
 
@@ -22,8 +22,11 @@ use hyper_util::{
 use tokio::sync::{watch, Semaphore};
 
 use super::{
-    metrics,
+    metrics, page,
+    query::{self, Params, ReportAsked},
+    reports,
     state::{BoardReader, Followed, Published, TargetSummary},
+    token::Token,
 };
 
 /// Connections served at once; more are closed as they come.
@@ -33,12 +36,13 @@ const MAX_CONNECTIONS: usize = 64;
 const MAX_REQUEST_HEAD: usize = 8192;
 /// How long a client has to send a request's head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long one connection may stay open, keep-alive included.
-const CONNECTION_LIFETIME: Duration = Duration::from_mins(2);
+/// How long one connection may stay open, keep-alive included: long
+/// enough for the longest `?seconds=N` window, and its report.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(query::MAX_WINDOW.as_secs() + 30);
 /// How long the requests in flight at shutdown get to be answered.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-const ENDPOINTS: &str = "/metrics, /api/v1/targets and /healthz";
+const ENDPOINTS: &str = "/, /metrics, /debug/pprof/heap, /api/v1/targets, /api/v1/report and /healthz";
 
 /// The server thread; it ends once `stop` is sent `true`.
 pub struct Server {
@@ -49,13 +53,19 @@ pub struct Server {
 impl Server {
     /// Serves on `listener`, bound already, so that a port in use is an
     /// error before anything is attached.
-    pub fn start(listener: std::net::TcpListener, board: BoardReader) -> io::Result<Self> {
+    /// With a `token`, every request but `/healthz` must carry it.
+    pub fn start(
+        listener: std::net::TcpListener,
+        board: BoardReader,
+        token: Option<Token>,
+    ) -> io::Result<Self> {
         listener.set_nonblocking(true)?;
         let (stop, stopped) = watch::channel(false);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let handlers = Handlers { board, token: token.map(Arc::new) };
         let thread = thread::Builder::new()
             .name("memleak-http".to_owned())
-            .spawn(move || runtime.block_on(accept(listener, board, stopped)))?;
+            .spawn(move || runtime.block_on(accept(listener, handlers, stopped)))?;
         Ok(Self { thread, stop })
     }
 
@@ -69,7 +79,14 @@ impl Server {
     }
 }
 
-async fn accept(listener: std::net::TcpListener, board: BoardReader, mut stopped: watch::Receiver<bool>) {
+/// What every request is answered from.
+#[derive(Clone)]
+struct Handlers {
+    board: BoardReader,
+    token: Option<Arc<Token>>,
+}
+
+async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped: watch::Receiver<bool>) {
     let listener = match tokio::net::TcpListener::from_std(listener) {
         Ok(listener) => listener,
         Err(error) => {
@@ -89,8 +106,8 @@ async fn accept(listener: std::net::TcpListener, board: BoardReader, mut stopped
                     };
                     let connection = http1()
                         .serve_connection(TokioIo::new(stream), hyper::service::service_fn({
-                            let board = board.clone();
-                            move |request| answer(request, board.clone())
+                            let handlers = handlers.clone();
+                            move |request| answer(request, handlers.clone())
                         }));
                     let connection = graceful.watch(connection);
                     tokio::spawn(async move {
@@ -128,41 +145,83 @@ async fn close_when_done(connection: impl std::future::Future<Output = hyper::Re
 }
 
 /// The endpoints served.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
+    Page,
     Healthz,
     Metrics,
     Targets,
+    Report,
+    Pprof,
 }
 
-async fn answer(request: Request<Incoming>, board: BoardReader) -> Result<Response<Full<Bytes>>, Infallible> {
+impl Endpoint {
+    fn at(path: &str) -> Option<Self> {
+        Some(match path {
+            "/" => Endpoint::Page,
+            "/healthz" => Endpoint::Healthz,
+            "/metrics" => Endpoint::Metrics,
+            "/api/v1/targets" => Endpoint::Targets,
+            "/api/v1/report" => Endpoint::Report,
+            "/debug/pprof/heap" => Endpoint::Pprof,
+            _ => return None,
+        })
+    }
+
+    /// The query parameters it takes.
+    fn parameters(self) -> &'static [&'static str] {
+        match self {
+            Endpoint::Report => ReportAsked::PARAMETERS,
+            Endpoint::Pprof => reports::PPROF_PARAMETERS,
+            Endpoint::Page | Endpoint::Healthz | Endpoint::Metrics | Endpoint::Targets => &[],
+        }
+    }
+}
+
+async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Response<Full<Bytes>>, Infallible> {
     if request.method() != Method::GET {
         let mut response = plain(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n".to_owned());
         response.headers_mut().insert(header::ALLOW, header::HeaderValue::from_static("GET"));
         return Ok(response);
     }
     let path = request.uri().path();
-    let endpoint = match path {
-        "/healthz" => Endpoint::Healthz,
-        "/metrics" => Endpoint::Metrics,
-        "/api/v1/targets" => Endpoint::Targets,
-        _ => {
-            return Ok(plain(
-                StatusCode::NOT_FOUND,
-                format!("no endpoint {path}: memleak serves {ENDPOINTS}\n"),
-            ))
-        }
+    let Some(endpoint) = Endpoint::at(path) else {
+        return Ok(plain(StatusCode::NOT_FOUND, format!("no endpoint {path}: memleak serves {ENDPOINTS}\n")));
     };
-    if request.uri().query().is_some_and(|query| !query.is_empty()) {
-        return Ok(plain(StatusCode::BAD_REQUEST, format!("{path} takes no query parameters\n")));
+    // A health check says nothing about the processes, and load balancers
+    // ask it without credentials.
+    if let Some(token) = handlers.token.as_deref().filter(|_| endpoint != Endpoint::Healthz) {
+        let authorization = request.headers().get(header::AUTHORIZATION).map(header::HeaderValue::as_bytes);
+        if !token.admits(authorization) {
+            let mut response = plain(
+                StatusCode::UNAUTHORIZED,
+                "this memleak wants Authorization: Bearer <token>\n".to_owned(),
+            );
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            return Ok(response);
+        }
     }
+    let params = match Params::parse(request.uri().query(), endpoint.parameters()) {
+        Ok(params) => params,
+        Err(reason) => return Ok(plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n"))),
+    };
+    let board = &handlers.board;
     Ok(match endpoint {
         Endpoint::Healthz => plain(StatusCode::OK, "ok\n".to_owned()),
+        Endpoint::Page => {
+            with_type(StatusCode::OK, "text/html; charset=utf-8", page::render(&*board.fresh().await))
+        }
         Endpoint::Metrics => {
-            let body = metrics::render(&*board.fresh().await);
-            with_type(StatusCode::OK, metrics::CONTENT_TYPE, body)
+            with_type(StatusCode::OK, metrics::CONTENT_TYPE, metrics::render(&*board.fresh().await))
         }
         Endpoint::Targets => targets(&*board.fresh().await),
+        Endpoint::Pprof => reports::answer(board, &params, None).await,
+        Endpoint::Report => match ReportAsked::of(&params) {
+            Ok(asked) => reports::answer(board, &params, Some(asked)).await,
+            Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
+        },
     })
 }
 
@@ -183,12 +242,16 @@ fn targets(published: &Published) -> Response<Full<Bytes>> {
     }
 }
 
-fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+pub fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     with_type(status, "text/plain; charset=utf-8", body)
 }
 
-fn with_type(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
+pub fn with_type(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
     *response.status_mut() = status;
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));

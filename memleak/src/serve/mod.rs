@@ -10,7 +10,11 @@
 
 mod http;
 mod metrics;
+mod page;
+mod query;
+mod reports;
 mod state;
+mod token;
 
 use std::{
     collections::BTreeMap,
@@ -30,7 +34,8 @@ use crate::{
     session::{ReportRequest, Session, SessionConfig, SessionError, SessionEvent, TargetSpec},
     status,
 };
-use state::{Board, Followed, Published};
+use state::{Board, Followed, Published, Query};
+use token::Token;
 
 /// How often the targets' mappings are re-read, as the report loop does.
 const REFRESH: Duration = Duration::from_millis(250);
@@ -39,9 +44,19 @@ const REFRESH: Duration = Duration::from_millis(250);
 /// it rather than a new one.
 const FRESH_ENOUGH: Duration = Duration::from_millis(500);
 
-/// Stacks kept in each report. The endpoints of this version show
-/// totals only, which are over every stack whatever is kept.
-const STACKS_KEPT: usize = 10;
+/// What each round's reports keep: the totals, over every stack, and
+/// the top stacks. A request for a whole report queries one of its own.
+const ROUND: ReportRequest =
+    ReportRequest { collect: CollectOptions::NONE, sort: SortKey::Size, top: 10, in_series: true };
+
+/// A process's final report, taken as it exits: whole, and with what
+/// pprof needs, as it is all that will be served of it.
+const LAST_REPORT: ReportRequest = ReportRequest {
+    collect: CollectOptions { freed_stacks: true, modules: true, ..CollectOptions::NONE },
+    sort: SortKey::Size,
+    top: usize::MAX,
+    in_series: true,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -55,6 +70,8 @@ pub enum ServeError {
     Server(std::io::Error),
     #[error("cannot handle signals: {0}")]
     Signals(std::io::Error),
+    #[error("{0}")]
+    Token(String),
 }
 
 /// Follows the processes and serves their reports until SIGINT or
@@ -64,6 +81,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // cleanly instead of killing memleak with its probes half-placed.
     let mut interrupt = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
+    let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
     Tracer::check_privileges()?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
@@ -73,10 +91,13 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     for traced in session.targets() {
         status::say(&format!("tracing pid {} through {}", traced.pid, traced.plan.describe()));
     }
-    let (board, reader) = Board::new();
-    let server = http::Server::start(listener, reader).map_err(ServeError::Server)?;
-    status::say(&format!("serving http://{}/metrics; Ctrl-C to stop", config.listen));
-    let mut collector = Collector::new(&session);
+    let (board, reader, queries) = Board::new();
+    let mut collector = Collector::new(&session, queries);
+    // The processes are listed, and can be asked for, before their first
+    // report.
+    collector.publish(&board);
+    let server = http::Server::start(listener, reader, token).map_err(ServeError::Server)?;
+    status::say(&format!("serving http://{}/; Ctrl-C to stop", config.listen));
     let stop = async {
         tokio::select! {
             _ = interrupt.recv() => {}
@@ -97,13 +118,15 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
 /// round; and the last collection error, said once.
 struct Collector {
     followed: BTreeMap<u32, Followed>,
+    /// Reports the HTTP handlers ask for.
+    queries: tokio::sync::mpsc::Receiver<Query>,
     last_error: Option<String>,
     /// When the last round of every target was taken.
     last_round: Option<Instant>,
 }
 
 impl Collector {
-    fn new(session: &Session) -> Self {
+    fn new(session: &Session, queries: tokio::sync::mpsc::Receiver<Query>) -> Self {
         let followed = session
             .targets()
             .iter()
@@ -117,7 +140,7 @@ impl Collector {
                 (target.pid, followed)
             })
             .collect();
-        Self { followed, last_error: None, last_round: None }
+        Self { followed, queries, last_error: None, last_round: None }
     }
 
     /// A round every `interval` or when asked, until an error the session
@@ -148,6 +171,7 @@ impl Collector {
                     session.refresh()?;
                 }
                 event = session.next_event() => self.take_event(session, board, event?)?,
+                Some(query) = self.queries.recv() => answer(session, query),
             }
         }
     }
@@ -163,7 +187,7 @@ impl Collector {
         match event {
             SessionEvent::Exiting { pid, ack } => {
                 status::say(&format!("pid {pid} exited; its last report stays"));
-                self.round(session, board, Some(pid));
+                self.round_with(session, board, Some(pid), &LAST_REPORT);
                 drop(ack);
                 session.remove_target(pid)?;
                 if let Some(followed) = self.followed.get_mut(&pid) {
@@ -191,12 +215,20 @@ impl Collector {
     /// them. A failed collection is said once and leaves the last
     /// reports served: the daemon goes on.
     fn round(&mut self, session: &mut Session, board: &Board, only: Option<u32>) {
+        self.round_with(session, board, only, &ROUND);
+    }
+
+    fn round_with(
+        &mut self,
+        session: &mut Session,
+        board: &Board,
+        only: Option<u32>,
+        request: &ReportRequest,
+    ) {
         if only.is_none() {
             self.last_round = Some(Instant::now());
         }
-        let request =
-            ReportRequest { collect: CollectOptions::default(), sort: SortKey::Size, top: STACKS_KEPT };
-        match session.collect(only, &request) {
+        match session.collect(only, request) {
             Ok(reports) => {
                 self.last_error = None;
                 for report in reports {
@@ -220,4 +252,14 @@ impl Collector {
     fn publish(&self, board: &Board) {
         board.publish(Published { targets: self.followed.values().cloned().collect() });
     }
+}
+
+/// Takes the report a handler asked for, aside from the rounds.
+fn answer(session: &mut Session, query: Query) {
+    let answer = session
+        .collect(Some(query.pid), &query.request)
+        .map(|reports| reports.into_iter().next())
+        .map_err(|error| error.to_string());
+    // The handler may have given up waiting; nothing is owed then.
+    let _ = query.reply.send(answer);
 }

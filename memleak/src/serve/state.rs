@@ -6,9 +6,9 @@
 use std::{path::Path, sync::Arc, time::Duration};
 
 use serde::Serialize;
-use tokio::sync::{watch, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-use crate::report::Report;
+use crate::{report::Report, session::ReportRequest};
 
 /// One round's view of every process followed, by pid.
 #[derive(Clone, Debug, Default)]
@@ -71,17 +71,42 @@ pub struct TargetSummary<'a> {
     pub stacks_lost: u64,
 }
 
+/// A report a request asks the collector for: one process's, built as
+/// the request wants it rather than as rounds are.
+pub struct Query {
+    pub pid: u32,
+    pub request: ReportRequest,
+    /// The report, `None` if `pid` is not traced (any more), or why it
+    /// could not be taken.
+    pub reply: oneshot::Sender<Result<Option<Report>, String>>,
+}
+
+/// Why a query got no answer from the collector.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Unanswered {
+    /// As many queries wait already as the collector takes at once.
+    Busy,
+    /// The collector is gone: memleak is stopping.
+    Stopping,
+}
+
+/// Queries waiting for the collector at most; more are answered busy,
+/// so that requests cannot pile up work faster than it is done.
+const QUERIES_WAITING: usize = 4;
+
 /// The collector's side: publishes rounds, and hears requests for one.
 pub struct Board {
     sender: watch::Sender<Arc<Published>>,
     asks: Arc<Notify>,
 }
 
-/// The handlers' side: reads the latest round, or asks for a fresh one.
+/// The handlers' side: reads the latest round, asks for a fresh one, or
+/// queries a report of its own.
 #[derive(Clone)]
 pub struct BoardReader {
     receiver: watch::Receiver<Arc<Published>>,
     asks: Arc<Notify>,
+    queries: mpsc::Sender<Query>,
 }
 
 /// How long a request waits for the round it asked for before it is
@@ -89,10 +114,12 @@ pub struct BoardReader {
 const FRESH_WAIT: Duration = Duration::from_secs(1);
 
 impl Board {
-    pub fn new() -> (Self, BoardReader) {
+    /// The board, its readers' side, and the queries they will send.
+    pub fn new() -> (Self, BoardReader, mpsc::Receiver<Query>) {
         let (sender, receiver) = watch::channel(Arc::new(Published::default()));
         let asks = Arc::new(Notify::new());
-        (Self { sender, asks: asks.clone() }, BoardReader { receiver, asks })
+        let (queries, queries_received) = mpsc::channel(QUERIES_WAITING);
+        (Self { sender, asks: asks.clone() }, BoardReader { receiver, asks, queries }, queries_received)
     }
 
     pub fn publish(&self, published: Published) {
@@ -117,5 +144,25 @@ impl BoardReader {
         let _ = tokio::time::timeout(FRESH_WAIT, receiver.changed()).await;
         let fresh = receiver.borrow().clone();
         fresh
+    }
+
+    /// The latest round, as it is.
+    pub fn latest(&self) -> Arc<Published> {
+        self.receiver.borrow().clone()
+    }
+
+    /// Asks the collector for process `pid`'s report, built as `request`
+    /// says.
+    pub async fn query(
+        &self,
+        pid: u32,
+        request: ReportRequest,
+    ) -> Result<Result<Option<Report>, String>, Unanswered> {
+        let (reply, answer) = oneshot::channel();
+        self.queries.try_send(Query { pid, request, reply }).map_err(|error| match error {
+            mpsc::error::TrySendError::Full(_) => Unanswered::Busy,
+            mpsc::error::TrySendError::Closed(_) => Unanswered::Stopping,
+        })?;
+        answer.await.map_err(|_| Unanswered::Stopping)
     }
 }

@@ -37,6 +37,10 @@ pub struct ReportRequest {
     pub sort: SortKey,
     /// Stacks kept per report; `usize::MAX` for all.
     pub top: usize,
+    /// Whether these reports are the next of the series each stack's
+    /// trend compares, or reports taken aside (a query to `memleak
+    /// serve`) that leave the series as it was.
+    pub in_series: bool,
 }
 
 /// A traced process (or the kernel) and what its reports need.
@@ -194,7 +198,7 @@ impl Target {
             let frames = frames_of(symbolizer, space, stacks, region.stack_id);
             collect::regions::classify(region, &frames, in_allocator)
         });
-        let trends = trends.observe(&snapshot);
+        let trends = if request.in_series { trends.observe(&snapshot) } else { trends.peek(&snapshot) };
         let context = ReportContext {
             program: &self.program,
             allocator: &self.plan.display_path,

@@ -1,0 +1,138 @@
+//! `/`: a page for a person, listing the processes followed with their
+//! outstanding memory, each linking to its flame graph, its text report
+//! and its pprof profile. One self-contained document: no script, no
+//! asset fetched from anywhere, so it works on a host without internet
+//! and behind any proxy.
+
+use std::fmt::Write as _;
+
+use super::state::{Followed, Published};
+
+/// The page, from one round of reports.
+pub fn render(published: &Published) -> String {
+    let mut page = String::from(HEAD);
+    if published.targets.is_empty() {
+        page.push_str("<p>No process is followed yet.</p>\n");
+    } else {
+        page.push_str(TABLE_HEAD);
+        for followed in &published.targets {
+            row(&mut page, followed);
+        }
+        page.push_str("</tbody></table>\n");
+    }
+    page.push_str(FOOT);
+    page
+}
+
+fn row(page: &mut String, followed: &Followed) {
+    let pid = followed.pid;
+    let report = followed.report.as_deref();
+    let state = if followed.exited { "exited" } else { "traced" };
+    let (bytes, allocations) = report.map_or((String::from("-"), String::from("-")), |report| {
+        (grouped(report.total_bytes), grouped(report.total_allocations))
+    });
+    let allocator = report.map_or("", |report| report.allocator.as_str());
+    // Writing to a String cannot fail.
+    let _ = writeln!(
+        page,
+        "<tr><td class=\"num\">{pid}</td><td title=\"{program}\">{exe}</td><td>{state}</td>\
+         <td class=\"num\">{bytes}</td><td class=\"num\">{allocations}</td><td>{allocator}</td>\
+         <td><a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a> \
+         <a href=\"/api/v1/report?pid={pid}\">text</a> \
+         <a href=\"/api/v1/report?pid={pid}&amp;format=json\">json</a> \
+         <a href=\"/debug/pprof/heap?pid={pid}\">pprof</a></td></tr>",
+        program = escape(&followed.program),
+        exe = escape(followed.executable()),
+        allocator = escape(allocator),
+    );
+}
+
+/// `17264` as `17,264`: bytes are read at a glance.
+fn grouped(number: u64) -> String {
+    let digits = number.to_string();
+    let mut grouped = String::with_capacity(digits.len() + digits.len() / 3);
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && (digits.len() - index).is_multiple_of(3) {
+            grouped.push(',');
+        }
+        grouped.push(digit);
+    }
+    grouped
+}
+
+/// Text as HTML shows it: a program may be named anything, `<script>`
+/// included.
+fn escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for character in text.chars() {
+        match character {
+            '&' => escaped.push_str("&amp;"),
+            '<' => escaped.push_str("&lt;"),
+            '>' => escaped.push_str("&gt;"),
+            '"' => escaped.push_str("&quot;"),
+            '\'' => escaped.push_str("&#39;"),
+            other => escaped.push(other),
+        }
+    }
+    escaped
+}
+
+const HEAD: &str = r#"<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>memleak</title>
+<style>
+body { font: 15px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 64em; padding: 0 1em; color: #222; }
+h1 { font-size: 1.4em; margin-bottom: 0.2em; }
+p.what { color: #555; margin-top: 0; }
+table { border-collapse: collapse; width: 100%; }
+th, td { padding: 0.35em 0.7em; border-bottom: 1px solid #ddd; text-align: left; }
+th { background: #f3f3f3; font-weight: 600; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+a { color: #0b57d0; margin-right: 0.6em; }
+footer { margin-top: 1.5em; color: #666; font-size: 0.9em; }
+</style>
+</head>
+<body>
+<h1>memleak</h1>
+<p class="what">Memory allocated and not freed since memleak attached, per process followed.</p>
+"#;
+
+const TABLE_HEAD: &str = "<table>\n<thead><tr><th class=\"num\">pid</th><th>program</th><th>state</th>\
+<th class=\"num\">outstanding bytes</th><th class=\"num\">allocations</th><th>allocator</th><th>reports</th></tr></thead>\n<tbody>\n";
+
+const FOOT: &str = r#"<footer>Also: <a href="/metrics">/metrics</a> for Prometheus, <a href="/api/v1/targets">/api/v1/targets</a> as JSON.</footer>
+</body>
+</html>
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_grouped_by_thousands() {
+        let cases = [(0, "0"), (999, "999"), (1_000, "1,000"), (17_264, "17,264"), (1_234_567, "1,234,567")];
+        for (number, shown) in cases {
+            assert_eq!(grouped(number), shown);
+        }
+    }
+
+    #[test]
+    fn a_program_named_like_markup_is_shown_as_text() {
+        let published = Published {
+            targets: vec![Followed {
+                pid: 9,
+                program: "/tmp/<script>alert(1)</script>".to_owned(),
+                exited: false,
+                report: None,
+            }],
+        };
+        let page = render(&published);
+        assert!(!page.contains("<script>"), "{page}");
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
+        assert!(page.contains("href=\"/debug/pprof/heap?pid=9\""), "{page}");
+    }
+}

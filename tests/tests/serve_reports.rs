@@ -1,0 +1,196 @@
+//! `memleak serve`'s reports, read by their real consumers: `go tool
+//! pprof` fetching `/debug/pprof/heap` itself, headless Chromium loading
+//! the page, and the formats of `/api/v1/report`; and the bearer token
+//! that guards them.
+
+use std::{fs, thread};
+
+use memleak_tests::{
+    consumers::go_pprof_url,
+    http::{get, get_until, get_with, serve},
+    svg_titles,
+    tempdir::TempDir,
+    Leaker, Memleak,
+};
+use serde_json::Value;
+
+/// `memleak serve --pid PID` on a free port, once it serves and the
+/// leaker's 17,264 bytes are in its reports.
+fn serve_leaker(extra: &[&str]) -> (Leaker, Memleak, u16) {
+    let mut leaker = Leaker::start_waiting(&["all"]);
+    let pid = leaker.pid().to_string();
+    let mut args = vec!["--pid", pid.as_str()];
+    args.extend_from_slice(extra);
+    let (memleak, port) = serve(&args);
+    leaker.go();
+    (leaker, memleak, port)
+}
+
+/// The text report of `pid`, once it holds the leaker's bytes.
+fn text_report_until_leaked(port: u16, pid: u32) -> String {
+    let path = format!("/api/v1/report?pid={pid}");
+    get_until(port, &path, |response| response.body.contains("Outstanding: 17264 bytes in 15 allocations"))
+        .body
+}
+
+fn stop(memleak: Memleak) {
+    memleak.signal(libc::SIGTERM);
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "SIGTERM: {status}");
+}
+
+#[test]
+fn go_tool_pprof_fetches_the_heap_and_a_window_shows_only_its_growth() {
+    let mut leaker = Leaker::start_waiting(&["steps"]);
+    let pid = leaker.pid();
+    let (mut memleak, port) = serve(&["--verbose", "--pid", &pid.to_string()]);
+    leaker.go();
+    leaker.send("step", "stepped");
+    leaker.send("step", "stepped");
+    let home = TempDir::new("memleak-serve-pprof");
+    let url = format!("http://127.0.0.1:{port}/debug/pprof/heap?pid={pid}");
+    let row_of = |top: &str, function: &str| {
+        top.lines().find(|line| line.trim_end().ends_with(function)).unwrap_or("").trim_start().to_owned()
+    };
+    let whole = go_pprof_url(&url, home.path(), &["-top", "-unit=byte"]);
+    assert!(row_of(&whole, "step_leak").starts_with("16384B "), "two steps of 8 KiB: {whole}");
+
+    // pprof asks for ?seconds=3 itself; the step taken once the window
+    // began is all the window shows.
+    let windowed = thread::spawn({
+        let (url, home) = (url.clone(), home.path().to_owned());
+        move || go_pprof_url(&url, &home, &["-seconds", "3", "-top", "-unit=byte"])
+    });
+    memleak.stderr.wait_for("the window to begin", |line| line.ends_with("a window of 3 s begins"));
+    leaker.send("step", "stepped");
+    let window = windowed.join().expect("go tool pprof ran");
+    assert!(row_of(&window, "step_leak").starts_with("8192B "), "one step in the window: {window}");
+    assert!(window.contains(" of 8192B total"), "nothing else was allocated in it: {window}");
+    assert!(!window.contains("alloc_space"), "what was allocated before the window is not in it: {window}");
+
+    let unknown = get(port, "/debug/pprof/heap?pid=1").expect("GET pid=1");
+    assert_eq!(unknown.status, 404, "{unknown:#?}");
+    assert_eq!(unknown.body, "pid 1 is not followed: /api/v1/targets lists those that are\n");
+    let absent = get(port, "/debug/pprof/heap").expect("GET without pid");
+    assert_eq!((absent.status, absent.body.as_str()), (400, "which process? add ?pid=PID\n"));
+    stop(memleak);
+}
+
+#[test]
+fn the_report_endpoint_writes_every_format_of_the_cli() {
+    let (leaker, memleak, port) = serve_leaker(&[]);
+    let pid = leaker.pid();
+    let text = text_report_until_leaked(port, pid);
+    assert!(text.contains("leak_malloc+"), "{text}");
+    let report = |query: &str| {
+        let response = get(port, &format!("/api/v1/report?pid={pid}&{query}")).expect("GET a report");
+        assert_eq!(response.status, 200, "{query}: {response:#?}");
+        response
+    };
+    let top_two = report("top=2&sort=count");
+    assert!(top_two.body.contains("2 of 11 stacks shown"), "{}", top_two.body);
+
+    let json = report("format=json");
+    assert_eq!(json.content_type.as_deref(), Some("application/json"));
+    let parsed: Value =
+        serde_json::from_str(&json.body).unwrap_or_else(|error| panic!("{error}: {}", json.body));
+    assert_eq!(
+        (parsed["total_bytes"].as_u64(), parsed["total_allocations"].as_u64()),
+        (Some(17_264), Some(15))
+    );
+
+    let folded = report("format=folded&weight=count");
+    assert!(folded.body.lines().any(|line| line.ends_with(";all;leak_calloc 3")), "{}", folded.body);
+
+    let svg = report("format=svg");
+    assert_eq!(svg.content_type.as_deref(), Some("image/svg+xml"));
+    let titles = svg_titles(&svg.body);
+    assert!(titles.iter().any(|title| title.starts_with("leak_realloc (5,300 bytes")), "{titles:#?}");
+
+    for (query, reason) in [
+        ("format=png", "/api/v1/report: format=\"png\" is not one of text, json, folded, svg, pprof\n"),
+        ("sort=age", "/api/v1/report: sort=\"age\" is not one of size, count, growth\n"),
+        ("top=0", "/api/v1/report: top=\"0\" is not a whole number from 1 to 4294967295\n"),
+        ("colour=red", "/api/v1/report: unknown parameter \"colour\": this endpoint takes pid, format, weight, sort, top, older, seconds\n"),
+    ] {
+        let refused = get(port, &format!("/api/v1/report?pid={pid}&{query}")).expect("GET a bad report");
+        assert_eq!((refused.status, refused.body.as_str()), (400, reason), "{query}");
+    }
+    // An exited process's last report is still served, whole.
+    leaker.exit();
+    get_until(port, "/api/v1/targets", |response| response.body.contains("\"exited\":true"));
+    let last = report("format=json");
+    let parsed: Value =
+        serde_json::from_str(&last.body).unwrap_or_else(|error| panic!("{error}: {}", last.body));
+    assert_eq!(parsed["total_bytes"], 17_264, "{parsed:#}");
+    let aged = get(port, &format!("/api/v1/report?pid={pid}&older=10")).expect("GET older");
+    assert_eq!(aged.status, 400, "{aged:#?}");
+    stop(memleak);
+}
+
+#[test]
+fn headless_chromium_shows_the_followed_process_on_the_page() {
+    let (leaker, memleak, port) = serve_leaker(&[]);
+    let pid = leaker.pid();
+    text_report_until_leaked(port, pid);
+    let profile = TempDir::new("memleak-chromium");
+    let output = std::process::Command::new("chromium")
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--dump-dom"])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(format!("http://127.0.0.1:{port}/"))
+        .env("HOME", profile.path())
+        .output()
+        .expect("run chromium (`cargo xtask test` installs it)");
+    let dom = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "chromium: {}", String::from_utf8_lossy(&output.stderr));
+    let row = format!(
+        "<tr><td class=\"num\">{pid}</td><td title=\"{}\">leaker</td>",
+        memleak_tests::fixture("leaker").display()
+    );
+    assert!(dom.contains(&row), "the process's row: {dom}");
+    assert!(dom.contains("<td class=\"num\">17,264</td><td class=\"num\">15</td>"), "{dom}");
+    assert!(
+        dom.contains(&format!("<a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a>")),
+        "{dom}"
+    );
+    stop(memleak);
+}
+
+#[test]
+fn a_token_guards_every_endpoint_but_healthz() {
+    let directory = TempDir::new("memleak-token");
+    let token_file = directory.path().join("token");
+    fs::write(&token_file, "s3cret-t0ken-for-tests\n").expect("write the token");
+    let token_path = token_file.to_str().expect("a UTF-8 path");
+    let (leaker, memleak, port) = serve_leaker(&["--listen", "0.0.0.0", "--token-file", token_path]);
+    let pid = leaker.pid();
+    let bearer = [("Authorization", "Bearer s3cret-t0ken-for-tests")];
+    for path in [
+        "/",
+        "/metrics",
+        "/api/v1/targets",
+        &format!("/api/v1/report?pid={pid}"),
+        &format!("/debug/pprof/heap?pid={pid}"),
+    ] {
+        let refused = get(port, path).expect("GET without a token");
+        assert_eq!(refused.status, 401, "{path}: {refused:#?}");
+        assert_eq!(refused.header("www-authenticate"), Some("Bearer"), "{path}");
+        let wrong = get_with(port, path, &[("Authorization", "Bearer s3cret-t0ken-for-tesTs")]).expect("GET");
+        assert_eq!(wrong.status, 401, "{path}: a wrong token: {wrong:#?}");
+        let admitted = get_with(port, path, &bearer).expect("GET with the token");
+        assert_eq!(admitted.status, 200, "{path}: {admitted:#?}");
+    }
+    assert_eq!(get(port, "/healthz").expect("GET /healthz").status, 200);
+    stop(memleak);
+
+    let refused = std::process::Command::new(memleak_tests::memleak_binary())
+        .args(["serve", "--pid", &pid.to_string(), "--listen", "0.0.0.0"])
+        .output()
+        .expect("run memleak");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert_eq!(
+        stderr.trim_end(),
+        "memleak: error: --listen 0.0.0.0: beyond loopback, memleak serve needs --token-file FILE, the token clients must send"
+    );
+}
