@@ -32,18 +32,22 @@ fn row(page: &mut String, followed: &Followed) {
         (grouped(report.total_bytes), grouped(report.total_allocations))
     });
     let allocator = report.map_or("", |report| report.allocator.as_str());
+    let allocator_file =
+        std::path::Path::new(allocator).file_name().and_then(|name| name.to_str()).unwrap_or(allocator);
     // Writing to a String cannot fail.
     let _ = writeln!(
         page,
         "<tr><td class=\"num\">{pid}</td><td title=\"{program}\">{exe}</td><td>{state}</td>\
-         <td class=\"num\">{bytes}</td><td class=\"num\">{allocations}</td><td>{allocator}</td>\
-         <td><a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a> \
+         <td class=\"num\">{bytes}</td><td class=\"num\">{allocations}</td>\
+         <td title=\"{allocator}\">{allocator_file}</td>\
+         <td class=\"links\"><a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a> \
          <a href=\"/api/v1/report?pid={pid}\">text</a> \
          <a href=\"/api/v1/report?pid={pid}&amp;format=json\">json</a> \
          <a href=\"/debug/pprof/heap?pid={pid}\">pprof</a></td></tr>",
         program = escape(&followed.program),
         exe = escape(followed.executable()),
         allocator = escape(allocator),
+        allocator_file = escape(allocator_file),
     );
 }
 
@@ -91,7 +95,9 @@ table { border-collapse: collapse; width: 100%; }
 th, td { padding: 0.35em 0.7em; border-bottom: 1px solid #ddd; text-align: left; }
 th { background: #f3f3f3; font-weight: 600; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
-a { color: #0b57d0; margin-right: 0.6em; }
+a { color: #0b57d0; }
+td.links { white-space: nowrap; }
+td.links a { margin-right: 0.6em; }
 footer { margin-top: 1.5em; color: #666; font-size: 0.9em; }
 </style>
 </head>
