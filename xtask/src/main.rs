@@ -39,6 +39,9 @@ enum Task {
         /// Fewer and shorter runs (under 2 minutes).
         #[arg(long)]
         quick: bool,
+        /// Only `memleak serve`'s section: its scrapes and its soak.
+        #[arg(long)]
+        serve_only: bool,
     },
 }
 
@@ -47,7 +50,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
-        Task::Bench { quick } => bench::run(quick),
+        Task::Bench { quick, serve_only } => bench::run(quick, serve_only),
     }
 }
 

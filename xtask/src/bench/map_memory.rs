@@ -41,6 +41,31 @@ pub fn of_process(pid: u32) -> Result<MapMemory> {
     Ok(MapMemory { maps })
 }
 
+/// The entries of every hash map process `pid` holds open, dumped with
+/// bpftool: the allocations, stacks and processes memleak keeps in BPF.
+/// Arrays and rings, fixed in size, are not counted.
+pub fn entries_of_process(pid: u32) -> Result<u64> {
+    let mut entries = 0;
+    for id in map_ids(pid)? {
+        let id = id.to_string();
+        let show = bpftool_json(&["map", "show", "id", &id])?;
+        if !matches!(show["type"].as_str(), Some("hash" | "lru_hash" | "percpu_hash")) {
+            continue;
+        }
+        let dump = bpftool_json(&["map", "dump", "id", &id])?;
+        entries += dump.as_array().map_or(0, Vec::len) as u64;
+    }
+    Ok(entries)
+}
+
+fn bpftool_json(args: &[&str]) -> Result<serde_json::Value> {
+    let output = Command::new("bpftool").arg("-j").args(args).output().context("cannot run bpftool")?;
+    if !output.status.success() {
+        bail!("bpftool {args:?} failed: {}", String::from_utf8_lossy(&output.stderr).trim());
+    }
+    serde_json::from_slice(&output.stdout).with_context(|| format!("bpftool {args:?} printed no JSON"))
+}
+
 /// Map ids from /proc/PID/fdinfo: a map's fd says `map_id:\tN` there.
 fn map_ids(pid: u32) -> Result<BTreeSet<u64>> {
     let directory = format!("/proc/{pid}/fdinfo");

@@ -17,7 +17,10 @@
 //! another process. Then what memleak's unwind tables take for real programs (python3,
 //! redis-server): their rows, kernel memory and build time, and memleak's
 //! start; the time one report takes with up to a million allocations
-//! outstanding; memleak's CPU and memory, and its BPF maps' memory.
+//! outstanding; memleak's CPU and memory, and its BPF maps' memory. Last,
+//! `memleak serve`: one scrape of each endpoint at 10,000 stacks, and a
+//! soak of short-lived processes under `--exe`, the daemon's memory,
+//! descriptors and map entries taken at its start and end.
 //! Ratios, not absolute times, are what carry across machines. CI does not
 //! run this.
 
@@ -30,9 +33,12 @@ mod map_memory;
 mod overhead;
 mod process;
 mod redis;
+mod serve;
 mod stats;
 mod unwind_tables;
 mod workload;
+
+use std::time::Duration;
 
 use anyhow::Result;
 
@@ -54,6 +60,8 @@ struct Settings {
     latency_allocations: &'static [u64],
     /// SETs and GETs per redis-benchmark run.
     redis_requests: u32,
+    /// `memleak serve`'s soak.
+    soak: serve::SoakPlan,
 }
 
 /// Under 2 minutes here, even with the machine busy. Most of the time
@@ -65,6 +73,7 @@ const QUICK: Settings = Settings {
     runs: 3,
     latency_allocations: &[10_000, 100_000],
     redis_requests: 20_000,
+    soak: serve::SoakPlan { duration: Duration::from_secs(40), processes: 20 },
 };
 const FULL: Settings = Settings {
     threads: 2,
@@ -72,17 +81,23 @@ const FULL: Settings = Settings {
     runs: 5,
     latency_allocations: &[10_000, 100_000, 1_000_000],
     redis_requests: 100_000,
+    soak: serve::SoakPlan { duration: Duration::from_mins(4), processes: 100 },
 };
 
 /// One allocation in this many is leaked through `leak_one()`.
 const LEAK_EVERY: u32 = 100;
 
-pub fn run(quick: bool) -> Result<()> {
+pub fn run(quick: bool, serve_only: bool) -> Result<()> {
     let settings = if quick { QUICK } else { FULL };
     setup::run()?;
     require_root("the benchmark")?;
     let heaptrack_installed = install_packages()?;
     run_command(cargo().args(["build", "--release", "--package", "memleak"]))?;
+    let memleak = root().join("target/release/memleak");
+    let spread = build_fixture_with("spread", &["-O2"])?;
+    if serve_only {
+        return daemon(&memleak, &spread, &settings.soak);
+    }
     let scratch = root().join("target/bench");
     std::fs::create_dir_all(&scratch)?;
     let workload = Workload {
@@ -93,11 +108,10 @@ pub fn run(quick: bool) -> Result<()> {
             &["-O2", "-fomit-frame-pointer"],
         )?,
         args: [settings.threads, settings.iterations, LEAK_EVERY].map(|n| n.to_string()).to_vec(),
-        memleak: root().join("target/release/memleak"),
+        memleak,
         scratch,
         env: Vec::new(),
     };
-    let spread = build_fixture_with("spread", &["-O2"])?;
     let plan = ProbePlan::read(&workload)?;
     let mut contenders = contenders(&workload, &plan, heaptrack_installed)?;
 
@@ -123,6 +137,7 @@ pub fn run(quick: bool) -> Result<()> {
     deep_stacks::print(&deep_stacks::measure(&workload.memleak, &spread));
     overhead::print_memleak_usage(&contenders);
     latency::print_map_memory(&latencies);
+    daemon(&workload.memleak, &spread, &settings.soak)?;
 
     overhead::memleak_exact(&contenders)
 }
@@ -164,6 +179,18 @@ fn probe_costs(workload: &Workload, runs: usize, heaptrack_installed: bool) -> R
     attachment::print_bystander(&attachment::measure_bystander(workload, runs)?);
     Ok(())
 }
+
+/// `memleak serve`: a scrape's cost at 10,000 stacks, and the soak.
+fn daemon(memleak: &std::path::Path, spread: &std::path::Path, soak: &serve::SoakPlan) -> Result<()> {
+    eprintln!("bench: memleak serve, one scrape of each endpoint at 10,000 stacks");
+    serve::print_scrapes(SCRAPED_ALLOCATIONS, &serve::measure_scrapes(memleak, spread, SCRAPED_ALLOCATIONS));
+    eprintln!("bench: memleak serve's soak, {} s", soak.duration.as_secs());
+    serve::print_soak(soak, &serve::soak(memleak, &serve::soak_leaker()?, soak));
+    Ok(())
+}
+
+/// Allocations outstanding, over 10,000 stacks, when scrapes are timed.
+const SCRAPED_ALLOCATIONS: u64 = 20_000;
 
 /// The rows of the overhead table: the build with frame pointers, untraced
 /// first, then the build without. The probe sites are the same libc

@@ -1,0 +1,351 @@
+//! `memleak serve` left running: what one scrape of each endpoint costs
+//! with 10,000 stacks outstanding, and a soak in which short-lived
+//! leaking processes come and go under `--exe` while `/metrics` and
+//! `/debug/pprof/heap` are scraped every second. The daemon's memory,
+//! descriptors and BPF map entries are taken at the soak's start and end:
+//! a daemon that keeps anything of the processes it forgot grows.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::{latency::start_waiting, map_memory, process::release};
+
+/// One endpoint's cost, the median of its scrapes.
+pub struct ScrapeCost {
+    path: String,
+    median: Duration,
+    bytes: usize,
+}
+
+/// Endpoints scraped at 10,000 stacks; `{pid}` is the fixture's.
+const SCRAPED: [&str; 6] = [
+    "/metrics",
+    "/api/v1/targets",
+    "/",
+    "/api/v1/report?pid={pid}",
+    "/api/v1/report?pid={pid}&format=svg",
+    "/debug/pprof/heap?pid={pid}",
+];
+
+/// Scrapes of each endpoint; the median is shown.
+const SCRAPES: usize = 5;
+
+/// A round younger than this is served as it is (the daemon's
+/// `FRESH_ENOUGH`); scrapes are spaced further apart so that each one
+/// pays for the collection it asks for, as Prometheus' would.
+const SCRAPE_SPACING: Duration = Duration::from_millis(700);
+
+/// `spread` holds `allocations` blocks over 10,000 stacks under `memleak
+/// serve`, and each endpoint is scraped `SCRAPES` times.
+pub fn measure_scrapes(memleak: &Path, spread: &Path, allocations: u64) -> Result<Vec<ScrapeCost>> {
+    let (mut target, mut target_stderr) = start_waiting(spread, &[allocations])?;
+    let pid = target.id();
+    let daemon = Daemon::start(memleak, &["--pid", &pid.to_string(), "--interval", "3600"]);
+    let measured = daemon.and_then(|daemon| {
+        release(target.stdin.as_mut().context("no stdin")?)?;
+        super::process::wait_for_line(&mut target_stderr, "ready")?;
+        daemon.wait_for(&format!("\"outstanding_allocations\":{allocations}"))?;
+        SCRAPED
+            .iter()
+            .map(|path| {
+                let path = path.replace("{pid}", &pid.to_string());
+                let mut times = Vec::with_capacity(SCRAPES);
+                let mut bytes = 0;
+                for _ in 0..SCRAPES {
+                    thread::sleep(SCRAPE_SPACING);
+                    let started = Instant::now();
+                    bytes = get(daemon.port, &path)?.len();
+                    times.push(started.elapsed());
+                }
+                times.sort_unstable();
+                Ok(ScrapeCost { path, median: times[SCRAPES / 2], bytes })
+            })
+            .collect()
+    });
+    let _ = target.kill();
+    let _ = target.wait();
+    measured
+}
+
+pub fn print_scrapes(allocations: u64, costs: &Result<Vec<ScrapeCost>>) {
+    println!("\nmemleak serve: one scrape with {allocations} allocations outstanding over 10,000 stacks (median of {SCRAPES})");
+    match costs {
+        Ok(costs) => {
+            println!("  {:<40} {:>10} {:>12}", "endpoint", "time", "body");
+            for cost in costs {
+                let path = cost
+                    .path
+                    .split_once("pid=")
+                    .map_or(cost.path.clone(), |(head, _)| format!("{head}pid=PID"));
+                let format = cost
+                    .path
+                    .split_once("&format=")
+                    .map_or(String::new(), |(_, format)| format!("&format={format}"));
+                println!(
+                    "  {:<40} {:>8.1} ms {:>10} B",
+                    format!("{path}{format}"),
+                    cost.median.as_secs_f64() * 1000.0,
+                    cost.bytes
+                );
+            }
+        }
+        Err(error) => println!("  not measured: {error:#}"),
+    }
+}
+
+/// How long the soak lasts, and how many processes come and go in it.
+pub struct SoakPlan {
+    pub duration: Duration,
+    pub processes: u32,
+}
+
+/// What the daemon holds at one moment.
+#[derive(Clone, Copy)]
+struct Holdings {
+    rss_kib: u64,
+    descriptors: u64,
+    map_entries: u64,
+}
+
+pub struct Soak {
+    start: Holdings,
+    end: Holdings,
+    started: u32,
+    /// Processes the daemon listed at some point.
+    followed: usize,
+    scrapes: u32,
+    /// Scrapes answered other than 200 (a pprof of a process that had
+    /// just been forgotten gets 404, and counts here).
+    failed_scrapes: u32,
+}
+
+/// Followed processes are forgotten this long after they exit.
+const SOAK_RETAIN: &str = "5s";
+
+/// Runs `memleak serve --exe` on `soak_leaker` (the leaker, built under
+/// a name of its own), and starts `plan.processes` short-lived leakers
+/// over `plan.duration` while scraping every second.
+pub fn soak(memleak: &Path, soak_leaker: &Path, plan: &SoakPlan) -> Result<Soak> {
+    let name = soak_leaker.file_name().and_then(|name| name.to_str()).context("a leaker's name")?;
+    let daemon = Daemon::start(memleak, &["--exe", name, "--retain", SOAK_RETAIN, "--interval", "1"])?;
+    thread::sleep(Duration::from_secs(2));
+    let start = daemon.holdings()?;
+    let mut scraping = Scraping::default();
+    let spacing = plan.duration / plan.processes.max(1);
+    let began = Instant::now();
+    let mut next_start = began;
+    let mut running: Vec<(Instant, Child)> = Vec::new();
+    let mut started = 0;
+    while started < plan.processes || !running.is_empty() {
+        if started < plan.processes && Instant::now() >= next_start {
+            running.push((Instant::now(), short_lived(soak_leaker)?));
+            started += 1;
+            next_start += spacing;
+        }
+        running.retain_mut(|(since, child)| !lived_its_life(*since, child));
+        scraping.scrape(&daemon);
+        thread::sleep(Duration::from_secs(1));
+    }
+    // Past the retention, every process is forgotten.
+    thread::sleep(Duration::from_secs(7));
+    let end = daemon.holdings()?;
+    Ok(Soak {
+        start,
+        end,
+        started,
+        followed: scraping.seen.len(),
+        scrapes: scraping.scrapes,
+        failed_scrapes: scraping.failed,
+    })
+}
+
+pub fn print_soak(plan: &SoakPlan, soak: &Result<Soak>) {
+    println!(
+        "\nmemleak serve soak: {} leakers started and exited over {} s under --exe --retain {SOAK_RETAIN}, /metrics and /debug/pprof/heap scraped every second",
+        plan.processes,
+        plan.duration.as_secs()
+    );
+    let soak = match soak {
+        Ok(soak) => soak,
+        Err(error) => {
+            println!("  not measured: {error:#}");
+            return;
+        }
+    };
+    println!("  {:<26} {:>10} {:>10} {:>9}", "", "start", "end", "end/start");
+    let row = |name: &str, start: u64, end: u64| {
+        println!("  {name:<26} {start:>10} {end:>10} {:>9.2}", end as f64 / start.max(1) as f64);
+    };
+    row("RSS (KiB)", soak.start.rss_kib, soak.end.rss_kib);
+    row("open descriptors", soak.start.descriptors, soak.end.descriptors);
+    row("BPF map entries", soak.start.map_entries, soak.end.map_entries);
+    println!(
+        "  {} of {} processes followed; {} scrapes, {} not answered 200",
+        soak.followed, soak.started, soak.scrapes, soak.failed_scrapes
+    );
+}
+
+/// A leaker that waits half a second, leaks, and a second later exits.
+fn short_lived(program: &Path) -> Result<Child> {
+    Command::new(program)
+        .args(["all", "--wait"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("cannot start a leaker")
+}
+
+/// Lets a leaker go half a second after its start, ends it a second
+/// after that; whether it has ended (and been reaped).
+fn lived_its_life(since: Instant, child: &mut Child) -> bool {
+    let age = since.elapsed();
+    if age >= Duration::from_millis(500) {
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(b"go\n");
+            if age < Duration::from_millis(1500) {
+                child.stdin = Some(stdin);
+            }
+        }
+    }
+    matches!(child.try_wait(), Ok(Some(_)))
+}
+
+/// The soak's scrapes, and the processes they saw.
+#[derive(Default)]
+struct Scraping {
+    seen: std::collections::BTreeSet<u64>,
+    scrapes: u32,
+    failed: u32,
+}
+
+impl Scraping {
+    fn scrape(&mut self, daemon: &Daemon) {
+        let mut count = |answer: Result<String>| {
+            self.scrapes += 1;
+            if answer.is_err() {
+                self.failed += 1;
+            }
+            answer.ok()
+        };
+        let _ = count(get(daemon.port, "/metrics"));
+        let Some(targets) = count(get(daemon.port, "/api/v1/targets")) else { return };
+        let listed: serde_json::Value = serde_json::from_str(&targets).unwrap_or_default();
+        let pids: Vec<u64> = listed["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|target| target["pid"].as_u64())
+            .collect();
+        self.seen.extend(&pids);
+        if let Some(pid) = pids.last() {
+            let _ = count(get(daemon.port, &format!("/debug/pprof/heap?pid={pid}")));
+        }
+    }
+}
+
+/// A `memleak serve` the bench started, killed when dropped.
+struct Daemon {
+    child: Child,
+    port: u16,
+}
+
+impl Daemon {
+    fn start(memleak: &Path, args: &[&str]) -> Result<Self> {
+        let port = free_port()?;
+        // To a file, not a pipe nobody reads: a daemon must not block on
+        // its own log.
+        let log_path = crate::root().join(format!("target/bench/serve-{port}.log"));
+        std::fs::create_dir_all(log_path.parent().context("a log directory")?)?;
+        let log = std::fs::File::create(&log_path)?;
+        let child = Command::new(memleak)
+            .arg("serve")
+            .args(args)
+            .args(["--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("cannot start memleak serve")?;
+        let mut daemon = Self { child, port };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while get(port, "/healthz").is_err() {
+            if let Some(status) = daemon.child.try_wait()? {
+                let said = std::fs::read_to_string(&log_path).unwrap_or_default();
+                bail!("memleak serve {args:?} failed with {status}: {}", super::process::last_line(&said));
+            }
+            if Instant::now() > deadline {
+                bail!("memleak serve did not answer /healthz within 30 s");
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        Ok(daemon)
+    }
+
+    /// Polls `/api/v1/targets` until it holds `text`.
+    fn wait_for(&self, text: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_mins(1);
+        while !get(self.port, "/api/v1/targets")?.contains(text) {
+            if Instant::now() > deadline {
+                bail!("/api/v1/targets never showed {text}");
+            }
+            thread::sleep(Duration::from_millis(200));
+        }
+        Ok(())
+    }
+
+    fn holdings(&self) -> Result<Holdings> {
+        let pid = self.child.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        let rss_kib = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|value| value.split_whitespace().next()?.parse().ok())
+            .context("no VmRSS")?;
+        let descriptors = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
+        Ok(Holdings { rss_kib, descriptors, map_entries: map_memory::entries_of_process(pid)? })
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SIGTERM: the daemon detaches its probes as it ends.
+        // SAFETY: kill(2) on our own, unreaped child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).context("cannot bind a loopback port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// `GET path` from the daemon: its body, or an error unless it answered
+/// 200.
+fn get(port: u16, path: &str) -> Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_mins(1)))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").context("no end of the response's head")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("GET {path}: {}", head.lines().next().unwrap_or_default());
+    }
+    Ok(body.to_owned())
+}
+
+/// The leaker, built as a release build would be (no frame pointers)
+/// under the name `--exe` follows.
+pub fn soak_leaker() -> Result<PathBuf> {
+    crate::build_fixture_without_frame_pointers("leaker", "soak-leaker", &["-O2", "-fomit-frame-pointer"])
+}
