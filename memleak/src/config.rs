@@ -34,6 +34,8 @@ pub struct ServeConfig {
     pub listen: SocketAddr,
     /// Time between collections when nobody asks for one.
     pub interval: Duration,
+    /// Stacks of each process shown in /metrics.
+    pub metrics_top_stacks: usize,
 }
 
 /// A tracing run.
@@ -281,6 +283,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         session,
         listen: SocketAddr::new(args.listen, args.port),
         interval: args.interval,
+        metrics_top_stacks: usize::from(args.metrics_top_stacks),
     })
 }
 

@@ -11,11 +11,11 @@
 mod http;
 mod metrics;
 mod state;
+mod top_stacks;
 
 use std::{
     collections::BTreeMap,
     net::TcpListener,
-    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -30,7 +30,7 @@ use crate::{
     session::{ReportRequest, Session, SessionConfig, SessionError, SessionEvent, TargetSpec},
     status,
 };
-use state::{Board, Followed, Published};
+use state::{Board, Followed, Growth, Published};
 
 /// How often the targets' mappings are re-read, as the report loop does.
 const REFRESH: Duration = Duration::from_millis(250);
@@ -39,8 +39,8 @@ const REFRESH: Duration = Duration::from_millis(250);
 /// it rather than a new one.
 const FRESH_ENOUGH: Duration = Duration::from_millis(500);
 
-/// Stacks kept in each report. The endpoints of this version show
-/// totals only, which are over every stack whatever is kept.
+/// Stacks kept in each report, or more if /metrics shows more
+/// (--metrics-top-stacks); totals are over every stack whatever is kept.
 const STACKS_KEPT: usize = 10;
 
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +73,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     for traced in session.targets() {
         status::say(&format!("tracing pid {} through {}", traced.pid, traced.plan.describe()));
     }
-    let (board, reader) = Board::new();
+    let (board, reader) = Board::new(config.metrics_top_stacks);
     let server = http::Server::start(listener, reader).map_err(ServeError::Server)?;
     status::say(&format!("serving http://{}/metrics; Ctrl-C to stop", config.listen));
     let mut collector = Collector::new(&session);
@@ -113,6 +113,7 @@ impl Collector {
                     program: target.program.clone(),
                     exited: false,
                     report: None,
+                    growth: Growth::default(),
                 };
                 (target.pid, followed)
             })
@@ -194,15 +195,19 @@ impl Collector {
         if only.is_none() {
             self.last_round = Some(Instant::now());
         }
-        let request =
-            ReportRequest { collect: CollectOptions::default(), sort: SortKey::Size, top: STACKS_KEPT };
+        let request = ReportRequest {
+            collect: CollectOptions::default(),
+            sort: SortKey::Size,
+            top: board.stacks_kept(STACKS_KEPT),
+        };
         match session.collect(only, &request) {
             Ok(reports) => {
                 self.last_error = None;
+                board.note_map_fill(session.map_fill());
                 for report in reports {
                     if let Some(followed) = self.followed.get_mut(&report.pid) {
                         followed.program.clone_from(&report.program);
-                        followed.report = Some(Arc::new(report));
+                        followed.take_report(report);
                     }
                 }
             }
@@ -218,6 +223,9 @@ impl Collector {
     }
 
     fn publish(&self, board: &Board) {
-        board.publish(Published { targets: self.followed.values().cloned().collect() });
+        board.publish(Published {
+            targets: self.followed.values().cloned().collect(),
+            ..Published::default()
+        });
     }
 }
