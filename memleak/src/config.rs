@@ -384,6 +384,15 @@ mod tests {
     }
 
     #[test]
+    fn serve_shows_5_stacks_per_process_unless_told_between_0_and_100() {
+        let top = |line: &str| serve(line).map(|config| config.metrics_top_stacks);
+        assert_eq!(top("serve --pid 1"), Ok(5));
+        assert_eq!(top("serve --pid 1 --metrics-top-stacks 0"), Ok(0));
+        assert_eq!(top("serve --pid 1 --metrics-top-stacks 100"), Ok(100));
+        assert!(top("serve --pid 1 --metrics-top-stacks 101").is_err(), "more than 100 is refused");
+    }
+
+    #[test]
     fn contradictions_are_refused_in_one_line() {
         let error = |line: &str| resolved(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
         assert_eq!(error("-p 1 --percpu"), "--percpu is for kernel tracing: leave out -p and -c");
