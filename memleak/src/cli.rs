@@ -243,6 +243,12 @@ pub struct ServeArgs {
     /// Seconds between collections; a scrape also asks for a fresh one.
     #[arg(long, value_name = "SECONDS", default_value = "2", value_parser = parse_interval)]
     pub interval: Duration,
+
+    /// Stacks of each process shown in /metrics, largest first, as
+    /// memleak_stack_outstanding_bytes series; 0 shows none. At most 100:
+    /// each is two series per process in every scrape.
+    #[arg(long, value_name = "K", default_value_t = 5, value_parser = clap::value_parser!(u16).range(..=100))]
+    pub metrics_top_stacks: u16,
 }
 
 #[derive(Debug, clap::Args)]

@@ -36,6 +36,8 @@ pub struct ServeConfig {
     pub interval: Duration,
     /// The bearer token's file, read at start.
     pub token_file: Option<PathBuf>,
+    /// Stacks of each process shown in /metrics.
+    pub metrics_top_stacks: usize,
 }
 
 /// A tracing run.
@@ -285,6 +287,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         listen: SocketAddr::new(args.listen, args.port),
         interval: args.interval,
         token_file: args.token_file,
+        metrics_top_stacks: usize::from(args.metrics_top_stacks),
     })
 }
 
@@ -385,6 +388,15 @@ mod tests {
         assert_eq!(config.token_file, Some(PathBuf::from("/etc/memleak/token")));
         assert_eq!(serve("serve --pid 3,3").err().as_deref(), Some("pid 3 is given twice"));
         assert!(serve("serve").is_err(), "--pid is required");
+    }
+
+    #[test]
+    fn serve_shows_5_stacks_per_process_unless_told_between_0_and_100() {
+        let top = |line: &str| serve(line).map(|config| config.metrics_top_stacks);
+        assert_eq!(top("serve --pid 1"), Ok(5));
+        assert_eq!(top("serve --pid 1 --metrics-top-stacks 0"), Ok(0));
+        assert_eq!(top("serve --pid 1 --metrics-top-stacks 100"), Ok(100));
+        assert!(top("serve --pid 1 --metrics-top-stacks 101").is_err(), "more than 100 is refused");
     }
 
     #[test]

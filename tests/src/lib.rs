@@ -5,6 +5,7 @@
 //! - `memleak`: running memleak and reading its JSON reports;
 //! - `leaker`: a leaker process for memleak to attach to;
 //! - `http`: GET requests to `memleak serve`;
+//! - `prometheus`: a real Prometheus server scraping `memleak serve`;
 //! - `rootfs`: root filesystems for container tests;
 //! - `consumers`: flame graphs and profiles, read as their users would;
 //! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool;
@@ -16,6 +17,7 @@ pub mod fixtures;
 pub mod http;
 pub mod leaker;
 pub mod memleak;
+pub mod prometheus;
 pub mod rootfs;
 pub mod uprobes;
 

@@ -39,11 +39,35 @@ impl MapContents {
         self.counters.get(&pid).copied().unwrap_or_default()
     }
 
+    /// Allocations recorded and not freed, of every process: each is one
+    /// entry of the allocation map, and is counted in its stack's totals.
+    pub fn recorded_allocations(&self) -> u64 {
+        // Each total wraps (a free adds minus one); their sum does not.
+        let sum = self.totals.iter().fold(0u64, |sum, (_, totals)| sum.wrapping_add(totals.allocations));
+        u64::try_from(sum.cast_signed()).unwrap_or(0)
+    }
+
     /// Every stack id the contents mention.
     pub fn stack_ids(&self) -> impl Iterator<Item = u64> + '_ {
         let allocations = self.allocations.iter().flatten().map(|(_, allocation)| allocation.stack_id);
         self.totals.iter().map(|(id, _)| *id).chain(allocations)
     }
+}
+
+/// How full the maps that bound what memleak records are, at one
+/// moment. Past `max_allocations`, allocations go untracked; past
+/// `max_stacks`, stacks are lost (both counted in `HealthCounters`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapFill {
+    /// Entries of the allocation map: allocations recorded, not freed.
+    pub allocations: u64,
+    /// Its capacity, --max-allocs.
+    pub max_allocations: u64,
+    /// Entries of the stack map, as last read: stacks of every process,
+    /// those that hold nothing now included.
+    pub stacks: u64,
+    /// Its capacity, --max-stacks.
+    pub max_stacks: u64,
 }
 
 /// The stacks read from the BPF stack map so far, by id. The map is read
@@ -83,6 +107,12 @@ impl StackCatalog {
             self.stacks.extend(new);
         }
         Ok(())
+    }
+
+    /// Stacks known: the stack map's entries when it was last read, which
+    /// it is whenever a report meets a stack not known yet.
+    pub fn len(&self) -> usize {
+        self.stacks.len()
     }
 
     /// The process a stack id belongs to.

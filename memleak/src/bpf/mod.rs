@@ -9,6 +9,6 @@ pub mod rings;
 pub mod tracer;
 pub mod unwind_maps;
 
-pub use contents::{MapContents, StackCatalog};
+pub use contents::{MapContents, MapFill, StackCatalog};
 pub use rings::EventRing;
 pub use tracer::{Links, Tracer, TracerConfig, TracerError, TracerSettings};

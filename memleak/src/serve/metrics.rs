@@ -1,17 +1,36 @@
-//! `/metrics`: Prometheus' text exposition format (version 0.0.4), one
-//! series per followed process and metric, labelled with its pid and its
-//! executable's file name. Cardinality: metrics x processes followed.
+//! `/metrics`: Prometheus' text exposition format (version 0.0.4).
+//!
+//! Per followed process, labelled with its pid and its executable's file
+//! name: the series of `PROCESS_METRICS`, and its largest stacks (at most
+//! --metrics-top-stacks K of them, two series each, labelled too with
+//! the stack's stable id and first named frame). Once for memleak: how
+//! full its allocation and stack maps are. So a scrape has at most
+//! processes x (8 + 2K) + 4 series.
 
 use std::fmt::Write as _;
 
-use super::state::{Followed, Published};
+use super::{
+    state::{Followed, Published},
+    top_stacks::{top_stacks, ShownStack},
+};
+use crate::bpf::MapFill;
 
 /// The exposition format's content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+#[derive(Clone, Copy)]
 enum Kind {
     Gauge,
     Counter,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Gauge => "gauge",
+            Kind::Counter => "counter",
+        }
+    }
 }
 
 /// A metric of each followed process: its name, kind, help and value.
@@ -19,45 +38,87 @@ struct Metric {
     name: &'static str,
     kind: Kind,
     help: &'static str,
-    value: fn(&Followed) -> u64,
+    value: fn(&Followed) -> i128,
 }
 
-const METRICS: &[Metric] = &[
+/// A figure of a process's latest report (0 without one: never shown).
+fn of_report(followed: &Followed, figure: fn(&crate::report::Report) -> u64) -> i128 {
+    followed.report.as_deref().map_or(0, |report| i128::from(figure(report)))
+}
+
+const PROCESS_METRICS: &[Metric] = &[
     Metric {
         name: "memleak_outstanding_bytes",
         kind: Kind::Gauge,
         help: "Bytes allocated and not freed, as of the latest report.",
-        value: |followed| followed.report.as_ref().map_or(0, |report| report.total_bytes),
+        value: |followed| of_report(followed, |report| report.total_bytes),
     },
     Metric {
         name: "memleak_outstanding_allocations",
         kind: Kind::Gauge,
         help: "Allocations not freed, as of the latest report.",
-        value: |followed| followed.report.as_ref().map_or(0, |report| report.total_allocations),
+        value: |followed| of_report(followed, |report| report.total_allocations),
+    },
+    Metric {
+        name: "memleak_outstanding_growth_bytes",
+        kind: Kind::Gauge,
+        help: "memleak_outstanding_bytes now less what it was in the first report after memleak attached \
+               (or the process ran a new program); negative when blocks allocated before that report were freed.",
+        value: |followed| followed.growth.bytes_since_first_report(),
+    },
+    Metric {
+        name: "memleak_growing_reports",
+        kind: Kind::Gauge,
+        help: "Reports in a row, the latest included, in which memleak_outstanding_bytes grew; 0 after one in \
+               which it did not.",
+        value: |followed| i128::from(followed.growth.growing_reports),
     },
     Metric {
         name: "memleak_allocations_total",
         kind: Kind::Counter,
         help: "Allocation calls that returned a block since memleak attached.",
-        value: |followed| followed.report.as_ref().map_or(0, |report| report.health.allocations),
+        value: |followed| of_report(followed, |report| report.health.allocations),
     },
     Metric {
         name: "memleak_frees_total",
         kind: Kind::Counter,
         help: "Releases seen since memleak attached: frees, and blocks realloc gave up.",
-        value: |followed| followed.report.as_ref().map_or(0, |report| report.health.frees),
+        value: |followed| of_report(followed, |report| report.health.frees),
     },
     Metric {
         name: "memleak_allocations_not_tracked_total",
         kind: Kind::Counter,
         help: "Allocations not tracked because the allocation map was full.",
-        value: |followed| followed.report.as_ref().map_or(0, |report| report.health.allocations_not_tracked),
+        value: |followed| of_report(followed, |report| report.health.allocations_not_tracked),
     },
     Metric {
         name: "memleak_stacks_lost_total",
         kind: Kind::Counter,
         help: "Allocations whose stack could not be stored because the stack map was full.",
-        value: |followed| followed.report.as_ref().map_or(0, |report| report.health.stacks_lost),
+        value: |followed| of_report(followed, |report| report.health.stacks_lost),
+    },
+];
+
+/// A metric of each stack shown.
+struct StackMetric {
+    name: &'static str,
+    help: &'static str,
+    value: fn(&ShownStack) -> u64,
+}
+
+/// The series of each process's largest stacks.
+const STACK_METRICS: [StackMetric; 2] = [
+    StackMetric {
+        name: "memleak_stack_outstanding_bytes",
+        help: "Bytes allocated and not freed from one stack, for the --metrics-top-stacks stacks of each process \
+         holding the most; stack is an id stable across restarts for the same stack of the same binary, \
+         frame its first named frame.",
+        value: |stack| stack.bytes,
+    },
+    StackMetric {
+        name: "memleak_stack_outstanding_allocations",
+        help: "Allocations not freed from one stack, for the stacks memleak_stack_outstanding_bytes shows.",
+        value: |stack| stack.allocations,
     },
 ];
 
@@ -65,26 +126,82 @@ const METRICS: &[Metric] = &[
 /// series: zeros would read as a measurement.
 pub fn render(published: &Published) -> String {
     let mut out = String::new();
-    for metric in METRICS {
-        let kind = match metric.kind {
-            Kind::Gauge => "gauge",
-            Kind::Counter => "counter",
-        };
-        // Writing to a String cannot fail.
-        let _ = writeln!(out, "# HELP {} {}", metric.name, metric.help);
-        let _ = writeln!(out, "# TYPE {} {kind}", metric.name);
-        for followed in published.targets.iter().filter(|followed| followed.report.is_some()) {
-            let _ = writeln!(
-                out,
-                "{}{{pid=\"{}\",exe=\"{}\"}} {}",
-                metric.name,
-                followed.pid,
-                escape_label(followed.executable()),
-                (metric.value)(followed)
-            );
+    let reported: Vec<&Followed> =
+        published.targets.iter().filter(|followed| followed.report.is_some()).collect();
+    for metric in PROCESS_METRICS {
+        header(&mut out, metric.name, metric.kind, metric.help);
+        for followed in &reported {
+            // Writing to a String cannot fail.
+            let _ =
+                writeln!(out, "{}{{{}}} {}", metric.name, process_labels(followed), (metric.value)(followed));
         }
     }
+    render_stacks(&mut out, &reported, published.metrics_top_stacks);
+    if let Some(fill) = published.map_fill {
+        render_map_fill(&mut out, &fill);
+    }
     out
+}
+
+/// The largest stacks of each process; nothing, headers included, when
+/// none are shown.
+fn render_stacks(out: &mut String, reported: &[&Followed], top: usize) {
+    if top == 0 {
+        return;
+    }
+    let shown: Vec<(&Followed, Vec<ShownStack>)> = reported
+        .iter()
+        .filter_map(|followed| Some((*followed, top_stacks(followed.report.as_deref()?, top))))
+        .collect();
+    for StackMetric { name, help, value } in STACK_METRICS {
+        header(out, name, Kind::Gauge, help);
+        for (followed, stacks) in &shown {
+            for stack in stacks {
+                let _ = writeln!(
+                    out,
+                    "{name}{{{},stack=\"{}\",frame=\"{}\"}} {}",
+                    process_labels(followed),
+                    stack.id,
+                    escape_label(&stack.frame),
+                    value(stack)
+                );
+            }
+        }
+    }
+}
+
+/// How full the allocation and stack maps are, shared by every process.
+fn render_map_fill(out: &mut String, fill: &MapFill) {
+    let maps =
+        [("allocations", fill.allocations, fill.max_allocations), ("stacks", fill.stacks, fill.max_stacks)];
+    header(
+        out,
+        "memleak_map_entries",
+        Kind::Gauge,
+        "Entries in memleak's BPF map of outstanding allocations, or of stacks, for all processes followed.",
+    );
+    for (map, entries, _) in maps {
+        let _ = writeln!(out, "memleak_map_entries{{map=\"{map}\"}} {entries}");
+    }
+    header(
+        out,
+        "memleak_map_max_entries",
+        Kind::Gauge,
+        "Capacity of the map (--max-allocs, --max-stacks): past it allocations go untracked or stacks are lost.",
+    );
+    for (map, _, capacity) in maps {
+        let _ = writeln!(out, "memleak_map_max_entries{{map=\"{map}\"}} {capacity}");
+    }
+}
+
+fn header(out: &mut String, name: &str, kind: Kind, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {}", kind.name());
+}
+
+/// `pid="42",exe="leaker"`.
+fn process_labels(followed: &Followed) -> String {
+    format!("pid=\"{}\",exe=\"{}\"", followed.pid, escape_label(followed.executable()))
 }
 
 /// A label value as the format wants it: backslash, double quote and
@@ -104,44 +221,52 @@ fn escape_label(value: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::{model::HealthCounters, report::Report};
+    use crate::{
+        model::HealthCounters,
+        report::{tests::sample_report, Report},
+        serve::state::Growth,
+    };
 
+    /// A process whose reports held `bytes`, then `bytes + 100`: its
+    /// report is the sample report's, with 3 stacks.
     fn followed(pid: u32, program: &str, bytes: u64) -> Followed {
         let report = Report {
             pid,
             program: program.to_owned(),
-            namespace_pid: None,
-            time_unix_ms: 0,
-            allocator: "/usr/lib/libc.so.6".to_owned(),
-            min_age_ms: 0,
-            sample_rate: 1,
-            unwinding: None,
             total_bytes: bytes,
             total_allocations: 3,
-            total_stacks: 1,
-            stacks: Vec::new(),
             health: HealthCounters { allocations: 5, frees: 2, ..HealthCounters::default() },
-            truncated_stacks: std::collections::BTreeMap::new(),
-            hidden_mappings: crate::model::HiddenMappings::default(),
-            modules: Vec::new(),
+            ..sample_report(3)
         };
-        Followed { pid, program: program.to_owned(), exited: false, report: Some(Arc::new(report)) }
+        let mut followed = Followed {
+            pid,
+            program: program.to_owned(),
+            exited: false,
+            report: None,
+            growth: Growth::default(),
+        };
+        followed.take_report(Report { total_bytes: bytes.saturating_sub(100), ..report.clone() });
+        followed.take_report(report);
+        followed
+    }
+
+    fn published(targets: Vec<Followed>, metrics_top_stacks: usize) -> Published {
+        Published { targets, map_fill: None, metrics_top_stacks }
     }
 
     #[test]
     fn each_process_has_a_series_of_each_metric_under_its_help_and_type() {
-        let published = Published {
-            targets: vec![
-                followed(42, "/usr/bin/leaker", 17_264),
-                Followed { pid: 43, program: "new".to_owned(), exited: false, report: None },
-            ],
+        let new = Followed {
+            pid: 43,
+            program: "new".to_owned(),
+            exited: false,
+            report: None,
+            growth: Growth::default(),
         };
-        let body = render(&published);
+        let body = render(&published(vec![followed(42, "/usr/bin/leaker", 17_264), new], 0));
         let lines: Vec<&str> = body.lines().collect();
-        assert_eq!(lines.len(), METRICS.len() * 3, "HELP, TYPE and one series each:\n{body}");
+        assert_eq!(lines.len(), PROCESS_METRICS.len() * 3, "HELP, TYPE and one series each:\n{body}");
         assert_eq!(
             lines[0],
             "# HELP memleak_outstanding_bytes Bytes allocated and not freed, as of the latest report."
@@ -154,13 +279,51 @@ mod tests {
             ),
             "{body}"
         );
+        assert!(
+            body.contains("\nmemleak_outstanding_growth_bytes{pid=\"42\",exe=\"leaker\"} 100\n"),
+            "{body}"
+        );
+        assert!(body.contains("\nmemleak_growing_reports{pid=\"42\",exe=\"leaker\"} 1\n"), "{body}");
         assert!(!body.contains("pid=\"43\""), "no series before a first report:\n{body}");
+        assert!(!body.contains("memleak_stack_"), "no stack series with K = 0:\n{body}");
+        assert!(!body.contains("memleak_map_"), "no map fill before a round:\n{body}");
+    }
+
+    #[test]
+    fn the_largest_stacks_are_series_of_their_own() {
+        let body = render(&published(vec![followed(42, "/usr/bin/leaker", 17_264)], 2));
+        let stack_lines: Vec<&str> =
+            body.lines().filter(|line| line.starts_with("memleak_stack_outstanding_bytes{")).collect();
+        assert_eq!(stack_lines.len(), 2, "K = 2:\n{body}");
+        let fibonacci = stack_lines[0];
+        assert!(
+            fibonacci.starts_with("memleak_stack_outstanding_bytes{pid=\"42\",exe=\"leaker\",stack=\"")
+                && fibonacci.ends_with("\",frame=\"fibonacci\"} 24576"),
+            "{body}"
+        );
+        assert!(
+            body.contains("# TYPE memleak_stack_outstanding_allocations gauge\n"),
+            "allocations too:\n{body}"
+        );
+    }
+
+    #[test]
+    fn map_fill_is_shown_once_for_every_process() {
+        let fill = MapFill { allocations: 15, max_allocations: 1000, stacks: 9, max_stacks: 64 };
+        let body = render(&Published { map_fill: Some(fill), ..published(Vec::new(), 5) });
+        for line in [
+            "memleak_map_entries{map=\"allocations\"} 15",
+            "memleak_map_entries{map=\"stacks\"} 9",
+            "memleak_map_max_entries{map=\"allocations\"} 1000",
+            "memleak_map_max_entries{map=\"stacks\"} 64",
+        ] {
+            assert!(body.lines().any(|seen| seen == line), "{line} in:\n{body}");
+        }
     }
 
     #[test]
     fn label_values_are_escaped() {
-        let published = Published { targets: vec![followed(7, "/tmp/a\"b\\c\nd", 1)] };
-        let body = render(&published);
+        let body = render(&published(vec![followed(7, "/tmp/a\"b\\c\nd", 1)], 0));
         assert!(body.contains("exe=\"a\\\"b\\\\c\\nd\""), "{body}");
     }
 }

@@ -15,11 +15,11 @@ mod query;
 mod reports;
 mod state;
 mod token;
+mod top_stacks;
 
 use std::{
     collections::BTreeMap,
     net::TcpListener,
-    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -34,7 +34,7 @@ use crate::{
     session::{ReportRequest, Session, SessionConfig, SessionError, SessionEvent, TargetSpec},
     status,
 };
-use state::{Board, Followed, Published, Query};
+use state::{Board, Followed, Growth, Published, Query};
 use token::Token;
 
 /// How often the targets' mappings are re-read, as the report loop does.
@@ -44,10 +44,10 @@ const REFRESH: Duration = Duration::from_millis(250);
 /// it rather than a new one.
 const FRESH_ENOUGH: Duration = Duration::from_millis(500);
 
-/// What each round's reports keep: the totals, over every stack, and
-/// the top stacks. A request for a whole report queries one of its own.
-const ROUND: ReportRequest =
-    ReportRequest { collect: CollectOptions::NONE, sort: SortKey::Size, top: 10, in_series: true };
+/// Stacks kept in each round's reports, or more if /metrics shows more
+/// (--metrics-top-stacks); totals are over every stack whatever is kept.
+/// A request for a whole report queries one of its own.
+const STACKS_KEPT: usize = 10;
 
 /// A process's final report, taken as it exits: whole, and with what
 /// pprof needs, as it is all that will be served of it.
@@ -91,7 +91,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     for traced in session.targets() {
         status::say(&format!("tracing pid {} through {}", traced.pid, traced.plan.describe()));
     }
-    let (board, reader, queries) = Board::new();
+    let (board, reader, queries) = Board::new(config.metrics_top_stacks);
     let mut collector = Collector::new(&session, queries);
     // The processes are listed, and can be asked for, before their first
     // report.
@@ -136,6 +136,7 @@ impl Collector {
                     program: target.program.clone(),
                     exited: false,
                     report: None,
+                    growth: Growth::default(),
                 };
                 (target.pid, followed)
             })
@@ -215,7 +216,13 @@ impl Collector {
     /// them. A failed collection is said once and leaves the last
     /// reports served: the daemon goes on.
     fn round(&mut self, session: &mut Session, board: &Board, only: Option<u32>) {
-        self.round_with(session, board, only, &ROUND);
+        let request = ReportRequest {
+            collect: CollectOptions::NONE,
+            sort: SortKey::Size,
+            top: board.stacks_kept(STACKS_KEPT),
+            in_series: true,
+        };
+        self.round_with(session, board, only, &request);
     }
 
     fn round_with(
@@ -231,10 +238,11 @@ impl Collector {
         match session.collect(only, request) {
             Ok(reports) => {
                 self.last_error = None;
+                board.note_map_fill(session.map_fill());
                 for report in reports {
                     if let Some(followed) = self.followed.get_mut(&report.pid) {
                         followed.program.clone_from(&report.program);
-                        followed.report = Some(Arc::new(report));
+                        followed.take_report(report);
                     }
                 }
             }
@@ -250,7 +258,10 @@ impl Collector {
     }
 
     fn publish(&self, board: &Board) {
-        board.publish(Published { targets: self.followed.values().cloned().collect() });
+        board.publish(Published {
+            targets: self.followed.values().cloned().collect(),
+            ..Published::default()
+        });
     }
 }
 

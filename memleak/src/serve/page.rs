@@ -134,7 +134,9 @@ mod tests {
                 program: "/tmp/<script>alert(1)</script>".to_owned(),
                 exited: false,
                 report: None,
+                growth: crate::serve::state::Growth::default(),
             }],
+            ..Published::default()
         };
         let page = render(&published);
         assert!(!page.contains("<script>"), "{page}");

@@ -3,17 +3,22 @@
 //! Handlers hold an `Arc` of one round, never a lock the collector waits
 //! on, so a slow client cannot hold up collection.
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{cell::Cell, path::Path, sync::Arc, time::Duration};
 
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-use crate::{report::Report, session::ReportRequest};
+use crate::{bpf::MapFill, report::Report, session::ReportRequest};
 
 /// One round's view of every process followed, by pid.
 #[derive(Clone, Debug, Default)]
 pub struct Published {
     pub targets: Vec<Followed>,
+    /// How full the tracer's maps were in the round; `None` before the
+    /// first.
+    pub map_fill: Option<MapFill>,
+    /// Stacks of each process /metrics shows (--metrics-top-stacks).
+    pub metrics_top_stacks: usize,
 }
 
 /// A process followed, and its latest report if one was taken.
@@ -25,9 +30,22 @@ pub struct Followed {
     /// It exited; its last report stays.
     pub exited: bool,
     pub report: Option<Arc<Report>>,
+    /// How its outstanding bytes moved over its reports.
+    pub growth: Growth,
 }
 
 impl Followed {
+    /// Keeps `report` as the latest, and tracks the growth it shows. The
+    /// first report after none (memleak attached, or the process ran a
+    /// new program) is the baseline growth is counted from.
+    pub fn take_report(&mut self, report: Report) {
+        self.growth = match self.report {
+            None => Growth::from_first(report.total_bytes),
+            Some(_) => self.growth.after(report.total_bytes),
+        };
+        self.report = Some(Arc::new(report));
+    }
+
     /// The executable's file name: the `exe` label and the list's name.
     pub fn executable(&self) -> &str {
         Path::new(&self.program).file_name().and_then(|name| name.to_str()).unwrap_or(&self.program)
@@ -49,6 +67,42 @@ impl Followed {
             allocations_not_tracked: report.map_or(0, |report| report.health.allocations_not_tracked),
             stacks_lost: report.map_or(0, |report| report.health.stacks_lost),
         }
+    }
+}
+
+/// How a process's outstanding bytes moved over its reports, as far as
+/// memleak can see it. memleak counts only the blocks allocated since it
+/// attached: a free of an older block is not seen, so the process's
+/// memory may shrink where memleak sees none of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Growth {
+    /// Outstanding bytes in the first report: the baseline.
+    first_bytes: u64,
+    /// Outstanding bytes in the latest report.
+    latest_bytes: u64,
+    /// Reports in a row, the latest included, whose outstanding bytes were
+    /// above those of the report before; 0 once one was not.
+    pub growing_reports: u32,
+}
+
+impl Growth {
+    /// The growth of a process whose first report holds `bytes`.
+    pub fn from_first(bytes: u64) -> Self {
+        Self { first_bytes: bytes, latest_bytes: bytes, growing_reports: 0 }
+    }
+
+    /// The growth after a report that holds `bytes`.
+    #[must_use]
+    pub fn after(self, bytes: u64) -> Self {
+        let growing_reports =
+            if bytes > self.latest_bytes { self.growing_reports.saturating_add(1) } else { 0 };
+        Self { latest_bytes: bytes, growing_reports, ..self }
+    }
+
+    /// Outstanding bytes now less those of the first report: negative when
+    /// blocks memleak saw allocated before it have been freed since.
+    pub fn bytes_since_first_report(&self) -> i128 {
+        i128::from(self.latest_bytes) - i128::from(self.first_bytes)
     }
 }
 
@@ -98,6 +152,9 @@ const QUERIES_WAITING: usize = 4;
 pub struct Board {
     sender: watch::Sender<Arc<Published>>,
     asks: Arc<Notify>,
+    /// What each round publishes besides the processes.
+    metrics_top_stacks: usize,
+    map_fill: Cell<Option<MapFill>>,
 }
 
 /// The handlers' side: reads the latest round, asks for a fresh one, or
@@ -114,16 +171,37 @@ pub struct BoardReader {
 const FRESH_WAIT: Duration = Duration::from_secs(1);
 
 impl Board {
-    /// The board, its readers' side, and the queries they will send.
-    pub fn new() -> (Self, BoardReader, mpsc::Receiver<Query>) {
-        let (sender, receiver) = watch::channel(Arc::new(Published::default()));
+    /// A board whose rounds say that /metrics shows `metrics_top_stacks`
+    /// stacks of each process; its readers' side, and the queries they
+    /// will send.
+    pub fn new(metrics_top_stacks: usize) -> (Self, BoardReader, mpsc::Receiver<Query>) {
+        let (sender, receiver) =
+            watch::channel(Arc::new(Published { metrics_top_stacks, ..Published::default() }));
         let asks = Arc::new(Notify::new());
         let (queries, queries_received) = mpsc::channel(QUERIES_WAITING);
-        (Self { sender, asks: asks.clone() }, BoardReader { receiver, asks, queries }, queries_received)
+        let board = Self { sender, asks: asks.clone(), metrics_top_stacks, map_fill: Cell::new(None) };
+        (board, BoardReader { receiver, asks, queries }, queries_received)
     }
 
+    /// Publishes a round, with the map fill last noted.
     pub fn publish(&self, published: Published) {
+        let published = Published {
+            map_fill: self.map_fill.get(),
+            metrics_top_stacks: self.metrics_top_stacks,
+            ..published
+        };
         self.sender.send_replace(Arc::new(published));
+    }
+
+    /// Notes how full the maps are, for the rounds published from now on.
+    pub fn note_map_fill(&self, map_fill: MapFill) {
+        self.map_fill.set(Some(map_fill));
+    }
+
+    /// Stacks each report must keep, at least `kept` and at least as many
+    /// as /metrics shows.
+    pub fn stacks_kept(&self, kept: usize) -> usize {
+        kept.max(self.metrics_top_stacks)
     }
 
     /// Resolves when a handler asked for a fresh round; asks made while
@@ -164,5 +242,49 @@ impl BoardReader {
             mpsc::error::TrySendError::Closed(_) => Unanswered::Stopping,
         })?;
         answer.await.map_err(|_| Unanswered::Stopping)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::sample_report;
+
+    fn report_of(bytes: u64) -> Report {
+        Report { total_bytes: bytes, ..sample_report(1) }
+    }
+
+    #[test]
+    fn growth_counts_from_the_first_report_and_streaks_end_on_a_report_without_growth() {
+        let mut followed = Followed {
+            pid: 1,
+            program: "p".to_owned(),
+            exited: false,
+            report: None,
+            growth: Growth::default(),
+        };
+        let mut seen = Vec::new();
+        for bytes in [1000, 1500, 1600, 1600, 1700, 900, 1200] {
+            followed.take_report(report_of(bytes));
+            seen.push((followed.growth.bytes_since_first_report(), followed.growth.growing_reports));
+        }
+        assert_eq!(seen, [(0, 0), (500, 1), (600, 2), (600, 0), (700, 1), (-100, 0), (200, 1)]);
+    }
+
+    #[test]
+    fn a_process_that_ran_a_new_program_counts_from_its_first_report_again() {
+        let mut followed = Followed {
+            pid: 1,
+            program: "p".to_owned(),
+            exited: false,
+            report: None,
+            growth: Growth::default(),
+        };
+        followed.take_report(report_of(100));
+        followed.take_report(report_of(5000));
+        // What the collector does on exec.
+        followed.report = None;
+        followed.take_report(report_of(300));
+        assert_eq!((followed.growth.bytes_since_first_report(), followed.growth.growing_reports), (0, 0));
     }
 }

@@ -15,7 +15,10 @@ pub use targets::{ReportRequest, Target, TargetSpec};
 
 use crate::{
     attach::{self, kernel_btf, AllocatorChoice, AttachPlan},
-    bpf::{rings, EventRing, MapContents, StackCatalog, Tracer, TracerConfig, TracerError, TracerSettings},
+    bpf::{
+        rings, EventRing, MapContents, MapFill, StackCatalog, Tracer, TracerConfig, TracerError,
+        TracerSettings,
+    },
     process::{
         cgroup::{Cgroup, CgroupError, CgroupProcess},
         command::{CommandError, GatedCommand, SpawnedCommand},
@@ -101,6 +104,8 @@ pub struct Session {
     /// In the order they were added.
     targets: Vec<Target>,
     stacks: StackCatalog,
+    /// How full the bounded maps were at the last collection.
+    map_fill: MapFill,
     /// With --cgroup: the cgroup whose processes are followed.
     cgroup: Option<Cgroup>,
     /// With --cgroup: the processes traced from the start.
@@ -155,6 +160,11 @@ impl Session {
             max_processes: config.tracer.max_processes,
             targets: Vec::new(),
             stacks: StackCatalog::default(),
+            map_fill: MapFill {
+                max_allocations: u64::from(config.tracer.max_allocations),
+                max_stacks: u64::from(config.tracer.max_stacks),
+                ..MapFill::default()
+            },
             cgroup: None,
             cgroup_census: CgroupCensus::default(),
             excluded: config.excluded.clone(),
@@ -617,6 +627,8 @@ impl Session {
             self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
         let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
         self.stacks.ensure(&self.tracer, ids)?;
+        self.map_fill.allocations = maps.recorded_allocations();
+        self.map_fill.stacks = self.stacks.len() as u64;
         let sample_rate = self.sample_rate;
         Ok(self
             .targets
@@ -624,6 +636,12 @@ impl Session {
             .filter(|target| pid.is_none_or(|pid| pid == target.pid))
             .map(|target| target.report(&maps, &self.stacks, request, sample_rate))
             .collect())
+    }
+
+    /// How full the allocation and stack maps were at the last
+    /// `collect` (entries zero before the first).
+    pub fn map_fill(&self) -> MapFill {
+        self.map_fill
     }
 
     /// Stops tracing process `pid` and forgets it: its probes, what it
