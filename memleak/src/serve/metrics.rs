@@ -128,7 +128,13 @@ mod tests {
             hidden_mappings: crate::model::HiddenMappings::default(),
             modules: Vec::new(),
         };
-        Followed { pid, program: program.to_owned(), exited: false, report: Some(Arc::new(report)) }
+        Followed {
+            pid,
+            program: program.to_owned(),
+            exited: false,
+            report: Some(Arc::new(report)),
+            container: None,
+        }
     }
 
     #[test]
@@ -136,8 +142,9 @@ mod tests {
         let published = Published {
             targets: vec![
                 followed(42, "/usr/bin/leaker", 17_264),
-                Followed { pid: 43, program: "new".to_owned(), exited: false, report: None },
+                Followed { pid: 43, program: "new".to_owned(), exited: false, report: None, container: None },
             ],
+            processes_not_followed: 0,
         };
         let body = render(&published);
         let lines: Vec<&str> = body.lines().collect();
@@ -159,7 +166,8 @@ mod tests {
 
     #[test]
     fn label_values_are_escaped() {
-        let published = Published { targets: vec![followed(7, "/tmp/a\"b\\c\nd", 1)] };
+        let published =
+            Published { targets: vec![followed(7, "/tmp/a\"b\\c\nd", 1)], processes_not_followed: 0 };
         let body = render(&published);
         assert!(body.contains("exe=\"a\\\"b\\\\c\\nd\""), "{body}");
     }
