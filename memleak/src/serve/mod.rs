@@ -107,11 +107,13 @@ fn selectors_with_containers(config: &ServeConfig) -> Result<Vec<Selector>, Serv
     let mut selectors = config.selectors.clone();
     for reference in &config.containers {
         let found = container::find(reference)?;
-        status::say(&format!(
-            "container {reference} is {} in cgroup {}",
-            container::short_id(&found.id),
-            found.path.display()
-        ));
+        let short = container::short_id(&found.id);
+        let named = if found.id.starts_with(&reference.to_ascii_lowercase()) {
+            short.to_owned()
+        } else {
+            format!("{reference} ({short})")
+        };
+        status::say(&format!("following container {named}: cgroup {}", found.path.display()));
         selectors.push(Selector::Cgroup(found.path));
     }
     Ok(selectors)
