@@ -38,6 +38,9 @@ pub enum MappingChange {
     /// A followed process forked: `tgid` is the new process, `address`
     /// the one that forked it.
     Fork = 5,
+    /// A process memleak does not trace called execve (reported only when
+    /// user space asks for it): `tgid` may be one to follow.
+    Launched = 6,
 }
 
 impl TryFrom<u32> for MappingChange {
@@ -51,6 +54,7 @@ impl TryFrom<u32> for MappingChange {
             3 => Ok(MappingChange::Exec),
             4 => Ok(MappingChange::Protect),
             5 => Ok(MappingChange::Fork),
+            6 => Ok(MappingChange::Launched),
             _ => Err(raw),
         }
     }

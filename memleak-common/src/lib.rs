@@ -95,6 +95,7 @@ mod tests {
             MappingChange::Exec,
             MappingChange::Protect,
             MappingChange::Fork,
+            MappingChange::Launched,
         ] {
             assert_eq!(MappingChange::try_from(change as u32), Ok(change));
         }

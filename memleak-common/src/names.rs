@@ -59,6 +59,10 @@ pub mod tunables {
     /// u32: offset of `tgid` in the kernel's struct `task_struct`, to tell
     /// a new process from a new thread.
     pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
+    /// u32: 1 to report each execve of a process memleak does not trace
+    /// as a [`crate::MappingChange::Launched`] event, so that a process
+    /// `memleak serve` follows by name or cgroup is found at its start.
+    pub const NEWCOMER_EXECS: &str = "NEWCOMER_EXECS";
     /// u64, u64: kernel code range whose allocations are left out (the BPF
     /// memory allocator's refill, which serves memleak's own maps).
     pub const IGNORED_CALLER_START: &str = "IGNORED_CALLER_START";

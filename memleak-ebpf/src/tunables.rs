@@ -17,6 +17,8 @@ static CACHE_SIZE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
+static NEWCOMER_EXECS: u32 = 0;
+#[unsafe(no_mangle)]
 static CGROUP_ID: u64 = 0;
 #[unsafe(no_mangle)]
 static CGROUP_LEVEL: u32 = CGROUP_LEVEL_UNKNOWN;
@@ -64,6 +66,13 @@ pub fn sample() -> bool {
 pub fn trace() -> bool {
     // SAFETY: as above.
     unsafe { core::ptr::read_volatile(&raw const TRACE) != 0 }
+}
+
+/// Whether execs of processes not traced are reported (`memleak serve`
+/// following processes by name or cgroup).
+pub fn newcomer_execs() -> bool {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&raw const NEWCOMER_EXECS) != 0 }
 }
 
 /// Offset of `size` in the kernel's struct `kmem_cache`, from its BTF.

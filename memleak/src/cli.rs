@@ -217,8 +217,34 @@ pub enum Action {
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// Follow these running processes (--pid 12,34 or --pid 12 --pid 34).
-    #[arg(short, long, value_name = "PID", value_delimiter = ',', required = true)]
+    #[arg(short, long, value_name = "PID", value_delimiter = ',')]
     pub pid: Vec<u32>,
+
+    /// Follow every process of this cgroup v2 directory and of the cgroups
+    /// below it, including those that join later. May be repeated.
+    #[arg(long, value_name = "PATH")]
+    pub cgroup: Vec<PathBuf>,
+
+    /// Follow every process whose executable's file name is NAME, those
+    /// started later included. May be repeated.
+    #[arg(long, value_name = "NAME")]
+    pub exe: Vec<String>,
+
+    /// Follow the processes of a container, by id (a prefix is enough) or
+    /// by name (through `podman inspect` or `docker inspect`). May be
+    /// repeated.
+    #[arg(long, value_name = "ID|NAME")]
+    pub container: Vec<String>,
+
+    /// How long a process that exited keeps its last report before it is
+    /// forgotten: 30s, 10m, 1h, 2d.
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
+    pub retain: Duration,
+
+    /// Processes followed at once at most; more are counted and left
+    /// untraced.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
+    pub max_processes: u32,
 
     /// Address to listen on. Any but a loopback address needs
     /// --token-file.
@@ -320,7 +346,8 @@ Examples:
   memleak -p 1234 --format json | jq .total_bytes
   memleak -p 1234 --save heap.snap 60 2
   memleak diff heap.1.snap heap.2.snap --output growth.svg
-  memleak serve --pid 1234     serve /metrics on 127.0.0.1:9943";
+  memleak serve --pid 1234     serve /metrics on 127.0.0.1:9943
+  memleak serve --exe nginx --container web --retain 1h";
 
 // The tracer's defaults, for `memleak serve` too, which does not take
 // these flags yet.
@@ -342,6 +369,27 @@ const MAX_PROCESSES: i64 = 65_536;
 /// A year: longer intervals are surely a typo, and far ones overflow the
 /// clock.
 const MAX_INTERVAL_SECONDS: u64 = 365 * 24 * 3600;
+
+/// A duration with its unit: `30s`, `10m`, `1h`, `2d`; at most a year.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let unit_seconds = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 24 * 3600,
+        "" => return Err(format!("`{text}` has no unit: give one, as in 30s, 10m, 1h or 2d")),
+        _ => return Err(format!("`{text}` is not a duration: give one as in 30s, 10m, 1h or 2d")),
+    };
+    let count: u64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration: give one as in 30s, 10m, 1h or 2d"))?;
+    match count.checked_mul(unit_seconds) {
+        Some(seconds) if seconds <= MAX_INTERVAL_SECONDS => Ok(Duration::from_secs(seconds)),
+        _ => Err(format!("`{text}` is longer than a year")),
+    }
+}
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
     match text.parse::<u64>() {

@@ -13,7 +13,7 @@ use crate::{
     model::Unwinding,
     output::{Documents, OutputConfig},
     report::options::{Format, Rendering, ReportOptions},
-    session::{ReportRequest, SessionConfig, TargetSpec},
+    session::{ReportRequest, Selector, SessionConfig, TargetSpec},
 };
 
 /// What memleak was asked to do.
@@ -27,9 +27,15 @@ pub enum Run {
     Serve(Box<ServeConfig>),
 }
 
-/// `memleak serve --pid PID...`.
+/// `memleak serve --pid PID... --cgroup PATH... --exe NAME... --container ID...`.
 pub struct ServeConfig {
-    pub pids: Vec<u32>,
+    /// What --pid, --cgroup and --exe name; --container's are found when
+    /// the daemon starts, as cgroups.
+    pub selectors: Vec<Selector>,
+    /// --container: ids or names, each resolved to its cgroup.
+    pub containers: Vec<String>,
+    /// How long an exited process keeps its last report.
+    pub retain: Duration,
     pub session: SessionConfig,
     pub listen: SocketAddr,
     /// Time between collections when nobody asks for one.
@@ -72,7 +78,7 @@ impl TraceConfig {
         let several_reports = self.count.is_none_or(|count| count.get() > 1);
         let several_processes = match &self.target {
             TargetSpec::Pids(pids) => pids.len() > 1,
-            TargetSpec::Cgroup(_) => true,
+            TargetSpec::Cgroup(_) | TargetSpec::Selected(_) => true,
             TargetSpec::Kernel { .. } | TargetSpec::Command(_) => false,
         };
         if several_reports || several_processes {
@@ -263,6 +269,26 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         ));
     }
     check_unique(&args.pid)?;
+    if args.pid.is_empty() && args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty() {
+        return Err(
+            "memleak serve needs something to follow: give --pid, --cgroup, --exe or --container".to_owned()
+        );
+    }
+    if let Some(bad) = args.exe.iter().find(|name| name.is_empty() || name.contains('/')) {
+        return Err(format!(
+            "--exe `{bad}`: give an executable's file name, such as nginx, not a path (it matches any path)"
+        ));
+    }
+    // Newcomers are probed one by one: the processes they fork are found
+    // at once, not at the next look.
+    let follows_newcomers = !(args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty());
+    let selectors = args
+        .pid
+        .iter()
+        .map(|&pid| Selector::Pid(pid))
+        .chain(args.cgroup.iter().cloned().map(Selector::Cgroup))
+        .chain(args.exe.iter().cloned().map(Selector::Exe))
+        .collect();
     let session = SessionConfig {
         tracer: TracerSettings {
             min_size: 0,
@@ -270,19 +296,21 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
             stack_depth: cli::DEFAULT_MAX_STACK_DEPTH,
             max_allocations: cli::DEFAULT_MAX_ALLOCS,
             max_stacks: cli::DEFAULT_MAX_STACKS,
-            max_processes: cli::DEFAULT_MAX_PROCESSES,
+            max_processes: args.max_processes,
             sample_rate: 1,
             trace_events: false,
             unwinding: Unwinding::Dwarf,
             max_unwind_rows: cli::DEFAULT_MAX_UNWIND_ROWS,
         },
         allocator: AllocatorChoice { object: None, prefix: None },
-        follow_forks: false,
+        follow_forks: follows_newcomers,
         // memleak itself, known once it runs: see `serve::run`.
         excluded: Vec::new(),
     };
     Ok(ServeConfig {
-        pids: args.pid,
+        selectors,
+        containers: args.container,
+        retain: args.retain,
         session,
         listen: SocketAddr::new(args.listen, args.port),
         interval: args.interval,
@@ -375,7 +403,8 @@ mod tests {
     #[test]
     fn serve_listens_on_loopback_only() {
         let config = serve("serve --pid 1,2").unwrap_or_else(|error| panic!("{error}"));
-        assert_eq!((config.pids, config.listen.to_string()), (vec![1, 2], "127.0.0.1:9943".to_owned()));
+        assert_eq!(config.selectors, vec![Selector::Pid(1), Selector::Pid(2)]);
+        assert_eq!(config.listen.to_string(), "127.0.0.1:9943");
         assert_eq!(config.interval, Duration::from_secs(2));
         let config = serve("serve --pid 1 --listen ::1 --port 80").unwrap_or_else(|error| panic!("{error}"));
         assert_eq!(config.listen.to_string(), "[::1]:80");
@@ -387,7 +416,57 @@ mod tests {
             .unwrap_or_else(|error| panic!("{error}"));
         assert_eq!(config.token_file, Some(PathBuf::from("/etc/memleak/token")));
         assert_eq!(serve("serve --pid 3,3").err().as_deref(), Some("pid 3 is given twice"));
-        assert!(serve("serve").is_err(), "--pid is required");
+        assert_eq!(
+            serve("serve").err().as_deref(),
+            Some("memleak serve needs something to follow: give --pid, --cgroup, --exe or --container")
+        );
+    }
+
+    #[test]
+    fn serve_combines_selectors_and_retains_exited_processes_10_minutes_by_default() {
+        let config =
+            serve("serve --pid 7 --exe leaker --cgroup /sys/fs/cgroup/pod --exe nginx --container web")
+                .unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(
+            config.selectors,
+            vec![
+                Selector::Pid(7),
+                Selector::Cgroup("/sys/fs/cgroup/pod".into()),
+                Selector::Exe("leaker".to_owned()),
+                Selector::Exe("nginx".to_owned()),
+            ]
+        );
+        assert_eq!(config.containers, vec!["web".to_owned()]);
+        assert_eq!(config.retain, Duration::from_mins(10));
+        assert!(config.session.follow_forks, "a newcomer's children are found at their fork");
+        assert_eq!(config.session.tracer.max_processes, cli::DEFAULT_MAX_PROCESSES);
+        let config =
+            serve("serve --exe x --retain 30s --max-processes 3").unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!((config.retain, config.session.tracer.max_processes), (Duration::from_secs(30), 3));
+        for (retain, seconds) in [("2s", 2), ("10m", 600), ("1h", 3600), ("2d", 172_800), ("0s", 0)] {
+            let line = format!("serve --exe x --retain {retain}");
+            let config = serve(&line).unwrap_or_else(|error| panic!("{error}"));
+            assert_eq!(config.retain, Duration::from_secs(seconds), "{retain}");
+        }
+        assert!(!serve("serve --pid 1").unwrap_or_else(|error| panic!("{error}")).session.follow_forks);
+    }
+
+    #[test]
+    fn serve_refuses_a_bad_retain_or_exe_in_one_line() {
+        for (retain, why) in [
+            ("10", "`10` has no unit"),
+            ("ten", "`ten` is not a duration"),
+            ("5y", "`5y` is not a duration"),
+            ("400d", "`400d` is longer than a year"),
+        ] {
+            let line = format!("serve --exe x --retain {retain}");
+            let error = resolved(&line).err().unwrap_or_else(|| panic!("{line} was accepted"));
+            assert!(error.contains(why), "{line}: {error}");
+        }
+        assert_eq!(
+            serve("serve --exe /usr/bin/leaker").err().as_deref(),
+            Some("--exe `/usr/bin/leaker`: give an executable's file name, such as nginx, not a path (it matches any path)")
+        );
     }
 
     #[test]

@@ -86,7 +86,7 @@ fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result
         }
         match target {
             TargetSpec::Kernel { .. } => status::say("tracing kernel allocations; Ctrl-C to stop"),
-            TargetSpec::Cgroup(_) => say_joined(traced),
+            TargetSpec::Cgroup(_) | TargetSpec::Selected(_) => say_joined(traced),
             TargetSpec::Pids(_) | TargetSpec::Command(_) => status::say(&format!(
                 "tracing pid {} through {}; Ctrl-C to stop",
                 traced.pid,
@@ -246,6 +246,11 @@ async fn next_round(
                 }
                 SessionEvent::Followed { pid, parent } => {
                     status::say(&format!("tracing pid {pid}, forked by pid {parent}"));
+                    continue;
+                }
+                // Only `memleak serve` follows processes from their execve.
+                SessionEvent::Joined { pid } => {
+                    status::say(&format!("tracing pid {pid}, found at its execve"));
                     continue;
                 }
                 SessionEvent::Exec { pid } => {

@@ -89,6 +89,18 @@ pub fn serve(args: &[&str]) -> (Memleak, u16) {
     (memleak, port)
 }
 
+/// `memleak serve --pid PID` on a free port, once it serves.
+pub fn serve_pid(pid: u32) -> (Memleak, u16) {
+    serve(&["--pid", &pid.to_string()])
+}
+
+/// Ends the daemon with SIGTERM, which must end it with status 0.
+pub fn stop(memleak: Memleak) {
+    memleak.signal(libc::SIGTERM);
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "SIGTERM: {status}");
+}
+
 /// GETs `path` until `wanted` holds for the response, or gives up after
 /// `PATIENCE` with the last response seen.
 pub fn get_until(port: u16, path: &str, wanted: impl Fn(&Response) -> bool) -> Response {

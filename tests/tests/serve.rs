@@ -9,19 +9,13 @@ use std::{
 };
 
 use memleak_tests::{
-    http::{self, get, get_until, Response},
+    http::{get, get_until, serve_pid, Response},
     uprobes::{byte_in_file, byte_in_process, multi_links},
-    Leaker, Memleak,
+    Leaker,
 };
 use serde_json::Value;
 
 const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
-
-/// `memleak serve --pid PID` on a free port, once it serves (its
-/// probes placed before).
-fn serve(pid: u32) -> (Memleak, u16) {
-    http::serve(&["--pid", &pid.to_string()])
-}
 
 /// `promtool check metrics` on `body`: its complaints, if any.
 fn promtool_check(body: &str) {
@@ -57,7 +51,7 @@ fn assert_detached(leaker: &Leaker, offsets: &[u64]) {
 #[test]
 fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let mut leaker = Leaker::start_waiting(&["all"]);
-    let (memleak, port) = serve(leaker.pid());
+    let (memleak, port) = serve_pid(leaker.pid());
     let offsets: Vec<u64> =
         multi_links(memleak.child.id()).iter().flat_map(|link| link.offsets.clone()).collect();
     assert!(!offsets.is_empty(), "memleak placed no multi-uprobe link");
@@ -122,7 +116,7 @@ fn target_until(port: u16, wanted: impl Fn(&Value) -> bool) -> Value {
 #[test]
 fn an_exited_process_keeps_its_last_report() {
     let mut leaker = Leaker::start_waiting(&["all"]);
-    let (memleak, port) = serve(leaker.pid());
+    let (memleak, port) = serve_pid(leaker.pid());
     leaker.go();
     target_until(port, |target| target["outstanding_bytes"] == 17_264);
     leaker.exit();
@@ -136,7 +130,7 @@ fn an_exited_process_keeps_its_last_report() {
 #[test]
 fn sigint_detaches_every_probe_and_exits_0() {
     let leaker = Leaker::start_waiting(&["all"]);
-    let (memleak, port) = serve(leaker.pid());
+    let (memleak, port) = serve_pid(leaker.pid());
     let offsets: Vec<u64> =
         multi_links(memleak.child.id()).iter().flat_map(|link| link.offsets.clone()).collect();
     assert!(!offsets.is_empty(), "memleak placed no multi-uprobe link");

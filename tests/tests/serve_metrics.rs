@@ -6,18 +6,9 @@ use std::{collections::BTreeMap, time::Instant};
 
 use memleak_tests::{
     bpf_maps::map_entries,
-    http::{free_port, get},
-    Leaker, Memleak, PATIENCE,
+    http::{get, serve_pid},
+    Leaker, PATIENCE,
 };
-
-/// `memleak serve --pid PID` on a free port, once it serves.
-fn serve(pid: u32) -> (Memleak, u16) {
-    let port = free_port();
-    let mut memleak = Memleak::start(&["serve", "--pid", &pid.to_string(), "--port", &port.to_string()]);
-    memleak.wait_attached();
-    memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
-    (memleak, port)
-}
 
 /// `/metrics` once it shows the leaker's 17264 bytes outstanding.
 fn metrics_once_leaked(port: u16, pid: u32) -> String {
@@ -57,7 +48,7 @@ fn map_series(body: &str, name: &str, map: &str) -> usize {
 #[test]
 fn stack_ids_stay_the_same_for_another_process_of_the_binary_under_a_restarted_daemon() {
     let mut first = Leaker::start_waiting(&["all"]);
-    let (memleak, port) = serve(first.pid());
+    let (memleak, port) = serve_pid(first.pid());
     first.go();
     let body = metrics_once_leaked(port, first.pid());
     let first_stacks = stacks_of(&body, first.pid());
@@ -76,7 +67,7 @@ fn stack_ids_stay_the_same_for_another_process_of_the_binary_under_a_restarted_d
     // Another process of the same binary, at other addresses, under a
     // daemon started afresh.
     let mut second = Leaker::start_waiting(&["all"]);
-    let (memleak, port) = serve(second.pid());
+    let (memleak, port) = serve_pid(second.pid());
     second.go();
     let second_stacks = stacks_of(&metrics_once_leaked(port, second.pid()), second.pid());
     memleak.signal(libc::SIGTERM);

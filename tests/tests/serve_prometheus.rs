@@ -3,16 +3,7 @@
 //! the leaker's outstanding bytes, and sees them grow from nothing to the
 //! exact 17,264 bytes it leaks.
 
-use memleak_tests::{http::free_port, prometheus::Prometheus, Leaker, Memleak};
-
-/// `memleak serve --pid PID` on a free port, once it serves.
-fn serve(pid: u32) -> (Memleak, u16) {
-    let port = free_port();
-    let mut memleak = Memleak::start(&["serve", "--pid", &pid.to_string(), "--port", &port.to_string()]);
-    memleak.wait_attached();
-    memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
-    (memleak, port)
-}
+use memleak_tests::{http::serve_pid, prometheus::Prometheus, Leaker};
 
 /// The value of a query that must give exactly one series.
 fn one_value<'a>(query: &str, series: &'a [(serde_json::Value, String)]) -> &'a str {
@@ -29,7 +20,7 @@ fn is_one(series: &[(serde_json::Value, String)], value: &str) -> bool {
 fn prometheus_stores_the_exact_outstanding_bytes_and_sees_them_grow() {
     let mut leaker = Leaker::start_waiting(&["all"]);
     let pid = leaker.pid();
-    let (memleak, port) = serve(pid);
+    let (memleak, port) = serve_pid(pid);
     let prometheus = Prometheus::scraping(port);
     let process = format!("pid=\"{pid}\",exe=\"leaker\"");
 

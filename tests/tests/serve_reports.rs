@@ -7,7 +7,7 @@ use std::{fs, thread};
 
 use memleak_tests::{
     consumers::go_pprof_url,
-    http::{get, get_until, get_with, serve},
+    http::{get, get_until, get_with, serve, stop},
     svg_titles,
     tempdir::TempDir,
     Leaker, Memleak,
@@ -31,12 +31,6 @@ fn text_report_until_leaked(port: u16, pid: u32) -> String {
     let path = format!("/api/v1/report?pid={pid}");
     get_until(port, &path, |response| response.body.contains("Outstanding: 17264 bytes in 15 allocations"))
         .body
-}
-
-fn stop(memleak: Memleak) {
-    memleak.signal(libc::SIGTERM);
-    let (status, _) = memleak.finish();
-    assert!(status.success(), "SIGTERM: {status}");
 }
 
 #[test]
@@ -148,7 +142,16 @@ fn headless_chromium_shows_the_followed_process_on_the_page() {
         memleak_tests::fixture("leaker").display()
     );
     assert!(dom.contains(&row), "the process's row: {dom}");
-    assert!(dom.contains("<td class=\"num\">17,264</td><td class=\"num\">15</td>"), "{dom}");
+    assert!(
+        dom.contains("<td class=\"num\">17,264</td><td class=\"num\">"),
+        "outstanding bytes, then growth: {dom}"
+    );
+    assert!(
+        dom.contains(
+            "</td><td class=\"num\">15</td><td title=\"/usr/lib/x86_64-linux-gnu/libc.so.6\">libc.so.6</td>"
+        ),
+        "{dom}"
+    );
     assert!(
         dom.contains(&format!("<a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a>")),
         "{dom}"

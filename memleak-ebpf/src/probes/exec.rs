@@ -1,11 +1,14 @@
 //! A traced process that calls execve runs a new program: user space is
-//! told, to close the old program's books and probe the new one.
+//! told, to close the old program's books and probe the new one. When
+//! user space follows processes by executable or cgroup, the execs of
+//! other processes are reported too: a newcomer is found as it starts,
+//! not at the next look through /proc.
 
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use memleak_common::{MappingChange, MappingEvent};
 
 use super::mmap::send;
-use crate::{calls, maps::PROCESS_MAPPINGS};
+use crate::{calls, maps::PROCESS_MAPPINGS, tunables};
 
 /// `sched_process_exec`: fires in the process, its new program mapped.
 #[btf_tracepoint(function = "sched_process_exec")]
@@ -16,6 +19,12 @@ pub fn sched_process_exec(_ctx: BtfTracePointContext) -> i32 {
     // stacks.
     // SAFETY: only tested for presence, never read.
     if unsafe { PROCESS_MAPPINGS.get(tgid) }.is_none() {
+        // Rare next to allocations (a busy host execs hundreds of times a
+        // second at most), and user space checks each against what it
+        // follows: a filter here would duplicate that check.
+        if tunables::newcomer_execs() {
+            send(MappingEvent { tgid, change: MappingChange::Launched as u32, ..MappingEvent::default() });
+        }
         return 0;
     }
     let _ = PROCESS_MAPPINGS.remove(tgid);

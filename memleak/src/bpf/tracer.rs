@@ -128,6 +128,9 @@ pub struct TracerConfig {
     /// With --cgroup, the only cgroup whose tasks (and those of its
     /// descendants) are recorded.
     pub cgroup_id: u64,
+    /// Report the execs of processes not traced (`MappingChange::Launched`):
+    /// `memleak serve` following executables or cgroups.
+    pub newcomer_execs: bool,
     /// The cgroup's level below the cgroup2 root; `None`: only the tasks
     /// directly in it are recorded.
     pub cgroup_level: Option<u32>,
@@ -144,6 +147,7 @@ impl TracerConfig {
             task_tgid_offset: 0,
             ignored_callers: 0..0,
             cgroup_id: 0,
+            newcomer_execs: false,
             cgroup_level: None,
             ignored_processes: Vec::new(),
         }
@@ -289,6 +293,7 @@ impl Tracer {
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
             .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
             .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
+            .override_global(tunables::NEWCOMER_EXECS, &u32::from(config.newcomer_execs), true)
             .override_global(
                 tunables::CGROUP_LEVEL,
                 &config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN),

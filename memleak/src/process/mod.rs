@@ -7,8 +7,10 @@
 pub mod address_space;
 pub mod cgroup;
 pub mod command;
+pub mod container;
 pub mod feedback;
 pub mod files;
+pub mod identity;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;

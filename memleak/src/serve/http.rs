@@ -229,10 +229,15 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
 #[derive(serde::Serialize)]
 struct TargetList<'a> {
     targets: Vec<TargetSummary<'a>>,
+    /// Processes a selector named that --max-processes left untraced.
+    processes_not_followed: u64,
 }
 
 fn targets(published: &Published) -> Response<Full<Bytes>> {
-    let list = TargetList { targets: published.targets.iter().map(Followed::summary).collect() };
+    let list = TargetList {
+        targets: published.targets.iter().map(Followed::summary).collect(),
+        processes_not_followed: published.processes_not_followed,
+    };
     match serde_json::to_string(&list) {
         Ok(mut body) => {
             body.push('\n');

@@ -1,11 +1,13 @@
 //! `/metrics`: Prometheus' text exposition format (version 0.0.4).
 //!
-//! Per followed process, labelled with its pid and its executable's file
-//! name: the series of `PROCESS_METRICS`, and its largest stacks (at most
+//! Per followed process, labelled with its pid, its executable's file
+//! name and, when it runs in one, its container's id: the series of
+//! `PROCESS_METRICS`, and its largest stacks (at most
 //! --metrics-top-stacks K of them, two series each, labelled too with
 //! the stack's stable id and first named frame). Once for memleak: how
-//! full its allocation and stack maps are. So a scrape has at most
-//! processes x (8 + 2K) + 4 series.
+//! full its allocation and stack maps are, and how many processes
+//! --max-processes left out. So a scrape has at most processes x (8 + 2K)
+//! + 5 series.
 
 use std::fmt::Write as _;
 
@@ -126,8 +128,11 @@ const STACK_METRICS: [StackMetric; 2] = [
 /// series: zeros would read as a measurement.
 pub fn render(published: &Published) -> String {
     let mut out = String::new();
-    let reported: Vec<&Followed> =
-        published.targets.iter().filter(|followed| followed.report.is_some()).collect();
+    let reported: Vec<&Followed> = published
+        .targets
+        .iter()
+        .filter(|followed| followed.report.is_some() && !superseded(followed, &published.targets))
+        .collect();
     for metric in PROCESS_METRICS {
         header(&mut out, metric.name, metric.kind, metric.help);
         for followed in &reported {
@@ -140,7 +145,21 @@ pub fn render(published: &Published) -> String {
     if let Some(fill) = published.map_fill {
         render_map_fill(&mut out, &fill);
     }
+    header(
+        &mut out,
+        "memleak_processes_not_followed_total",
+        Kind::Counter,
+        "Processes a selector named that were left untraced because --max-processes was reached.",
+    );
+    let _ = writeln!(out, "memleak_processes_not_followed_total {}", published.processes_not_followed);
     out
+}
+
+/// Whether `followed` exited and its pid now names another process
+/// followed: its retained report would give series with the same labels
+/// as the new process's, which a scrape must not hold twice.
+fn superseded(followed: &Followed, targets: &[Followed]) -> bool {
+    followed.exited && targets.iter().any(|other| other.pid == followed.pid && !other.exited)
 }
 
 /// The largest stacks of each process; nothing, headers included, when
@@ -199,9 +218,14 @@ fn header(out: &mut String, name: &str, kind: Kind, help: &str) {
     let _ = writeln!(out, "# TYPE {name} {}", kind.name());
 }
 
-/// `pid="42",exe="leaker"`.
+/// `pid="42",exe="leaker"`, and `,container="<id>"` for a process in a
+/// container.
 fn process_labels(followed: &Followed) -> String {
-    format!("pid=\"{}\",exe=\"{}\"", followed.pid, escape_label(followed.executable()))
+    let mut labels = format!("pid=\"{}\",exe=\"{}\"", followed.pid, escape_label(followed.executable()));
+    if let Some(container) = &followed.container {
+        let _ = write!(labels, ",container=\"{}\"", escape_label(container));
+    }
+    labels
 }
 
 /// A label value as the format wants it: backslash, double quote and
@@ -245,6 +269,7 @@ mod tests {
             exited: false,
             report: None,
             growth: Growth::default(),
+            container: None,
         };
         followed.take_report(Report { total_bytes: bytes.saturating_sub(100), ..report.clone() });
         followed.take_report(report);
@@ -252,7 +277,7 @@ mod tests {
     }
 
     fn published(targets: Vec<Followed>, metrics_top_stacks: usize) -> Published {
-        Published { targets, map_fill: None, metrics_top_stacks }
+        Published { targets, map_fill: None, metrics_top_stacks, processes_not_followed: 0 }
     }
 
     #[test]
@@ -263,10 +288,16 @@ mod tests {
             exited: false,
             report: None,
             growth: Growth::default(),
+            container: None,
         };
         let body = render(&published(vec![followed(42, "/usr/bin/leaker", 17_264), new], 0));
         let lines: Vec<&str> = body.lines().collect();
-        assert_eq!(lines.len(), PROCESS_METRICS.len() * 3, "HELP, TYPE and one series each:\n{body}");
+        assert_eq!(
+            lines.len(),
+            PROCESS_METRICS.len() * 3 + 3,
+            "HELP, TYPE and one series each, and the processes not followed:\n{body}"
+        );
+        assert_eq!(lines.last(), Some(&"memleak_processes_not_followed_total 0"));
         assert_eq!(
             lines[0],
             "# HELP memleak_outstanding_bytes Bytes allocated and not freed, as of the latest report."
@@ -325,5 +356,20 @@ mod tests {
     fn label_values_are_escaped() {
         let body = render(&published(vec![followed(7, "/tmp/a\"b\\c\nd", 1)], 0));
         assert!(body.contains("exe=\"a\\\"b\\\\c\\nd\""), "{body}");
+    }
+
+    #[test]
+    fn a_container_labels_its_processes_and_a_reused_pid_has_one_set_of_series() {
+        let mut in_container = followed(42, "/app/leaker", 1_000);
+        in_container.container = Some("272b5f306501".to_owned());
+        let mut gone = followed(42, "/app/leaker", 9_999);
+        gone.exited = true;
+        let body = render(&published(vec![gone, in_container], 0));
+        let series: Vec<&str> =
+            body.lines().filter(|line| line.starts_with("memleak_outstanding_bytes{")).collect();
+        assert_eq!(
+            series,
+            ["memleak_outstanding_bytes{pid=\"42\",exe=\"leaker\",container=\"272b5f306501\"} 1000"]
+        );
     }
 }

@@ -18,7 +18,7 @@ mod token;
 mod top_stacks;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     net::TcpListener,
     time::{Duration, Instant},
 };
@@ -29,9 +29,16 @@ use crate::{
     bpf::{Tracer, TracerError},
     collect::CollectOptions,
     config::ServeConfig,
-    process::feedback,
+    process::{
+        container::{self, ContainerError},
+        feedback,
+        identity::ProcessKey,
+        lifecycle,
+    },
     report::options::SortKey,
-    session::{ReportRequest, Session, SessionConfig, SessionError, SessionEvent, TargetSpec},
+    session::{
+        ReportRequest, Selector, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec,
+    },
     status,
 };
 use state::{Board, Followed, Growth, Published, Query};
@@ -64,6 +71,8 @@ pub enum ServeError {
     Session(#[from] SessionError),
     #[error(transparent)]
     Tracer(#[from] TracerError),
+    #[error(transparent)]
+    Container(#[from] ContainerError),
     #[error("cannot listen on {address}: {}", status::os_reason(source))]
     Listen { address: std::net::SocketAddr, source: std::io::Error },
     #[error("cannot start the HTTP server: {0}")]
@@ -82,17 +91,16 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let mut interrupt = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
     let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
+    let selectors = selectors_with_containers(config)?;
     Tracer::check_privileges()?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
     let session_config =
         SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
-    let mut session = Session::start(&TargetSpec::Pids(config.pids.clone()), &session_config)?;
-    for traced in session.targets() {
-        status::say(&format!("tracing pid {} through {}", traced.pid, traced.plan.describe()));
-    }
+    let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
-    let mut collector = Collector::new(&session, queries);
+    let mut collector = Collector::new(config.retain, queries);
+    collector.sync(&session);
     // The processes are listed, and can be asked for, before their first
     // report.
     collector.publish(&board);
@@ -114,10 +122,41 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     ended
 }
 
+/// The selectors, with each --container found as its cgroup: a container
+/// that cannot be found ends the start with the reason.
+fn selectors_with_containers(config: &ServeConfig) -> Result<Vec<Selector>, ServeError> {
+    let mut selectors = config.selectors.clone();
+    for reference in &config.containers {
+        let found = container::find(reference)?;
+        let short = container::short_id(&found.id);
+        let named = if found.id.starts_with(&reference.to_ascii_lowercase()) {
+            short.to_owned()
+        } else {
+            format!("{reference} ({short})")
+        };
+        status::say(&format!("following container {named}: cgroup {}", found.path.display()));
+        selectors.push(Selector::Cgroup(found.path));
+    }
+    Ok(selectors)
+}
+
+/// A process followed, and when it exited if it did.
+struct Entry {
+    followed: Followed,
+    exited_at: Option<Instant>,
+}
+
 /// The latest report of each process followed, published after each
-/// round; and the last collection error, said once.
+/// round; and the last collection error, said once. Processes are keyed
+/// by pid and start time: a pid reused by a new process is a new entry,
+/// never the old one's.
 struct Collector {
-    followed: BTreeMap<u32, Followed>,
+    followed: BTreeMap<ProcessKey, Entry>,
+    /// The session's processes by pid, as they are now.
+    live: HashMap<u32, ProcessKey>,
+    /// How long an exited process keeps its last report.
+    retain: Duration,
+    processes_not_followed: u64,
     /// Reports the HTTP handlers ask for.
     queries: tokio::sync::mpsc::Receiver<Query>,
     last_error: Option<String>,
@@ -126,22 +165,39 @@ struct Collector {
 }
 
 impl Collector {
-    fn new(session: &Session, queries: tokio::sync::mpsc::Receiver<Query>) -> Self {
-        let followed = session
-            .targets()
-            .iter()
-            .map(|target| {
-                let followed = Followed {
-                    pid: target.pid,
-                    program: target.program.clone(),
-                    exited: false,
-                    report: None,
-                    growth: Growth::default(),
-                };
-                (target.pid, followed)
-            })
-            .collect();
-        Self { followed, queries, last_error: None, last_round: None }
+    fn new(retain: Duration, queries: tokio::sync::mpsc::Receiver<Query>) -> Self {
+        Self {
+            followed: BTreeMap::new(),
+            live: HashMap::new(),
+            retain,
+            processes_not_followed: 0,
+            queries,
+            last_error: None,
+            last_round: None,
+        }
+    }
+
+    /// Takes in the processes the session traces that are not followed
+    /// yet, each said once.
+    fn sync(&mut self, session: &Session) {
+        self.processes_not_followed = session.processes_not_followed();
+        for target in session.targets() {
+            let key = target.key();
+            self.live.insert(target.pid, key);
+            if self.followed.contains_key(&key) {
+                continue;
+            }
+            status::say(&describe_newcomer(target));
+            let followed = Followed {
+                pid: target.pid,
+                program: target.program.clone(),
+                exited: false,
+                report: None,
+                growth: Growth::default(),
+                container: target.container.clone(),
+            };
+            self.followed.insert(key, Entry { followed, exited_at: None });
+        }
     }
 
     /// A round every `interval` or when asked, until an error the session
@@ -169,7 +225,12 @@ impl Collector {
                     }
                 }
                 _ = refresh.tick() => {
-                    session.refresh()?;
+                    let added = session.refresh()?;
+                    let forgotten = self.forget_expired();
+                    if added > 0 || forgotten {
+                        self.sync(session);
+                        self.publish(board);
+                    }
                 }
                 event = session.next_event() => self.take_event(session, board, event?)?,
                 Some(query) = self.queries.recv() => answer(session, query),
@@ -178,7 +239,7 @@ impl Collector {
     }
 
     /// A target's exit or exec: its final report, then it is let go, or
-    /// its new program is traced.
+    /// its new program is traced. A newcomer is taken in.
     fn take_event(
         &mut self,
         session: &mut Session,
@@ -187,29 +248,75 @@ impl Collector {
     ) -> Result<(), ServeError> {
         match event {
             SessionEvent::Exiting { pid, ack } => {
-                status::say(&format!("pid {pid} exited; its last report stays"));
+                status::say(&format!("pid {pid} exited; its last report stays for {:?}", self.retain));
                 self.round_with(session, board, Some(pid), &LAST_REPORT);
                 drop(ack);
                 session.remove_target(pid)?;
-                if let Some(followed) = self.followed.get_mut(&pid) {
-                    followed.exited = true;
-                }
+                self.mark_exited(pid);
                 self.publish(board);
             }
             SessionEvent::Exec { pid } => {
                 self.round(session, board, Some(pid));
-                if let Some(target) = session.restart_target(pid)? {
-                    status::say(&format!("pid {pid} now runs {}: tracing it", target.program));
-                    if let Some(followed) = self.followed.get_mut(&pid) {
-                        followed.program.clone_from(&target.program);
-                        followed.report = None;
-                    }
-                }
+                self.restart(session, pid)?;
                 self.publish(board);
             }
-            SessionEvent::Trace(_) | SessionEvent::Followed { .. } => {}
+            SessionEvent::Followed { .. } | SessionEvent::Joined { .. } => {
+                self.sync(session);
+                self.publish(board);
+            }
+            SessionEvent::Trace(_) => {}
         }
         Ok(())
+    }
+
+    /// Process `pid` called execve, its old program's report taken: its
+    /// new program is traced if it is still followed (named by pid, or
+    /// still selected), else it is let go as if it had exited.
+    fn restart(&mut self, session: &mut Session, pid: u32) -> Result<(), ServeError> {
+        let restarted = session.restart_target(pid)?.is_some() || session.adopt(pid);
+        let Some(key) = self.live.get(&pid).copied() else { return Ok(()) };
+        let target = session.targets().iter().find(|target| target.pid == pid);
+        if let (true, Some(target)) = (restarted, target) {
+            status::say(&format!("pid {pid} now runs {}: tracing it", target.program));
+            if let Some(entry) = self.followed.get_mut(&key) {
+                entry.followed.program.clone_from(&target.program);
+                entry.followed.report = None;
+                entry.followed.growth = Growth::default();
+            }
+        } else {
+            status::say(&format!(
+                "pid {pid} now runs {}, which is not followed; its last report stays",
+                lifecycle::program(pid)
+            ));
+            self.mark_exited(pid);
+        }
+        Ok(())
+    }
+
+    /// Process `pid` is no longer traced: its last report stays for
+    /// --retain.
+    fn mark_exited(&mut self, pid: u32) {
+        let Some(key) = self.live.remove(&pid) else { return };
+        if let Some(entry) = self.followed.get_mut(&key) {
+            entry.followed.exited = true;
+            entry.exited_at = Some(Instant::now());
+        }
+    }
+
+    /// Forgets the processes that exited more than --retain ago. Their BPF
+    /// state went when they exited; this is the last of them. Returns
+    /// whether any was forgotten.
+    fn forget_expired(&mut self) -> bool {
+        let retain = self.retain;
+        let before = self.followed.len();
+        self.followed.retain(|key, entry| {
+            let expired = entry.exited_at.is_some_and(|exited| exited.elapsed() >= retain);
+            if expired {
+                log::debug!("forgetting pid {} ({}), exited {retain:?} ago", key.pid, entry.followed.program);
+            }
+            !expired
+        });
+        self.followed.len() != before
     }
 
     /// Takes the reports of every target (or of `only`) and publishes
@@ -240,9 +347,10 @@ impl Collector {
                 self.last_error = None;
                 board.note_map_fill(session.map_fill());
                 for report in reports {
-                    if let Some(followed) = self.followed.get_mut(&report.pid) {
-                        followed.program.clone_from(&report.program);
-                        followed.take_report(report);
+                    let Some(key) = self.live.get(&report.pid) else { continue };
+                    if let Some(entry) = self.followed.get_mut(key) {
+                        entry.followed.program.clone_from(&report.program);
+                        entry.followed.take_report(report);
                     }
                 }
             }
@@ -259,7 +367,8 @@ impl Collector {
 
     fn publish(&self, board: &Board) {
         board.publish(Published {
-            targets: self.followed.values().cloned().collect(),
+            targets: self.followed.values().map(|entry| entry.followed.clone()).collect(),
+            processes_not_followed: self.processes_not_followed,
             ..Published::default()
         });
     }
@@ -273,4 +382,19 @@ fn answer(session: &mut Session, query: Query) {
         .map_err(|error| error.to_string());
     // The handler may have given up waiting; nothing is owed then.
     let _ = query.reply.send(answer);
+}
+
+/// What is said of a process taken in: how it was found, what it runs
+/// and where its probes went.
+fn describe_newcomer(target: &Target) -> String {
+    let program = std::path::Path::new(&target.program)
+        .file_name()
+        .map_or_else(|| target.program.clone(), |name| name.to_string_lossy().into_owned());
+    let container = target
+        .container
+        .as_deref()
+        .map(|id| format!(" in container {}", container::short_id(id)))
+        .unwrap_or_default();
+    let found = if target.found_at_exec { ", found at its execve" } else { "" };
+    format!("tracing pid {} ({program}){container} through {}{found}", target.pid, target.plan.describe())
 }

@@ -28,17 +28,24 @@ fn row(page: &mut String, followed: &Followed) {
     let pid = followed.pid;
     let report = followed.report.as_deref();
     let state = if followed.exited { "exited" } else { "traced" };
-    let (bytes, allocations) = report.map_or((String::from("-"), String::from("-")), |report| {
-        (grouped(report.total_bytes), grouped(report.total_allocations))
-    });
+    let (bytes, allocations, growth) = match report {
+        Some(report) => (
+            grouped(report.total_bytes),
+            grouped(report.total_allocations),
+            growth(followed.growth.bytes_since_first_report(), followed.growth.growing_reports),
+        ),
+        None => (String::from("-"), String::from("-"), String::from("-")),
+    };
+    let container = followed.container.as_deref().map_or("", |id| &id[..id.len().min(12)]);
     let allocator = report.map_or("", |report| report.allocator.as_str());
     let allocator_file =
         std::path::Path::new(allocator).file_name().and_then(|name| name.to_str()).unwrap_or(allocator);
     // Writing to a String cannot fail.
     let _ = writeln!(
         page,
-        "<tr><td class=\"num\">{pid}</td><td title=\"{program}\">{exe}</td><td>{state}</td>\
-         <td class=\"num\">{bytes}</td><td class=\"num\">{allocations}</td>\
+        "<tr><td class=\"num\">{pid}</td><td title=\"{program}\">{exe}</td>\
+         <td title=\"{container_id}\">{container}</td><td>{state}</td>\
+         <td class=\"num\">{bytes}</td><td class=\"num\">{growth}</td><td class=\"num\">{allocations}</td>\
          <td title=\"{allocator}\">{allocator_file}</td>\
          <td class=\"links\"><a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a> \
          <a href=\"/api/v1/report?pid={pid}\">text</a> \
@@ -48,7 +55,25 @@ fn row(page: &mut String, followed: &Followed) {
         exe = escape(followed.executable()),
         allocator = escape(allocator),
         allocator_file = escape(allocator_file),
+        container_id = escape(followed.container.as_deref().unwrap_or_default()),
+        container = escape(container),
     );
+}
+
+/// `+17,264 (3 reports)`: the bytes gained since the first report, and
+/// for how many reports in a row the process has grown.
+fn growth(bytes: i128, growing_reports: u32) -> String {
+    let sign = match bytes.cmp(&0) {
+        std::cmp::Ordering::Greater => "+",
+        std::cmp::Ordering::Less => "-",
+        std::cmp::Ordering::Equal => "",
+    };
+    let amount = grouped(u64::try_from(bytes.unsigned_abs()).unwrap_or(u64::MAX));
+    match growing_reports {
+        0 => format!("{sign}{amount}"),
+        1 => format!("{sign}{amount} (1 report)"),
+        reports => format!("{sign}{amount} ({reports} reports)"),
+    }
 }
 
 /// `17264` as `17,264`: bytes are read at a glance.
@@ -106,8 +131,9 @@ footer { margin-top: 1.5em; color: #666; font-size: 0.9em; }
 <p class="what">Memory allocated and not freed since memleak attached, per process followed.</p>
 "#;
 
-const TABLE_HEAD: &str = "<table>\n<thead><tr><th class=\"num\">pid</th><th>program</th><th>state</th>\
-<th class=\"num\">outstanding bytes</th><th class=\"num\">allocations</th><th>allocator</th><th>reports</th></tr></thead>\n<tbody>\n";
+const TABLE_HEAD: &str = "<table>\n<thead><tr><th class=\"num\">pid</th><th>program</th><th>container</th><th>state</th>\
+<th class=\"num\">outstanding bytes</th><th class=\"num\" title=\"since its first report; in a row, the reports that grew\">growth</th>\
+<th class=\"num\">allocations</th><th>allocator</th><th>reports</th></tr></thead>\n<tbody>\n";
 
 const FOOT: &str = r#"<footer>Also: <a href="/metrics">/metrics</a> for Prometheus, <a href="/api/v1/targets">/api/v1/targets</a> as JSON.</footer>
 </body>
@@ -117,6 +143,14 @@ const FOOT: &str = r#"<footer>Also: <a href="/metrics">/metrics</a> for Promethe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn growth_shows_its_sign_and_streak() {
+        assert_eq!(growth(17_264, 3), "+17,264 (3 reports)");
+        assert_eq!(growth(-1_000, 0), "-1,000");
+        assert_eq!(growth(0, 0), "0");
+        assert_eq!(growth(8_192, 1), "+8,192 (1 report)");
+    }
 
     #[test]
     fn numbers_are_grouped_by_thousands() {
@@ -135,6 +169,7 @@ mod tests {
                 exited: false,
                 report: None,
                 growth: crate::serve::state::Growth::default(),
+                container: Some("<b>".to_owned()),
             }],
             ..Published::default()
         };
@@ -142,5 +177,6 @@ mod tests {
         assert!(!page.contains("<script>"), "{page}");
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
         assert!(page.contains("href=\"/debug/pprof/heap?pid=9\""), "{page}");
+        assert!(!page.contains("<b>"), "{page}");
     }
 }

@@ -76,7 +76,11 @@ async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Res
     let pid = params.pid().map_err(bad)?;
     let window = params.window().map_err(bad)?;
     let published = board.latest();
-    let Some(followed) = published.targets.iter().find(|followed| followed.pid == pid) else {
+    // A pid the kernel gave again names the live process, not the
+    // retained report of the one that exited.
+    let with_pid = || published.targets.iter().filter(|followed| followed.pid == pid);
+    let Some(followed) = with_pid().find(|followed| !followed.exited).or_else(|| with_pid().next_back())
+    else {
         let reason = format!("pid {pid} is not followed: {TARGETS_URL} lists those that are");
         return Err(Refusal::new(StatusCode::NOT_FOUND, reason));
     };

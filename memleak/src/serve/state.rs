@@ -19,6 +19,9 @@ pub struct Published {
     pub map_fill: Option<MapFill>,
     /// Stacks of each process /metrics shows (--metrics-top-stacks).
     pub metrics_top_stacks: usize,
+    /// Processes a selector named that were left untraced because
+    /// --max-processes was reached, each counted once.
+    pub processes_not_followed: u64,
 }
 
 /// A process followed, and its latest report if one was taken.
@@ -32,6 +35,9 @@ pub struct Followed {
     pub report: Option<Arc<Report>>,
     /// How its outstanding bytes moved over its reports.
     pub growth: Growth,
+    /// The full id of the container it runs in, when its cgroup is named
+    /// as a container runtime names them.
+    pub container: Option<String>,
 }
 
 impl Followed {
@@ -58,10 +64,13 @@ impl Followed {
             executable: self.executable(),
             program: &self.program,
             exited: self.exited,
+            container: self.container.as_deref(),
             allocator: report.map(|report| report.allocator.as_str()),
             report_time_unix_ms: report.map(|report| report.time_unix_ms),
             outstanding_bytes: report.map_or(0, |report| report.total_bytes),
             outstanding_allocations: report.map_or(0, |report| report.total_allocations),
+            growth_bytes: self.growth.bytes_since_first_report(),
+            growing_reports: self.growth.growing_reports,
             allocations: report.map_or(0, |report| report.health.allocations),
             frees: report.map_or(0, |report| report.health.frees),
             allocations_not_tracked: report.map_or(0, |report| report.health.allocations_not_tracked),
@@ -114,10 +123,15 @@ pub struct TargetSummary<'a> {
     pub executable: &'a str,
     pub program: &'a str,
     pub exited: bool,
+    pub container: Option<&'a str>,
     pub allocator: Option<&'a str>,
     pub report_time_unix_ms: Option<u64>,
     pub outstanding_bytes: u64,
     pub outstanding_allocations: u64,
+    /// `outstanding_bytes` less those of its first report (see `Growth`).
+    pub growth_bytes: i128,
+    /// Reports in a row in which it grew.
+    pub growing_reports: u32,
     /// Seen since memleak attached, freed or not.
     pub allocations: u64,
     pub frees: u64,
@@ -262,6 +276,7 @@ mod tests {
             exited: false,
             report: None,
             growth: Growth::default(),
+            container: None,
         };
         let mut seen = Vec::new();
         for bytes in [1000, 1500, 1600, 1600, 1700, 900, 1200] {
@@ -279,6 +294,7 @@ mod tests {
             exited: false,
             report: None,
             growth: Growth::default(),
+            container: None,
         };
         followed.take_report(report_of(100));
         followed.take_report(report_of(5000));

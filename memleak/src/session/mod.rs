@@ -11,7 +11,7 @@ use std::{collections::HashSet, io, path::Path};
 use memleak_common::{MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
-pub use targets::{ReportRequest, Target, TargetSpec};
+pub use targets::{ReportRequest, Selector, Target, TargetSpec};
 
 use crate::{
     attach::{self, kernel_btf, AllocatorChoice, AttachPlan},
@@ -22,7 +22,9 @@ use crate::{
     process::{
         cgroup::{Cgroup, CgroupError, CgroupProcess},
         command::{CommandError, GatedCommand, SpawnedCommand},
+        container,
         feedback::Excluded,
+        identity::ProcessKey,
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
     },
@@ -94,6 +96,9 @@ pub enum SessionEvent {
     Exec { pid: u32 },
     /// A process forked by target `parent` is traced from now on.
     Followed { pid: u32, parent: u32 },
+    /// A process that a selector names is traced from now on, found at
+    /// its execve.
+    Joined { pid: u32 },
 }
 
 pub struct Session {
@@ -106,8 +111,28 @@ pub struct Session {
     stacks: StackCatalog,
     /// How full the bounded maps were at the last collection.
     map_fill: MapFill,
-    /// With --cgroup: the cgroup whose processes are followed.
-    cgroup: Option<Cgroup>,
+    /// With --cgroup (or serve's --cgroup and --container): the cgroups
+    /// whose processes are followed.
+    cgroups: Vec<Cgroup>,
+    /// With serve's --exe: the executables' file names whose processes
+    /// are followed.
+    exes: Vec<String>,
+    /// Where the cgroup v2 hierarchy is mounted, to place a process's
+    /// cgroup path; known when cgroups are followed.
+    cgroup2_root: Option<std::path::PathBuf>,
+    /// Processes named by pid: an execve keeps them followed, whatever
+    /// their new program is.
+    named: HashSet<u32>,
+    /// Processes that called execve untraced, to check against what is
+    /// followed.
+    launched: std::collections::VecDeque<u32>,
+    /// Processes left untraced because --max-processes was reached: how
+    /// many in all, and those still running (each counted once).
+    not_followed: u64,
+    refused: HashSet<ProcessKey>,
+    /// Newcomers that could not be planned (no allocator memleak knows),
+    /// said once and not tried again while they run.
+    unplannable: HashSet<ProcessKey>,
     /// With --cgroup: the processes traced from the start.
     cgroup_census: CgroupCensus,
     /// Processes never traced, and with --cgroup those of them already
@@ -148,6 +173,7 @@ impl Session {
             TargetSpec::Pids(pids) => Self::start_processes(pids, config),
             TargetSpec::Cgroup(path) => Self::start_cgroup(path, config),
             TargetSpec::Command(command_line) => Self::start_command(command_line, config),
+            TargetSpec::Selected(selectors) => Self::start_selected(selectors, config),
         }
     }
 
@@ -165,7 +191,14 @@ impl Session {
                 max_stacks: u64::from(config.tracer.max_stacks),
                 ..MapFill::default()
             },
-            cgroup: None,
+            cgroups: Vec::new(),
+            exes: Vec::new(),
+            cgroup2_root: None,
+            named: HashSet::new(),
+            launched: std::collections::VecDeque::new(),
+            not_followed: 0,
+            refused: HashSet::new(),
+            unplannable: HashSet::new(),
             cgroup_census: CgroupCensus::default(),
             excluded: config.excluded.clone(),
             excluded_said: HashSet::new(),
@@ -225,28 +258,67 @@ impl Session {
     }
 
     fn start_processes(pids: &[u32], config: &SessionConfig) -> Result<Self, SessionError> {
-        if pids.len() > config.tracer.max_processes as usize {
-            return Err(SessionError::TooManyProcesses {
-                pids: pids.len(),
-                max: config.tracer.max_processes,
-            });
-        }
-        let mut planned = Vec::new();
-        for &pid in pids {
-            if let Some(excluded) = config.excluded.iter().find(|excluded| excluded.pid == pid) {
-                return Err(SessionError::Excluded { pid, why: excluded.why });
-            }
-            lifecycle::check_process(pid)?;
-            let (plan, space) = plan_process(pid, &config.allocator)?;
-            planned.push((pid, plan, space));
-        }
+        let planned = plan_named(pids, config)?;
         let mut tracer = Tracer::load(&process_tracer_config(config)?)?;
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
+        session.add_named(planned)?;
+        Ok(session)
+    }
+
+    /// Attaches to processes named by pid, planned by `plan_named`.
+    fn add_named(&mut self, planned: Vec<(u32, AttachPlan, AddressSpace)>) -> Result<(), SessionError> {
         for (pid, plan, space) in planned {
-            session.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
-            session.follow_children_of(pid)?;
+            self.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
+            self.follow_children_of(pid)?;
+            self.named.insert(pid);
         }
+        Ok(())
+    }
+
+    /// `memleak serve`: the processes the selectors name now, and from
+    /// then on those that start or join: each found at its execve (the
+    /// exec tracepoint reports every process's), or failing that by
+    /// `refresh`'s look through /proc. A pid or a cgroup that is wrong is
+    /// an error before anything is loaded.
+    fn start_selected(selectors: &[Selector], config: &SessionConfig) -> Result<Self, SessionError> {
+        let pids: Vec<u32> = selectors
+            .iter()
+            .filter_map(|selector| if let Selector::Pid(pid) = selector { Some(*pid) } else { None })
+            .collect();
+        let planned = plan_named(&pids, config)?;
+        let mut cgroups = Vec::new();
+        let mut exes = Vec::new();
+        for selector in selectors {
+            match selector {
+                Selector::Pid(_) => {}
+                Selector::Cgroup(path) => {
+                    // As the kernel names it, to place processes' cgroups.
+                    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+                    cgroups.push(Cgroup::open(&path)?);
+                }
+                Selector::Exe(name) => exes.push(name.clone()),
+            }
+        }
+        let mut tracer_config = TracerConfig {
+            newcomer_execs: !cgroups.is_empty() || !exes.is_empty(),
+            ignored_processes: excluded_pids(config),
+            ..process_tracer_config(config)?
+        };
+        // BPF can check one cgroup subtree: with one cgroup and nothing
+        // else followed, a process that leaves it stops being recorded.
+        if let ([cgroup], true, true) = (cgroups.as_slice(), pids.is_empty(), exes.is_empty()) {
+            tracer_config.cgroup_id = cgroup.id;
+            tracer_config.cgroup_level = cgroup.level;
+        }
+        let mut tracer = Tracer::load(&tracer_config)?;
+        tracer.watch_execs()?;
+        let mut session = Self::new(tracer, config)?;
+        session.add_named(planned)?;
+        session.cgroup2_root = if cgroups.is_empty() { None } else { container::cgroup2_mount() };
+        session.cgroups = cgroups;
+        session.exes = exes;
+        session.follow_newcomers();
         Ok(session)
     }
 
@@ -263,8 +335,8 @@ impl Session {
         let mut tracer = Tracer::load(&tracer_config)?;
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
-        session.cgroup = Some(cgroup);
-        session.cgroup_census = session.follow_cgroup();
+        session.cgroups.push(cgroup);
+        session.cgroup_census = session.follow_newcomers();
         Ok(session)
     }
 
@@ -423,53 +495,163 @@ impl Session {
         Ok(())
     }
 
-    /// Starts following the processes of the cgroup and its descendants
-    /// not followed yet, each probed on its own. Returns how many were
-    /// added.
-    fn follow_cgroup(&mut self) -> CgroupCensus {
-        let Some(cgroup) = self.cgroup.as_ref() else { return CgroupCensus::default() };
-        let known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
-        let joined: Vec<CgroupProcess> =
-            cgroup.processes().into_iter().filter(|process| !known.contains(&process.pid)).collect();
+    /// Starts following the processes the cgroups (and their descendants)
+    /// and the executables name that are not followed yet, each probed on
+    /// its own. Returns how many were added.
+    fn follow_newcomers(&mut self) -> CgroupCensus {
+        let mut known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
+        known.extend(self.unplannable.iter().map(|key| key.pid));
+        let mut seen = HashSet::new();
+        let mut candidates: Vec<CgroupProcess> = self
+            .cgroups
+            .iter()
+            .flat_map(Cgroup::processes)
+            .filter(|process| !known.contains(&process.pid) && seen.insert(process.pid))
+            .collect();
+        if !self.exes.is_empty() {
+            let running = processes_running(&self.exes).into_iter();
+            let newcomers = running.filter(|pid| !known.contains(pid) && seen.insert(*pid));
+            candidates.extend(newcomers.map(|pid| CgroupProcess { pid, in_descendant: false }));
+        }
+        let whose = if self.exes.is_empty() { " of the cgroup" } else { "" };
         let mut added = CgroupCensus::default();
-        for CgroupProcess { pid, in_descendant } in joined {
-            if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
-                if self.excluded_said.insert(pid) {
-                    log::warn!("not tracing pid {pid} of the cgroup: {}", excluded.why);
-                }
-                continue;
+        for CgroupProcess { pid, in_descendant } in candidates {
+            if self.take_in(pid, whose, false) {
+                added.processes += 1;
+                added.in_descendants += usize::from(in_descendant);
             }
-            if lifecycle::check_process(pid).is_err() {
-                continue;
-            }
-            if self.targets.len() >= self.max_processes as usize {
-                log::warn!(
-                    "not tracing pid {pid} of the cgroup: --max-processes {} reached",
-                    self.max_processes
-                );
-                continue;
-            }
-            let planned = plan_process(pid, &self.allocator);
-            let (plan, space) = match planned {
-                Ok(planned) => planned,
-                Err(error) => {
-                    log::warn!("not tracing pid {pid} of the cgroup: {error}");
-                    continue;
-                }
-            };
-            let traced = self
-                .add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))
-                .and_then(|()| self.follow_children_of(pid));
-            if let Err(error) = traced {
-                // Processes come and go: one that exits while memleak
-                // attaches, or cannot be probed, must not end the trace.
-                self.let_go(pid, " of the cgroup", &error);
-                continue;
-            }
-            added.processes += 1;
-            added.in_descendants += usize::from(in_descendant);
         }
         added
+    }
+
+    /// Starts tracing newcomer `pid` (described by `whose`) unless it is
+    /// one memleak leaves alone, gone, past --max-processes or cannot be
+    /// planned or probed: then it is let go with a line, and the session
+    /// goes on. Returns whether it is traced. `at_exec`: it has just
+    /// called execve, and its loader may not have mapped its allocator
+    /// yet; then a failed plan is left to the next look, unsaid.
+    fn take_in(&mut self, pid: u32, whose: &str, at_exec: bool) -> bool {
+        if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
+            if self.excluded_said.insert(pid) {
+                log::warn!("not tracing pid {pid}{whose}: {}", excluded.why);
+            }
+            return false;
+        }
+        if lifecycle::check_process(pid).is_err() {
+            return false;
+        }
+        if self.targets.len() >= self.max_processes as usize {
+            self.refuse_past_bound(pid, whose);
+            return false;
+        }
+        let (plan, space) = match plan_process(pid, &self.allocator) {
+            Ok(planned) => planned,
+            Err(error) if at_exec => {
+                log::debug!("pid {pid}{whose}: not planned at its execve, left to the next look: {error}");
+                return false;
+            }
+            Err(error) => {
+                log::warn!("not tracing pid {pid}{whose}: {error}");
+                self.unplannable.extend(ProcessKey::of(pid));
+                return false;
+            }
+        };
+        let traced = self
+            .add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))
+            .and_then(|()| self.follow_children_of(pid));
+        if let Err(error) = traced {
+            // Processes come and go: one that exits while memleak
+            // attaches, or cannot be probed, must not end the trace.
+            self.let_go(pid, whose, &error);
+            return false;
+        }
+        true
+    }
+
+    /// Counts process `pid`, left untraced because --max-processes is
+    /// reached, once however often it is seen; says so for the first.
+    fn refuse_past_bound(&mut self, pid: u32, whose: &str) {
+        let Some(key) = ProcessKey::of(pid) else { return };
+        if !self.refused.insert(key) {
+            return;
+        }
+        self.not_followed += 1;
+        if self.not_followed == 1 {
+            log::warn!(
+                "not tracing pid {pid}{whose}: --max-processes {} reached; processes left untraced are \
+                 counted from now on",
+                self.max_processes
+            );
+        } else {
+            log::debug!("not tracing pid {pid}{whose}: --max-processes {} reached", self.max_processes);
+        }
+    }
+
+    /// How many processes were left untraced because --max-processes was
+    /// reached, each counted once.
+    pub fn processes_not_followed(&self) -> u64 {
+        self.not_followed
+    }
+
+    /// Whether processes that start or join later are looked for: with
+    /// cgroups or executables followed.
+    fn follows_newcomers(&self) -> bool {
+        !self.cgroups.is_empty() || !self.exes.is_empty()
+    }
+
+    /// Whether process `pid` is one a cgroup or executable followed names.
+    fn selects(&self, pid: u32) -> bool {
+        let exe_matches =
+            !self.exes.is_empty() && executable_name(pid).is_some_and(|name| self.exes.contains(&name));
+        exe_matches || (!self.cgroups.is_empty() && self.in_followed_cgroup(pid))
+    }
+
+    /// Whether process `pid` is in a followed cgroup or below one (only in
+    /// one, for a cgroup whose level is unknown).
+    fn in_followed_cgroup(&self, pid: u32) -> bool {
+        let Some(root) = &self.cgroup2_root else { return false };
+        let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return false };
+        let Some(path) = cgroups.lines().find_map(|line| line.strip_prefix("0::")) else { return false };
+        let directory = root.join(path.trim_start_matches('/'));
+        self.cgroups.iter().any(|cgroup| {
+            if cgroup.level.is_some() {
+                directory.starts_with(&cgroup.path)
+            } else {
+                directory == cgroup.path
+            }
+        })
+    }
+
+    /// Starts tracing process `pid` if a cgroup or executable followed
+    /// names it and it is not traced yet: after its execve, say, once
+    /// `restart_target` has let it go. Returns whether it is traced.
+    pub fn adopt(&mut self, pid: u32) -> bool {
+        self.adopt_at(pid, false)
+    }
+
+    /// `adopt`; `at_exec` as for `take_in`.
+    fn adopt_at(&mut self, pid: u32, at_exec: bool) -> bool {
+        if self.targets.iter().any(|target| target.pid == pid) || !self.selects(pid) {
+            return false;
+        }
+        self.take_in(pid, "", at_exec)
+    }
+
+    /// Takes in the processes that called execve untraced and that a
+    /// selector names. Returns the first taken in, if any: the others
+    /// wait for the next call.
+    fn take_launched(&mut self) -> Option<u32> {
+        while let Some(pid) = self.launched.pop_front() {
+            // A new program may have the allocator its old one lacked.
+            self.unplannable.retain(|key| key.pid != pid);
+            if self.adopt_at(pid, true) {
+                if let Some(target) = self.targets.last_mut() {
+                    target.found_at_exec = true;
+                }
+                return Some(pid);
+            }
+        }
+        None
     }
 
     /// The processes traced, in the order they were added.
@@ -494,7 +676,7 @@ impl Session {
 
     /// The cgroup followed, with --cgroup.
     pub fn cgroup(&self) -> Option<&Cgroup> {
-        self.cgroup.as_ref()
+        self.cgroups.first()
     }
 
     /// With --cgroup: the processes traced from the start.
@@ -503,14 +685,23 @@ impl Session {
     }
 
     /// Re-reads the targets' mappings, and picks up processes that joined
-    /// the cgroup followed. Returns how many were added: the last of
-    /// `targets()`.
+    /// the cgroups followed or run the executables followed. Returns how
+    /// many were added: the last of `targets()`.
     pub fn refresh(&mut self) -> Result<usize, SessionError> {
         for index in 0..self.targets.len() {
             self.refresh_target(index)?;
         }
         self.forget_untraced()?;
-        Ok(self.follow_cgroup().processes)
+        let before = self.targets.len();
+        // A process found in /proc has made its execve, which the exec
+        // tracepoint has put in the ring by then: taken from there first,
+        // it is known to be found at its exec.
+        self.take_mapping_events();
+        while self.take_launched().is_some() {}
+        let launched = self.targets.len() - before;
+        self.refused.retain(|key| ProcessKey::of(key.pid) == Some(*key));
+        self.unplannable.retain(|key| ProcessKey::of(key.pid) == Some(*key));
+        Ok(launched + self.follow_newcomers().processes)
     }
 
     /// With --cgroup, processes come and go between memleak's looks: a
@@ -519,7 +710,7 @@ impl Session {
     /// leave its entries in the maps for good. Those of processes gone and
     /// never traced are deleted.
     fn forget_untraced(&mut self) -> Result<(), SessionError> {
-        if self.cgroup.is_none() {
+        if !self.follows_newcomers() {
             return Ok(());
         }
         let traced: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
@@ -545,6 +736,9 @@ impl Session {
         loop {
             if let Some(pid) = self.execs.pop_front() {
                 return Ok(SessionEvent::Exec { pid });
+            }
+            if let Some(pid) = self.take_launched() {
+                return Ok(SessionEvent::Joined { pid });
             }
             if let Some((child, parent)) = self.forks.pop_front() {
                 match self.follow_child(child, parent) {
@@ -587,6 +781,10 @@ impl Session {
         let Some(ring) = self.mapping_events.as_mut() else { return };
         let events: Vec<MappingEvent> = ring.drain();
         for event in &events {
+            if MappingChange::try_from(event.change) == Ok(MappingChange::Launched) {
+                self.launched.push_back(event.tgid);
+                continue;
+            }
             if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
                 // The BPF side follows only the children of followed processes.
                 #[allow(clippy::cast_possible_truncation, reason = "the parent's tgid, sent as a u64")]
@@ -676,7 +874,7 @@ impl Session {
         let Some(old) = self.targets.iter().find(|target| target.pid == pid) else { return Ok(None) };
         let watched = old.exit_watch.is_some();
         self.remove_target(pid)?;
-        if self.cgroup.is_some() {
+        if self.follows_newcomers() && !self.named.contains(&pid) {
             return Ok(None);
         }
         let planned = plan_process(pid, &self.allocator);
@@ -700,9 +898,10 @@ impl Session {
     }
 
     /// Whether the session still has something to trace: a cgroup may be
-    /// joined later, so its session goes on even with no process.
+    /// joined later, or an executable started, so its session goes on even
+    /// with no process.
     pub fn is_done(&self) -> bool {
-        self.targets.is_empty() && self.cgroup.is_none()
+        self.targets.is_empty() && !self.follows_newcomers()
     }
 }
 
@@ -760,6 +959,48 @@ fn update_unwind_table(
 fn plan_process(pid: u32, allocator: &AllocatorChoice) -> Result<(AttachPlan, AddressSpace), SessionError> {
     let space = AddressSpace::read(pid).map_err(|source| SessionError::Maps { pid, source })?;
     Ok((attach::plan::plan_for_process(&space, allocator)?, space))
+}
+
+/// Processes named by pid, each checked and planned before the BPF
+/// object is loaded, so that a wrong pid is reported as such even without
+/// privileges.
+fn plan_named(
+    pids: &[u32],
+    config: &SessionConfig,
+) -> Result<Vec<(u32, AttachPlan, AddressSpace)>, SessionError> {
+    if pids.len() > config.tracer.max_processes as usize {
+        return Err(SessionError::TooManyProcesses { pids: pids.len(), max: config.tracer.max_processes });
+    }
+    let mut planned = Vec::new();
+    for &pid in pids {
+        if let Some(excluded) = config.excluded.iter().find(|excluded| excluded.pid == pid) {
+            return Err(SessionError::Excluded { pid, why: excluded.why });
+        }
+        lifecycle::check_process(pid)?;
+        let (plan, space) = plan_process(pid, &config.allocator)?;
+        planned.push((pid, plan, space));
+    }
+    Ok(planned)
+}
+
+/// The file name of process `pid`'s executable, without the " (deleted)"
+/// the kernel adds once the file is replaced; `None` for a kernel thread
+/// or a process gone.
+fn executable_name(pid: u32) -> Option<String> {
+    let path = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let name = path.file_name()?.to_str()?;
+    Some(name.strip_suffix(" (deleted)").unwrap_or(name).to_owned())
+}
+
+/// The processes running now whose executable's file name is one of
+/// `exes`.
+fn processes_running(exes: &[String]) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| executable_name(pid).is_some_and(|name| exes.contains(&name)))
+        .collect()
 }
 
 /// The tracer's settings for processes (-p, -c): with fork following, the

@@ -11,7 +11,7 @@ use crate::{
     bpf::{Links, MapContents, StackCatalog},
     collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
     model::{Frame, ModuleMapping, Truncation, Unwinding},
-    process::{lifecycle, AddressSpace},
+    process::{container, identity::ProcessKey, lifecycle, AddressSpace},
     report::{options::SortKey, Report, ReportContext, StackSource},
     symbolize::StackSymbolizer,
     unwind::tables::TableBuilt,
@@ -28,6 +28,21 @@ pub enum TargetSpec {
     Cgroup(PathBuf),
     /// A command line to run and trace from its first instruction.
     Command(String),
+    /// What `memleak serve` follows: every process any of these selects,
+    /// those that start or join later included.
+    Selected(Vec<Selector>),
+}
+
+/// One way of naming processes to follow; several may be combined.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selector {
+    /// A running process.
+    Pid(u32),
+    /// Every process of a cgroup v2 directory and its descendants (a
+    /// container's, found from its id or name).
+    Cgroup(PathBuf),
+    /// Every process whose executable's file name is this.
+    Exe(String),
 }
 
 /// Which stacks a round of reports keeps, and how many.
@@ -73,6 +88,14 @@ pub struct Target {
     /// Whether the program and allocator are still named as planned, not
     /// yet as the process maps them: see `name_as_mapped`.
     naming_pending: bool,
+    /// When it started, which tells it from a later process given the
+    /// same pid; 0 for the kernel, or if it was gone before it was read.
+    pub start_time: u64,
+    /// The full id of the container it runs in, from its cgroup's name.
+    pub container: Option<String>,
+    /// It was found at its execve (see `MappingChange::Launched`), not by
+    /// a look through /proc.
+    pub found_at_exec: bool,
 }
 
 impl Target {
@@ -95,7 +118,15 @@ impl Target {
             unwind_built: None,
             exec_ns: None,
             naming_pending: false,
+            start_time: ProcessKey::of(pid).map_or(0, |key| key.start_time),
+            container: container::container_of(pid),
+            found_at_exec: false,
         }
+    }
+
+    /// The process, told apart from any other that has or had its pid.
+    pub fn key(&self) -> ProcessKey {
+        ProcessKey { pid: self.pid, start_time: self.start_time }
     }
 
     /// The kernel, as a target of pid 0.
@@ -119,6 +150,9 @@ impl Target {
             unwind_built: None,
             exec_ns: None,
             naming_pending: false,
+            start_time: 0,
+            container: None,
+            found_at_exec: false,
         }
     }
 

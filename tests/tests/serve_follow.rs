@@ -1,0 +1,239 @@
+//! What `memleak serve` follows: processes named by executable, cgroup or
+//! container, found as they start or join; an exited process's report
+//! kept for --retain, then forgotten; what --max-processes leaves out,
+//! said; and bad selectors refused in one line.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use memleak_tests::{
+    fixture,
+    http::{free_port, get, get_until, serve, stop, Response},
+    leaker_rootfs, run_to_end,
+    tempdir::TempDir,
+    workspace_root, Leaker,
+};
+use serde_json::Value;
+
+/// A copy of the leaker under a name of its own, so that `--exe` follows
+/// this test's processes only, never those of tests running beside it.
+fn named_leaker(tag: &str) -> (TempDir, PathBuf, String) {
+    let dir = TempDir::new(&format!("memleak-exe-{tag}"));
+    let name = format!("leaker-{tag}-{}", std::process::id());
+    let binary = dir.path().join(&name);
+    fs::copy(fixture("leaker"), &binary).expect("copy the leaker");
+    (dir, binary, name)
+}
+
+/// Starts `binary all --wait`.
+fn start_waiting(binary: &Path) -> Leaker {
+    let mut command = Command::new(binary);
+    command.args(["all", "--wait"]);
+    Leaker::start_command(command)
+}
+
+/// The processes `/api/v1/targets` lists.
+fn targets(response: &Response) -> Vec<Value> {
+    let list: Value =
+        serde_json::from_str(&response.body).unwrap_or_else(|error| panic!("{error}: {response:#?}"));
+    list["targets"].as_array().cloned().unwrap_or_else(|| panic!("no targets array: {list:#}"))
+}
+
+/// Polls `/api/v1/targets` until the process `pid` is as `wanted`
+/// (`None`: absent), and returns the whole list.
+fn targets_until(port: u16, pid: u32, wanted: impl Fn(Option<&Value>) -> bool) -> Vec<Value> {
+    let of_pid = |list: &[Value]| list.iter().find(|target| target["pid"] == pid).cloned();
+    let response = get_until(port, "/api/v1/targets", |response| wanted(of_pid(&targets(response)).as_ref()));
+    targets(&response)
+}
+
+#[test]
+fn exe_follows_a_leaker_started_after_the_daemon() {
+    let (_dir, binary, name) = named_leaker("exe");
+    let (mut memleak, port) = serve(&["--exe", &name]);
+    let mut leaker = start_waiting(&binary);
+    let pid = leaker.pid();
+    let tracing = format!("memleak: tracing pid {pid} ({name}) through ");
+    memleak.stderr.wait_for("memleak to follow the new process", |line| line.starts_with(&tracing));
+    leaker.go();
+    let list =
+        targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
+    assert_eq!(list.len(), 1, "this test's process alone: {list:#?}");
+    assert_eq!(list[0]["executable"], name.as_str());
+    assert_eq!(list[0]["outstanding_allocations"], 15, "{list:#?}");
+    assert_eq!(list[0]["container"], Value::Null, "{list:#?}");
+    let metrics = get(port, "/metrics").expect("GET /metrics");
+    let series = format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"{name}\"}} 17264");
+    assert!(metrics.body.lines().any(|line| line == series), "{series} in:\n{}", metrics.body);
+    leaker.exit();
+    stop(memleak);
+}
+
+/// A fresh cgroup v2 directory named `name` under the hierarchy's mount,
+/// found from /proc/self/mountinfo; removed when dropped.
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new(name: &str) -> Self {
+        let mounts = fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+        let root = mounts
+            .lines()
+            .find_map(|line| {
+                let (fields, filesystem) = line.split_once(" - ")?;
+                filesystem
+                    .starts_with("cgroup2 ")
+                    .then(|| fields.split_whitespace().nth(4).map(PathBuf::from))?
+            })
+            .expect("a cgroup v2 hierarchy mounted");
+        let path = root.join(name);
+        fs::create_dir_all(&path).expect("create a cgroup");
+        Self(path)
+    }
+
+    fn join(&self, pid: u32) {
+        fs::write(self.0.join("cgroup.procs"), pid.to_string()).expect("move a process into the cgroup");
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn cgroup_follows_a_process_that_joins_later() {
+    let cgroup = TestCgroup::new(&format!("memleak-serve-follow-{}", std::process::id()));
+    let (mut memleak, port) = serve(&["--cgroup", cgroup.0.to_str().unwrap()]);
+    let mut leaker = Leaker::start_waiting(&["all"]);
+    let pid = leaker.pid();
+    cgroup.join(pid);
+    let tracing = format!("memleak: tracing pid {pid} (leaker) through ");
+    memleak.stderr.wait_for("memleak to follow the process", |line| line.starts_with(&tracing));
+    leaker.go();
+    let list =
+        targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
+    assert_eq!(list.len(), 1, "only the process in the cgroup: {list:#?}");
+    leaker.exit();
+    stop(memleak);
+}
+
+/// 64 hex digits for a container id no runtime gave.
+fn made_up_container_id() -> String {
+    let seed = format!("{}{:?}", std::process::id(), std::time::Instant::now());
+    let output = Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write as _;
+            child.stdin.take().unwrap().write_all(seed.as_bytes())?;
+            child.wait_with_output()
+        })
+        .expect("run sha256sum");
+    String::from_utf8_lossy(&output.stdout)[..64].to_owned()
+}
+
+/// No container engine runs here: a container made as a runtime makes
+/// one (new mount and pid namespaces, `pivot_root`), in a cgroup named
+/// as podman names a container's.
+#[test]
+fn container_follows_the_process_in_a_container_by_id_prefix() {
+    let id = made_up_container_id();
+    let cgroup = TestCgroup::new(&format!("libpod-{id}.scope"));
+    let rootfs = leaker_rootfs();
+    let mut command = Command::new("unshare");
+    command
+        .args(["--mount", "--pid", "--fork", "sh"])
+        .arg(workspace_root().join("tests/fixtures/enter-container.sh"))
+        .arg(rootfs.path())
+        .args(["/app/leaker", "all", "--wait"]);
+    let mut leaker = Leaker::start_command(command);
+    let pid = leaker.leaker_pid();
+    cgroup.join(pid);
+    let (memleak, port) = serve(&["--container", &id[..12]]);
+    let tracing = format!("memleak: tracing pid {pid} (leaker) in container {} through ", &id[..12]);
+    // Said before it serves: the process was in the container at the start.
+    assert!(
+        memleak.stderr.seen.iter().any(|line| line.starts_with(&tracing)),
+        "{tracing} in {:#?}",
+        memleak.stderr.seen
+    );
+    leaker.go();
+    let list =
+        targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
+    assert_eq!(list.len(), 1, "{list:#?}");
+    assert_eq!(list[0]["container"], id.as_str(), "the full id: {list:#?}");
+    assert_eq!(list[0]["program"], "/app/leaker", "{list:#?}");
+    let metrics = get(port, "/metrics").expect("GET /metrics");
+    let series =
+        format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\",container=\"{id}\"}} 17264");
+    assert!(metrics.body.lines().any(|line| line == series), "{series} in {}", metrics.body);
+    leaker.exit();
+    stop(memleak);
+}
+
+#[test]
+fn an_exited_process_is_listed_then_forgotten_after_retain() {
+    let (_dir, binary, name) = named_leaker("retain");
+    let (mut memleak, port) = serve(&["--exe", &name, "--retain", "2s"]);
+    let mut leaker = start_waiting(&binary);
+    let pid = leaker.pid();
+    let tracing = format!("memleak: tracing pid {pid} ({name}) through ");
+    memleak.stderr.wait_for("memleak to follow the new process", |line| line.starts_with(&tracing));
+    leaker.go();
+    targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
+    leaker.exit();
+    let list = targets_until(port, pid, |target| target.is_some_and(|target| target["exited"] == true));
+    let exited = list.iter().find(|target| target["pid"] == pid).unwrap();
+    assert_eq!(exited["outstanding_bytes"], 17_264, "its last report stays: {exited:#}");
+    let list = targets_until(port, pid, |target| target.is_none());
+    assert!(list.is_empty(), "forgotten after --retain: {list:#?}");
+    stop(memleak);
+}
+
+#[test]
+fn processes_past_max_processes_are_counted_and_said() {
+    let (_dir, binary, name) = named_leaker("bound");
+    let (mut memleak, port) = serve(&["--exe", &name, "--max-processes", "1"]);
+    let first = start_waiting(&binary);
+    let tracing = format!("memleak: tracing pid {} ({name}) through ", first.pid());
+    memleak.stderr.wait_for("memleak to follow the first process", |line| line.starts_with(&tracing));
+    let second = start_waiting(&binary);
+    let refused = format!("memleak: warn: not tracing pid {}: --max-processes 1 reached", second.pid());
+    memleak.stderr.wait_for("memleak to say it left one out", |line| line.starts_with(&refused));
+    let list = targets(&get(port, "/api/v1/targets").expect("GET /api/v1/targets"));
+    assert_eq!(list.len(), 1, "{list:#?}");
+    assert_eq!(list[0]["pid"], first.pid());
+    first.exit();
+    second.exit();
+    stop(memleak);
+}
+
+/// One line on stderr, `memleak: error: ...` with `expected` in it, and
+/// exit status 2.
+fn assert_refused(args: &[&str], expected: &str) {
+    let (code, stderr) = run_to_end(args);
+    assert_eq!(code, Some(2), "exit status for {args:?}; stderr: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line for {args:?}: {stderr}");
+    assert!(stderr.starts_with("memleak: error: "), "{stderr}");
+    assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in {stderr}");
+}
+
+#[test]
+fn bad_selectors_are_refused_in_one_line() {
+    let port = free_port().to_string();
+    assert_refused(&["serve", "--port", &port], "give --pid, --cgroup, --exe or --container");
+    assert_refused(&["serve", "--exe", "x", "--retain", "10"], "`10` has no unit");
+    assert_refused(&["serve", "--exe", "x", "--retain", "soon"], "`soon` is not a duration");
+    assert_refused(&["serve", "--container", "0123456789ab", "--port", &port], "no container 0123456789ab");
+    assert_refused(
+        &["serve", "--container", "no-such-container", "--port", &port],
+        "no container no-such-container",
+    );
+    assert_refused(&["serve", "--container=-h"], "is not a container id or name");
+    assert_refused(&["serve", "--exe", "/usr/bin/x"], "give an executable's file name");
+}
