@@ -14,7 +14,7 @@ use memleak_tests::{
     http::{free_port, get, get_until, serve, stop, Response},
     leaker_rootfs, run_to_end,
     tempdir::TempDir,
-    workspace_root, Leaker,
+    workspace_root, Leaker, Memleak, PATIENCE,
 };
 use serde_json::Value;
 
@@ -236,4 +236,87 @@ fn bad_selectors_are_refused_in_one_line() {
     );
     assert_refused(&["serve", "--container=-h"], "is not a container id or name");
     assert_refused(&["serve", "--exe", "/usr/bin/x"], "give an executable's file name");
+}
+
+/// What the daemon holds of the processes it follows: its open
+/// descriptors, by what they are (a socket, a BPF link, a file), and the
+/// entries of its BPF hash maps, by map.
+fn holdings(daemon: u32) -> Holdings {
+    let mut descriptors: Vec<String> = fs::read_dir(format!("/proc/{daemon}/fd"))
+        .expect("list memleak's descriptors")
+        .flatten()
+        .filter_map(|fd| fs::read_link(fd.path()).ok())
+        .map(|target| {
+            let target = target.to_string_lossy().into_owned();
+            // socket:[1234] and anon_inode:bpf-link are told apart by kind.
+            target.split_once(":[").map_or(target.clone(), |(kind, _)| kind.to_owned())
+        })
+        .collect();
+    descriptors.sort();
+    (descriptors, memleak_tests::bpf_maps::map_entries(daemon))
+}
+
+/// Starts the leaker `binary` under `--exe`, waits until the daemon
+/// shows its 17,264 bytes, scrapes every endpoint, and lets it exit.
+fn come_and_go(memleak: &mut Memleak, port: u16, binary: &Path, name: &str) {
+    let mut leaker = start_waiting(binary);
+    let pid = leaker.pid();
+    let tracing = format!("memleak: tracing pid {pid} ({name}) through ");
+    memleak.stderr.wait_for("memleak to follow the new process", |line| line.starts_with(&tracing));
+    leaker.go();
+    targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
+    let endpoints = [
+        "/metrics",
+        "/",
+        &format!("/debug/pprof/heap?pid={pid}"),
+        &format!("/api/v1/report?pid={pid}&format=svg"),
+    ];
+    for path in endpoints {
+        let response = get(port, path).expect("GET an endpoint");
+        assert_eq!(response.status, 200, "{path}: {response:#?}");
+    }
+    leaker.exit();
+}
+
+/// The soak of `cargo xtask bench`, short: leakers come and go under
+/// `--exe` while every endpoint is scraped, and once `--retain` has passed
+/// the daemon holds what it held after the first one, descriptor for
+/// descriptor and map entry for map entry. (The first one starts what
+/// is started once: the fork tracepoint's link.)
+#[test]
+fn processes_that_came_and_went_leave_nothing_in_the_daemon() {
+    let (_dir, binary, name) = named_leaker("soak");
+    let (mut memleak, port) = serve(&["--exe", &name, "--retain", "1s", "--interval", "1"]);
+    let daemon = memleak.child.id();
+    come_and_go(&mut memleak, port, &binary, &name);
+    get_until(port, "/api/v1/targets", |response| targets(response).is_empty());
+    let after_one = holdings_settled(daemon, None);
+    for _ in 0..4 {
+        come_and_go(&mut memleak, port, &binary, &name);
+    }
+    get_until(port, "/api/v1/targets", |response| targets(response).is_empty());
+    let after_five = holdings_settled(daemon, Some(&after_one));
+    assert_eq!(after_five, after_one, "what the daemon held after one process, and after five");
+    stop(memleak);
+}
+
+/// What `holdings` gives.
+type Holdings = (Vec<String>, std::collections::BTreeMap<String, usize>);
+
+/// The daemon's holdings once they hold still (a connection just
+/// answered is closed on the daemon's side a moment after the client's):
+/// until they equal `wanted`, or two readings in a row agree; or what
+/// they are after `PATIENCE`.
+fn holdings_settled(daemon: u32, wanted: Option<&Holdings>) -> Holdings {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut last = holdings(daemon);
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let now = holdings(daemon);
+        let settled = wanted.map_or(now == last, |wanted| &now == wanted);
+        if settled || std::time::Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
 }

@@ -4,6 +4,7 @@
 //! decides when reports are due. `crate::report_loop` is the command
 //! line's driver: a report every interval until the end.
 
+mod newcomers;
 mod targets;
 
 use std::{collections::HashSet, io, path::Path};
@@ -20,7 +21,7 @@ use crate::{
         TracerSettings,
     },
     process::{
-        cgroup::{Cgroup, CgroupError, CgroupProcess},
+        cgroup::{Cgroup, CgroupError},
         command::{CommandError, GatedCommand, SpawnedCommand},
         container,
         feedback::Excluded,
@@ -130,9 +131,10 @@ pub struct Session {
     /// many in all, and those still running (each counted once).
     not_followed: u64,
     refused: HashSet<ProcessKey>,
-    /// Newcomers that could not be planned (no allocator memleak knows),
-    /// said once and not tried again while they run.
-    unplannable: HashSet<ProcessKey>,
+    /// Newcomers that could not be planned (no allocator memleak knows
+    /// mapped): when that was first seen, and whether memleak gave up on
+    /// them, which is said once, and then not tried again while they run.
+    unplannable: std::collections::HashMap<ProcessKey, newcomers::PlanFailure>,
     /// With --cgroup: the processes traced from the start.
     cgroup_census: CgroupCensus,
     /// Processes never traced, and with --cgroup those of them already
@@ -198,7 +200,7 @@ impl Session {
             launched: std::collections::VecDeque::new(),
             not_followed: 0,
             refused: HashSet::new(),
-            unplannable: HashSet::new(),
+            unplannable: std::collections::HashMap::new(),
             cgroup_census: CgroupCensus::default(),
             excluded: config.excluded.clone(),
             excluded_said: HashSet::new(),
@@ -495,165 +497,6 @@ impl Session {
         Ok(())
     }
 
-    /// Starts following the processes the cgroups (and their descendants)
-    /// and the executables name that are not followed yet, each probed on
-    /// its own. Returns how many were added.
-    fn follow_newcomers(&mut self) -> CgroupCensus {
-        let mut known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
-        known.extend(self.unplannable.iter().map(|key| key.pid));
-        let mut seen = HashSet::new();
-        let mut candidates: Vec<CgroupProcess> = self
-            .cgroups
-            .iter()
-            .flat_map(Cgroup::processes)
-            .filter(|process| !known.contains(&process.pid) && seen.insert(process.pid))
-            .collect();
-        if !self.exes.is_empty() {
-            let running = processes_running(&self.exes).into_iter();
-            let newcomers = running.filter(|pid| !known.contains(pid) && seen.insert(*pid));
-            candidates.extend(newcomers.map(|pid| CgroupProcess { pid, in_descendant: false }));
-        }
-        let whose = if self.exes.is_empty() { " of the cgroup" } else { "" };
-        let mut added = CgroupCensus::default();
-        for CgroupProcess { pid, in_descendant } in candidates {
-            if self.take_in(pid, whose, false) {
-                added.processes += 1;
-                added.in_descendants += usize::from(in_descendant);
-            }
-        }
-        added
-    }
-
-    /// Starts tracing newcomer `pid` (described by `whose`) unless it is
-    /// one memleak leaves alone, gone, past --max-processes or cannot be
-    /// planned or probed: then it is let go with a line, and the session
-    /// goes on. Returns whether it is traced. `at_exec`: it has just
-    /// called execve, and its loader may not have mapped its allocator
-    /// yet; then a failed plan is left to the next look, unsaid.
-    fn take_in(&mut self, pid: u32, whose: &str, at_exec: bool) -> bool {
-        if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
-            if self.excluded_said.insert(pid) {
-                log::warn!("not tracing pid {pid}{whose}: {}", excluded.why);
-            }
-            return false;
-        }
-        if lifecycle::check_process(pid).is_err() {
-            return false;
-        }
-        if self.targets.len() >= self.max_processes as usize {
-            self.refuse_past_bound(pid, whose);
-            return false;
-        }
-        let (plan, space) = match plan_process(pid, &self.allocator) {
-            Ok(planned) => planned,
-            Err(error) if at_exec => {
-                log::debug!("pid {pid}{whose}: not planned at its execve, left to the next look: {error}");
-                return false;
-            }
-            Err(error) => {
-                log::warn!("not tracing pid {pid}{whose}: {error}");
-                self.unplannable.extend(ProcessKey::of(pid));
-                return false;
-            }
-        };
-        let traced = self
-            .add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))
-            .and_then(|()| self.follow_children_of(pid));
-        if let Err(error) = traced {
-            // Processes come and go: one that exits while memleak
-            // attaches, or cannot be probed, must not end the trace.
-            self.let_go(pid, whose, &error);
-            return false;
-        }
-        true
-    }
-
-    /// Counts process `pid`, left untraced because --max-processes is
-    /// reached, once however often it is seen; says so for the first.
-    fn refuse_past_bound(&mut self, pid: u32, whose: &str) {
-        let Some(key) = ProcessKey::of(pid) else { return };
-        if !self.refused.insert(key) {
-            return;
-        }
-        self.not_followed += 1;
-        if self.not_followed == 1 {
-            log::warn!(
-                "not tracing pid {pid}{whose}: --max-processes {} reached; processes left untraced are \
-                 counted from now on",
-                self.max_processes
-            );
-        } else {
-            log::debug!("not tracing pid {pid}{whose}: --max-processes {} reached", self.max_processes);
-        }
-    }
-
-    /// How many processes were left untraced because --max-processes was
-    /// reached, each counted once.
-    pub fn processes_not_followed(&self) -> u64 {
-        self.not_followed
-    }
-
-    /// Whether processes that start or join later are looked for: with
-    /// cgroups or executables followed.
-    fn follows_newcomers(&self) -> bool {
-        !self.cgroups.is_empty() || !self.exes.is_empty()
-    }
-
-    /// Whether process `pid` is one a cgroup or executable followed names.
-    fn selects(&self, pid: u32) -> bool {
-        let exe_matches =
-            !self.exes.is_empty() && executable_name(pid).is_some_and(|name| self.exes.contains(&name));
-        exe_matches || (!self.cgroups.is_empty() && self.in_followed_cgroup(pid))
-    }
-
-    /// Whether process `pid` is in a followed cgroup or below one (only in
-    /// one, for a cgroup whose level is unknown).
-    fn in_followed_cgroup(&self, pid: u32) -> bool {
-        let Some(root) = &self.cgroup2_root else { return false };
-        let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return false };
-        let Some(path) = cgroups.lines().find_map(|line| line.strip_prefix("0::")) else { return false };
-        let directory = root.join(path.trim_start_matches('/'));
-        self.cgroups.iter().any(|cgroup| {
-            if cgroup.level.is_some() {
-                directory.starts_with(&cgroup.path)
-            } else {
-                directory == cgroup.path
-            }
-        })
-    }
-
-    /// Starts tracing process `pid` if a cgroup or executable followed
-    /// names it and it is not traced yet: after its execve, say, once
-    /// `restart_target` has let it go. Returns whether it is traced.
-    pub fn adopt(&mut self, pid: u32) -> bool {
-        self.adopt_at(pid, false)
-    }
-
-    /// `adopt`; `at_exec` as for `take_in`.
-    fn adopt_at(&mut self, pid: u32, at_exec: bool) -> bool {
-        if self.targets.iter().any(|target| target.pid == pid) || !self.selects(pid) {
-            return false;
-        }
-        self.take_in(pid, "", at_exec)
-    }
-
-    /// Takes in the processes that called execve untraced and that a
-    /// selector names. Returns the first taken in, if any: the others
-    /// wait for the next call.
-    fn take_launched(&mut self) -> Option<u32> {
-        while let Some(pid) = self.launched.pop_front() {
-            // A new program may have the allocator its old one lacked.
-            self.unplannable.retain(|key| key.pid != pid);
-            if self.adopt_at(pid, true) {
-                if let Some(target) = self.targets.last_mut() {
-                    target.found_at_exec = true;
-                }
-                return Some(pid);
-            }
-        }
-        None
-    }
-
     /// The processes traced, in the order they were added.
     pub fn targets(&self) -> &[Target] {
         &self.targets
@@ -700,7 +543,7 @@ impl Session {
         while self.take_launched().is_some() {}
         let launched = self.targets.len() - before;
         self.refused.retain(|key| ProcessKey::of(key.pid) == Some(*key));
-        self.unplannable.retain(|key| ProcessKey::of(key.pid) == Some(*key));
+        self.unplannable.retain(|key, _| ProcessKey::of(key.pid) == Some(*key));
         Ok(launched + self.follow_newcomers().processes)
     }
 
@@ -981,26 +824,6 @@ fn plan_named(
         planned.push((pid, plan, space));
     }
     Ok(planned)
-}
-
-/// The file name of process `pid`'s executable, without the " (deleted)"
-/// the kernel adds once the file is replaced; `None` for a kernel thread
-/// or a process gone.
-fn executable_name(pid: u32) -> Option<String> {
-    let path = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
-    let name = path.file_name()?.to_str()?;
-    Some(name.strip_suffix(" (deleted)").unwrap_or(name).to_owned())
-}
-
-/// The processes running now whose executable's file name is one of
-/// `exes`.
-fn processes_running(exes: &[String]) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| executable_name(pid).is_some_and(|name| exes.contains(&name)))
-        .collect()
 }
 
 /// The tracer's settings for processes (-p, -c): with fork following, the

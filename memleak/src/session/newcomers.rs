@@ -1,0 +1,229 @@
+//! Processes that start or join after the session began: those that a
+//! cgroup or executable followed names, found at their execve (the exec
+//! tracepoint reports them) or by a look through /proc, each taken in on
+//! its own unless a bound or an exclusion leaves it out.
+
+use std::{
+    collections::HashSet,
+    time::{Duration, Instant},
+};
+
+use super::{nonzero, plan_process, CgroupCensus, Session, Target, UProbeScope};
+use crate::process::{
+    cgroup::{Cgroup, CgroupProcess},
+    identity::ProcessKey,
+    lifecycle,
+};
+
+/// How long a newcomer's allocator may stay unmapped before memleak
+/// takes it to have none it knows. A process found just after its
+/// execve, its loader still at work, has only its program and the loader
+/// mapped; under load that lasts longer than one look.
+const LOADER_GRACE: Duration = Duration::from_secs(1);
+
+/// A newcomer memleak could not plan.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PlanFailure {
+    first_seen: Instant,
+    given_up: bool,
+}
+
+impl Session {
+    /// Records that newcomer `pid` could not be planned; whether memleak
+    /// gives up on it now, `LOADER_GRACE` after it was first seen so: true
+    /// once, for the warning.
+    fn give_up_planning(&mut self, pid: u32) -> bool {
+        let Some(key) = ProcessKey::of(pid) else { return false };
+        let failure = self
+            .unplannable
+            .entry(key)
+            .or_insert(PlanFailure { first_seen: Instant::now(), given_up: false });
+        if failure.given_up || failure.first_seen.elapsed() < LOADER_GRACE {
+            return false;
+        }
+        failure.given_up = true;
+        true
+    }
+
+    /// Starts following the processes the cgroups (and their descendants)
+    /// and the executables name that are not followed yet, each probed on
+    /// its own. Returns how many were added.
+    pub(super) fn follow_newcomers(&mut self) -> CgroupCensus {
+        let mut known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
+        known.extend(self.unplannable.iter().filter(|(_, failure)| failure.given_up).map(|(key, _)| key.pid));
+        let mut seen = HashSet::new();
+        let mut candidates: Vec<CgroupProcess> = self
+            .cgroups
+            .iter()
+            .flat_map(Cgroup::processes)
+            .filter(|process| !known.contains(&process.pid) && seen.insert(process.pid))
+            .collect();
+        if !self.exes.is_empty() {
+            let running = processes_running(&self.exes).into_iter();
+            let newcomers = running.filter(|pid| !known.contains(pid) && seen.insert(*pid));
+            candidates.extend(newcomers.map(|pid| CgroupProcess { pid, in_descendant: false }));
+        }
+        let whose = if self.exes.is_empty() { " of the cgroup" } else { "" };
+        let mut added = CgroupCensus::default();
+        for CgroupProcess { pid, in_descendant } in candidates {
+            if self.take_in(pid, whose, false) {
+                added.processes += 1;
+                added.in_descendants += usize::from(in_descendant);
+            }
+        }
+        added
+    }
+
+    /// Starts tracing newcomer `pid` (described by `whose`) unless it is
+    /// one memleak leaves alone, gone, past --max-processes or cannot be
+    /// planned or probed: then it is let go with a line, and the session
+    /// goes on. Returns whether it is traced. `at_exec`: it has just
+    /// called execve, and its loader may not have mapped its allocator
+    /// yet; then a failed plan is left to the next look, unsaid.
+    fn take_in(&mut self, pid: u32, whose: &str, at_exec: bool) -> bool {
+        if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
+            if self.excluded_said.insert(pid) {
+                log::warn!("not tracing pid {pid}{whose}: {}", excluded.why);
+            }
+            return false;
+        }
+        if lifecycle::check_process(pid).is_err() {
+            return false;
+        }
+        if self.targets.len() >= self.max_processes as usize {
+            self.refuse_past_bound(pid, whose);
+            return false;
+        }
+        let (plan, space) = match plan_process(pid, &self.allocator) {
+            Ok(planned) => planned,
+            Err(error) if at_exec => {
+                log::debug!("pid {pid}{whose}: not planned at its execve, left to the next look: {error}");
+                return false;
+            }
+            Err(error) => {
+                if self.give_up_planning(pid) {
+                    log::warn!("not tracing pid {pid}{whose}: {error}");
+                } else {
+                    log::debug!("pid {pid}{whose}: not planned yet, left to the next look: {error}");
+                }
+                return false;
+            }
+        };
+        let traced = self
+            .add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))
+            .and_then(|()| self.follow_children_of(pid));
+        if let Err(error) = traced {
+            // Processes come and go: one that exits while memleak
+            // attaches, or cannot be probed, must not end the trace.
+            self.let_go(pid, whose, &error);
+            return false;
+        }
+        true
+    }
+
+    /// Counts process `pid`, left untraced because --max-processes is
+    /// reached, once however often it is seen; says so for the first.
+    fn refuse_past_bound(&mut self, pid: u32, whose: &str) {
+        let Some(key) = ProcessKey::of(pid) else { return };
+        if !self.refused.insert(key) {
+            return;
+        }
+        self.not_followed += 1;
+        if self.not_followed == 1 {
+            log::warn!(
+                "not tracing pid {pid}{whose}: --max-processes {} reached; processes left untraced are \
+                 counted from now on",
+                self.max_processes
+            );
+        } else {
+            log::debug!("not tracing pid {pid}{whose}: --max-processes {} reached", self.max_processes);
+        }
+    }
+
+    /// How many processes were left untraced because --max-processes was
+    /// reached, each counted once.
+    pub fn processes_not_followed(&self) -> u64 {
+        self.not_followed
+    }
+
+    /// Whether processes that start or join later are looked for: with
+    /// cgroups or executables followed.
+    pub(super) fn follows_newcomers(&self) -> bool {
+        !self.cgroups.is_empty() || !self.exes.is_empty()
+    }
+
+    /// Whether process `pid` is one a cgroup or executable followed names.
+    fn selects(&self, pid: u32) -> bool {
+        let exe_matches =
+            !self.exes.is_empty() && executable_name(pid).is_some_and(|name| self.exes.contains(&name));
+        exe_matches || (!self.cgroups.is_empty() && self.in_followed_cgroup(pid))
+    }
+
+    /// Whether process `pid` is in a followed cgroup or below one (only in
+    /// one, for a cgroup whose level is unknown).
+    fn in_followed_cgroup(&self, pid: u32) -> bool {
+        let Some(root) = &self.cgroup2_root else { return false };
+        let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return false };
+        let Some(path) = cgroups.lines().find_map(|line| line.strip_prefix("0::")) else { return false };
+        let directory = root.join(path.trim_start_matches('/'));
+        self.cgroups.iter().any(|cgroup| {
+            if cgroup.level.is_some() {
+                directory.starts_with(&cgroup.path)
+            } else {
+                directory == cgroup.path
+            }
+        })
+    }
+
+    /// Starts tracing process `pid` if a cgroup or executable followed
+    /// names it and it is not traced yet: after its execve, say, once
+    /// `restart_target` has let it go. Returns whether it is traced.
+    pub fn adopt(&mut self, pid: u32) -> bool {
+        self.adopt_at(pid, false)
+    }
+
+    /// `adopt`; `at_exec` as for `take_in`.
+    fn adopt_at(&mut self, pid: u32, at_exec: bool) -> bool {
+        if self.targets.iter().any(|target| target.pid == pid) || !self.selects(pid) {
+            return false;
+        }
+        self.take_in(pid, "", at_exec)
+    }
+
+    /// Takes in the processes that called execve untraced and that a
+    /// selector names. Returns the first taken in, if any: the others
+    /// wait for the next call.
+    pub(super) fn take_launched(&mut self) -> Option<u32> {
+        while let Some(pid) = self.launched.pop_front() {
+            // A new program may have the allocator its old one lacked.
+            self.unplannable.retain(|key, _| key.pid != pid);
+            if self.adopt_at(pid, true) {
+                if let Some(target) = self.targets.last_mut() {
+                    target.found_at_exec = true;
+                }
+                return Some(pid);
+            }
+        }
+        None
+    }
+}
+
+/// The file name of process `pid`'s executable, without the " (deleted)"
+/// the kernel adds once the file is replaced; `None` for a kernel thread
+/// or a process gone.
+fn executable_name(pid: u32) -> Option<String> {
+    let path = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let name = path.file_name()?.to_str()?;
+    Some(name.strip_suffix(" (deleted)").unwrap_or(name).to_owned())
+}
+
+/// The processes running now whose executable's file name is one of
+/// `exes`.
+fn processes_running(exes: &[String]) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| executable_name(pid).is_some_and(|name| exes.contains(&name)))
+        .collect()
+}
