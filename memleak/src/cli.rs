@@ -85,11 +85,6 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = SortKey::Size)]
     pub sort: SortKey,
 
-    /// Record about one allocation in N, picked at random; reported figures
-    /// are scaled up by N. Frees of recorded allocations stay exact.
-    #[arg(short = 's', long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    pub sample_rate: u32,
-
     /// bcc's flag for reporting the per-stack totals kept in BPF, without
     /// reading each allocation. memleak does so whenever -a, -o and --save
     /// are not given.
@@ -100,6 +95,38 @@ pub struct Args {
     /// handed out again counts as freed first. memleak always does this.
     #[arg(long)]
     pub wa_missing_free: bool,
+
+    #[command(flatten)]
+    pub probing: Probing,
+
+    #[command(flatten)]
+    pub rendering: Rendering,
+
+    /// Also save each report whole (every stack, each allocation, the
+    /// symbolized frames) to FILE, for `memleak report` and `memleak diff`.
+    /// Unless there is one report (COUNT 1, one process), files are
+    /// numbered: heap.1.snap, heap.2.snap...
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
+
+    /// Write what memleak did to FILE, as JSON lines for programs to read:
+    /// each probe placed, and each report's size and how long it took.
+    #[arg(long, value_name = "FILE")]
+    pub stats: Option<PathBuf>,
+
+    /// Print debug logs (probe placement, skipped symbols) to stderr.
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+/// Which allocations are recorded, how their stacks are walked, and how
+/// much BPF keeps: for tracing and for `memleak serve` alike.
+#[derive(Debug, clap::Args)]
+pub struct Probing {
+    /// Record about one allocation in N, picked at random; reported figures
+    /// are scaled up by N. Frees of recorded allocations stay exact.
+    #[arg(short = 's', long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub sample_rate: u32,
 
     /// Probe `PREFIXmalloc`, `PREFIXfree` and so on, for allocators built with
     /// a symbol prefix (jemalloc's je_).
@@ -151,25 +178,6 @@ pub struct Args {
     /// memory for allocations whose stack could not be stored.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
     pub max_processes: u32,
-
-    #[command(flatten)]
-    pub rendering: Rendering,
-
-    /// Also save each report whole (every stack, each allocation, the
-    /// symbolized frames) to FILE, for `memleak report` and `memleak diff`.
-    /// Unless there is one report (COUNT 1, one process), files are
-    /// numbered: heap.1.snap, heap.2.snap...
-    #[arg(long, value_name = "FILE")]
-    pub save: Option<PathBuf>,
-
-    /// Write what memleak did to FILE, as JSON lines for programs to read:
-    /// each probe placed, and each report's size and how long it took.
-    #[arg(long, value_name = "FILE")]
-    pub stats: Option<PathBuf>,
-
-    /// Print debug logs (probe placement, skipped symbols) to stderr.
-    #[arg(short, long)]
-    pub verbose: bool,
 }
 
 /// How reports are shown and where they go; for tracing and for the
@@ -241,11 +249,6 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
     pub retain: Duration,
 
-    /// Processes followed at once at most; more are counted and left
-    /// untraced.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
-    pub max_processes: u32,
-
     /// Address to listen on. Any but a loopback address needs
     /// --token-file.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
@@ -260,6 +263,9 @@ pub struct ServeArgs {
     /// Port to listen on.
     #[arg(long, value_name = "PORT", default_value_t = DEFAULT_SERVE_PORT)]
     pub port: u16,
+
+    #[command(flatten)]
+    pub probing: Probing,
 
     /// Print debug logs (probe placement, each request's window) to
     /// stderr.

@@ -8,7 +8,7 @@ use std::{net::SocketAddr, num::NonZeroU64, path::PathBuf, time::Duration};
 use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
-    cli::{self, Action, Args, DiffArgs, Rendering as RenderingArgs, ReportArgs, ServeArgs, Unwind},
+    cli::{Action, Args, DiffArgs, Probing, Rendering as RenderingArgs, ReportArgs, ServeArgs, Unwind},
     collect::CollectOptions,
     model::Unwinding,
     output::{Documents, OutputConfig},
@@ -117,7 +117,7 @@ pub fn resolve(args: Args) -> Result<Run, String> {
 
 fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
     let target = target_of(&args)?;
-    check_filters(&args)?;
+    check_filters(&args.probing)?;
     let output = output_of(&args.rendering, args.save.is_some())?;
     let format = output.rendering.format;
     if args.trace && !matches!(format, Format::Text | Format::Json) {
@@ -135,22 +135,8 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
         born_since_ns: None,
     };
     let session = SessionConfig {
-        tracer: TracerSettings {
-            min_size: args.min_size.unwrap_or(0),
-            max_size: args.max_size.unwrap_or(u64::MAX),
-            stack_depth: args.max_stack_depth,
-            max_allocations: args.max_allocs,
-            max_stacks: args.max_stacks,
-            max_processes: args.max_processes,
-            sample_rate: args.sample_rate,
-            trace_events: args.trace,
-            unwinding: match args.unwind {
-                Unwind::Dwarf => Unwinding::Dwarf,
-                Unwind::Fp => Unwinding::FramePointers,
-            },
-            max_unwind_rows: args.max_unwind_rows,
-        },
-        allocator: AllocatorChoice { object: args.object, prefix: args.symbols_prefix },
+        tracer: tracer_settings(&args.probing, args.trace),
+        allocator: allocator_choice(&args.probing),
         follow_forks: match &target {
             TargetSpec::Command(_) => !args.no_follow_forks,
             // A cgroup's processes are probed one by one: the processes
@@ -188,8 +174,8 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
     }
     if let TargetSpec::Kernel { .. } = target {
         let user_only = [
-            (args.object.is_some(), "-O"),
-            (args.symbols_prefix.is_some(), "--symbols-prefix"),
+            (args.probing.object.is_some(), "-O"),
+            (args.probing.symbols_prefix.is_some(), "--symbols-prefix"),
             (args.trace, "--trace"),
             (args.all_mmaps, "--all-mmaps"),
         ];
@@ -211,16 +197,41 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
     Ok(target)
 }
 
-fn check_filters(args: &Args) -> Result<(), String> {
-    if let (Some(min), Some(max)) = (args.min_size, args.max_size) {
+fn check_filters(probing: &Probing) -> Result<(), String> {
+    if let (Some(min), Some(max)) = (probing.min_size, probing.max_size) {
         if min > max {
             return Err(format!("--min-size {min} is larger than --max-size {max}"));
         }
     }
-    if args.symbols_prefix.as_deref() == Some("") {
+    if probing.symbols_prefix.as_deref() == Some("") {
         return Err("--symbols-prefix needs a prefix, such as je_".to_owned());
     }
     Ok(())
+}
+
+/// What the tracer is told of the allocations to record and the maps to
+/// size; `trace_events`: each allocation and free is also sent to user
+/// space (--trace).
+fn tracer_settings(probing: &Probing, trace_events: bool) -> TracerSettings {
+    TracerSettings {
+        min_size: probing.min_size.unwrap_or(0),
+        max_size: probing.max_size.unwrap_or(u64::MAX),
+        stack_depth: probing.max_stack_depth,
+        max_allocations: probing.max_allocs,
+        max_stacks: probing.max_stacks,
+        max_processes: probing.max_processes,
+        sample_rate: probing.sample_rate,
+        trace_events,
+        unwinding: match probing.unwind {
+            Unwind::Dwarf => Unwinding::Dwarf,
+            Unwind::Fp => Unwinding::FramePointers,
+        },
+        max_unwind_rows: probing.max_unwind_rows,
+    }
+}
+
+fn allocator_choice(probing: &Probing) -> AllocatorChoice {
+    AllocatorChoice { object: probing.object.clone(), prefix: probing.symbols_prefix.clone() }
 }
 
 /// Where reports go and in which format: --format, else what the --output
@@ -269,6 +280,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         ));
     }
     check_unique(&args.pid)?;
+    check_filters(&args.probing)?;
     if args.pid.is_empty() && args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty() {
         return Err(
             "memleak serve needs something to follow: give --pid, --cgroup, --exe or --container".to_owned()
@@ -290,19 +302,8 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         .chain(args.exe.iter().cloned().map(Selector::Exe))
         .collect();
     let session = SessionConfig {
-        tracer: TracerSettings {
-            min_size: 0,
-            max_size: u64::MAX,
-            stack_depth: cli::DEFAULT_MAX_STACK_DEPTH,
-            max_allocations: cli::DEFAULT_MAX_ALLOCS,
-            max_stacks: cli::DEFAULT_MAX_STACKS,
-            max_processes: args.max_processes,
-            sample_rate: 1,
-            trace_events: false,
-            unwinding: Unwinding::Dwarf,
-            max_unwind_rows: cli::DEFAULT_MAX_UNWIND_ROWS,
-        },
-        allocator: AllocatorChoice { object: None, prefix: None },
+        tracer: tracer_settings(&args.probing, false),
+        allocator: allocator_choice(&args.probing),
         follow_forks: follows_newcomers,
         // memleak itself, known once it runs: see `serve::run`.
         excluded: Vec::new(),
@@ -439,7 +440,7 @@ mod tests {
         assert_eq!(config.containers, vec!["web".to_owned()]);
         assert_eq!(config.retain, Duration::from_mins(10));
         assert!(config.session.follow_forks, "a newcomer's children are found at their fork");
-        assert_eq!(config.session.tracer.max_processes, cli::DEFAULT_MAX_PROCESSES);
+        assert_eq!(config.session.tracer.max_processes, crate::cli::DEFAULT_MAX_PROCESSES);
         let config =
             serve("serve --exe x --retain 30s --max-processes 3").unwrap_or_else(|error| panic!("{error}"));
         assert_eq!((config.retain, config.session.tracer.max_processes), (Duration::from_secs(30), 3));
@@ -449,6 +450,23 @@ mod tests {
             assert_eq!(config.retain, Duration::from_secs(seconds), "{retain}");
         }
         assert!(!serve("serve --pid 1").unwrap_or_else(|error| panic!("{error}")).session.follow_forks);
+    }
+
+    #[test]
+    fn serve_takes_the_tracing_flags_of_the_trace_command() {
+        let config = serve("serve --pid 1 -s 10 --max-allocs 5000 --max-stacks 300 --unwind fp -z 64 -Z 4096 --symbols-prefix je_")
+            .unwrap_or_else(|error| panic!("{error}"));
+        let tracer = &config.session.tracer;
+        assert_eq!(
+            (tracer.sample_rate, tracer.max_allocations, tracer.max_stacks, tracer.min_size, tracer.max_size),
+            (10, 5000, 300, 64, 4096)
+        );
+        assert_eq!(tracer.unwinding, Unwinding::FramePointers);
+        assert_eq!(config.session.allocator.prefix.as_deref(), Some("je_"));
+        assert_eq!(
+            serve("serve --pid 1 -z 100 -Z 10").err().as_deref(),
+            Some("--min-size 100 is larger than --max-size 10")
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::{
 };
 
 use memleak_tests::{
-    http::{get, get_until, serve_pid, Response},
+    http::{self, get, get_until, serve_pid, Response},
     uprobes::{byte_in_file, byte_in_process, multi_links},
     Leaker,
 };
@@ -141,4 +141,24 @@ fn sigint_detaches_every_probe_and_exits_0() {
     assert!(status.success(), "SIGINT: {status}");
     assert_detached(&leaker, &offsets);
     assert!(get(port, "/healthz").is_err(), "still listening after it exited");
+}
+
+/// The daemon takes the trace command's tracing flags: with room for 5
+/// allocations, the leaker's first five (malloc x3, calloc x2) fit and
+/// the other twelve are counted as not tracked, in the list and in
+/// /metrics' map fill.
+#[test]
+fn the_tracing_flags_size_the_daemons_maps() {
+    let mut leaker = Leaker::start_waiting(&["all"]);
+    let pid = leaker.pid();
+    let (memleak, port) = http::serve(&["--pid", &pid.to_string(), "--max-allocs", "5"]);
+    leaker.go();
+    let target = target_until(port, |target| target["allocations_not_tracked"] == 12);
+    assert_eq!(
+        (target["outstanding_bytes"].as_u64(), target["outstanding_allocations"].as_u64()),
+        (Some(5000), Some(5))
+    );
+    let metrics = get(port, "/metrics").expect("GET /metrics");
+    assert!(metrics.body.contains("\nmemleak_map_max_entries{map=\"allocations\"} 5\n"), "{}", metrics.body);
+    http::stop(memleak);
 }
