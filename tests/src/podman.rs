@@ -7,7 +7,7 @@
 
 use std::{
     fs,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
@@ -101,9 +101,11 @@ impl Podman {
     /// that the leaker's handshake passes through podman. The container
     /// is removed when dropped.
     pub fn run_leaker(&self, name: &str, kind: &[&str]) -> Container<'_> {
+        let id_file = self.dir.path().join(format!("{name}.id"));
         let mut command = self.command();
         command
-            .args(["run", "-i", "--rm", "--name", name, "--network", "none"])
+            .args(["run", "-i", "--rm", "--name", name, "--network", "none", "--cidfile"])
+            .arg(&id_file)
             // Within the hard limits root has here (no CAP_SYS_RESOURCE).
             .args(["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"])
             .arg(&self.image)
@@ -111,7 +113,7 @@ impl Podman {
             .args(kind)
             .arg("--wait");
         // Removed first should the handshake fail: the guard exists before.
-        let mut container = Container { podman: self, name: name.to_owned(), leaker: None };
+        let mut container = Container { podman: self, name: name.to_owned(), id_file, leaker: None };
         container.leaker = Some(Leaker::start_command(command));
         container
     }
@@ -157,6 +159,8 @@ impl Drop for Podman {
 pub struct Container<'a> {
     podman: &'a Podman,
     pub name: String,
+    /// Where `podman run --cidfile` writes its id as it creates it.
+    id_file: PathBuf,
     leaker: Option<Leaker>,
 }
 
@@ -188,7 +192,12 @@ impl Container<'_> {
 
 impl Drop for Container<'_> {
     fn drop(&mut self) {
-        let _ = self.podman.command().args(["rm", "--force", "--time", "0", "--ignore", &self.name]).output();
+        // By id: once `--rm` has removed the container, its name may read
+        // to podman as a prefix of another's id (a hex name), and that
+        // other container would go.
+        let id = fs::read_to_string(&self.id_file).unwrap_or_default();
+        let reference = if id.trim().is_empty() { self.name.clone() } else { id.trim().to_owned() };
+        let _ = self.podman.command().args(["rm", "--force", "--time", "0", "--ignore", &reference]).output();
         drop(self.leaker.take());
     }
 }
