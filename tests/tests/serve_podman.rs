@@ -99,3 +99,37 @@ fn container_by_name_follows_a_real_podman_container() {
 fn container_by_id_prefix_follows_a_real_podman_container() {
     follows_a_real_container("prefix", |_, id| id[..12].to_owned(), false);
 }
+
+/// Names may be hex: a container called as another's id starts is the
+/// one followed, as podman itself resolves the reference.
+#[test]
+fn container_by_a_hex_name_follows_that_container_not_an_id_prefix() {
+    let rootfs = leaker_rootfs();
+    let podman = Podman::with_image("hex", rootfs.path());
+    let mut first = podman.run_leaker(&format!("memleak-test-hex-{}", std::process::id()), &["all"]);
+    let first_id = first.id();
+    let hex_name = first_id[..4].to_owned();
+    let mut named = podman.run_leaker(&hex_name, &["all"]);
+    let named_id = named.id();
+    let pid = named.host_pid();
+    let env = podman.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let (memleak, port) = serve_with_env(&["--container", &hex_name], &env);
+    let following = format!("memleak: following container {hex_name} ({}): cgroup ", &named_id[..12]);
+    assert!(
+        memleak.stderr.seen.iter().any(|line| line.starts_with(&following)),
+        "{following} in {:#?}",
+        memleak.stderr.seen
+    );
+    named.leaker().go();
+    let response = get_until(port, "/api/v1/targets", |response| {
+        targets(response).iter().any(|target| target["pid"] == pid && target["outstanding_bytes"] == 17_264)
+    });
+    let list = targets(&response);
+    assert_eq!(list.len(), 1, "the named container's process alone, not {first_id}'s: {list:#?}");
+    assert_eq!(list[0]["container"], named_id.as_str(), "{list:#?}");
+    stop(memleak);
+    named.exit();
+    first.leaker().go();
+    first.exit();
+}
