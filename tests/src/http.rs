@@ -79,12 +79,18 @@ pub fn free_port() -> u16 {
 
 /// `memleak serve ARGS --port PORT` on a free port, once it serves.
 pub fn serve(args: &[&str]) -> (Memleak, u16) {
+    serve_with_env(args, &[])
+}
+
+/// As `serve`, with extra environment for memleak (where podman keeps
+/// its containers, say, for the `podman inspect` memleak runs).
+pub fn serve_with_env(args: &[&str], env: &[(&str, &str)]) -> (Memleak, u16) {
     let port = free_port();
     let port_text = port.to_string();
     let mut command_line = vec!["serve"];
     command_line.extend_from_slice(args);
     command_line.extend_from_slice(&["--port", &port_text]);
-    let mut memleak = Memleak::start(&command_line);
+    let mut memleak = Memleak::start_with_env(&command_line, env);
     memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
     (memleak, port)
 }

@@ -7,6 +7,7 @@
 //! - `http`: GET requests to `memleak serve`;
 //! - `prometheus`: a real Prometheus server scraping `memleak serve`;
 //! - `rootfs`: root filesystems for container tests;
+//! - `podman`: real containers, in podman storage of the test's own;
 //! - `consumers`: flame graphs and profiles, read as their users would;
 //! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool;
 //! - `uprobes`: memleak's uprobe links, and the breakpoints they place.
@@ -17,6 +18,7 @@ pub mod fixtures;
 pub mod http;
 pub mod leaker;
 pub mod memleak;
+pub mod podman;
 pub mod prometheus;
 pub mod rootfs;
 pub mod uprobes;

@@ -172,8 +172,10 @@ fn demo() -> Result<()> {
 /// graphviz for its -svg) to read memleak's profiles, bpftool to count
 /// what memleak's maps hold without taking memleak's word for it,
 /// Debian's python3 and a node to unwind real interpreters and JIT code,
-/// and prometheus for promtool, which checks `memleak serve`'s /metrics.
-const TEST_PACKAGES: [&str; 16] = [
+/// prometheus for promtool, which checks `memleak serve`'s /metrics,
+/// and podman with runc to run real containers for `serve --container`
+/// (crun cannot run them on a hybrid cgroup host).
+const TEST_PACKAGES: [&str; 18] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -190,6 +192,8 @@ const TEST_PACKAGES: [&str; 16] = [
     "graphviz",
     "prometheus",
     "chromium",
+    "podman",
+    "runc",
 ];
 
 fn test(test_args: &[String]) -> Result<()> {

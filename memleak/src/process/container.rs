@@ -2,8 +2,9 @@
 //! runtimes give cgroups (`docker-<id>.scope`, `libpod-<id>.scope` and
 //! `libpod-<id>`, `cri-containerd-<id>.scope`, `crio-<id>.scope`, or a
 //! plain `<id>` directory), by id or a prefix of it; by name through
-//! `podman inspect` or `docker inspect` when they are on the PATH. The
-//! same names tell which container a process runs in.
+//! `podman inspect` or `docker inspect` when they are on the PATH, a name
+//! before an id prefix as those runtimes resolve them. The same names
+//! tell which container a process runs in.
 
 use std::{
     fs,
@@ -96,18 +97,35 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
     })
 }
 
-/// The cgroup of the container `reference` names: a full id, a prefix of
-/// one, or a name the runtime on the PATH knows.
+/// The cgroup of the container `reference` names: a full id, a name the
+/// runtime on the PATH knows, or a prefix of an id.
 pub fn find(reference: &str) -> Result<ContainerCgroup, ContainerError> {
     check_reference(reference)?;
     let root = cgroup2_mount().ok_or(ContainerError::NoCgroup2)?;
     let containers = containers_under(&root);
-    if let Some(found) = by_id_prefix(&containers, reference)? {
-        return Ok(found);
+    resolve(reference, &containers, runtime_id_of)?
+        .ok_or(ContainerError::NotFound(reference.to_owned(), root))
+}
+
+/// Which of `containers` `reference` names, in the order podman and
+/// docker resolve one: a full id; else the container the runtime knows by
+/// that name (`runtime_id_of` gives its id); else an id prefix. A name
+/// comes before a prefix because names may be hex too: `--container db`
+/// means the container called db, not one whose id happens to start so.
+/// A name the runtime knows is final, so a stopped container is never
+/// taken for a running one whose id starts with its name.
+fn resolve(
+    reference: &str,
+    containers: &[ContainerCgroup],
+    runtime_id_of: impl FnOnce(&str) -> Option<String>,
+) -> Result<Option<ContainerCgroup>, ContainerError> {
+    if is_full_id(&reference.to_ascii_lowercase()) {
+        return by_id_prefix(containers, reference);
     }
-    let full_id = runtime_id_of(reference)
-        .ok_or_else(|| ContainerError::NotFound(reference.to_owned(), root.clone()))?;
-    by_id_prefix(&containers, &full_id)?.ok_or(ContainerError::NotFound(reference.to_owned(), root))
+    match runtime_id_of(reference) {
+        Some(full_id) => by_id_prefix(containers, &full_id),
+        None => by_id_prefix(containers, reference),
+    }
 }
 
 /// A reference goes on a runtime's command line: it must be a name or an
@@ -233,6 +251,29 @@ mod tests {
         assert_eq!(found.map(|found| found.path), Some(PathBuf::from(format!("/c/libpod-{ID}"))));
         assert!(matches!(by_id_prefix(&containers, "3f5e"), Err(ContainerError::Ambiguous { .. })));
         assert_eq!(by_id_prefix(&containers, "0000").unwrap(), None);
+    }
+
+    #[test]
+    fn a_name_the_runtime_knows_comes_before_an_id_prefix() {
+        // Seen with podman: `--container 77` followed the container whose
+        // id starts 77, not the one podman calls 77.
+        let named = "1ca996f164297786566a09b665a121cdc6dfc4542636c62198f5fa115fcf89d0";
+        let containers = vec![
+            ContainerCgroup { id: ID.to_owned(), path: PathBuf::from(format!("/c/libpod-{ID}")) },
+            ContainerCgroup { id: named.to_owned(), path: PathBuf::from(format!("/c/libpod-{named}")) },
+        ];
+        let runtime = |name: &str| (name == "3f5e").then(|| named.to_owned());
+        let found = resolve("3f5e", &containers, runtime).unwrap();
+        assert_eq!(found.map(|found| found.id), Some(named.to_owned()), "the container called 3f5e");
+        // Unknown to the runtime, it is an id prefix.
+        let found = resolve("3f5e1c", &containers, runtime).unwrap();
+        assert_eq!(found.map(|found| found.id), Some(ID.to_owned()));
+        // A full id is that container, whatever the runtime says.
+        let found = resolve(ID, &containers, |_| Some(named.to_owned())).unwrap();
+        assert_eq!(found.map(|found| found.id), Some(ID.to_owned()));
+        // Known by name but without a cgroup (stopped): not a prefix match.
+        let stopped = "3f5e000000000000000000000000000000000000000000000000000000000000";
+        assert_eq!(resolve("3f5e", &containers, |_| Some(stopped.to_owned())).unwrap(), None);
     }
 
     #[test]

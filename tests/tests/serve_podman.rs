@@ -1,0 +1,135 @@
+//! `memleak serve --container` on a real container: podman with runc
+//! runs the leaker, and memleak finds the container by the name podman
+//! knows it by (through `podman inspect`) or by a prefix of its id
+//! (through the cgroup podman made for it). Podman keeps these
+//! containers in storage of the test's own, which memleak's `podman
+//! inspect` is pointed at through the environment it inherits.
+
+use std::fs;
+
+use memleak_tests::{
+    http::{get, get_until, serve_with_env, stop, Response},
+    leaker_rootfs,
+    podman::Podman,
+};
+use serde_json::Value;
+
+/// The processes `/api/v1/targets` lists.
+fn targets(response: &Response) -> Vec<Value> {
+    let list: Value =
+        serde_json::from_str(&response.body).unwrap_or_else(|error| panic!("{error}: {response:#?}"));
+    list["targets"].as_array().cloned().unwrap_or_else(|| panic!("no targets array: {list:#}"))
+}
+
+/// The cgroup v2 directory of process `pid`, as a path on the host.
+fn cgroup_directory_of(pid: u32) -> String {
+    let mounts = fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    let root = mounts
+        .lines()
+        .find_map(|line| {
+            let (fields, filesystem) = line.split_once(" - ")?;
+            filesystem.starts_with("cgroup2 ").then(|| fields.split_whitespace().nth(4))?
+        })
+        .expect("a cgroup v2 hierarchy mounted");
+    let cgroups = fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("read the leaker's cgroups");
+    let path = cgroups.lines().find_map(|line| line.strip_prefix("0::")).expect("a cgroup v2 path");
+    format!("{root}{path}")
+}
+
+/// Runs the leaker in a container, serves `--container` with what
+/// `reference` makes of the container (its name, say), and checks what
+/// memleak says and serves: its leaks, at the leaker's host pid, under
+/// the container's full id.
+fn follows_a_real_container(tag: &str, reference: impl Fn(&str, &str) -> String, named: bool) {
+    let rootfs = leaker_rootfs();
+    let podman = Podman::with_image(tag, rootfs.path());
+    let name = format!("memleak-test-{tag}-{}", std::process::id());
+    let mut container = podman.run_leaker(&name, &["all"]);
+    let id = container.id();
+    assert!(
+        id.len() == 64 && id.bytes().all(|byte| byte.is_ascii_hexdigit()),
+        "podman's id of {name}: {id:?}"
+    );
+    let short = &id[..12];
+    let pid = container.host_pid();
+    assert_ne!(pid, container.leaker().pid(), "the leaker's pid, not the podman client's");
+    let cgroup = cgroup_directory_of(pid);
+    assert!(cgroup.ends_with(&format!("/libpod-{id}")), "podman's cgroup for {name}: {cgroup}");
+
+    let env = podman.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let reference = reference(&name, &id);
+    let (memleak, port) = serve_with_env(&["--container", &reference], &env);
+    let container_said = if named { format!("{name} ({short})") } else { short.to_owned() };
+    let following = format!("memleak: following container {container_said}: cgroup {cgroup}");
+    let tracing = format!("memleak: tracing pid {pid} (leaker) in container {short} through ");
+    // Both said before it serves: the leaker was in the container already.
+    for said in [&following, &tracing] {
+        assert!(
+            memleak.stderr.seen.iter().any(|line| line.starts_with(said.as_str())),
+            "{said} in {:#?}",
+            memleak.stderr.seen
+        );
+    }
+
+    container.leaker().go();
+    let response = get_until(port, "/api/v1/targets", |response| {
+        targets(response).iter().any(|target| target["pid"] == pid && target["outstanding_bytes"] == 17_264)
+    });
+    let list = targets(&response);
+    assert_eq!(list.len(), 1, "the container's one process: {list:#?}");
+    assert_eq!(list[0]["container"], id.as_str(), "the full id: {list:#?}");
+    assert_eq!(list[0]["executable"], "leaker", "{list:#?}");
+    assert_eq!(list[0]["program"], "/app/leaker", "as the container sees it: {list:#?}");
+    assert_eq!(list[0]["outstanding_allocations"], 15, "{list:#?}");
+    let metrics = get(port, "/metrics").expect("GET /metrics");
+    let series =
+        format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\",container=\"{id}\"}} 17264");
+    assert!(metrics.body.lines().any(|line| line == series), "{series} in:\n{}", metrics.body);
+    stop(memleak);
+    container.exit();
+}
+
+#[test]
+fn container_by_name_follows_a_real_podman_container() {
+    follows_a_real_container("name", |name, _| name.to_owned(), true);
+}
+
+#[test]
+fn container_by_id_prefix_follows_a_real_podman_container() {
+    follows_a_real_container("prefix", |_, id| id[..12].to_owned(), false);
+}
+
+/// Names may be hex: a container called as another's id starts is the
+/// one followed, as podman itself resolves the reference.
+#[test]
+fn container_by_a_hex_name_follows_that_container_not_an_id_prefix() {
+    let rootfs = leaker_rootfs();
+    let podman = Podman::with_image("hex", rootfs.path());
+    let mut first = podman.run_leaker(&format!("memleak-test-hex-{}", std::process::id()), &["all"]);
+    let first_id = first.id();
+    let hex_name = first_id[..4].to_owned();
+    let mut named = podman.run_leaker(&hex_name, &["all"]);
+    let named_id = named.id();
+    let pid = named.host_pid();
+    let env = podman.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let (memleak, port) = serve_with_env(&["--container", &hex_name], &env);
+    let following = format!("memleak: following container {hex_name} ({}): cgroup ", &named_id[..12]);
+    assert!(
+        memleak.stderr.seen.iter().any(|line| line.starts_with(&following)),
+        "{following} in {:#?}",
+        memleak.stderr.seen
+    );
+    named.leaker().go();
+    let response = get_until(port, "/api/v1/targets", |response| {
+        targets(response).iter().any(|target| target["pid"] == pid && target["outstanding_bytes"] == 17_264)
+    });
+    let list = targets(&response);
+    assert_eq!(list.len(), 1, "the named container's process alone, not {first_id}'s: {list:#?}");
+    assert_eq!(list[0]["container"], named_id.as_str(), "{list:#?}");
+    stop(memleak);
+    named.exit();
+    first.leaker().go();
+    first.exit();
+}
