@@ -30,8 +30,8 @@ pub use fixtures::{
 };
 pub use leaker::Leaker;
 pub use memleak::{
-    memleak_binary, run_to_end, stacks_at, trace_command, trace_fixture, trace_fixture_output,
-    trace_fixture_output_with_env, trace_program, trace_running, usage_at, Lines, Memleak, PATIENCE,
-    PERF_EVENT_UPROBES,
+    assert_refused_in_one_line, memleak_binary, run_to_end, stacks_at, trace_command, trace_fixture,
+    trace_fixture_output, trace_fixture_output_with_env, trace_program, trace_running, usage_at, Lines,
+    Memleak, PATIENCE, PERF_EVENT_UPROBES,
 };
 pub use rootfs::{leaker_rootfs, rootfs_with, tempdir};

@@ -246,6 +246,17 @@ pub fn usage_at(report: &Value, function: &str, marker: &str) -> (u64, u64) {
     })
 }
 
+/// Runs memleak with `args` and checks that it refused them as a user
+/// should see it: one line on stderr, `memleak: error: ...` with
+/// `expected` in it, and exit status 2.
+pub fn assert_refused_in_one_line(args: &[&str], expected: &str) {
+    let (code, stderr) = run_to_end(args);
+    assert_eq!(code, Some(2), "exit status for {args:?}; stderr: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line for {args:?}: {stderr}");
+    assert!(stderr.starts_with("memleak: error: "), "{stderr}");
+    assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in {stderr}");
+}
+
 /// Runs memleak to completion with the given arguments; returns its exit
 /// code and stderr. A run that has not ended after `PATIENCE` is killed and
 /// the test fails: memleak must never hang on bad input.

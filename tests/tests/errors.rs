@@ -1,46 +1,38 @@
 //! What a user who gets something wrong sees: one line, exit status 2.
 
-use memleak_tests::{fixture, run_to_end};
-
-fn assert_one_line_error(args: &[&str], expected: &str) {
-    let (code, stderr) = run_to_end(args);
-    assert_eq!(code, Some(2), "exit status for {args:?}; stderr: {stderr}");
-    assert_eq!(stderr.lines().count(), 1, "one line for {args:?}: {stderr}");
-    assert!(stderr.starts_with("memleak: error: "), "{stderr}");
-    assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in {stderr}");
-}
+use memleak_tests::{assert_refused_in_one_line, fixture};
 
 #[test]
 fn a_pid_that_does_not_exist() {
-    assert_one_line_error(&["-p", "999999999"], "no process with pid 999999999");
+    assert_refused_in_one_line(&["-p", "999999999"], "no process with pid 999999999");
 }
 
 #[test]
 fn a_kernel_thread() {
     // pid 2 is kthreadd on Linux.
-    assert_one_line_error(&["-p", "2"], "kernel thread");
+    assert_refused_in_one_line(&["-p", "2"], "kernel thread");
 }
 
 #[test]
 fn a_command_that_cannot_run() {
-    assert_one_line_error(&["-c", "/nonexistent/program --flag"], "cannot run `/nonexistent/program`");
-    assert_one_line_error(&["-c", "no-such-program-anywhere"], "not found in PATH");
-    assert_one_line_error(&["-c", "/etc/hostname"], "cannot run `/etc/hostname`");
+    assert_refused_in_one_line(&["-c", "/nonexistent/program --flag"], "cannot run `/nonexistent/program`");
+    assert_refused_in_one_line(&["-c", "no-such-program-anywhere"], "not found in PATH");
+    assert_refused_in_one_line(&["-c", "/etc/hostname"], "cannot run `/etc/hostname`");
 }
 
 #[test]
 fn a_bad_interval() {
-    assert_one_line_error(&["-p", "1", "0"], "at least 1 second");
-    assert_one_line_error(&["-p", "1", "soon"], "not a whole number");
+    assert_refused_in_one_line(&["-p", "1", "0"], "at least 1 second");
+    assert_refused_in_one_line(&["-p", "1", "soon"], "not a whole number");
 }
 
 #[test]
 fn an_object_that_is_not_an_allocator() {
     let pid = std::process::id().to_string();
-    assert_one_line_error(&["-p", &pid, "-O", "/etc/hostname"], "is not an ELF file");
+    assert_refused_in_one_line(&["-p", &pid, "-O", "/etc/hostname"], "is not an ELF file");
     let no_allocator = fixture("noalloc");
     let object = no_allocator.to_str().unwrap();
-    assert_one_line_error(&["-p", &pid, "-O", object], "has no malloc and free symbols");
+    assert_refused_in_one_line(&["-p", &pid, "-O", object], "has no malloc and free symbols");
 }
 
 #[test]
@@ -70,7 +62,7 @@ fn a_static_binary_with_no_known_allocator() {
         .expect("run musl-gcc");
     assert!(status.success());
     let command = binary.to_str().unwrap();
-    assert_one_line_error(
+    assert_refused_in_one_line(
         &["-c", command],
         &format!("no known allocator (malloc and free, plain or with a je_ or _rjem_ prefix) in {command}"),
     );
@@ -82,23 +74,32 @@ fn output_files_are_refused_before_anything_is_attached() {
     let existing = dir.path().join("report.json");
     std::fs::write(&existing, "precious").unwrap();
     let existing_path = existing.to_str().unwrap();
-    assert_one_line_error(&["-p", "1", "--output", existing_path], "exists: give --force to overwrite it");
+    assert_refused_in_one_line(
+        &["-p", "1", "--output", existing_path],
+        "exists: give --force to overwrite it",
+    );
     assert_eq!(std::fs::read_to_string(&existing).unwrap(), "precious", "nothing the user had is lost");
     // Numbered files, one per report: any of an earlier run's is refused.
     std::fs::write(dir.path().join("report.7.svg"), "precious").unwrap();
     let numbered = dir.path().join("report.svg");
-    assert_one_line_error(&["-p", "1", "--output", numbered.to_str().unwrap()], "report.7.svg exists");
+    assert_refused_in_one_line(&["-p", "1", "--output", numbered.to_str().unwrap()], "report.7.svg exists");
     let snapshot = dir.path().join("report.snap");
     std::fs::write(&snapshot, "precious").unwrap();
-    assert_one_line_error(&["-p", "1", "--save", snapshot.to_str().unwrap(), "1", "1"], "report.snap exists");
+    assert_refused_in_one_line(
+        &["-p", "1", "--save", snapshot.to_str().unwrap(), "1", "1"],
+        "report.snap exists",
+    );
     let unwritable = "/proc/memleak-cannot-write-here.json";
-    assert_one_line_error(
+    assert_refused_in_one_line(
         &["-p", "1", "--output", unwritable],
         "cannot write /proc/memleak-cannot-write-here.json",
     );
     let unknown = dir.path().join("report.pb");
-    assert_one_line_error(&["-p", "1", "--output", unknown.to_str().unwrap()], "cannot tell the format of");
-    assert_one_line_error(
+    assert_refused_in_one_line(
+        &["-p", "1", "--output", unknown.to_str().unwrap()],
+        "cannot tell the format of",
+    );
+    assert_refused_in_one_line(
         &["-p", "1", "--force"],
         "--force is for overwriting the --output (or --save) files",
     );

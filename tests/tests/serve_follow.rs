@@ -10,9 +10,9 @@ use std::{
 };
 
 use memleak_tests::{
-    fixture,
+    assert_refused_in_one_line, fixture,
     http::{free_port, get, get_until, serve, stop, Response},
-    leaker_rootfs, run_to_end,
+    leaker_rootfs,
     tempdir::TempDir,
     workspace_root, Leaker, Memleak, PATIENCE,
 };
@@ -213,29 +213,22 @@ fn processes_past_max_processes_are_counted_and_said() {
     stop(memleak);
 }
 
-/// One line on stderr, `memleak: error: ...` with `expected` in it, and
-/// exit status 2.
-fn assert_refused(args: &[&str], expected: &str) {
-    let (code, stderr) = run_to_end(args);
-    assert_eq!(code, Some(2), "exit status for {args:?}; stderr: {stderr}");
-    assert_eq!(stderr.lines().count(), 1, "one line for {args:?}: {stderr}");
-    assert!(stderr.starts_with("memleak: error: "), "{stderr}");
-    assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in {stderr}");
-}
-
 #[test]
 fn bad_selectors_are_refused_in_one_line() {
     let port = free_port().to_string();
-    assert_refused(&["serve", "--port", &port], "give --pid, --cgroup, --exe or --container");
-    assert_refused(&["serve", "--exe", "x", "--retain", "10"], "`10` has no unit");
-    assert_refused(&["serve", "--exe", "x", "--retain", "soon"], "`soon` is not a duration");
-    assert_refused(&["serve", "--container", "0123456789ab", "--port", &port], "no container 0123456789ab");
-    assert_refused(
+    assert_refused_in_one_line(&["serve", "--port", &port], "give --pid, --cgroup, --exe or --container");
+    assert_refused_in_one_line(&["serve", "--exe", "x", "--retain", "10"], "`10` has no unit");
+    assert_refused_in_one_line(&["serve", "--exe", "x", "--retain", "soon"], "`soon` is not a duration");
+    assert_refused_in_one_line(
+        &["serve", "--container", "0123456789ab", "--port", &port],
+        "no container 0123456789ab",
+    );
+    assert_refused_in_one_line(
         &["serve", "--container", "no-such-container", "--port", &port],
         "no container no-such-container",
     );
-    assert_refused(&["serve", "--container=-h"], "is not a container id or name");
-    assert_refused(&["serve", "--exe", "/usr/bin/x"], "give an executable's file name");
+    assert_refused_in_one_line(&["serve", "--container=-h"], "is not a container id or name");
+    assert_refused_in_one_line(&["serve", "--exe", "/usr/bin/x"], "give an executable's file name");
 }
 
 /// What the daemon holds of the processes it follows: its open

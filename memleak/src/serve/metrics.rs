@@ -249,7 +249,6 @@ mod tests {
     use crate::{
         model::HealthCounters,
         report::{tests::sample_report, Report},
-        serve::state::Growth,
     };
 
     /// A process whose reports held `bytes`, then `bytes + 100`: its
@@ -263,14 +262,7 @@ mod tests {
             health: HealthCounters { allocations: 5, frees: 2, ..HealthCounters::default() },
             ..sample_report(3)
         };
-        let mut followed = Followed {
-            pid,
-            program: program.to_owned(),
-            exited: false,
-            report: None,
-            growth: Growth::default(),
-            container: None,
-        };
+        let mut followed = Followed::new(pid, program.to_owned(), None);
         followed.take_report(Report { total_bytes: bytes.saturating_sub(100), ..report.clone() });
         followed.take_report(report);
         followed
@@ -282,14 +274,7 @@ mod tests {
 
     #[test]
     fn each_process_has_a_series_of_each_metric_under_its_help_and_type() {
-        let new = Followed {
-            pid: 43,
-            program: "new".to_owned(),
-            exited: false,
-            report: None,
-            growth: Growth::default(),
-            container: None,
-        };
+        let new = Followed::new(43, "new".to_owned(), None);
         let body = render(&published(vec![followed(42, "/usr/bin/leaker", 17_264), new], 0));
         let lines: Vec<&str> = body.lines().collect();
         assert_eq!(

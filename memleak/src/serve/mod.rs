@@ -188,14 +188,7 @@ impl Collector {
                 continue;
             }
             status::say(&describe_newcomer(target));
-            let followed = Followed {
-                pid: target.pid,
-                program: target.program.clone(),
-                exited: false,
-                report: None,
-                growth: Growth::default(),
-                container: target.container.clone(),
-            };
+            let followed = Followed::new(target.pid, target.program.clone(), target.container.clone());
             self.followed.insert(key, Entry { followed, exited_at: None });
         }
     }

@@ -36,7 +36,8 @@ fn row(page: &mut String, followed: &Followed) {
         ),
         None => (String::from("-"), String::from("-"), String::from("-")),
     };
-    let container = followed.container.as_deref().map_or("", |id| &id[..id.len().min(12)]);
+    // Its short id, as `podman ps` and `docker ps` show it.
+    let container = followed.container.as_deref().map_or("-", |id| &id[..id.len().min(12)]);
     let allocator = report.map_or("", |report| report.allocator.as_str());
     let allocator_file =
         std::path::Path::new(allocator).file_name().and_then(|name| name.to_str()).unwrap_or(allocator);
@@ -113,13 +114,13 @@ const HEAD: &str = r#"<!DOCTYPE html>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>memleak</title>
 <style>
-body { font: 15px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 64em; padding: 0 1em; color: #222; }
+body { font: 15px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 80em; padding: 0 1em; color: #222; }
 h1 { font-size: 1.4em; margin-bottom: 0.2em; }
 p.what { color: #555; margin-top: 0; }
 table { border-collapse: collapse; width: 100%; }
 th, td { padding: 0.35em 0.7em; border-bottom: 1px solid #ddd; text-align: left; }
 th { background: #f3f3f3; font-weight: 600; }
-td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 a { color: #0b57d0; }
 td.links { white-space: nowrap; }
 td.links a { margin-right: 0.6em; }
@@ -163,14 +164,11 @@ mod tests {
     #[test]
     fn a_program_named_like_markup_is_shown_as_text() {
         let published = Published {
-            targets: vec![Followed {
-                pid: 9,
-                program: "/tmp/<script>alert(1)</script>".to_owned(),
-                exited: false,
-                report: None,
-                growth: crate::serve::state::Growth::default(),
-                container: Some("<b>".to_owned()),
-            }],
+            targets: vec![Followed::new(
+                9,
+                "/tmp/<script>alert(1)</script>".to_owned(),
+                Some("<b>".to_owned()),
+            )],
             ..Published::default()
         };
         let page = render(&published);

@@ -41,6 +41,11 @@ pub struct Followed {
 }
 
 impl Followed {
+    /// A process just taken in: no report yet.
+    pub fn new(pid: u32, program: String, container: Option<String>) -> Self {
+        Self { pid, program, exited: false, report: None, growth: Growth::default(), container }
+    }
+
     /// Keeps `report` as the latest, and tracks the growth it shows. The
     /// first report after none (memleak attached, or the process ran a
     /// new program) is the baseline growth is counted from.
@@ -270,14 +275,7 @@ mod tests {
 
     #[test]
     fn growth_counts_from_the_first_report_and_streaks_end_on_a_report_without_growth() {
-        let mut followed = Followed {
-            pid: 1,
-            program: "p".to_owned(),
-            exited: false,
-            report: None,
-            growth: Growth::default(),
-            container: None,
-        };
+        let mut followed = Followed::new(1, "p".to_owned(), None);
         let mut seen = Vec::new();
         for bytes in [1000, 1500, 1600, 1600, 1700, 900, 1200] {
             followed.take_report(report_of(bytes));
@@ -288,14 +286,7 @@ mod tests {
 
     #[test]
     fn a_process_that_ran_a_new_program_counts_from_its_first_report_again() {
-        let mut followed = Followed {
-            pid: 1,
-            program: "p".to_owned(),
-            exited: false,
-            report: None,
-            growth: Growth::default(),
-            container: None,
-        };
+        let mut followed = Followed::new(1, "p".to_owned(), None);
         followed.take_report(report_of(100));
         followed.take_report(report_of(5000));
         // What the collector does on exec.
