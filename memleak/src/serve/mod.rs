@@ -1,5 +1,6 @@
 //! `memleak serve`: a daemon that follows processes and serves their
-//! latest reports over HTTP, for Prometheus and curl.
+//! latest reports over HTTP, for Prometheus, `go tool pprof`, curl and
+//! a browser.
 //!
 //! Two threads. This one drives the `Session` (which is not `Send`): a
 //! round of reports every interval, or sooner when a request asks for

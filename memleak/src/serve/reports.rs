@@ -111,7 +111,13 @@ async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Res
             }
             Ok(report)
         }
-        Ok(Ok(None)) => Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} is no longer traced"))),
+        // It exited while the request waited: its last report, if kept.
+        Ok(Ok(None)) => {
+            match board.latest().targets.iter().find(|followed| followed.pid == pid && followed.exited) {
+                Some(exited) => last_report(exited, asked, window.is_some()),
+                None => Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} is no longer traced"))),
+            }
+        }
         Ok(Err(error)) => Err(Refusal::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("cannot take pid {pid}'s report: {error}"),

@@ -122,13 +122,17 @@ pub struct Soak {
     /// Processes the daemon listed at some point.
     followed: usize,
     scrapes: u32,
-    /// Scrapes answered other than 200 (a pprof of a process that had
-    /// just been forgotten gets 404, and counts here).
-    failed_scrapes: u32,
+    /// Scrapes answered other than 200, by endpoint and answer (a pprof
+    /// of a process forgotten since it was listed gets 404).
+    failed_scrapes: std::collections::BTreeMap<String, u32>,
 }
 
 /// Followed processes are forgotten this long after they exit.
 const SOAK_RETAIN: &str = "5s";
+
+/// Past `SOAK_RETAIN`, with a second to spare: every process that exited
+/// is forgotten.
+const RETAINED_AND_FORGOTTEN: Duration = Duration::from_secs(7);
 
 /// Runs `memleak serve --exe` on `soak_leaker` (the leaker, built under
 /// a name of its own), and starts `plan.processes` short-lived leakers
@@ -136,7 +140,14 @@ const SOAK_RETAIN: &str = "5s";
 pub fn soak(memleak: &Path, soak_leaker: &Path, plan: &SoakPlan) -> Result<Soak> {
     let name = soak_leaker.file_name().and_then(|name| name.to_str()).context("a leaker's name")?;
     let daemon = Daemon::start(memleak, &["--exe", name, "--retain", SOAK_RETAIN, "--interval", "1"])?;
-    thread::sleep(Duration::from_secs(2));
+    // What is made once, for the first process followed (the fork
+    // tracepoint's link, say), is in place at the start.
+    let mut first = short_lived(soak_leaker)?;
+    let since = Instant::now();
+    while !lived_its_life(since, &mut first) {
+        thread::sleep(Duration::from_millis(100));
+    }
+    thread::sleep(RETAINED_AND_FORGOTTEN);
     let start = daemon.holdings()?;
     let mut scraping = Scraping::default();
     let spacing = plan.duration / plan.processes.max(1);
@@ -154,8 +165,7 @@ pub fn soak(memleak: &Path, soak_leaker: &Path, plan: &SoakPlan) -> Result<Soak>
         scraping.scrape(&daemon);
         thread::sleep(Duration::from_secs(1));
     }
-    // Past the retention, every process is forgotten.
-    thread::sleep(Duration::from_secs(7));
+    thread::sleep(RETAINED_AND_FORGOTTEN);
     let end = daemon.holdings()?;
     Ok(Soak {
         start,
@@ -187,10 +197,14 @@ pub fn print_soak(plan: &SoakPlan, soak: &Result<Soak>) {
     row("RSS (KiB)", soak.start.rss_kib, soak.end.rss_kib);
     row("open descriptors", soak.start.descriptors, soak.end.descriptors);
     row("BPF map entries", soak.start.map_entries, soak.end.map_entries);
+    let failed: u32 = soak.failed_scrapes.values().sum();
     println!(
-        "  {} of {} processes followed; {} scrapes, {} not answered 200",
-        soak.followed, soak.started, soak.scrapes, soak.failed_scrapes
+        "  {} of {} processes followed (a first one came and went before the start); {} scrapes, {failed} not answered 200",
+        soak.followed, soak.started, soak.scrapes
     );
+    for (failure, count) in &soak.failed_scrapes {
+        println!("    {count} x {failure}");
+    }
 }
 
 /// A leaker that waits half a second, leaks, and a second later exits.
@@ -224,17 +238,26 @@ fn lived_its_life(since: Instant, child: &mut Child) -> bool {
 struct Scraping {
     seen: std::collections::BTreeSet<u64>,
     scrapes: u32,
-    failed: u32,
+    failed: std::collections::BTreeMap<String, u32>,
 }
 
 impl Scraping {
     fn scrape(&mut self, daemon: &Daemon) {
         let mut count = |answer: Result<String>| {
             self.scrapes += 1;
-            if answer.is_err() {
-                self.failed += 1;
-            }
-            answer.ok()
+            answer
+                .map_err(|error| {
+                    // `GET /path?query: status`: the endpoint and the status.
+                    let error = error.to_string();
+                    let failure = match error.split_once('?') {
+                        Some((endpoint, rest)) => {
+                            format!("{endpoint}: {}", rest.split_once(": ").map_or("", |(_, status)| status))
+                        }
+                        None => error,
+                    };
+                    *self.failed.entry(failure).or_default() += 1;
+                })
+                .ok()
         };
         let _ = count(get(daemon.port, "/metrics"));
         let Some(targets) = count(get(daemon.port, "/api/v1/targets")) else { return };
@@ -339,7 +362,11 @@ fn get(port: u16, path: &str) -> Result<String> {
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").context("no end of the response's head")?;
     if !head.starts_with("HTTP/1.1 200") {
-        bail!("GET {path}: {}", head.lines().next().unwrap_or_default());
+        // The reason, its numbers (pids) left out so that alike failures
+        // are counted together.
+        let reason: String =
+            body.lines().next().unwrap_or_default().chars().filter(|c| !c.is_ascii_digit()).collect();
+        bail!("GET {path}: {} ({reason})", head.lines().next().unwrap_or_default());
     }
     Ok(body.to_owned())
 }
