@@ -233,7 +233,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH")]
     pub cgroup: Vec<PathBuf>,
 
-    /// Follow every process whose executable's file name is NAME, those
+    /// Follow every process whose executable's file name is NAME, or that
+    /// was started under that name (through a symlink, say), those
     /// started later included. May be repeated.
     #[arg(long, value_name = "NAME")]
     pub exe: Vec<String>,

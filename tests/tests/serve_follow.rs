@@ -72,6 +72,26 @@ fn exe_follows_a_leaker_started_after_the_daemon() {
     stop(memleak);
 }
 
+/// A program started through a symlink, as Debian starts redis-server
+/// (a link to redis-check-rdb), is followed by the link's name, the name
+/// `ps` shows, though /proc/PID/exe names the file linked to.
+#[test]
+fn exe_follows_a_program_by_the_name_it_was_started_under() {
+    let (dir, binary, _) = named_leaker("target");
+    let link_name = format!("leaker-link-{}", std::process::id());
+    let link = dir.path().join(&link_name);
+    std::os::unix::fs::symlink(&binary, &link).expect("link to the leaker");
+    let (mut memleak, port) = serve(&["--exe", &link_name]);
+    let mut leaker = start_waiting(&link);
+    let pid = leaker.pid();
+    let tracing = format!("memleak: tracing pid {pid} (");
+    memleak.stderr.wait_for("memleak to follow the linked program", |line| line.starts_with(&tracing));
+    leaker.go();
+    targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
+    leaker.exit();
+    stop(memleak);
+}
+
 /// A fresh cgroup v2 directory named `name` under the hierarchy's mount,
 /// found from /proc/self/mountinfo; removed when dropped.
 struct TestCgroup(PathBuf);

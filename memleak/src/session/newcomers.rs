@@ -154,8 +154,7 @@ impl Session {
 
     /// Whether process `pid` is one a cgroup or executable followed names.
     fn selects(&self, pid: u32) -> bool {
-        let exe_matches =
-            !self.exes.is_empty() && executable_name(pid).is_some_and(|name| self.exes.contains(&name));
+        let exe_matches = !self.exes.is_empty() && runs_one_of(pid, &self.exes);
         exe_matches || (!self.cgroups.is_empty() && self.in_followed_cgroup(pid))
     }
 
@@ -208,6 +207,35 @@ impl Session {
     }
 }
 
+/// Whether process `pid` runs one of the programs `names` names: by its
+/// executable's file name, or by the name it was started under, as `ps`
+/// and `pgrep` show it. They differ for a program started through a
+/// symlink: Debian's redis-server is a link to redis-check-rdb.
+fn runs_one_of(pid: u32, names: &[String]) -> bool {
+    let executable = executable_name(pid);
+    let started_as = command_name(pid);
+    names.iter().any(|name| {
+        executable.as_deref() == Some(name.as_str())
+            || started_as.as_deref().is_some_and(|comm| comm_names(comm, name))
+    })
+}
+
+/// Whether `comm`, a process's name as the kernel keeps it (the file name
+/// it was started under, cut to 15 bytes), is `name`.
+fn comm_names(comm: &str, name: &str) -> bool {
+    comm == name || (name.len() > MAX_COMM && name.as_bytes().get(..MAX_COMM) == Some(comm.as_bytes()))
+}
+
+/// The bytes of a name the kernel keeps of a process (`TASK_COMM_LEN`
+/// less its NUL).
+const MAX_COMM: usize = 15;
+
+/// /proc/PID/comm, without its line feed.
+fn command_name(pid: u32) -> Option<String> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    Some(comm.trim_end_matches('\n').to_owned())
+}
+
 /// The file name of process `pid`'s executable, without the " (deleted)"
 /// the kernel adds once the file is replaced; `None` for a kernel thread
 /// or a process gone.
@@ -217,13 +245,25 @@ fn executable_name(pid: u32) -> Option<String> {
     Some(name.strip_suffix(" (deleted)").unwrap_or(name).to_owned())
 }
 
-/// The processes running now whose executable's file name is one of
-/// `exes`.
+/// The processes running now that run one of the programs `exes` names.
 fn processes_running(exes: &[String]) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     entries
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| executable_name(pid).is_some_and(|name| exes.contains(&name)))
+        .filter(|&pid| runs_one_of(pid, exes))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_matches_the_comm_the_kernel_cut_to_15_bytes() {
+        assert!(comm_names("redis-server", "redis-server"));
+        assert!(comm_names("a-very-long-dae", "a-very-long-daemon-name"));
+        assert!(!comm_names("a-very-long-dae", "a-very-long-da"), "a shorter name is another program");
+        assert!(!comm_names("redis-server", "redis"));
+    }
 }
