@@ -63,6 +63,10 @@ pub enum SessionError {
 /// How often the walkers' rescan requests are looked at.
 const RESCAN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// How often a newcomer whose loader is still mapping its libraries is
+/// planned again (see `newcomers::LOADING_WATCH`).
+const LOADING_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// How a session traces, whatever it traces.
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
@@ -155,6 +159,10 @@ pub struct Session {
     /// How often the walkers' requests to rescan a process are taken: a
     /// library loaded since gets its rows before it allocates much.
     rescan_poll: tokio::time::Interval,
+    /// Newcomers found at their execve before their allocator was mapped,
+    /// with when memleak stops trying them this often.
+    loading: std::collections::HashMap<u32, std::time::Instant>,
+    loading_poll: tokio::time::Interval,
     /// Targets that called execve, their old program's report not taken.
     execs: std::collections::VecDeque<u32>,
     /// Whether the targets' children are followed.
@@ -211,6 +219,8 @@ impl Session {
             mapping_events: None,
             unwind: None,
             rescan_poll: tokio::time::interval(RESCAN_POLL),
+            loading: std::collections::HashMap::new(),
+            loading_poll: tokio::time::interval(LOADING_POLL),
             execs: std::collections::VecDeque::new(),
             follow_forks: config.follow_forks,
             watching_forks: false,
@@ -611,6 +621,11 @@ impl Session {
                     }
                 },
                 _ = self.rescan_poll.tick(), if self.unwind.is_some() => self.take_rescan_requests()?,
+                _ = self.loading_poll.tick(), if !self.loading.is_empty() => {
+                    if let Some(pid) = self.take_loaded() {
+                        return Ok(SessionEvent::Joined { pid });
+                    }
+                }
             }
         }
     }

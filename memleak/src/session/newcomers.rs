@@ -21,6 +21,13 @@ use crate::process::{
 /// mapped; under load that lasts longer than one look.
 const LOADER_GRACE: Duration = Duration::from_secs(1);
 
+/// How long a newcomer found at its execve, its allocator not mapped
+/// yet, is planned again every `LOADING_POLL`: its loader maps its
+/// libraries within milliseconds, and each allocation made before its
+/// probes are in is not seen. After that the look through /proc takes
+/// over.
+const LOADING_WATCH: Duration = Duration::from_millis(200);
+
 /// A newcomer memleak could not plan.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct PlanFailure {
@@ -97,7 +104,14 @@ impl Session {
         let (plan, space) = match plan_process(pid, &self.allocator) {
             Ok(planned) => planned,
             Err(error) if at_exec => {
-                log::debug!("pid {pid}{whose}: not planned at its execve, left to the next look: {error}");
+                // Its loader has yet to map its libraries: it is planned
+                // again as soon as they may be there.
+                let watched_until = Instant::now() + LOADING_WATCH;
+                if self.loading.insert(pid, watched_until).is_none() {
+                    log::debug!(
+                        "pid {pid}{whose}: not planned at its execve, tried again as it loads: {error}"
+                    );
+                }
                 return false;
             }
             Err(error) => {
@@ -187,6 +201,24 @@ impl Session {
             return false;
         }
         self.take_in(pid, "", at_exec)
+    }
+
+    /// Plans again the newcomers whose loader was still mapping their
+    /// libraries. Returns the first taken in, if any.
+    pub(super) fn take_loaded(&mut self) -> Option<u32> {
+        let now = Instant::now();
+        self.loading.retain(|_, watched_until| *watched_until > now);
+        let loading: Vec<u32> = self.loading.keys().copied().collect();
+        for pid in loading {
+            if self.adopt_at(pid, true) {
+                self.loading.remove(&pid);
+                if let Some(target) = self.targets.last_mut() {
+                    target.found_at_exec = true;
+                }
+                return Some(pid);
+            }
+        }
+        None
     }
 
     /// Takes in the processes that called execve untraced and that a

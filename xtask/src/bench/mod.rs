@@ -184,10 +184,15 @@ fn probe_costs(workload: &Workload, runs: usize, heaptrack_installed: bool) -> R
 fn daemon(memleak: &std::path::Path, spread: &std::path::Path, soak: &serve::SoakPlan) -> Result<()> {
     eprintln!("bench: memleak serve, one scrape of each endpoint at 10,000 stacks");
     serve::print_scrapes(SCRAPED_ALLOCATIONS, &serve::measure_scrapes(memleak, spread, SCRAPED_ALLOCATIONS));
+    eprintln!("bench: memleak serve --exe, picking up a python3 that starts after it");
+    serve::print_pickup(&serve::measure_pickup(memleak, PICKUP_RUNS));
     eprintln!("bench: memleak serve's soak, {} s", soak.duration.as_secs());
     serve::print_soak(soak, &serve::soak(memleak, &serve::soak_leaker()?, soak));
     Ok(())
 }
+
+/// Runs of the `--exe` pickup: its misses come in some runs only.
+const PICKUP_RUNS: usize = 7;
 
 /// Allocations outstanding, over 10,000 stacks, when scrapes are timed.
 const SCRAPED_ALLOCATIONS: u64 = 20_000;

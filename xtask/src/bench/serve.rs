@@ -207,6 +207,60 @@ pub fn print_soak(plan: &SoakPlan, soak: &Result<Soak>) {
     }
 }
 
+/// Allocations the pickup's python makes, a millisecond apart, from its
+/// start.
+const PICKUP_ALLOCATIONS: u64 = 200;
+
+/// How soon `--exe` takes in a program that starts after the daemon:
+/// Debian's python3 makes `PICKUP_ALLOCATIONS` blocks of 100,000 bytes a
+/// millisecond apart from its start, and the allocations the daemon saw
+/// are counted, in each of `runs` runs.
+pub fn measure_pickup(memleak: &Path, runs: usize) -> Result<Vec<u64>> {
+    let python = std::fs::canonicalize("/usr/bin/python3").context("no /usr/bin/python3")?;
+    let name = python.file_name().and_then(|name| name.to_str()).context("python's name")?.to_owned();
+    let script = format!(
+        "import time\nx = []\nfor i in range({PICKUP_ALLOCATIONS}):\n    x.append(bytearray(100000))\n    time.sleep(0.001)\ntime.sleep(30)\n"
+    );
+    (0..runs)
+        .map(|_| {
+            let daemon = Daemon::start(memleak, &["--exe", &name])?;
+            let mut program = Command::new(&python)
+                .args(["-c", &script])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("cannot run python3")?;
+            let pid = program.id();
+            // Its allocations are all made well within this.
+            thread::sleep(Duration::from_secs(2));
+            let seen = daemon.outstanding_allocations(pid);
+            let _ = program.kill();
+            let _ = program.wait();
+            seen
+        })
+        .collect()
+}
+
+pub fn print_pickup(seen: &Result<Vec<u64>>) {
+    println!(
+        "\nmemleak serve --exe: of {PICKUP_ALLOCATIONS} allocations python3 makes a millisecond apart from its start, those seen"
+    );
+    match seen {
+        Ok(seen) => {
+            let mut sorted = seen.clone();
+            sorted.sort_unstable();
+            let runs: Vec<String> = seen.iter().map(u64::to_string).collect();
+            println!(
+                "  median {} (lowest {}), runs: {}",
+                sorted[sorted.len() / 2],
+                sorted.first().copied().unwrap_or(0),
+                runs.join(", ")
+            );
+        }
+        Err(error) => println!("  not measured: {error:#}"),
+    }
+}
+
 /// A leaker that waits half a second, leaks, and a second later exits.
 fn short_lived(program: &Path) -> Result<Child> {
     Command::new(program)
@@ -322,6 +376,15 @@ impl Daemon {
             thread::sleep(Duration::from_millis(200));
         }
         Ok(())
+    }
+
+    /// The outstanding allocations `/api/v1/targets` gives process `pid`;
+    /// 0 if it is not listed.
+    fn outstanding_allocations(&self, pid: u32) -> Result<u64> {
+        let listed: serde_json::Value = serde_json::from_str(&get(self.port, "/api/v1/targets")?)?;
+        let targets = listed["targets"].as_array().cloned().unwrap_or_default();
+        let target = targets.iter().find(|target| target["pid"] == u64::from(pid));
+        Ok(target.and_then(|target| target["outstanding_allocations"].as_u64()).unwrap_or(0))
     }
 
     fn holdings(&self) -> Result<Holdings> {
