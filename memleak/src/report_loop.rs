@@ -189,7 +189,7 @@ async fn drive(
                 drop(ack);
                 // Its final report is out; the others go on. A cgroup's run
                 // goes on even with none: processes may join it later.
-                session.remove_target(pid)?;
+                session.remove_exited_target(pid)?;
             }
             Round::Interval | Round::Last => {}
         }

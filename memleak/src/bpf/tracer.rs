@@ -190,6 +190,9 @@ pub struct Tracer {
     btf_parsing: Option<std::thread::JoinHandle<Result<aya::Btf, TracerError>>>,
     /// When the first uprobe was attached.
     first_attached: Option<std::time::Instant>,
+    /// Where the links of processes that exited go to be closed, by one
+    /// thread started the first time (see `detach_exited`).
+    closer: Option<std::sync::mpsc::Sender<Links>>,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -332,7 +335,15 @@ impl Tracer {
             load_for_perf_events(&mut ebpf)?;
             None
         };
-        Ok(Self { ebpf, multi, load_time: started.elapsed(), btf: None, btf_parsing, first_attached: None })
+        Ok(Self {
+            ebpf,
+            multi,
+            load_time: started.elapsed(),
+            btf: None,
+            btf_parsing,
+            first_attached: None,
+            closer: None,
+        })
     }
 
     /// How long loading took, the kernel's verifier most of it.
@@ -402,6 +413,34 @@ impl Tracer {
                 // A probe on a process that is gone may already be gone too.
                 let _ = probe.detach(link);
             }
+        }
+    }
+
+    /// As `detach`, for the probes of a process that has exited, which
+    /// can no longer fire: its multi-uprobe links are closed by a thread
+    /// of their own, one exit after another, so that their RCU grace
+    /// period (50 to 100 ms) holds up nothing, a newcomer's pickup least
+    /// of all.
+    pub fn detach_exited(&mut self, mut links: Links) {
+        let multi = std::mem::take(&mut links.multi);
+        self.detach(links);
+        if multi.is_empty() {
+            return;
+        }
+        let closing = Links { links: Vec::new(), multi };
+        let closer = self.closer.get_or_insert_with(|| {
+            let (sender, receiver) = std::sync::mpsc::channel::<Links>();
+            let started = std::thread::Builder::new()
+                .name("memleak-unlink".to_owned())
+                .spawn(move || receiver.into_iter().for_each(drop));
+            if let Err(error) = started {
+                log::debug!("no thread to close the probes of exited processes aside ({error}): they are closed at once");
+            }
+            sender
+        });
+        // With no thread to take them, they come back and are closed here.
+        if let Err(std::sync::mpsc::SendError(links)) = closer.send(closing) {
+            drop(links);
         }
     }
 

@@ -245,7 +245,7 @@ impl Collector {
                 status::say(&format!("pid {pid} exited; its last report stays for {:?}", self.retain));
                 self.round_with(session, board, Some(pid), &LAST_REPORT);
                 drop(ack);
-                session.remove_target(pid)?;
+                session.remove_exited_target(pid)?;
                 self.mark_exited(pid);
                 self.publish(board);
             }

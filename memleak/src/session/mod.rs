@@ -163,6 +163,8 @@ pub struct Session {
     /// with when memleak stops trying them this often.
     loading: std::collections::HashMap<u32, std::time::Instant>,
     loading_poll: tokio::time::Interval,
+    /// The plans of the programs newcomers ran, for their next runs.
+    plans_by_program: std::collections::HashMap<newcomers::ProgramKey, AttachPlan>,
     /// Targets that called execve, their old program's report not taken.
     execs: std::collections::VecDeque<u32>,
     /// Whether the targets' children are followed.
@@ -221,6 +223,7 @@ impl Session {
             rescan_poll: tokio::time::interval(RESCAN_POLL),
             loading: std::collections::HashMap::new(),
             loading_poll: tokio::time::interval(LOADING_POLL),
+            plans_by_program: std::collections::HashMap::new(),
             execs: std::collections::VecDeque::new(),
             follow_forks: config.follow_forks,
             watching_forks: false,
@@ -545,6 +548,7 @@ impl Session {
             self.refresh_target(index)?;
         }
         self.forget_untraced()?;
+        self.confirm_early_plans();
         let before = self.targets.len();
         // A process found in /proc has made its execve, which the exec
         // tracepoint has put in the ring by then: taken from there first,
@@ -704,13 +708,25 @@ impl Session {
     /// left in every BPF map and its stacks. For a process that has exited
     /// and had its final report.
     pub fn remove_target(&mut self, pid: u32) -> Result<(), SessionError> {
+        self.remove(pid, false)
+    }
+
+    /// As `remove_target`, for a process that has exited: its probes can
+    /// no longer fire, and are taken out without waiting for the kernel.
+    pub fn remove_exited_target(&mut self, pid: u32) -> Result<(), SessionError> {
+        self.remove(pid, true)
+    }
+
+    fn remove(&mut self, pid: u32, exited: bool) -> Result<(), SessionError> {
         let Some(index) = self.targets.iter().position(|target| target.pid == pid) else { return Ok(()) };
         let target = self.targets.remove(index);
         if let Some(watch) = &target.exit_watch {
             watch.abort();
         }
-        if let Some(links) = target.links {
-            self.tracer.detach(links);
+        match target.links {
+            Some(links) if exited => self.tracer.detach_exited(links),
+            Some(links) => self.tracer.detach(links),
+            None => {}
         }
         if pid != KERNEL_TGID {
             self.tracer.forget_process(pid)?;

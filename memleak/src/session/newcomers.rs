@@ -5,6 +5,7 @@
 
 use std::{
     collections::HashSet,
+    os::unix::fs::MetadataExt as _,
     time::{Duration, Instant},
 };
 
@@ -14,6 +15,7 @@ use crate::process::{
     identity::ProcessKey,
     lifecycle,
 };
+use crate::{attach::AttachPlan, process::AddressSpace};
 
 /// How long a newcomer's allocator may stay unmapped before memleak
 /// takes it to have none it knows. A process found just after its
@@ -27,6 +29,41 @@ const LOADER_GRACE: Duration = Duration::from_secs(1);
 /// probes are in is not seen. After that the look through /proc takes
 /// over.
 const LOADING_WATCH: Duration = Duration::from_millis(200);
+
+/// Programs whose plans are kept for their next runs, at most: past it,
+/// the plans are dropped and made again.
+const PLANS_KEPT: usize = 64;
+
+/// A program as its dynamic loader loads it: its executable file, and the
+/// `LD_` variables of its environment, which may change what it loads.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) struct ProgramKey {
+    device: u64,
+    inode: u64,
+    loader_environment: Vec<Vec<u8>>,
+}
+
+impl ProgramKey {
+    fn of(pid: u32) -> Option<Self> {
+        let executable = std::fs::metadata(format!("/proc/{pid}/exe")).ok()?;
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let loader_environment = environ
+            .split(|&byte| byte == 0)
+            .filter(|variable| variable.starts_with(b"LD_"))
+            .map(<[u8]>::to_vec)
+            .collect();
+        Some(Self { device: executable.dev(), inode: executable.ino(), loader_environment })
+    }
+}
+
+/// Whether two plans probe the same allocator file.
+fn same_file(a: &AttachPlan, b: &AttachPlan) -> bool {
+    let id = |plan: &AttachPlan| {
+        let metadata = plan.object.as_ref()?.metadata().ok()?;
+        Some((metadata.dev(), metadata.ino()))
+    };
+    id(a).is_some() && id(a) == id(b)
+}
 
 /// A newcomer memleak could not plan.
 #[derive(Clone, Copy, Debug)]
@@ -101,30 +138,13 @@ impl Session {
             self.refuse_past_bound(pid, whose);
             return false;
         }
-        let (plan, space) = match plan_process(pid, &self.allocator) {
-            Ok(planned) => planned,
-            Err(error) if at_exec => {
-                // Its loader has yet to map its libraries: it is planned
-                // again as soon as they may be there.
-                let watched_until = Instant::now() + LOADING_WATCH;
-                if self.loading.insert(pid, watched_until).is_none() {
-                    log::debug!(
-                        "pid {pid}{whose}: not planned at its execve, tried again as it loads: {error}"
-                    );
-                }
-                return false;
-            }
-            Err(error) => {
-                if self.give_up_planning(pid) {
-                    log::warn!("not tracing pid {pid}{whose}: {error}");
-                } else {
-                    log::debug!("pid {pid}{whose}: not planned yet, left to the next look: {error}");
-                }
-                return false;
-            }
+        let Some((plan, space, planned_before_loading)) = self.plan_newcomer(pid, whose, at_exec) else {
+            return false;
         };
+        let mut target = Target::process(pid, plan, space);
+        target.planned_before_loading = planned_before_loading;
         let traced = self
-            .add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))
+            .add(target, UProbeScope::OneProcess(nonzero(pid)))
             .and_then(|()| self.follow_children_of(pid));
         if let Err(error) = traced {
             // Processes come and go: one that exits while memleak
@@ -133,6 +153,97 @@ impl Session {
             return false;
         }
         true
+    }
+
+    /// Plans newcomer `pid`'s probes, or says why not. At its execve its
+    /// loader has mapped none of its libraries yet: if an earlier run of
+    /// the same program was planned, its plan is taken at once, the
+    /// probes placed on the allocator's file before it is mapped (the
+    /// kernel puts them in when it is), and `true` says the plan awaits
+    /// confirmation; else it is planned again as it loads (`loading`).
+    fn plan_newcomer(
+        &mut self,
+        pid: u32,
+        whose: &str,
+        at_exec: bool,
+    ) -> Option<(AttachPlan, AddressSpace, bool)> {
+        match plan_process(pid, &self.allocator) {
+            Ok((plan, space)) => {
+                self.remember_plan(pid, &plan);
+                Some((plan, space, false))
+            }
+            Err(error) if at_exec => {
+                if let Some((plan, space)) = self.plan_of_an_earlier_run(pid) {
+                    log::debug!(
+                        "pid {pid}{whose}: probed at its execve as an earlier run of its program was"
+                    );
+                    return Some((plan, space, true));
+                }
+                // Its loader has yet to map its libraries: it is planned
+                // again as soon as they may be there.
+                let watched_until = Instant::now() + LOADING_WATCH;
+                if self.loading.insert(pid, watched_until).is_none() {
+                    log::debug!(
+                        "pid {pid}{whose}: not planned at its execve, tried again as it loads: {error}"
+                    );
+                }
+                None
+            }
+            Err(error) => {
+                if self.give_up_planning(pid) {
+                    log::warn!("not tracing pid {pid}{whose}: {error}");
+                } else {
+                    log::debug!("pid {pid}{whose}: not planned yet, left to the next look: {error}");
+                }
+                None
+            }
+        }
+    }
+
+    /// Keeps `plan`, made for process `pid`, for the next runs of its
+    /// program.
+    fn remember_plan(&mut self, pid: u32, plan: &AttachPlan) {
+        let Some(program) = ProgramKey::of(pid) else { return };
+        if self.plans_by_program.len() >= PLANS_KEPT && !self.plans_by_program.contains_key(&program) {
+            self.plans_by_program.clear();
+        }
+        self.plans_by_program.insert(program, plan.clone());
+    }
+
+    /// The plan of an earlier run of the program process `pid` runs, and
+    /// its address space as it is now.
+    fn plan_of_an_earlier_run(&self, pid: u32) -> Option<(AttachPlan, AddressSpace)> {
+        let plan = self.plans_by_program.get(&ProgramKey::of(pid)?)?.clone();
+        Some((plan, AddressSpace::read(pid).ok()?))
+    }
+
+    /// Checks the plans of targets probed before their libraries were
+    /// mapped, once they are: a target whose allocator turns out to be
+    /// another file than its program's earlier run's is planned again.
+    pub(super) fn confirm_early_plans(&mut self) {
+        let unconfirmed: Vec<u32> = self
+            .targets
+            .iter()
+            .filter(|target| target.planned_before_loading)
+            .map(|target| target.pid)
+            .collect();
+        for pid in unconfirmed {
+            let Some(target) = self.targets.iter_mut().find(|target| target.pid == pid) else { continue };
+            let Ok(now) = crate::attach::plan::plan_for_process(&target.space, &self.allocator) else {
+                continue; // Still loading.
+            };
+            if same_file(&now, &target.plan) {
+                target.planned_before_loading = false;
+                continue;
+            }
+            log::debug!(
+                "pid {pid}: its allocator is {}, not its earlier run's: planned again",
+                now.display_path
+            );
+            if self.remove_target(pid).is_ok() {
+                self.take_in(pid, "", false);
+            }
+        }
     }
 
     /// Counts process `pid`, left untraced because --max-processes is

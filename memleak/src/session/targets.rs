@@ -96,6 +96,10 @@ pub struct Target {
     /// It was found at its execve (see `MappingChange::Launched`), not by
     /// a look through /proc.
     pub found_at_exec: bool,
+    /// Its probes were placed at its execve with the plan of an earlier
+    /// run of its program, before its loader mapped the allocator; the
+    /// session checks the plan once it has.
+    pub planned_before_loading: bool,
 }
 
 impl Target {
@@ -121,6 +125,7 @@ impl Target {
             start_time: ProcessKey::of(pid).map_or(0, |key| key.start_time),
             container: container::container_of(pid),
             found_at_exec: false,
+            planned_before_loading: false,
         }
     }
 
@@ -153,6 +158,7 @@ impl Target {
             start_time: 0,
             container: None,
             found_at_exec: false,
+            planned_before_loading: false,
         }
     }
 
