@@ -409,4 +409,33 @@ mod tests {
         assert!(!comm_names("a-very-long-dae", "a-very-long-da"), "a shorter name is another program");
         assert!(!comm_names("redis-server", "redis"));
     }
+
+    #[test]
+    fn a_program_is_known_by_its_file_and_its_loader_environment() {
+        let start = |program: &str, environment: &[(&str, &str)]| {
+            let argument = if program == "tail" { ["-f", "/dev/null"].as_slice() } else { ["30"].as_slice() };
+            std::process::Command::new(program)
+                .args(argument)
+                .envs(environment.iter().copied())
+                .stdin(std::process::Stdio::null())
+                .spawn()
+                .expect("start a program")
+        };
+        let mut processes = [
+            start("sleep", &[]),
+            start("sleep", &[("HOME", "/elsewhere")]),
+            start("sleep", &[("LD_BIND_NOW", "1")]),
+            start("tail", &[]),
+        ];
+        let keys: Vec<Option<ProgramKey>> =
+            processes.iter().map(|process| ProgramKey::of(process.id())).collect();
+        for process in &mut processes {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+        assert!(keys.iter().all(Option::is_some), "{keys:?}");
+        assert_eq!(keys[0], keys[1], "another environment, but the same for the loader");
+        assert_ne!(keys[0], keys[2], "LD_BIND_NOW changes how the loader loads");
+        assert_ne!(keys[0], keys[3], "another program");
+    }
 }
