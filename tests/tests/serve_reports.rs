@@ -66,7 +66,10 @@ fn go_tool_pprof_fetches_the_heap_and_a_window_shows_only_its_growth() {
     assert_eq!(unknown.status, 404, "{unknown:#?}");
     assert_eq!(unknown.body, "pid 1 is not followed: /api/v1/targets lists those that are\n");
     let absent = get(port, "/debug/pprof/heap").expect("GET without pid");
-    assert_eq!((absent.status, absent.body.as_str()), (400, "which process? add ?pid=PID\n"));
+    assert_eq!(
+        (absent.status, absent.body.as_str()),
+        (400, "which process? add ?pid=PID; /api/v1/targets lists those followed\n")
+    );
     stop(memleak);
 }
 

@@ -63,7 +63,7 @@ impl Params {
     /// The process a report is asked for.
     pub fn pid(&self) -> Result<u32, String> {
         let pid = self.number("pid", 1..=u64::from(u32::MAX))?;
-        let pid = pid.ok_or("which process? add ?pid=PID")?;
+        let pid = pid.ok_or("which process? add ?pid=PID; /api/v1/targets lists those followed")?;
         u32::try_from(pid).map_err(|_| format!("pid={pid} is not a pid"))
     }
 
@@ -155,7 +155,7 @@ mod tests {
         let reason = |query: &str| refused(query).expect_err(query);
         assert!(reason("pid=1&colour=red").starts_with("unknown parameter \"colour\""));
         assert_eq!(reason("pid=1&pid=2"), "parameter \"pid\" is given twice");
-        assert_eq!(reason("format=svg"), "which process? add ?pid=PID");
+        assert_eq!(reason("format=svg"), "which process? add ?pid=PID; /api/v1/targets lists those followed");
         assert_eq!(reason("pid=x"), "pid=\"x\" is not a whole number from 1 to 4294967295");
         assert_eq!(reason("pid=1&seconds=91"), "seconds=\"91\" is not a whole number from 1 to 90");
         assert_eq!(reason("pid=1&format=png"), "format=\"png\" is not one of text, json, folded, svg, pprof");
