@@ -131,7 +131,12 @@ pub fn render(published: &Published) -> String {
     let reported: Vec<&Followed> = published
         .targets
         .iter()
-        .filter(|followed| followed.report.is_some() && !superseded(followed, &published.targets))
+        // One set of series per pid: that of the process it names now, as
+        // two with the same labels must not be in one scrape.
+        .filter(|followed| {
+            followed.report.is_some()
+                && published.named_by(followed.pid).is_some_and(|named| std::ptr::eq(named, *followed))
+        })
         .collect();
     for metric in PROCESS_METRICS {
         header(&mut out, metric.name, metric.kind, metric.help);
@@ -153,13 +158,6 @@ pub fn render(published: &Published) -> String {
     );
     let _ = writeln!(out, "memleak_processes_not_followed_total {}", published.processes_not_followed);
     out
-}
-
-/// Whether `followed` exited and its pid now names another process
-/// followed: its retained report would give series with the same labels
-/// as the new process's, which a scrape must not hold twice.
-fn superseded(followed: &Followed, targets: &[Followed]) -> bool {
-    followed.exited && targets.iter().any(|other| other.pid == followed.pid && !other.exited)
 }
 
 /// The largest stacks of each process; nothing, headers included, when

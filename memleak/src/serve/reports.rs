@@ -76,11 +76,7 @@ async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Res
     let pid = params.pid().map_err(bad)?;
     let window = params.window().map_err(bad)?;
     let published = board.latest();
-    // A pid the kernel gave again names the live process, not the
-    // retained report of the one that exited.
-    let with_pid = || published.targets.iter().filter(|followed| followed.pid == pid);
-    let Some(followed) = with_pid().find(|followed| !followed.exited).or_else(|| with_pid().next_back())
-    else {
+    let Some(followed) = published.named_by(pid) else {
         let reason = format!("pid {pid} is not followed: {TARGETS_URL} lists those that are");
         return Err(Refusal::new(StatusCode::NOT_FOUND, reason));
     };
@@ -112,12 +108,10 @@ async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Res
             Ok(report)
         }
         // It exited while the request waited: its last report, if kept.
-        Ok(Ok(None)) => {
-            match board.latest().targets.iter().find(|followed| followed.pid == pid && followed.exited) {
-                Some(exited) => last_report(exited, asked, window.is_some()),
-                None => Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} is no longer traced"))),
-            }
-        }
+        Ok(Ok(None)) => match board.latest().named_by(pid).filter(|followed| followed.exited) {
+            Some(exited) => last_report(exited, asked, window.is_some()),
+            None => Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} is no longer traced"))),
+        },
         Ok(Err(error)) => Err(Refusal::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("cannot take pid {pid}'s report: {error}"),

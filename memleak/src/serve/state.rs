@@ -24,6 +24,16 @@ pub struct Published {
     pub processes_not_followed: u64,
 }
 
+impl Published {
+    /// The process `pid` names: the one running, else the last to exit
+    /// with it. A pid the kernel gave again names the new process, never
+    /// the retained report of the old.
+    pub fn named_by(&self, pid: u32) -> Option<&Followed> {
+        let with_pid = || self.targets.iter().filter(move |followed| followed.pid == pid);
+        with_pid().find(|followed| !followed.exited).or_else(|| with_pid().next_back())
+    }
+}
+
 /// A process followed, and its latest report if one was taken.
 #[derive(Clone, Debug)]
 pub struct Followed {
