@@ -102,6 +102,9 @@ pub struct Args {
     #[command(flatten)]
     pub rendering: Rendering,
 
+    #[command(flatten)]
+    pub culprits: Culprits,
+
     /// Also save each report whole (every stack, each allocation, the
     /// symbolized frames) to FILE, for `memleak report` and `memleak diff`.
     /// Unless there is one report (COUNT 1, one process), files are
@@ -208,6 +211,24 @@ pub struct Rendering {
     pub weight: Weight,
 }
 
+/// What a stack is named by: its culprit, the first frame of the
+/// program's own code past the allocation plumbing.
+#[derive(Debug, clap::Args)]
+pub struct Culprits {
+    /// Also pass over frames whose function matches REGEX when naming a
+    /// stack's culprit, its first frame of the program's own code. REGEX
+    /// is searched in the function's name without its parameters (anchor
+    /// it with ^ and $). May be repeated.
+    #[arg(long, value_name = "REGEX")]
+    pub skip_frames: Vec<String>,
+
+    /// Pass over none of the built-in allocation wrappers and runtime
+    /// plumbing (operator new, std::, alloc::, PyMem_*, zmalloc...): a
+    /// stack's culprit is its first frame that --skip-frames does not name.
+    #[arg(long)]
+    pub no_default_skips: bool,
+}
+
 /// What memleak does instead of tracing to stdout: work on snapshots
 /// saved with --save (no root, no process needed), or serve reports.
 #[derive(Debug, Subcommand)]
@@ -268,6 +289,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub probing: Probing,
 
+    #[command(flatten)]
+    pub culprits: Culprits,
+
     /// Print debug logs (probe placement, each request's window) to
     /// stderr.
     #[arg(short, long)]
@@ -293,6 +317,9 @@ pub struct ReportArgs {
     #[command(flatten)]
     pub rendering: Rendering,
 
+    #[command(flatten)]
+    pub culprits: Culprits,
+
     /// Show the address, size and age of each outstanding allocation.
     #[arg(short = 'a', long)]
     pub show_allocs: bool,
@@ -314,6 +341,9 @@ pub struct DiffArgs {
 
     #[command(flatten)]
     pub rendering: Rendering,
+
+    #[command(flatten)]
+    pub culprits: Culprits,
 }
 
 /// How user stacks are walked.

@@ -3,16 +3,21 @@
 //! what to collect, what to show and where to write it. Every check that
 //! clap cannot express is made here, so nothing below `main` sees `Args`.
 
-use std::{net::SocketAddr, num::NonZeroU64, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, num::NonZeroU64, path::PathBuf, sync::Arc, time::Duration};
 
 use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
-    cli::{Action, Args, DiffArgs, Probing, Rendering as RenderingArgs, ReportArgs, ServeArgs, Unwind},
+    cli::{
+        Action, Args, Culprits, DiffArgs, Probing, Rendering as RenderingArgs, ReportArgs, ServeArgs, Unwind,
+    },
     collect::CollectOptions,
     model::Unwinding,
     output::{Documents, OutputConfig},
-    report::options::{Format, Rendering, ReportOptions},
+    report::{
+        culprit::SkipRules,
+        options::{Format, Rendering, ReportOptions},
+    },
     session::{ReportRequest, Selector, SessionConfig, TargetSpec},
 };
 
@@ -94,6 +99,8 @@ pub struct ReportConfig {
     pub snapshot: PathBuf,
     pub shown: ReportOptions,
     pub output: OutputConfig,
+    /// What each stack's culprit is looked for past.
+    pub skips: SkipRules,
 }
 
 /// `memleak diff BASE NEW`.
@@ -103,6 +110,8 @@ pub struct DiffConfig {
     /// Stacks kept of those that grew, and of those that shrank.
     pub top: usize,
     pub output: OutputConfig,
+    /// What each stack's culprit is looked for past.
+    pub skips: SkipRules,
 }
 
 /// Resolves the command line; the error is one line for the user.
@@ -137,6 +146,7 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
     let session = SessionConfig {
         tracer: tracer_settings(&args.probing, args.trace),
         allocator: allocator_choice(&args.probing),
+        skips: Arc::new(skip_rules(&args.culprits)?),
         follow_forks: match &target {
             TargetSpec::Command(_) => !args.no_follow_forks,
             // A cgroup's processes are probed one by one: the processes
@@ -195,6 +205,22 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
         check_unique(pids)?;
     }
     Ok(target)
+}
+
+/// The built-in table of frames passed over, unless --no-default-skips,
+/// and the --skip-frames patterns.
+fn skip_rules(culprits: &Culprits) -> Result<SkipRules, String> {
+    for pattern in &culprits.skip_frames {
+        if let Err(error) = regex::Regex::new(pattern) {
+            // The parser's message spans lines, with a caret under the
+            // fault; its last line says what is wrong.
+            let reason = error.to_string();
+            let reason = reason.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("").trim();
+            let reason = reason.strip_prefix("error: ").unwrap_or(reason);
+            return Err(format!("--skip-frames `{pattern}` is not a regular expression: {reason}"));
+        }
+    }
+    SkipRules::new(!culprits.no_default_skips, &culprits.skip_frames).map_err(|error| error.to_string())
 }
 
 fn check_filters(probing: &Probing) -> Result<(), String> {
@@ -304,6 +330,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     let session = SessionConfig {
         tracer: tracer_settings(&args.probing, false),
         allocator: allocator_choice(&args.probing),
+        skips: Arc::new(skip_rules(&args.culprits)?),
         follow_forks: follows_newcomers,
         // memleak itself, known once it runs: see `serve::run`.
         excluded: Vec::new(),
@@ -332,13 +359,13 @@ fn check_unique(pids: &[u32]) -> Result<(), String> {
 fn resolve_report(args: ReportArgs) -> Result<ReportConfig, String> {
     let output = output_of(&args.rendering, false)?;
     let shown = shown(&args.rendering, args.sort, args.show_allocs, output.rendering.format);
-    Ok(ReportConfig { snapshot: args.snapshot, shown, output })
+    Ok(ReportConfig { snapshot: args.snapshot, shown, output, skips: skip_rules(&args.culprits)? })
 }
 
 fn resolve_diff(args: DiffArgs) -> Result<DiffConfig, String> {
     let output = output_of(&args.rendering, false)?;
     let top = if output.rendering.format.wants_every_stack() { usize::MAX } else { args.rendering.top };
-    Ok(DiffConfig { base: args.base, new: args.new, top, output })
+    Ok(DiffConfig { base: args.base, new: args.new, top, output, skips: skip_rules(&args.culprits)? })
 }
 
 #[cfg(test)]

@@ -72,6 +72,20 @@ pub fn file_offset(file: &object::File, address: u64) -> Option<u64> {
     })
 }
 
+/// The loadable segments of the ELF file `file`, as (file offset, size in
+/// the file, virtual address); reads only its headers.
+pub fn load_segments(file: &std::fs::File) -> Vec<(u64, u64, u64)> {
+    let cache = object::read::ReadCache::new(file);
+    let Ok(parsed) = object::File::parse(&cache) else { return Vec::new() };
+    parsed
+        .segments()
+        .map(|segment| {
+            let (offset, size) = segment.file_range();
+            (offset, size, segment.address())
+        })
+        .collect()
+}
+
 /// The `DT_NEEDED` entries of an ELF file, in order.
 pub fn needed_libraries(data: &[u8]) -> Vec<String> {
     let Ok(header) = object::elf::FileHeader64::<object::Endianness>::parse(data) else { return Vec::new() };

@@ -156,8 +156,10 @@ pub struct Frame {
     #[serde(serialize_with = "hex_address", deserialize_with = "address_from_hex")]
     pub address: u64,
     pub function: Option<String>,
-    /// Bytes from the function's start to `address`; `None` for inlined
-    /// frames, which have no address of their own.
+    /// Bytes from the start of the function to `address`, or from the
+    /// start of its cold part (`cold_part`); `None` for inlined frames,
+    /// which have no address of their own, and where no symbol table
+    /// says where the function starts.
     pub offset: Option<u64>,
     pub file: Option<String>,
     pub line: Option<u32>,
@@ -165,6 +167,20 @@ pub struct Frame {
     pub inlined: bool,
     /// The executable or library holding the code, as the target sees it.
     pub module: Option<String>,
+    /// Where `address` lies in the module's file. With the module's build
+    /// id it names the code whatever its symbols and wherever it was
+    /// loaded: what a stack's stable id is made of, and what a
+    /// symbolizer can read later for a frame without a name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_offset: Option<u64>,
+    /// The module's GNU build id, in hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_id: Option<String>,
+    /// The address lies in the part of the function that the compiler
+    /// moved away as unlikely to run (gcc's `.cold` clones): `offset`
+    /// counts from the start of that part.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cold_part: bool,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's serialize_with hands over a reference")]

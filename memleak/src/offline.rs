@@ -22,7 +22,9 @@ pub enum OfflineError {
 }
 
 pub fn report(config: &ReportConfig) -> Result<(), OfflineError> {
-    let report = saved::read(&config.snapshot)?.into_report(&config.shown, config.output.rendering.format)?;
+    let mut report =
+        saved::read(&config.snapshot)?.into_report(&config.shown, config.output.rendering.format)?;
+    report.mark_culprits(&config.skips);
     let mut output = Output::open(&config.output, Documents::One)?;
     finish(output.report(&report), output)
 }
@@ -52,7 +54,7 @@ pub fn diff(config: &DiffConfig) -> Result<(), OfflineError> {
             new_report.sample_rate
         );
     }
-    let diff = Diff::of(&base, &new, config.top);
+    let diff = Diff::of(&base, &new, config.top, &config.skips);
     // The diff shares the frames it shows; the rest of both snapshots goes.
     drop((base, new));
     let mut output = Output::open(&config.output, Documents::One)?;

@@ -14,7 +14,7 @@ use std::{cmp::Ordering, collections::HashMap, sync::Arc};
 
 use serde::{Serialize, Serializer};
 
-use super::{saved::Saved, Report, ReportStack};
+use super::{culprit::SkipRules, saved::Saved, Report, ReportStack};
 use crate::model::{Frame, MappingKind, ModuleMapping};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -53,6 +53,8 @@ pub struct DiffStack {
     /// shared with the snapshot.
     #[serde(serialize_with = "frames_as_values")]
     pub frames: Vec<Arc<Frame>>,
+    /// The first frame of the program's own code (`culprit`).
+    pub culprit: Option<Arc<Frame>>,
     pub stack_lost: bool,
     pub mapping: Option<MappingKind>,
 }
@@ -67,12 +69,18 @@ impl Diff {
     /// diffs snapshots as read.)
     #[cfg(test)]
     pub fn between(base: &Report, new: &Report, top: usize) -> Self {
-        Self::of(&Saved::from_report(base.clone()), &Saved::from_report(new.clone()), top)
+        Self::of(
+            &Saved::from_report(base.clone()),
+            &Saved::from_report(new.clone()),
+            top,
+            &SkipRules::default(),
+        )
     }
 
     /// Compares every stack of `base` and `new`; keeps the `top` that grew
-    /// most and the `top` that shrank most.
-    pub fn of(base: &Saved, new: &Saved, top: usize) -> Self {
+    /// most and the `top` that shrank most, each named by its culprit as
+    /// `skips` says.
+    pub fn of(base: &Saved, new: &Saved, top: usize, skips: &SkipRules) -> Self {
         let sides = Sides::new([base, new]);
         let mut changed = sides.changes();
         let total_stacks = changed.len();
@@ -85,8 +93,11 @@ impl Diff {
         let grew = changed.iter().take_while(|change| change.delta_bytes > 0).count().min(top);
         let shrank = changed.iter().rev().take_while(|change| change.delta_bytes < 0).count().min(top);
         let shrank_from = changed.len() - shrank;
-        let stacks =
-            changed[..grew].iter().chain(&changed[shrank_from..]).map(|change| sides.stack(change)).collect();
+        let stacks = changed[..grew]
+            .iter()
+            .chain(&changed[shrank_from..])
+            .map(|change| sides.stack(change, skips))
+            .collect();
         Diff {
             base: Side::of(base.report()),
             new: Side::of(new.report()),
@@ -250,8 +261,12 @@ impl<'a> Sides<'a> {
         })
     }
 
-    fn stack(&self, change: &Change) -> DiffStack {
+    fn stack(&self, change: &Change, skips: &SkipRules) -> DiffStack {
         let table = self.saved[change.source.side].frame_table();
+        let frames: Vec<Arc<Frame>> =
+            self.frames(change.source).iter().map(|&frame| Arc::clone(&table[frame as usize])).collect();
+        let report = self.saved[change.source.side].report();
+        let culprit = skips.culprit(&frames, &report.allocator, &report.program).cloned();
         DiffStack {
             base_bytes: change.base_bytes,
             new_bytes: change.new_bytes,
@@ -259,11 +274,8 @@ impl<'a> Sides<'a> {
             new_allocations: change.new_allocations,
             delta_bytes: change.delta_bytes,
             delta_allocations: change.delta_allocations,
-            frames: self
-                .frames(change.source)
-                .iter()
-                .map(|&frame| Arc::clone(&table[frame as usize]))
-                .collect(),
+            frames,
+            culprit,
             stack_lost: change.stack_lost,
             mapping: change.mapping,
         }
@@ -271,14 +283,17 @@ impl<'a> Sides<'a> {
 }
 
 /// What makes frames of different snapshots the same frame: the function,
-/// file and line, or for a frame with no function name, its module and
-/// address.
+/// file and line; for a frame with no function name, its module and where
+/// it lies in the module's file (its address, in snapshots saved before
+/// memleak kept that), which a program loaded elsewhere keeps.
 fn identity(frame: &Frame) -> String {
-    match &frame.function {
-        Some(function) => {
+    let module = frame.module.as_deref().unwrap_or("");
+    match (&frame.function, frame.file_offset) {
+        (Some(function), _) => {
             format!("{function}@{}:{}", frame.file.as_deref().unwrap_or(""), frame.line.unwrap_or(0))
         }
-        None => format!("{}@{:#x}", frame.module.as_deref().unwrap_or(""), frame.address),
+        (None, Some(file_offset)) => format!("{module}+{file_offset:#x}"),
+        (None, None) => format!("{module}@{:#x}", frame.address),
     }
 }
 
@@ -293,6 +308,7 @@ pub(crate) mod tests {
             bytes,
             allocations,
             frames: functions.iter().map(|name| Arc::new(frame(name, "/src/app.c", 10))).collect(),
+            culprit: None,
             stack_lost: false,
             truncated: None,
             trend: crate::model::Trend::default(),
@@ -399,6 +415,7 @@ pub(crate) mod tests {
     fn ties_are_ordered_as_the_joined_identities() {
         let at_line = |line: u32| ReportStack {
             frames: vec![Arc::new(frame("f", "/src/app.c", line)), Arc::new(frame("main", "/src/app.c", 5))],
+            culprit: None,
             ..stack(64, 1, &[])
         };
         let new = report(7, 2_000, vec![at_line(1), at_line(12), at_line(2)]);

@@ -71,10 +71,7 @@ impl FrameNames {
         let mut folded = String::new();
         for frame in frames.iter().rev() {
             let frame: &Frame = frame.borrow();
-            let name = self
-                .names
-                .entry(std::ptr::from_ref(frame))
-                .or_insert_with(|| frame_name(frame.function.as_deref(), frame.inlined));
+            let name = self.names.entry(std::ptr::from_ref(frame)).or_insert_with(|| frame_name(frame));
             if !folded.is_empty() {
                 folded.push(';');
             }
@@ -84,10 +81,23 @@ impl FrameNames {
     }
 }
 
+/// A frame's folded name: its function, or without one, its module's
+/// file name and the offset in that file (`memcached+0x1a2b3`), or
+/// `[unknown]`.
+fn frame_name(frame: &Frame) -> String {
+    let unnamed = match (frame.module.as_deref(), frame.file_offset) {
+        (Some(module), Some(file_offset)) if frame.function.is_none() => {
+            Some(format!("{}+{file_offset:#x}", module.rsplit('/').next().unwrap_or(module)))
+        }
+        _ => None,
+    };
+    folded_name(frame.function.as_deref().or(unnamed.as_deref()), frame.inlined)
+}
+
 /// `;` separates frames and a space ends the stack, so neither may appear
 /// in a name (C++ and Rust names hold spaces); nor may a line break or any
 /// other control character (`printable`).
-fn frame_name(function: Option<&str>, inlined: bool) -> String {
+fn folded_name(function: Option<&str>, inlined: bool) -> String {
     let name = printable(function.unwrap_or("[unknown]")).replace(';', ":").replace(' ', "\u{a0}");
     if inlined {
         format!("{name}_[i]")
@@ -133,16 +143,16 @@ mod tests {
     #[test]
     fn names_cannot_break_the_format() {
         assert_eq!(
-            frame_name(Some("operator new(unsigned long)"), false),
+            folded_name(Some("operator new(unsigned long)"), false),
             "operator\u{a0}new(unsigned\u{a0}long)"
         );
-        assert_eq!(frame_name(Some("a;b"), true), "a:b_[i]");
-        assert_eq!(frame_name(None, false), "[unknown]");
+        assert_eq!(folded_name(Some("a;b"), true), "a:b_[i]");
+        assert_eq!(folded_name(None, false), "[unknown]");
     }
 
     #[test]
     fn control_characters_in_names_are_escaped() {
-        assert_eq!(frame_name(Some("\x1b[31mred\nline 2;x"), false), "\\x1b[31mred\\nline\u{a0}2:x");
+        assert_eq!(folded_name(Some("\x1b[31mred\nline 2;x"), false), "\\x1b[31mred\\nline\u{a0}2:x");
         let mut report = sample_report(10);
         std::sync::Arc::make_mut(&mut report.stacks[0].frames[1]).function =
             Some("child\n\u{9b}2J".to_owned());

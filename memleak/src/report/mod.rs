@@ -4,16 +4,20 @@
 //! stdout or file involved (`crate::output` is where reports go).
 //!
 //! - `options`: the vocabulary (format, weight, sort, top N);
+//! - `culprit` and `skip_frames`: what names a stack, past the allocation
+//!   plumbing that the one table of `skip_frames` lists;
 //! - `text`, `json`, `folded`, `svg`, `pprof`: the renderers;
 //! - `diff`: what changed between two reports; `saved`: the --save file
 //!   format; `trace`: --trace's event lines.
 
+pub mod culprit;
 pub mod diff;
 pub mod folded;
 pub mod json;
 pub mod options;
 pub mod pprof;
 pub mod saved;
+pub mod skip_frames;
 pub mod svg;
 pub mod text;
 pub mod trace;
@@ -33,6 +37,7 @@ use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
     Snapshot, StackUsage, Trend, Truncation, Unwinding,
 };
+use culprit::SkipRules;
 use diff::Diff;
 use options::{Format, Rendering, ReportOptions, SortKey};
 
@@ -109,6 +114,11 @@ pub struct ReportStack {
     /// stack was lost. Shared with every other stack through the same
     /// code, and with the next report's.
     pub frames: Vec<Arc<Frame>>,
+    /// The first frame of the program's own code, past the allocation
+    /// plumbing (`culprit`): what the stack is named by. Marked where
+    /// the report is built, with the rules of that run.
+    #[serde(default)]
+    pub culprit: Option<Arc<Frame>>,
     /// The stack could not be stored (--max-stacks reached).
     pub stack_lost: bool,
     /// Why the walk stopped short of the stack's root, if it did.
@@ -169,6 +179,8 @@ pub struct ReportContext<'a> {
     pub sort: SortKey,
     pub sample_rate: u32,
     pub unwinding: Option<Unwinding>,
+    /// What a stack's culprit is looked for past.
+    pub skips: &'a SkipRules,
 }
 
 /// Where a report gets its stacks' frames, each symbolized once, and how
@@ -204,12 +216,7 @@ impl Report {
         let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
         let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
         let total_stacks = snapshot.stacks.iter().filter(|stack| stack.allocations > 0).count();
-        let mut truncated_stacks = BTreeMap::new();
-        for stack in snapshot.stacks.iter().filter(|stack| stack.allocations > 0) {
-            if let Some(truncation) = stack_source.truncation(stack.stack_id) {
-                *truncated_stacks.entry(truncation).or_default() += 1;
-            }
-        }
+        let truncated_stacks = truncations(&snapshot, &stack_source);
         let mut stacks: Vec<ReportStack> = snapshot
             .stacks
             .into_iter()
@@ -223,6 +230,7 @@ impl Report {
                     bytes: usage.bytes * scale,
                     allocations: usage.allocations * scale,
                     frames: Vec::new(),
+                    culprit: None,
                     stack_lost: lost_stack_owner(usage.stack_id).is_some(),
                     truncated: stack_source.truncation(usage.stack_id),
                     trend,
@@ -240,7 +248,7 @@ impl Report {
         for stack in stacks.iter_mut().filter(|stack| !stack.stack_lost) {
             stack.frames = without_allocator_frames(&stack_source.frames(stack.stack_id), context.allocator);
         }
-        Report {
+        let mut report = Report {
             pid: snapshot.pid,
             program: context.program.to_owned(),
             namespace_pid: context.namespace_pid,
@@ -257,6 +265,15 @@ impl Report {
             truncated_stacks,
             hidden_mappings: snapshot.hidden,
             modules: Vec::new(),
+        };
+        report.mark_culprits(context.skips);
+        report
+    }
+
+    /// Names each stack's culprit as `skips` says.
+    pub fn mark_culprits(&mut self, skips: &SkipRules) {
+        for stack in &mut self.stacks {
+            stack.culprit = skips.culprit(&stack.frames, &self.allocator, &self.program).cloned();
         }
     }
 
@@ -279,6 +296,17 @@ impl Report {
         }
         self.keep_top(options.sort, options.top);
     }
+}
+
+/// How many of the stacks holding memory stop short, by why.
+fn truncations(snapshot: &Snapshot, stack_source: &impl StackSource) -> BTreeMap<Truncation, usize> {
+    let mut truncated_stacks = BTreeMap::new();
+    for stack in snapshot.stacks.iter().filter(|stack| stack.allocations > 0) {
+        if let Some(truncation) = stack_source.truncation(stack.stack_id) {
+            *truncated_stacks.entry(truncation).or_default() += 1;
+        }
+    }
+    truncated_stacks
 }
 
 /// Largest first by the sort key; ties broken by id so that equal reports
@@ -381,6 +409,7 @@ pub(crate) mod tests {
             line: Some(line),
             inlined: false,
             module: Some("/app/leaker".to_owned()),
+            ..Frame::default()
         }
     }
 
@@ -414,6 +443,7 @@ pub(crate) mod tests {
             sort,
             sample_rate,
             unwinding: None,
+            skips: &SkipRules::default(),
         };
         let trends = HashMap::from([
             (2, Trend { delta_bytes: Some(8192), growing_reports: 3, growth_per_report: Some(8192) }),

@@ -5,6 +5,7 @@ use std::{
     borrow::Borrow,
     fmt::Write as _,
     io::{self, Write},
+    sync::Arc,
 };
 
 use super::{diff::Diff, printable, CgroupTotal, Report};
@@ -24,6 +25,7 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
             source(stack.mapping),
             describe_trend(&stack.trend)
         )?;
+        write_culprit(stack.culprit.as_ref(), &stack.frames, out)?;
         write_frames(stack.stack_lost, &stack.frames, out)?;
         if let Some(truncation) = stack.truncated {
             writeln!(out, "\t\t[truncated {}]", truncation.describe())?;
@@ -68,6 +70,23 @@ fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         )?;
     }
     Ok(())
+}
+
+/// `culprit: make_session(int)+0x13 (sessions.cpp:25) [/srv/sessions]`:
+/// the stack's first frame of the program's own code, said before the
+/// frames when frames of allocation plumbing come first (otherwise the
+/// first frame is the culprit, and the line would repeat it).
+fn write_culprit(
+    culprit: Option<&Arc<Frame>>,
+    frames: &[Arc<Frame>],
+    out: &mut (impl Write + ?Sized),
+) -> io::Result<()> {
+    match culprit {
+        Some(culprit) if !frames.first().is_some_and(|first| Arc::ptr_eq(first, culprit)) => {
+            writeln!(out, "\t\tculprit: {}", describe(culprit))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A stack's frames, one per line, or what became of them.
@@ -181,6 +200,7 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
             stack.base_bytes,
             stack.new_bytes
         )?;
+        write_culprit(stack.culprit.as_ref(), &stack.frames, out)?;
         write_frames(stack.stack_lost, &stack.frames, out)?;
     }
     let shown = if diff.total_stacks > diff.stacks.len() {
@@ -240,12 +260,11 @@ fn describe_trend(trend: &Trend) -> String {
 
 /// `function+0xoff (file:line) [module]`, with `[inlined]` for frames
 /// inlined into the next one. Names are escaped (`printable`).
-fn describe(frame: &Frame) -> String {
-    let mut text = match (frame.function.as_deref().map(printable), frame.offset) {
-        (Some(function), Some(offset)) => format!("{function}+{offset:#x}"),
-        (Some(function), None) => function.into_owned(),
-        (None, _) => format!("[unknown] {:#x}", frame.address),
-    };
+pub(super) fn describe(frame: &Frame) -> String {
+    let mut text = frame_name(frame);
+    if let Some(offset) = frame.offset.filter(|_| frame.function.is_some()) {
+        let _ = write!(text, "+{offset:#x}");
+    }
     if let Some(file) = frame.file.as_deref().map(printable) {
         let _ = match frame.line {
             Some(line) => write!(text, " ({file}:{line})"),
@@ -258,6 +277,22 @@ fn describe(frame: &Frame) -> String {
         let _ = write!(text, " [{module}]");
     }
     text
+}
+
+/// What a frame is called: its function (` [clone .cold]` in its cold
+/// part, as `nm -C` names that part); without one, its module's file name
+/// and the offset in that file (`memcached+0x1a2b3`), which a symbolizer
+/// can still read later; without a module either, its address.
+pub fn frame_name(frame: &Frame) -> String {
+    match (&frame.function, frame.module.as_deref(), frame.file_offset) {
+        (Some(function), ..) if frame.cold_part => format!("{} [clone .cold]", printable(function)),
+        (Some(function), ..) => printable(function).into_owned(),
+        (None, Some(module), Some(file_offset)) => {
+            let file_name = module.rsplit('/').next().unwrap_or(module);
+            format!("{}+{file_offset:#x}", printable(file_name))
+        }
+        (None, ..) => format!("[unknown] {:#x}", frame.address),
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 mod newcomers;
 mod targets;
 
-use std::{collections::HashSet, io, path::Path};
+use std::{collections::HashSet, io, path::Path, sync::Arc};
 
 use memleak_common::{MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -29,7 +29,7 @@ use crate::{
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
     },
-    report::Report,
+    report::{culprit::SkipRules, Report},
     unwind::tables::{UnwindStats, UnwindTables},
 };
 use aya::programs::uprobe::UProbeScope;
@@ -72,6 +72,8 @@ const LOADING_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 pub struct SessionConfig {
     pub tracer: TracerSettings,
     pub allocator: AllocatorChoice,
+    /// What each stack's culprit is looked for past.
+    pub skips: Arc<SkipRules>,
     /// Processes never traced: memleak, and with --trace its output's
     /// readers.
     pub excluded: Vec<Excluded>,
@@ -109,6 +111,8 @@ pub enum SessionEvent {
 pub struct Session {
     tracer: Tracer,
     allocator: AllocatorChoice,
+    /// What each stack's culprit is looked for past.
+    skips: Arc<SkipRules>,
     sample_rate: u32,
     max_processes: u32,
     /// In the order they were added.
@@ -194,6 +198,7 @@ impl Session {
         let mut session = Self {
             tracer,
             allocator: config.allocator.clone(),
+            skips: Arc::clone(&config.skips),
             sample_rate: config.tracer.sample_rate,
             max_processes: config.tracer.max_processes,
             targets: Vec::new(),
@@ -694,7 +699,7 @@ impl Session {
             .targets
             .iter_mut()
             .filter(|target| pid.is_none_or(|pid| pid == target.pid))
-            .map(|target| target.report(&maps, &self.stacks, request, sample_rate))
+            .map(|target| target.report(&maps, &self.stacks, request, sample_rate, &self.skips))
             .collect())
     }
 

@@ -12,7 +12,7 @@ use crate::{
     collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
     model::{Frame, ModuleMapping, Truncation, Unwinding},
     process::{container, identity::ProcessKey, lifecycle, AddressSpace},
-    report::{options::SortKey, Report, ReportContext, StackSource},
+    report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
     symbolize::StackSymbolizer,
     unwind::tables::TableBuilt,
 };
@@ -216,6 +216,7 @@ impl Target {
         stacks: &StackCatalog,
         request: &ReportRequest,
         sample_rate: u32,
+        skips: &SkipRules,
     ) -> Report {
         let mut options = request.collect;
         if let Some(exec_ns) = self.exec_ns {
@@ -248,6 +249,7 @@ impl Target {
             sort: request.sort,
             sample_rate,
             unwinding: self.unwinding,
+            skips,
         };
         let source = TargetStacks {
             symbolizer: &mut self.symbolizer,

@@ -6,7 +6,11 @@
 //! exist only inside its container. Every stack is symbolized once and
 //! cached by its id.
 
-use std::{collections::HashMap, path::PathBuf, sync::Arc};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 use blazesym::symbolize::{
     self,
@@ -14,10 +18,18 @@ use blazesym::symbolize::{
     Input, Symbolized,
 };
 
-use crate::{model::Frame, process::AddressSpace};
+use crate::{
+    elf,
+    model::Frame,
+    process::{
+        address_space::{FileId, MappedObject},
+        AddressSpace,
+    },
+};
 
 mod debug_links;
 mod perf_map;
+pub mod stable_id;
 
 use debug_links::DebugLinks;
 use perf_map::PerfMap;
@@ -41,6 +53,9 @@ pub struct StackSymbolizer {
     jit: Option<PerfMap>,
     /// The debug files blazesym may read; none for the kernel.
     debug_links: Option<DebugLinks>,
+    /// Each object's separate debug file, for its symbol table, looked
+    /// for once.
+    symbol_files: HashMap<FileId, Option<SymbolFile>>,
 }
 
 fn symbolizer(debug_dirs: &[PathBuf]) -> symbolize::Symbolizer {
@@ -67,6 +82,7 @@ impl StackSymbolizer {
             addresses: HashMap::new(),
             jit: Some(PerfMap::of_process(pid, namespace_pid)),
             debug_links: Some(debug_links),
+            symbol_files: HashMap::new(),
         }
     }
 
@@ -79,6 +95,7 @@ impl StackSymbolizer {
             addresses: HashMap::new(),
             jit: None,
             debug_links: None,
+            symbol_files: HashMap::new(),
         }
     }
 
@@ -148,59 +165,154 @@ impl StackSymbolizer {
     /// then the function that holds them.
     fn frames_at(&mut self, address: u64, space: &AddressSpace) -> Vec<Frame> {
         let unknown = Frame { address, ..Frame::default() };
-        // A return address points after the call; the call itself, whose
-        // line we want, is the byte before.
-        let (symbolized, module) = if self.kernel {
+        if self.kernel {
             let source = Source::Kernel(Kernel::default());
-            (self.symbolizer.symbolize_single(&source, Input::AbsAddr(address - 1)), None)
-        } else {
-            let Some(mapping) = space.find(address) else { return vec![self.jit_frame(address, space)] };
-            let mut elf = Elf::new(mapping.object.fd_path());
-            elf.debug_syms = self.debug_links.as_mut().is_some_and(|links| links.allow(&mapping.object));
-            let source = Source::Elf(elf);
-            let call_offset = mapping.file_offset(address - 1);
-            let symbolized = self.symbolizer.symbolize_single(&source, Input::FileOffset(call_offset));
-            (symbolized, Some(mapping.object.name.clone()))
-        };
-        let Ok(Symbolized::Sym(sym)) = symbolized else {
-            return vec![Frame { module, ..unknown }];
-        };
-        // Kernel symbols name their module ("[ext4]"), or none for vmlinux.
-        let module = module.or_else(|| {
-            Some(
-                sym.module
-                    .as_ref()
-                    .map_or("kernel".to_owned(), |module| module.to_string_lossy().into_owned()),
-            )
-        });
-        let location = |info: Option<&symbolize::CodeInfo>| match info {
-            Some(info) => (Some(info.to_path().display().to_string()), info.line),
-            None => (None, None),
-        };
-        let mut frames = Vec::with_capacity(sym.inlined.len() + 1);
-        for inlined in sym.inlined.iter().rev() {
-            let (file, line) = location(inlined.code_info.as_ref());
-            frames.push(Frame {
-                address,
-                function: Some(inlined.name.to_string()),
-                offset: None,
-                file,
-                line,
-                inlined: true,
-                module: module.clone(),
-            });
+            // A return address points after the call; the call itself, whose
+            // line we want, is the byte before.
+            let symbolized = self.symbolizer.symbolize_single(&source, Input::AbsAddr(address - 1));
+            let Ok(Symbolized::Sym(sym)) = symbolized else { return vec![unknown] };
+            // Kernel symbols name their module ("[ext4]"), or none for vmlinux.
+            let module = sym
+                .module
+                .as_ref()
+                .map_or("kernel".to_owned(), |module| module.to_string_lossy().into_owned());
+            let named = Frame { module: Some(module), offset: Some(sym.offset as u64 + 1), ..unknown };
+            return frames_of_symbol(&sym, named);
         }
-        let (file, line) = location(sym.code_info.as_deref());
+        let Some(mapping) = space.find(address) else { return vec![self.jit_frame(address, space)] };
+        let object = &mapping.object;
+        let in_file = Frame {
+            module: Some(object.name.clone()),
+            file_offset: Some(mapping.file_offset(address)),
+            build_id: object.build_id().map(str::to_owned),
+            ..unknown
+        };
+        let call_offset = mapping.file_offset(address - 1);
+        let debug_syms = self.debug_links.as_mut().is_some_and(|links| links.allow(object));
+        let mut elf = Elf::new(object.fd_path());
+        elf.debug_syms = debug_syms;
+        let symbolized = self.symbolizer.symbolize_single(&Source::Elf(elf), Input::FileOffset(call_offset));
+        let Ok(Symbolized::Sym(sym)) = symbolized else { return vec![in_file] };
+        let mut frames = frames_of_symbol(&sym, in_file);
+        let own_symbol = SymbolPart::of(&sym);
+        // Where the function starts comes from the symbol tables: blazesym
+        // counts a DWARF function's offsets from the lowest address of all
+        // its parts, which for a function with a cold part is far from the
+        // code (`make_session(int)+0x14b4` in a function 0x54 bytes long).
+        let part = if debug_syms { self.symbol_part(object, call_offset) } else { Some(own_symbol) };
+        if let Some(function) = frames.last_mut() {
+            function.offset = part.map(|part| part.call_offset + 1);
+            function.cold_part = part.is_some_and(|part| part.cold);
+            // A symbol table's name of a cold part names the part.
+            if let Some(name) = function.function.as_mut() {
+                let length = split_cold(name).0.len();
+                name.truncate(length);
+            }
+        }
+        frames
+    }
+
+    /// The symbol-table entry holding `call_offset` of `object`: the
+    /// object's own symbols, else those of its separate debug file (found
+    /// by build id, as distributions install them), whose addresses are
+    /// virtual.
+    fn symbol_part(&mut self, object: &MappedObject, call_offset: u64) -> Option<SymbolPart> {
+        let mut own = Elf::new(object.fd_path());
+        own.debug_syms = false;
+        if let Ok(Symbolized::Sym(sym)) =
+            self.symbolizer.symbolize_single(&Source::Elf(own), Input::FileOffset(call_offset))
+        {
+            return Some(SymbolPart::of(&sym));
+        }
+        let dirs = self.debug_links.as_ref().map(DebugLinks::dirs).unwrap_or_default();
+        let debug_file =
+            self.symbol_files.entry(object.id).or_insert_with(|| SymbolFile::of(object, &dirs)).as_ref()?;
+        let virtual_offset = debug_file.virtual_offset(call_offset)?;
+        let mut elf = Elf::new(debug_file.path.clone());
+        elf.debug_syms = false;
+        match self.symbolizer.symbolize_single(&Source::Elf(elf), Input::VirtOffset(virtual_offset)) {
+            Ok(Symbolized::Sym(sym)) => Some(SymbolPart::of(&sym)),
+            _ => None,
+        }
+    }
+}
+
+/// Where a symbol-table entry puts an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SymbolPart {
+    /// Bytes from the entry's start to the call.
+    call_offset: u64,
+    /// The entry is a cold part of its function.
+    cold: bool,
+}
+
+impl SymbolPart {
+    fn of(sym: &symbolize::Sym) -> Self {
+        Self { call_offset: sym.offset as u64, cold: split_cold(&sym.name).1 }
+    }
+}
+
+/// A function's name without the suffix gcc gives the part of it that it
+/// moved away as unlikely to run, and whether it had one:
+/// `make_session(int) [clone .cold]` (demangled) and `parse.cold` are
+/// parts of `make_session(int)` and `parse`.
+fn split_cold(name: &str) -> (&str, bool) {
+    for suffix in [" [clone .cold]", ".cold"] {
+        if let Some(function) = name.strip_suffix(suffix) {
+            return (function, true);
+        }
+    }
+    (name, false)
+}
+
+/// The frames a symbol gives: its inlined functions, innermost first, then
+/// itself, as `named` (its address, module and offset) says.
+fn frames_of_symbol(sym: &symbolize::Sym, named: Frame) -> Vec<Frame> {
+    let location = |info: Option<&symbolize::CodeInfo>| match info {
+        Some(info) => (Some(info.to_path().display().to_string()), info.line),
+        None => (None, None),
+    };
+    let mut frames = Vec::with_capacity(sym.inlined.len() + 1);
+    for inlined in sym.inlined.iter().rev() {
+        let (file, line) = location(inlined.code_info.as_ref());
         frames.push(Frame {
-            address,
-            function: Some(sym.name.to_string()),
-            offset: Some(sym.offset as u64 + 1),
+            function: Some(inlined.name.to_string()),
+            offset: None,
             file,
             line,
-            inlined: false,
-            module,
+            inlined: true,
+            cold_part: false,
+            ..named.clone()
         });
-        frames
+    }
+    let (file, line) = location(sym.code_info.as_deref());
+    frames.push(Frame { function: Some(sym.name.to_string()), file, line, inlined: false, ..named });
+    frames
+}
+
+/// The separate debug file of an object, where the distribution puts it
+/// (`DIR/.build-id/ab/cdef….debug`), and how to find its addresses.
+struct SymbolFile {
+    path: PathBuf,
+    /// The object's loadable segments: (file offset, size in the file,
+    /// virtual address). A debug file keeps the addresses, not the file
+    /// layout, so a file offset becomes an address through these.
+    segments: Vec<(u64, u64, u64)>,
+}
+
+impl SymbolFile {
+    fn of(object: &MappedObject, dirs: &[PathBuf]) -> Option<Self> {
+        let id = object.build_id().filter(|id| id.len() > 2)?;
+        let name = Path::new(".build-id").join(&id[..2]).join(format!("{}.debug", &id[2..]));
+        let path = dirs.iter().map(|dir| dir.join(&name)).find(|path| path.is_file())?;
+        let segments = elf::load_segments(object.file());
+        Some(Self { path, segments })
+    }
+
+    fn virtual_offset(&self, file_offset: u64) -> Option<u64> {
+        self.segments.iter().find_map(|&(offset, size, address)| {
+            (offset <= file_offset && file_offset < offset + size).then(|| file_offset - offset + address)
+        })
     }
 }
 

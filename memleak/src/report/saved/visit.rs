@@ -44,7 +44,7 @@ const MALLOC_OVERHEAD: usize = 16;
 
 /// What a frame takes on the heap: itself and its strings.
 pub fn frame_cost(frame: &Frame) -> usize {
-    let strings = [&frame.function, &frame.file, &frame.module];
+    let strings = [&frame.function, &frame.file, &frame.module, &frame.build_id];
     size_of::<Frame>()
         + strings
             .iter()
@@ -97,8 +97,20 @@ struct FrameKey(Arc<Frame>);
 
 impl Hash for FrameKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        let Frame { address, function, offset, file, line, inlined, module } = &*self.0;
-        (address, function, offset, file, line, inlined, module).hash(state);
+        let Frame {
+            address,
+            function,
+            offset,
+            file,
+            line,
+            inlined,
+            module,
+            file_offset,
+            build_id,
+            cold_part,
+        } = &*self.0;
+        (address, function, offset, file, line, inlined, module, file_offset, build_id, cold_part)
+            .hash(state);
     }
 }
 
@@ -406,6 +418,7 @@ impl StackFields {
             bytes: required(self.bytes, "bytes")?,
             allocations: required(self.allocations, "allocations")?,
             frames: Vec::new(),
+            culprit: None,
             stack_lost: required(self.stack_lost, "stack_lost")?,
             truncated: self.truncated,
             trend: Trend {

@@ -1,0 +1,259 @@
+//! A stack's culprit: its first frame of the program's own code, past the
+//! allocation wrappers and the language runtime's allocation plumbing
+//! that `skip_frames` lists. It is what a report names a stack by (the
+//! text report's first line under it, `culprit` in JSON, the `frame`
+//! label of `/metrics`): `make_session(int)`, not `operator new`;
+//! `setKey`, not redis's `zmalloc`.
+
+use std::sync::Arc;
+
+use regex::RegexSet;
+
+use super::skip_frames::DEFAULT_SKIPS;
+use crate::model::Frame;
+
+/// What a culprit is looked for past: the built-in table and the user's
+/// patterns, compiled once.
+#[derive(Clone, Debug)]
+pub struct SkipRules {
+    /// Searched in each frame's qualified name; `None` when there are none.
+    names: Option<RegexSet>,
+    /// Whether frames in the allocator's own object are passed over (with
+    /// the built-in table).
+    allocator_internals: bool,
+}
+
+impl Default for SkipRules {
+    /// The built-in table alone.
+    fn default() -> Self {
+        Self::new(true, &[]).expect("the built-in patterns compile")
+    }
+}
+
+impl SkipRules {
+    /// The built-in table (unless `defaults` is false) and `extra`, the
+    /// patterns of `--skip-frames`.
+    pub fn new(defaults: bool, extra: &[String]) -> Result<Self, regex::Error> {
+        let built_in = DEFAULT_SKIPS.iter().filter(|_| defaults).map(|rule| rule.pattern);
+        let patterns: Vec<&str> = built_in.chain(extra.iter().map(String::as_str)).collect();
+        let names = if patterns.is_empty() { None } else { Some(RegexSet::new(patterns)?) };
+        Ok(Self { names, allocator_internals: defaults })
+    }
+
+    /// The culprit of a stack whose frames are `frames` (innermost first),
+    /// in a report of `program` allocating through `allocator`: the first
+    /// frame not passed over. `None` when every frame is, as in an
+    /// allocation the C++ runtime makes for itself.
+    pub fn culprit<'f>(
+        &self,
+        frames: &'f [Arc<Frame>],
+        allocator: &str,
+        program: &str,
+    ) -> Option<&'f Arc<Frame>> {
+        frames.iter().find(|frame| !self.passes_over(frame, allocator, program))
+    }
+
+    fn passes_over(&self, frame: &Frame, allocator: &str, program: &str) -> bool {
+        // A program that links its allocator in (a Rust binary with
+        // tikv-jemallocator) is the allocator's object: its own frames
+        // are not the allocator's internals.
+        if self.allocator_internals && allocator != program && frame.module.as_deref() == Some(allocator) {
+            return true;
+        }
+        let (Some(names), Some(function)) = (&self.names, frame.function.as_deref()) else { return false };
+        names.is_match(qualified_name(function))
+    }
+}
+
+/// A function's name without its parameter list, and for a C++ template
+/// function, without the return type demangling writes first:
+/// `void std::vector<int>::_M_realloc_insert<int const&>(iterator, int const&)`
+/// is `std::vector<int>::_M_realloc_insert<int const&>`. Names of C
+/// functions and Rust's come back as they are.
+pub fn qualified_name(name: &str) -> &str {
+    let end = parameter_list_start(name).unwrap_or(name.len());
+    let name = name[..end].trim_end();
+    // Only a function template's name carries a return type, and only it
+    // ends in template arguments.
+    if !name.ends_with('>') {
+        return name;
+    }
+    let mut depth = 0i32;
+    let mut start = 0;
+    for (index, c) in name.char_indices() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            ' ' if depth == 0 => start = index + 1,
+            _ => {}
+        }
+    }
+    &name[start..]
+}
+
+/// Where the parameter list opens: the first `(` outside template
+/// arguments that is not part of a name, as `(anonymous namespace)` and
+/// `operator()` are.
+fn parameter_list_start(name: &str) -> Option<usize> {
+    const ANONYMOUS: &str = "(anonymous namespace)";
+    let mut depth = 0i32;
+    let mut index = 0;
+    while let Some(c) = name[index..].chars().next() {
+        match c {
+            '<' => depth += 1,
+            '>' => depth -= 1,
+            '(' if depth == 0 && name[index..].starts_with(ANONYMOUS) => {
+                index += ANONYMOUS.len();
+                continue;
+            }
+            '(' if depth == 0 && name[..index].ends_with("operator") && name[index..].starts_with("()") => {
+                index += 2;
+                continue;
+            }
+            '(' if depth == 0 => return Some(index),
+            _ => {}
+        }
+        index += c.len_utf8();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(function: &str, module: &str) -> Arc<Frame> {
+        Arc::new(Frame {
+            function: Some(function.to_owned()),
+            module: Some(module.to_owned()),
+            ..Frame::default()
+        })
+    }
+
+    fn culprit_of(rules: &SkipRules, functions: &[(&str, &str)]) -> Option<String> {
+        let frames: Vec<Arc<Frame>> =
+            functions.iter().map(|(function, module)| named(function, module)).collect();
+        rules
+            .culprit(&frames, "/usr/lib/libtcmalloc.so.4", "/srv/app")
+            .and_then(|frame| frame.function.clone())
+    }
+
+    #[test]
+    fn names_lose_their_parameters_and_template_return_types() {
+        let cases = [
+            ("make_session(int)", "make_session"),
+            ("Session::Session(int)", "Session::Session"),
+            (
+                "void std::vector<int, std::allocator<int> >::_M_realloc_insert<int const&>(__gnu_cxx::__normal_iterator<int*, std::vector<int, std::allocator<int> > >, int const&)",
+                "std::vector<int, std::allocator<int> >::_M_realloc_insert<int const&>",
+            ),
+            ("std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >::_M_create(unsigned long&, unsigned long)", "std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >::_M_create"),
+            ("operator new(unsigned long)", "operator new"),
+            ("(anonymous namespace)::pool::allocate(unsigned long)", "(anonymous namespace)::pool::allocate"),
+            ("Functor::operator()(int) const", "Functor::operator()"),
+            ("alloc::raw_vec::RawVec<T,A>::grow_one", "alloc::raw_vec::RawVec<T,A>::grow_one"),
+            ("zmalloc", "zmalloc"),
+        ];
+        for (name, qualified) in cases {
+            assert_eq!(qualified_name(name), qualified, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_culprit_is_past_the_plumbing_of_each_language() {
+        let rules = SkipRules::default();
+        let app = "/srv/app";
+        let cases: [&[(&str, &str)]; 5] = [
+            &[("operator new(unsigned long)", "/usr/lib/libstdc++.so.6"), ("Session::Session(int)", app)],
+            &[
+                ("std::__new_allocator<char>::allocate(unsigned long, void const*)", app),
+                ("std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >::_M_create(unsigned long&, unsigned long)", app),
+                ("void std::vector<int, std::allocator<int> >::_M_realloc_insert<int const&>(int const&)", app),
+                ("Session::Session(int)", app),
+            ],
+            &[
+                ("alloc::alloc::alloc", app),
+                ("<tikv_jemallocator::Jemalloc as core::alloc::global::GlobalAlloc>::alloc", app),
+                ("alloc::raw_vec::RawVec<T,A>::grow_one", app),
+                ("<[T] as alloc::slice::hack::ConvertVec>::to_vec", app),
+                ("Session::Session(int)", app),
+            ],
+            &[("zmalloc_usable", "/usr/bin/redis-server"), ("_sdsnewlen", "/usr/bin/redis-server"), ("Session::Session(int)", app)],
+            &[("tcmalloc::ThreadCache::FetchFromCentralCache", "/usr/lib/libtcmalloc.so.4"), ("internal_only", "/usr/lib/libtcmalloc.so.4"), ("Session::Session(int)", app)],
+        ];
+        for frames in cases {
+            assert_eq!(culprit_of(&rules, frames).as_deref(), Some("Session::Session(int)"), "{frames:?}");
+        }
+        assert_eq!(
+            culprit_of(
+                &rules,
+                &[
+                    ("_PyMem_RawMalloc", "/usr/bin/python3"),
+                    ("PyObject_Malloc", "/usr/bin/python3"),
+                    ("bytearray___init__", "/usr/bin/python3")
+                ]
+            )
+            .as_deref(),
+            Some("bytearray___init__")
+        );
+        assert_eq!(
+            culprit_of(&rules, &[("operator new(unsigned long)", "/usr/lib/libstdc++.so.6")]),
+            None,
+            "nothing of the program's own"
+        );
+    }
+
+    #[test]
+    fn a_user_function_taking_standard_types_is_not_plumbing() {
+        let rules = SkipRules::default();
+        let frames = [("my_cache_put(std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> > const&)", "/srv/app")];
+        assert!(culprit_of(&rules, &frames).is_some_and(|name| name.starts_with("my_cache_put")));
+        let frames = [("<myapp::Cache as core::default::Default>::default", "/srv/app")];
+        assert!(
+            culprit_of(&rules, &frames).is_some(),
+            "a user type's impl of a std trait is the user's code"
+        );
+    }
+
+    #[test]
+    fn skip_frames_adds_and_no_default_skips_empties() {
+        let frames = [
+            ("operator new(unsigned long)", "/usr/lib/libstdc++.so.6"),
+            ("pool_grow", "/srv/app"),
+            ("handle", "/srv/app"),
+        ];
+        let extra = SkipRules::new(true, &["^pool_".to_owned()]).unwrap();
+        assert_eq!(culprit_of(&extra, &frames).as_deref(), Some("handle"));
+        let none = SkipRules::new(false, &[]).unwrap();
+        assert_eq!(culprit_of(&none, &frames).as_deref(), Some("operator new(unsigned long)"));
+        let only_user = SkipRules::new(false, &["^operator new".to_owned()]).unwrap();
+        assert_eq!(culprit_of(&only_user, &frames).as_deref(), Some("pool_grow"));
+        assert!(SkipRules::new(true, &["(".to_owned()]).is_err());
+    }
+
+    #[test]
+    fn the_allocator_linked_into_the_program_is_not_skipped_whole() {
+        let rules = SkipRules::default();
+        let frames = [named("_rjem_malloc", "/srv/app"), named("handle", "/srv/app")];
+        let culprit = rules.culprit(&frames, "/srv/app", "/srv/app").and_then(|frame| frame.function.clone());
+        assert_eq!(culprit.as_deref(), Some("handle"));
+    }
+
+    #[test]
+    fn a_frame_without_a_name_is_never_passed_over() {
+        let rules = SkipRules::default();
+        let unnamed = Arc::new(Frame {
+            module: Some("/usr/bin/memcached".to_owned()),
+            file_offset: Some(0x1a2b3),
+            ..Frame::default()
+        });
+        let frames = [
+            named("malloc", "/usr/lib/libc.so.6"),
+            Arc::clone(&unnamed),
+            named("main", "/usr/bin/memcached"),
+        ];
+        assert!(rules
+            .culprit(&frames, "/usr/lib/libc.so.6", "/usr/bin/memcached")
+            .is_some_and(|frame| Arc::ptr_eq(frame, &unnamed)));
+    }
+}
