@@ -46,6 +46,9 @@ pub enum Truncation {
     /// Walked with frame pointers: the process's unwind tables were not
     /// loaded yet.
     FramePointers,
+    /// At a switch to another stack that the walk cannot follow (Go's
+    /// `runtime.asmcgocall`, where a cgo call leaves the goroutine's stack).
+    StackSwitch,
 }
 
 impl Truncation {
@@ -57,6 +60,7 @@ impl Truncation {
             Truncation::UnknownCode => "in code not known yet",
             Truncation::BadFrame => "at a frame that could not be read",
             Truncation::FramePointers => "walked with frame pointers",
+            Truncation::StackSwitch => "at a switch to another stack",
         }
     }
 }

@@ -464,8 +464,19 @@ impl Session {
     /// Attaches to process `pid` and follows it until it exits.
     fn add(&mut self, mut target: Target, scope: UProbeScope) -> Result<(), SessionError> {
         let pid = target.pid;
+        // The unwind table goes in before the probes: a walk finds none in
+        // the moment between, goes by frame pointers, and stops short in
+        // code built without them. Each allocation of that moment would be
+        // a truncated copy of a real stack.
+        self.load_unwind_table(&mut target)?;
         if matches!(scope, UProbeScope::OneProcess(_)) {
-            target.links = Some(self.tracer.attach(&target.plan, scope)?);
+            match self.tracer.attach(&target.plan, scope) {
+                Ok(links) => target.links = Some(links),
+                Err(error) => {
+                    self.forget_unwind_table(pid)?;
+                    return Err(error.into());
+                }
+            }
         }
         match lifecycle::watch_exit(pid, self.exits.clone()) {
             Ok(watch) => target.exit_watch = Some(watch),
@@ -474,19 +485,36 @@ impl Session {
                 if let Some(links) = target.links.take() {
                     self.tracer.detach(links);
                 }
+                self.forget_unwind_table(pid)?;
                 return Err(SessionError::Watch { pid, source });
             }
         }
-        self.push(target)
+        self.targets.push(target);
+        Ok(())
     }
 
     /// Starts keeping `target`, with its unwind table.
     fn push(&mut self, mut target: Target) -> Result<(), SessionError> {
+        self.load_unwind_table(&mut target)?;
+        self.targets.push(target);
+        Ok(())
+    }
+
+    /// Gives the walkers `target`'s table of executable mappings.
+    fn load_unwind_table(&mut self, target: &mut Target) -> Result<(), SessionError> {
         target.unwinding = self.unwind.as_ref().map(UnwindTables::unwinding);
         if let Some(tables) = self.unwind.as_mut() {
-            update_unwind_table(tables, &mut self.tracer, &mut target)?;
+            update_unwind_table(tables, &mut self.tracer, target)?;
         }
-        self.targets.push(target);
+        Ok(())
+    }
+
+    /// Takes back what `load_unwind_table` gave for a process not kept.
+    fn forget_unwind_table(&mut self, pid: u32) -> Result<(), SessionError> {
+        if let Some(tables) = self.unwind.as_mut() {
+            self.tracer.forget_process(pid)?;
+            tables.forget(pid);
+        }
         Ok(())
     }
 

@@ -13,7 +13,11 @@ use crate::{
     model::{Frame, ModuleMapping, Truncation, Unwinding},
     process::{container, identity::ProcessKey, lifecycle, AddressSpace},
     report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
-    symbolize::StackSymbolizer,
+    symbolize::{
+        self,
+        call_paths::{CallPaths, Met},
+        StackSymbolizer,
+    },
     unwind::tables::TableBuilt,
 };
 
@@ -68,6 +72,8 @@ pub struct Target {
     pub namespace_pid: Option<u32>,
     pub(super) space: AddressSpace,
     symbolizer: StackSymbolizer,
+    /// Which of its BPF stacks are one call path.
+    call_paths: CallPaths,
     trends: TrendTracker,
     pub(super) regions: Regions,
     /// The probes placed for this process alone, taken out when it is
@@ -113,6 +119,7 @@ impl Target {
             namespace_pid,
             space,
             symbolizer: StackSymbolizer::new(pid, namespace_pid),
+            call_paths: CallPaths::default(),
             trends: TrendTracker::default(),
             regions: Regions::default(),
             links: None,
@@ -146,6 +153,7 @@ impl Target {
             // kallsyms, and every one is code.
             space: AddressSpace::new(pid),
             symbolizer: StackSymbolizer::kernel(),
+            call_paths: CallPaths::default(),
             trends: TrendTracker::default(),
             regions: Regions::default(),
             links: None,
@@ -226,7 +234,7 @@ impl Target {
         }
         let options = &options;
         let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
-        let Self { space, symbolizer, regions, trends, plan, .. } = self;
+        let Self { space, symbolizer, regions, trends, plan, call_paths, unwinding, .. } = self;
         // A return address is one past its call: the call is what lies in
         // the function.
         let in_allocator = |address: u64| {
@@ -238,6 +246,10 @@ impl Target {
         collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |region| {
             let frames = frames_of(symbolizer, space, stacks, region.stack_id);
             collect::regions::classify(region, &frames, in_allocator)
+        });
+        call_paths.merge(&mut snapshot, |stack_id| Met {
+            frames: frames_of(symbolizer, space, stacks, stack_id),
+            truncation: truncation_of(stacks, stack_id, *unwinding),
         });
         let trends = if request.in_series { trends.observe(&snapshot) } else { trends.peek(&snapshot) };
         let context = ReportContext {
@@ -256,6 +268,7 @@ impl Target {
             space: &self.space,
             stacks,
             unwinding: self.unwinding,
+            call_paths: &self.call_paths,
         };
         let mut report = Report::build(snapshot, &context, &trends, source);
         if options.modules {
@@ -265,30 +278,44 @@ impl Target {
     }
 }
 
-/// A target's stacks as a report reads them.
+/// A target's stacks as a report reads them: each call path as the stack
+/// it is shown with.
 struct TargetStacks<'a> {
     symbolizer: &'a mut StackSymbolizer,
     space: &'a AddressSpace,
     stacks: &'a StackCatalog,
     unwinding: Option<Unwinding>,
+    call_paths: &'a CallPaths,
 }
 
 impl StackSource for TargetStacks<'_> {
     fn frames(&mut self, stack_id: u64) -> Arc<[Arc<Frame>]> {
-        frames_of(self.symbolizer, self.space, self.stacks, stack_id)
+        frames_of(self.symbolizer, self.space, self.stacks, self.call_paths.shown(stack_id))
     }
 
     fn truncation(&self, stack_id: u64) -> Option<Truncation> {
-        match WalkEnd::try_from(self.stacks.walk_end(stack_id)?) {
-            Ok(WalkEnd::Root) | Err(_) => None,
-            Ok(WalkEnd::DepthLimit) => Some(Truncation::DepthLimit),
-            Ok(WalkEnd::NoUnwindInfo) => Some(Truncation::NoUnwindInfo),
-            Ok(WalkEnd::UnknownCode) => Some(Truncation::UnknownCode),
-            Ok(WalkEnd::BadFrame) => Some(Truncation::BadFrame),
-            // Only news when the tables were meant to walk it.
-            Ok(WalkEnd::FramePointers) => {
-                (self.unwinding == Some(Unwinding::Dwarf)).then_some(Truncation::FramePointers)
-            }
+        let shown = self.call_paths.shown(stack_id);
+        let frames = self.symbolizer.cached(shown);
+        if frames
+            .is_some_and(|frames| frames.last().is_some_and(|last| symbolize::ends_at_stack_switch(last)))
+        {
+            return Some(Truncation::StackSwitch);
+        }
+        truncation_of(self.stacks, shown, self.unwinding)
+    }
+}
+
+/// Why the walk of a stack stopped short of its root, if it did.
+fn truncation_of(stacks: &StackCatalog, stack_id: u64, unwinding: Option<Unwinding>) -> Option<Truncation> {
+    match WalkEnd::try_from(stacks.walk_end(stack_id)?) {
+        Ok(WalkEnd::Root) | Err(_) => None,
+        Ok(WalkEnd::DepthLimit) => Some(Truncation::DepthLimit),
+        Ok(WalkEnd::NoUnwindInfo) => Some(Truncation::NoUnwindInfo),
+        Ok(WalkEnd::UnknownCode) => Some(Truncation::UnknownCode),
+        Ok(WalkEnd::BadFrame) => Some(Truncation::BadFrame),
+        // Only news when the tables were meant to walk it.
+        Ok(WalkEnd::FramePointers) => {
+            (unwinding == Some(Unwinding::Dwarf)).then_some(Truncation::FramePointers)
         }
     }
 }

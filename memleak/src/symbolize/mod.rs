@@ -27,6 +27,7 @@ use crate::{
     },
 };
 
+pub mod call_paths;
 mod debug_links;
 mod perf_map;
 pub mod stable_id;
@@ -132,6 +133,9 @@ impl StackSymbolizer {
             let skip = frames.iter().take_while(|frame| is_tracing(frame)).count();
             frames.drain(..skip);
         }
+        if let Some(switch) = frames.iter().position(|frame| ends_at_stack_switch(frame)) {
+            frames.truncate(switch + 1);
+        }
         let frames: Arc<[Arc<Frame>]> = frames.into();
         self.cache.insert(stack_id, Arc::clone(&frames));
         frames
@@ -235,6 +239,17 @@ impl StackSymbolizer {
             _ => None,
         }
     }
+}
+
+/// Functions where a stack is left for another that a walk cannot follow:
+/// a Go program's cgo call runs its C code on the system stack, and past
+/// `runtime.asmcgocall` a walk reads whatever that stack last held, a
+/// different junk frame from call to call.
+const STACK_SWITCHES: [&str; 2] = ["runtime.asmcgocall", "runtime.asmcgocall_no_g"];
+
+/// Whether a stack's frames past `frame` are another stack's.
+pub fn ends_at_stack_switch(frame: &Frame) -> bool {
+    !frame.inlined && frame.function.as_deref().is_some_and(|name| STACK_SWITCHES.contains(&name))
 }
 
 /// Where a symbol-table entry puts an address.

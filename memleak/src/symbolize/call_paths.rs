@@ -1,0 +1,310 @@
+//! One call path, one stack: BPF stacks that a reader could not tell
+//! apart are reported as one.
+//!
+//! BPF stores a stack per distinct list of return addresses, and several
+//! lists can read the same once symbolized:
+//!
+//! - a walk that ends in memory that is no code records that last address
+//!   (the walk may have met a library loaded since memleak last looked),
+//!   and the report drops it once it is known to be no code: a cgo call's
+//!   walk ends on the goroutine's stack, at an address that differs from
+//!   call to call, and one leak became as many stacks as goroutines;
+//! - two calls on one line (`a = malloc(n); b = malloc(n);`, or a loop
+//!   the compiler unrolled) return to different addresses of the same
+//!   function, file and line.
+//!
+//! Such stacks form one call path, reported under the BPF id of the first
+//! one seen, so that its trend goes on as members join, and shown with the
+//! frames of the member whose stable id is the smallest, so that the path's
+//! stable id does not depend on which member came first.
+//!
+//! A stack that stopped short because the code it met was not known yet
+//! (a library mapped since the last look) is folded into the one whole
+//! call path it begins, when there is exactly one; with several, it is
+//! left as a stack of its own, which says it is truncated.
+
+use std::{
+    collections::{hash_map::DefaultHasher, HashMap},
+    hash::{Hash, Hasher},
+    sync::Arc,
+};
+
+use memleak_common::lost_stack_owner;
+
+use super::stable_id::stable_id;
+use crate::model::{Frame, MappingKind, Snapshot, StackUsage, Truncation};
+
+/// The call paths of one process's stacks, kept from report to report.
+#[derive(Default)]
+pub struct CallPaths {
+    /// Each BPF stack id met, and the id of its call path: the id of the
+    /// path's first stack.
+    path_of: HashMap<u64, u64>,
+    /// Each call path by what its frames read as (a hash of `path_key`).
+    by_key: HashMap<u64, u64>,
+    /// Each call path's members' stable ids, and the member shown.
+    paths: HashMap<u64, Path>,
+    /// Call paths of a stack that stopped short in code not known yet,
+    /// with the frames' keys, until they are folded into a whole one.
+    unfolded: HashMap<u64, Vec<u64>>,
+    /// The first `FOLDED_FRAMES` frames' keys of each whole call path,
+    /// which a stack cut short may begin.
+    whole: HashMap<u64, Box<[u64]>>,
+}
+
+/// Frames of a whole call path kept to fold stacks cut short into it: a
+/// walk stops short at the first frame in code not known yet, which at a
+/// program's start (the only time code is not known, but for a dlopen)
+/// is a few frames from the allocation.
+const FOLDED_FRAMES: usize = 16;
+
+/// A call path: the stack shown for it.
+struct Path {
+    shown: u64,
+    shown_stable_id: String,
+}
+
+/// What is known of one BPF stack when it is met.
+pub struct Met {
+    pub frames: Arc<[Arc<Frame>]>,
+    pub truncation: Option<Truncation>,
+}
+
+impl CallPaths {
+    /// Puts the snapshot's stacks of one call path together, under the
+    /// path's id. `meet` symbolizes a stack the first time it is met.
+    pub fn merge(&mut self, snapshot: &mut Snapshot, mut meet: impl FnMut(u64) -> Met) {
+        // Every stack met first: a whole path met now may take in a stack
+        // cut short met before it.
+        for usage in &snapshot.stacks {
+            if lost_stack_owner(usage.stack_id).is_none() {
+                self.path_of(usage.stack_id, &mut meet);
+            }
+        }
+        let mut merged: Vec<StackUsage> = Vec::with_capacity(snapshot.stacks.len());
+        let mut place: HashMap<(u64, Option<MappingKind>), usize> = HashMap::new();
+        for mut usage in std::mem::take(&mut snapshot.stacks) {
+            if let Some(&path) = self.path_of.get(&usage.stack_id) {
+                usage.stack_id = path;
+            }
+            if let Some(&index) = place.get(&(usage.stack_id, usage.mapping)) {
+                add(&mut merged[index], usage);
+            } else {
+                place.insert((usage.stack_id, usage.mapping), merged.len());
+                merged.push(usage);
+            }
+        }
+        snapshot.stacks = merged;
+    }
+
+    /// The BPF stack whose frames call path `path` is shown with.
+    pub fn shown(&self, path: u64) -> u64 {
+        self.paths.get(&path).map_or(path, |path| path.shown)
+    }
+
+    /// The call path of BPF stack `stack_id`, which joins or starts one
+    /// the first time it is met.
+    fn path_of(&mut self, stack_id: u64, meet: &mut impl FnMut(u64) -> Met) -> u64 {
+        if let Some(&path) = self.path_of.get(&stack_id) {
+            return path;
+        }
+        let stack = meet(stack_id);
+        let keys: Vec<u64> = stack.frames.iter().map(|frame| frame_key(frame)).collect();
+        let whole_key = hash_of(&keys);
+        let stable = stable_id(&stack.frames);
+        let path = if let Some(&path) = self.by_key.get(&whole_key) {
+            let shown = self.paths.get_mut(&path).expect("every key names a path");
+            if stable < shown.shown_stable_id {
+                (shown.shown, shown.shown_stable_id) = (stack_id, stable);
+            }
+            path
+        } else if let Some(path) = self.folded_into(&keys, stack.truncation) {
+            path
+        } else {
+            self.by_key.insert(whole_key, stack_id);
+            self.paths.insert(stack_id, Path { shown: stack_id, shown_stable_id: stable });
+            if stack.truncation == Some(Truncation::UnknownCode) {
+                if keys.len() < FOLDED_FRAMES {
+                    self.unfolded.insert(stack_id, keys);
+                }
+            } else if stack.truncation.is_none() {
+                self.fold_unfolded_into(stack_id, &keys);
+                self.whole.insert(stack_id, keys.iter().copied().take(FOLDED_FRAMES).collect());
+            }
+            stack_id
+        };
+        self.path_of.insert(stack_id, path);
+        path
+    }
+
+    /// The one whole call path that a stack cut short in unknown code
+    /// begins, if there is exactly one.
+    fn folded_into(&self, keys: &[u64], truncation: Option<Truncation>) -> Option<u64> {
+        if truncation != Some(Truncation::UnknownCode) || keys.is_empty() {
+            return None;
+        }
+        let mut whole = self.whole_paths_beginning_with(keys);
+        match (whole.next(), whole.next()) {
+            (Some(path), None) => Some(path),
+            _ => None,
+        }
+    }
+
+    /// Folds into `path`, a new whole call path whose frames' keys are
+    /// `keys`, the stacks cut short that it is the one whole path they
+    /// begin.
+    fn fold_unfolded_into(&mut self, path: u64, keys: &[u64]) {
+        let begins = |short: &[u64]| short.len() < keys.len() && keys.starts_with(short);
+        let folding: Vec<u64> = self
+            .unfolded
+            .iter()
+            .filter(|(_, short)| begins(short) && self.whole_paths_beginning_with(short).next().is_none())
+            .map(|(&short, _)| short)
+            .collect();
+        for short in folding {
+            self.unfolded.remove(&short);
+            self.paths.remove(&short);
+            self.by_key.retain(|_, existing| *existing != short);
+            for member in self.path_of.values_mut().filter(|member| **member == short) {
+                *member = path;
+            }
+        }
+    }
+
+    /// The whole call paths known so far whose frames begin with `keys`
+    /// (and have more).
+    fn whole_paths_beginning_with<'a>(&'a self, keys: &'a [u64]) -> impl Iterator<Item = u64> + 'a {
+        self.whole
+            .iter()
+            .filter(move |(_, whole)| whole.len() > keys.len() && whole.starts_with(keys))
+            .map(|(&path, _)| path)
+    }
+}
+
+/// Adds `other`, a stack of the same call path, to `usage`.
+fn add(usage: &mut StackUsage, other: StackUsage) {
+    usage.bytes += other.bytes;
+    usage.allocations += other.allocations;
+    usage.outstanding.extend(other.outstanding);
+    usage.allocated = match (usage.allocated, other.allocated) {
+        (Some(mut a), Some(b)) => {
+            a.bytes += b.bytes;
+            a.count += b.count;
+            Some(a)
+        }
+        (a, b) => a.or(b),
+    };
+}
+
+/// What a frame reads as: its module, function, file and line, and
+/// whether it was inlined; where it has no line, its offset in the
+/// function, and without a name, where it lies in its file. Two frames of
+/// one line read the same whatever their addresses.
+fn frame_key(frame: &Frame) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    (&frame.module, &frame.function, &frame.file, frame.line, frame.inlined).hash(&mut hasher);
+    match (&frame.function, frame.line) {
+        (_, Some(_)) => {}
+        (Some(_), None) => frame.offset.hash(&mut hasher),
+        (None, None) => (frame.file_offset, frame.address).hash(&mut hasher),
+    }
+    hasher.finish()
+}
+
+fn hash_of(keys: &[u64]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    keys.hash(&mut hasher);
+    hasher.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame of `/app/server` at `file_offset`, in `function` at `line`.
+    fn at(function: &str, line: u32, file_offset: u64) -> Arc<Frame> {
+        Arc::new(Frame {
+            address: 0x5555_0000_0000 + file_offset,
+            function: Some(function.to_owned()),
+            offset: Some(file_offset & 0xff),
+            file: Some("/src/server.c".to_owned()),
+            line: Some(line),
+            module: Some("/app/server".to_owned()),
+            file_offset: Some(file_offset),
+            ..Frame::default()
+        })
+    }
+
+    struct Stacks(HashMap<u64, (Vec<Arc<Frame>>, Option<Truncation>)>);
+
+    impl Stacks {
+        fn meet(&self, stack_id: u64) -> Met {
+            let (frames, truncation) = &self.0[&stack_id];
+            Met { frames: frames.clone().into(), truncation: *truncation }
+        }
+    }
+
+    fn usage(stack_id: u64, bytes: u64) -> StackUsage {
+        StackUsage { stack_id, bytes, allocations: 1, ..StackUsage::default() }
+    }
+
+    fn merged(paths: &mut CallPaths, stacks: &Stacks, ids: &[u64]) -> Vec<(u64, u64, u64)> {
+        let mut snapshot =
+            Snapshot { stacks: ids.iter().map(|&id| usage(id, id * 10)).collect(), ..Snapshot::default() };
+        paths.merge(&mut snapshot, |id| stacks.meet(id));
+        let mut amounts: Vec<_> =
+            snapshot.stacks.iter().map(|s| (s.stack_id, s.bytes, s.allocations)).collect();
+        amounts.sort_unstable();
+        amounts
+    }
+
+    #[test]
+    fn stacks_that_read_the_same_are_one_under_the_first_id() {
+        let leak = || vec![at("c_leak", 7, 0x1000), at("handle", 20, 0x2000)];
+        // One call on a line, and another on the same line elsewhere in it.
+        let mut same_line = leak();
+        same_line[0] = at("c_leak", 7, 0x1010);
+        let stacks = Stacks(HashMap::from([
+            (5, (leak(), None)),
+            (3, (leak(), None)),
+            (9, (same_line, None)),
+            (4, (vec![at("other", 30, 0x3000)], None)),
+        ]));
+        let mut paths = CallPaths::default();
+        assert_eq!(merged(&mut paths, &stacks, &[5, 3, 9, 4]), [(4, 40, 1), (5, 170, 3)]);
+        assert_eq!(merged(&mut paths, &stacks, &[9, 3]), [(5, 120, 2)], "the path keeps its id");
+        let shown = paths.shown(5);
+        let smallest = [5, 9].into_iter().min_by_key(|id| stable_id(&stacks.0[id].0)).unwrap();
+        assert_eq!(shown, smallest, "shown as the member of the smallest stable id");
+    }
+
+    #[test]
+    fn a_stack_cut_short_in_unknown_code_joins_the_one_whole_path_it_begins() {
+        let whole = vec![at("inner", 1, 0x100), at("middle", 2, 0x200), at("outer", 3, 0x300)];
+        let other = vec![at("inner", 1, 0x100), at("elsewhere", 4, 0x400)];
+        let short = vec![at("inner", 1, 0x100), at("middle", 2, 0x200)];
+        let unknown = Some(Truncation::UnknownCode);
+        let stacks = Stacks(HashMap::from([
+            (1, (short.clone(), unknown)),
+            (2, (whole.clone(), None)),
+            (3, (other, None)),
+            (4, (short[..1].to_vec(), unknown)),
+        ]));
+        let mut paths = CallPaths::default();
+        // Met before its whole path: folded when the whole one comes.
+        assert_eq!(merged(&mut paths, &stacks, &[1]), [(1, 10, 1)]);
+        assert_eq!(merged(&mut paths, &stacks, &[1, 2]), [(2, 30, 2)]);
+        // `inner` alone begins two whole paths: left as it is.
+        assert_eq!(merged(&mut paths, &stacks, &[3, 4]), [(3, 30, 1), (4, 40, 1)]);
+    }
+
+    #[test]
+    fn a_lost_stack_stays_as_it_is() {
+        let lost = memleak_common::lost_stack_id(42);
+        let mut paths = CallPaths::default();
+        let stacks = Stacks(HashMap::new());
+        let mut snapshot = Snapshot { stacks: vec![usage(lost, 64)], ..Snapshot::default() };
+        paths.merge(&mut snapshot, |id| stacks.meet(id));
+        assert_eq!(snapshot.stacks[0].stack_id, lost);
+    }
+}
