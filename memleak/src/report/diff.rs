@@ -336,6 +336,7 @@ pub(crate) mod tests {
             truncated_stacks: std::collections::BTreeMap::new(),
             hidden_mappings: crate::model::HiddenMappings::default(),
             modules: Vec::new(),
+            missing_symbols: Vec::new(),
         }
     }
 

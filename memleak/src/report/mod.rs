@@ -37,6 +37,7 @@ use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
     Snapshot, StackUsage, Trend, Truncation, Unwinding,
 };
+use crate::symbolize::missing::MissingSymbols;
 use culprit::SkipRules;
 use diff::Diff;
 use options::{Format, Rendering, ReportOptions, SortKey};
@@ -102,6 +103,10 @@ pub struct Report {
     /// needs them (pprof, saved snapshots).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub modules: Vec<ModuleMapping>,
+    /// The objects whose frames shown lack names, or whose culprits lack
+    /// file and line, and where those would come from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_symbols: Vec<MissingSymbols>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -265,6 +270,7 @@ impl Report {
             truncated_stacks,
             hidden_mappings: snapshot.hidden,
             modules: Vec::new(),
+            missing_symbols: Vec::new(),
         };
         report.mark_culprits(context.skips);
         report

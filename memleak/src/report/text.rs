@@ -12,6 +12,7 @@ use super::{diff::Diff, printable, CgroupTotal, Report};
 use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
+    symbolize::missing::Lacking,
 };
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
@@ -173,6 +174,13 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
     }
     if health.stacks_lost > 0 {
         writeln!(out, "{} allocations without a stack: raise --max-stacks", health.stacks_lost)?;
+    }
+    for missing in &report.missing_symbols {
+        let lacking = match missing.lacking {
+            Lacking::Names => "No symbols for",
+            Lacking::Lines => "No file:line for",
+        };
+        writeln!(out, "{lacking} {}: {}", printable(&missing.module), printable(&missing.advice))?;
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ use crate::{
     symbolize::{
         self,
         call_paths::{CallPaths, Met},
+        missing::{self, Advice},
         StackSymbolizer,
     },
     unwind::tables::TableBuilt,
@@ -74,6 +75,8 @@ pub struct Target {
     symbolizer: StackSymbolizer,
     /// Which of its BPF stacks are one call path.
     call_paths: CallPaths,
+    /// Where the symbols its frames lack would come from, per object.
+    advice: Advice,
     trends: TrendTracker,
     pub(super) regions: Regions,
     /// The probes placed for this process alone, taken out when it is
@@ -120,6 +123,7 @@ impl Target {
             space,
             symbolizer: StackSymbolizer::new(pid, namespace_pid),
             call_paths: CallPaths::default(),
+            advice: Advice::default(),
             trends: TrendTracker::default(),
             regions: Regions::default(),
             links: None,
@@ -154,6 +158,7 @@ impl Target {
             space: AddressSpace::new(pid),
             symbolizer: StackSymbolizer::kernel(),
             call_paths: CallPaths::default(),
+            advice: Advice::default(),
             trends: TrendTracker::default(),
             regions: Regions::default(),
             links: None,
@@ -274,6 +279,13 @@ impl Target {
         if options.modules {
             report.modules = modules_of(&report, &self.space);
         }
+        let space = &self.space;
+        report.missing_symbols = missing::missing_symbols(
+            report.stacks.iter().flat_map(|stack| &stack.frames).map(|frame| &**frame),
+            report.stacks.iter().filter_map(|stack| stack.culprit.as_deref()),
+            |frame| space.find(frame.address).map(|mapping| &*mapping.object),
+            &mut self.advice,
+        );
         report
     }
 }

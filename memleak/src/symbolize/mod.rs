@@ -29,6 +29,7 @@ use crate::{
 
 pub mod call_paths;
 mod debug_links;
+pub mod missing;
 mod perf_map;
 pub mod stable_id;
 

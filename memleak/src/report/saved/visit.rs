@@ -29,7 +29,10 @@ use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
     Trend, Truncation, Unwinding,
 };
-use crate::report::{Report, ReportStack};
+use crate::{
+    report::{Report, ReportStack},
+    symbolize::missing::MissingSymbols,
+};
 
 /// Which limit stopped a reading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,6 +191,7 @@ enum ReportField {
     TruncatedStacks,
     HiddenMappings,
     Modules,
+    MissingSymbols,
     #[serde(other)]
     Other,
 }
@@ -211,6 +215,7 @@ struct ReportFields {
     truncated_stacks: BTreeMap<Truncation, usize>,
     hidden_mappings: Option<HiddenMappings>,
     modules: Vec<ModuleMapping>,
+    missing_symbols: Vec<MissingSymbols>,
 }
 
 fn required<T, E: de::Error>(value: Option<T>, field: &'static str) -> Result<T, E> {
@@ -254,6 +259,10 @@ impl<'de> Visitor<'de> for ReportSeed<'_> {
                 ReportField::Modules => {
                     fields.modules = map.next_value_seed(Counted::new(&mut self.0.budget, module_cost))?;
                 }
+                ReportField::MissingSymbols => {
+                    fields.missing_symbols =
+                        map.next_value_seed(Counted::new(&mut self.0.budget, missing_symbols_cost))?;
+                }
                 ReportField::Other => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -283,9 +292,18 @@ impl ReportFields {
             truncated_stacks: self.truncated_stacks,
             hidden_mappings: required(self.hidden_mappings, "hidden_mappings")?,
             modules: self.modules,
+            missing_symbols: self.missing_symbols,
         };
         Ok(Body { report, stack_frames })
     }
+}
+
+fn missing_symbols_cost(missing: &MissingSymbols) -> usize {
+    size_of::<MissingSymbols>()
+        + [Some(&missing.module), missing.build_id.as_ref(), Some(&missing.advice)]
+            .iter()
+            .map(|text| text.map_or(0, |text| text.len() + MALLOC_OVERHEAD))
+            .sum::<usize>()
 }
 
 fn module_cost(module: &ModuleMapping) -> usize {

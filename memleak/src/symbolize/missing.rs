@@ -1,0 +1,173 @@
+//! Where a report's frames lack what a reader needs, and where it would
+//! come from: objects whose frames have no names (shown as their file
+//! offsets, `memcached+0x1a2b3`), and the culprits' objects that have no
+//! file and line.
+
+use std::{collections::HashMap, os::unix::fs::MetadataExt as _, path::Path, process::Command};
+
+use object::{Object as _, ObjectSection as _};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    model::Frame,
+    process::address_space::{FileId, MappedObject},
+};
+
+/// What frames of an object lack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lacking {
+    /// Function names: the object has no symbols for that code.
+    Names,
+    /// Files and lines, for the culprits (the program's own code).
+    Lines,
+}
+
+/// An object whose frames in a report lack names or lines.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MissingSymbols {
+    /// The object, as the process names it.
+    pub module: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_id: Option<String>,
+    pub lacking: Lacking,
+    /// What would give them, for people.
+    pub advice: String,
+}
+
+/// The objects of `shown` frames that lack names, and those of `culprits`
+/// that lack lines, each once; `object_of` finds a frame's object.
+pub fn missing_symbols<'a>(
+    shown: impl Iterator<Item = &'a Frame>,
+    culprits: impl Iterator<Item = &'a Frame>,
+    mut object_of: impl FnMut(&Frame) -> Option<&'a MappedObject>,
+    advice: &mut Advice,
+) -> Vec<MissingSymbols> {
+    let mut found: Vec<MissingSymbols> = Vec::new();
+    let lacking = shown.filter(|frame| frame.function.is_none()).map(|frame| (frame, Lacking::Names)).chain(
+        culprits
+            .filter(|frame| frame.function.is_some() && frame.line.is_none())
+            .map(|frame| (frame, Lacking::Lines)),
+    );
+    for (frame, lacking) in lacking {
+        // Frames of no file (JIT code, anonymous memory) have nothing to install.
+        let (Some(module), Some(_)) = (&frame.module, frame.file_offset) else { continue };
+        if found.iter().any(|missing| &missing.module == module && missing.lacking == lacking) {
+            continue;
+        }
+        let Some(object) = object_of(frame) else { continue };
+        found.push(MissingSymbols {
+            module: module.clone(),
+            build_id: object.build_id().map(str::to_owned),
+            lacking,
+            advice: advice.for_object(object, lacking),
+        });
+    }
+    // What gives an object's names gives its lines: said once.
+    let unnamed: Vec<String> = found
+        .iter()
+        .filter(|missing| missing.lacking == Lacking::Names)
+        .map(|missing| missing.module.clone())
+        .collect();
+    found.retain(|missing| missing.lacking == Lacking::Names || !unnamed.contains(&missing.module));
+    found.sort_by(|a, b| (a.lacking, &a.module).cmp(&(b.lacking, &b.module)));
+    found
+}
+
+/// What to install or rebuild for an object's symbols, worked out once per
+/// object (it asks dpkg).
+#[derive(Default)]
+pub struct Advice {
+    said: HashMap<(FileId, Lacking), String>,
+}
+
+impl Advice {
+    fn for_object(&mut self, object: &MappedObject, lacking: Lacking) -> String {
+        self.said.entry((object.id, lacking)).or_insert_with(|| advise(object, lacking)).clone()
+    }
+}
+
+fn advise(object: &MappedObject, lacking: Lacking) -> String {
+    let sections = Sections::of(object);
+    if sections.rust && !sections.line_tables {
+        return "a Rust build without line tables: build it with debug = \"line-tables-only\" \
+                (or more) under [profile.release] in Cargo.toml"
+            .to_owned();
+    }
+    let mut ways = Vec::new();
+    let package = host_package(object);
+    if let Some(package) = &package {
+        // Debian's automatic debug packages are named so; the C library's
+        // is built apart.
+        let debug_package =
+            if package == "libc6" { "libc6-dbg".to_owned() } else { format!("{package}-dbgsym") };
+        ways.push(format!("install {debug_package} (from Debian's debug archive)"));
+    }
+    if let Some(id) = object.build_id().filter(|id| id.len() > 2) {
+        ways.push(format!("put its debug file at /usr/lib/debug/.build-id/{}/{}.debug", &id[..2], &id[2..]));
+    }
+    if package.is_none() && !sections.debug_info {
+        ways.push(
+            match lacking {
+                Lacking::Names => "build it unstripped",
+                Lacking::Lines => "build it with -g",
+            }
+            .to_owned(),
+        );
+    }
+    ways.join(", or ")
+}
+
+/// What an object's sections say of its symbols.
+#[derive(Default)]
+struct Sections {
+    /// Built by rustc (its `.comment` says so).
+    rust: bool,
+    /// It has `.debug_line`.
+    line_tables: bool,
+    /// It has `.debug_info`.
+    debug_info: bool,
+}
+
+impl Sections {
+    fn of(object: &MappedObject) -> Self {
+        let cache = object::read::ReadCache::new(object.file());
+        let Ok(elf) = object::File::parse(&cache) else { return Self::default() };
+        let rust = elf
+            .section_by_name(".comment")
+            .and_then(|section| section.data().ok())
+            .is_some_and(|data| data.windows(5).any(|window| window == b"rustc"));
+        Self {
+            rust,
+            line_tables: elf.section_by_name(".debug_line").is_some(),
+            debug_info: elf.section_by_name(".debug_info").is_some(),
+        }
+    }
+}
+
+/// The Debian package that installed `object`, if it is the host's own
+/// file (a container's files are its image's, which the host's dpkg does
+/// not know, even at the same path).
+fn host_package(object: &MappedObject) -> Option<String> {
+    let path = Path::new(&object.path);
+    let host = std::fs::metadata(path).ok()?;
+    let here = object.file().metadata().ok()?;
+    if (host.dev(), host.ino()) != (here.dev(), here.ino()) {
+        return None;
+    }
+    // dpkg knows files by the paths packages list, from before /usr was
+    // merged: /lib/x86_64-linux-gnu/libc.so.6 for /usr/lib/x86_64-linux-gnu/libc.so.6.
+    let unmerged =
+        object.path.strip_prefix("/usr").filter(|rest| rest.starts_with("/lib") || rest.starts_with("/bin"));
+    [Some(object.path.as_str()), unmerged].into_iter().flatten().find_map(|path| {
+        let output = Command::new("dpkg-query").arg("-S").arg(path).output().ok()?;
+        if !output.status.success() {
+            return None;
+        }
+        // "libstdc++6:amd64: /usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.30"
+        let text = String::from_utf8_lossy(&output.stdout);
+        let package = text.lines().next()?.split(": ").next()?;
+        let package = package.split(':').next()?.trim();
+        (!package.is_empty() && !package.contains(',')).then(|| package.to_owned())
+    })
+}
