@@ -24,7 +24,7 @@ pub enum OfflineError {
 pub fn report(config: &ReportConfig) -> Result<(), OfflineError> {
     let mut report =
         saved::read(&config.snapshot)?.into_report(&config.shown, config.output.rendering.format)?;
-    report.mark_culprits(&config.skips);
+    report.name_stacks(&config.skips);
     let mut output = Output::open(&config.output, Documents::One)?;
     finish(output.report(&report), output)
 }

@@ -155,9 +155,22 @@ fn a_cgo_programs_c_leaks_are_found_and_go_reservations_are_not_memory() {
         .filter(|stack| stack["mapping"].is_null() && stack["frames"][0]["function"] == "c_leak")
         .collect();
     assert_eq!(bytes(&leaks), 15_000, "{report:#}");
+    // 30 goroutines, whose walks past runtime.asmcgocall each read another
+    // system stack's leftovers: one call path, one stack.
+    assert_eq!(leaks.len(), 1, "{report:#}");
+    assert_eq!(leaks[0]["allocations"], 30);
+    assert_eq!(leaks[0]["truncated"], "stack_switch", "{:#}", leaks[0]);
+    let functions: Vec<&str> = leaks[0]["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|frame| frame["function"].as_str().unwrap_or("?"))
+        .collect();
+    assert_eq!(functions.last(), Some(&"runtime.asmcgocall"), "cut where the stack was left: {functions:?}");
     // Inlined into the wrapper cgo writes for each C function Go calls.
     let caller = leaks[0]["frames"][1]["function"].as_str().unwrap();
     assert!(caller.ends_with("_Cfunc_c_leak"), "{caller}");
+    assert_eq!(leaks[0]["culprit"]["function"], "c_leak");
     // Go reserves its heap's address space up front: hundreds of MB that
     // no page backs.
     let reserved = report["hidden_mappings"]["reserved_bytes"].as_u64().unwrap();

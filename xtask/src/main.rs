@@ -168,14 +168,14 @@ fn demo() -> Result<()> {
 
 /// Debian packages the end-to-end tests use: compilers for the fixtures
 /// (musl's too; objcopy comes with gcc's binutils), the allocators they
-/// are run with, redis-server and nginx as real programs, go tool pprof (with
+/// are run with, redis-server, nginx and memcached (stripped) as real programs, go tool pprof (with
 /// graphviz for its -svg) to read memleak's profiles, bpftool to count
 /// what memleak's maps hold without taking memleak's word for it,
 /// Debian's python3 and a node to unwind real interpreters and JIT code,
 /// prometheus for promtool, which checks `memleak serve`'s /metrics,
 /// and podman with runc to run real containers for `serve --container`
 /// (crun cannot run them on a hybrid cgroup host).
-const TEST_PACKAGES: [&str; 18] = [
+const TEST_PACKAGES: [&str; 19] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -188,6 +188,7 @@ const TEST_PACKAGES: [&str; 18] = [
     "libmimalloc2.0",
     "redis-server",
     "nginx",
+    "memcached",
     "golang-go",
     "graphviz",
     "prometheus",

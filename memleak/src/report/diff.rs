@@ -309,6 +309,7 @@ pub(crate) mod tests {
             allocations,
             frames: functions.iter().map(|name| Arc::new(frame(name, "/src/app.c", 10))).collect(),
             culprit: None,
+            stable_id: None,
             stack_lost: false,
             truncated: None,
             trend: crate::model::Trend::default(),
@@ -417,6 +418,7 @@ pub(crate) mod tests {
         let at_line = |line: u32| ReportStack {
             frames: vec![Arc::new(frame("f", "/src/app.c", line)), Arc::new(frame("main", "/src/app.c", 5))],
             culprit: None,
+            stable_id: None,
             ..stack(64, 1, &[])
         };
         let new = report(7, 2_000, vec![at_line(1), at_line(12), at_line(2)]);

@@ -91,7 +91,7 @@ fn assert_report_renders_as_before(file: &str, name: &str, sort: SortKey, top: u
     for &format in <Format as super::options::Choice>::ALL {
         let mut report = load(file);
         report.cut_for_display(&shown(format, sort, top, show_allocs), format);
-        report.mark_culprits(&SkipRules::default());
+        report.name_stacks(&SkipRules::default());
         let mut out = Vec::new();
         super::render(rendering(format), &report, &mut out).unwrap();
         assert_same(name, format, out);

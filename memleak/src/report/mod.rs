@@ -37,7 +37,7 @@ use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
     Snapshot, StackUsage, Trend, Truncation, Unwinding,
 };
-use crate::symbolize::missing::MissingSymbols;
+use crate::symbolize::{missing::MissingSymbols, stable_id::stable_id};
 use culprit::SkipRules;
 use diff::Diff;
 use options::{Format, Rendering, ReportOptions, SortKey};
@@ -124,6 +124,11 @@ pub struct ReportStack {
     /// the report is built, with the rules of that run.
     #[serde(default)]
     pub culprit: Option<Arc<Frame>>,
+    /// The same for the same call path of the same binary in any run,
+    /// with or without debug symbols (`symbolize::stable_id`); `/metrics`
+    /// names the stack by it. `None` for a lost stack.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stable_id: Option<String>,
     /// The stack could not be stored (--max-stacks reached).
     pub stack_lost: bool,
     /// Why the walk stopped short of the stack's root, if it did.
@@ -236,6 +241,7 @@ impl Report {
                     allocations: usage.allocations * scale,
                     frames: Vec::new(),
                     culprit: None,
+                    stable_id: None,
                     stack_lost: lost_stack_owner(usage.stack_id).is_some(),
                     truncated: stack_source.truncation(usage.stack_id),
                     trend,
@@ -272,14 +278,15 @@ impl Report {
             modules: Vec::new(),
             missing_symbols: Vec::new(),
         };
-        report.mark_culprits(context.skips);
+        report.name_stacks(context.skips);
         report
     }
 
-    /// Names each stack's culprit as `skips` says.
-    pub fn mark_culprits(&mut self, skips: &SkipRules) {
+    /// Names each stack: its culprit, as `skips` says, and its stable id.
+    pub fn name_stacks(&mut self, skips: &SkipRules) {
         for stack in &mut self.stacks {
             stack.culprit = skips.culprit(&stack.frames, &self.allocator, &self.program).cloned();
+            stack.stable_id = (!stack.stack_lost).then(|| stable_id(&stack.frames));
         }
     }
 

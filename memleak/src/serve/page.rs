@@ -7,6 +7,7 @@
 use std::fmt::Write as _;
 
 use super::state::{Followed, Published};
+use crate::report::{text::frame_name, Report};
 
 /// The page, from one round of reports.
 pub fn render(published: &Published) -> String {
@@ -38,6 +39,7 @@ fn row(page: &mut String, followed: &Followed) {
     };
     // Its short id, as `podman ps` and `docker ps` show it.
     let container = followed.container.as_deref().map_or("-", |id| &id[..id.len().min(12)]);
+    let culprit = report.and_then(largest_culprit).unwrap_or_else(|| String::from("-"));
     let allocator = report.map_or("", |report| report.allocator.as_str());
     let allocator_file =
         std::path::Path::new(allocator).file_name().and_then(|name| name.to_str()).unwrap_or(allocator);
@@ -47,7 +49,7 @@ fn row(page: &mut String, followed: &Followed) {
         "<tr><td class=\"num\">{pid}</td><td title=\"{program}\">{exe}</td>\
          <td title=\"{container_id}\">{container}</td><td>{state}</td>\
          <td class=\"num\">{bytes}</td><td class=\"num\">{growth}</td><td class=\"num\">{allocations}</td>\
-         <td title=\"{allocator}\">{allocator_file}</td>\
+         <td class=\"culprit\">{culprit}</td><td title=\"{allocator}\">{allocator_file}</td>\
          <td class=\"links\"><a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a> \
          <a href=\"/api/v1/report?pid={pid}\">text</a> \
          <a href=\"/api/v1/report?pid={pid}&amp;format=json\">json</a> \
@@ -58,7 +60,21 @@ fn row(page: &mut String, followed: &Followed) {
         allocator_file = escape(allocator_file),
         container_id = escape(followed.container.as_deref().unwrap_or_default()),
         container = escape(container),
+        culprit = escape(&culprit),
     );
+}
+
+/// `make_session(int) (sessions.cpp:25)`: the culprit of the stack holding
+/// the most, where the reader of the page would look first.
+fn largest_culprit(report: &Report) -> Option<String> {
+    let largest =
+        report.stacks.iter().filter(|stack| stack.allocations > 0).max_by_key(|stack| stack.bytes)?;
+    let culprit = largest.culprit.as_deref()?;
+    let file = culprit.file.as_deref().map(|file| file.rsplit('/').next().unwrap_or(file));
+    Some(match (file, culprit.line) {
+        (Some(file), Some(line)) => format!("{} ({file}:{line})", frame_name(culprit)),
+        _ => frame_name(culprit),
+    })
 }
 
 /// `+17,264 (3 reports)`: the bytes gained since the first report, and
@@ -124,6 +140,7 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-sp
 a { color: #0b57d0; }
 td.links { white-space: nowrap; }
 td.links a { margin-right: 0.6em; }
+td.culprit { font-family: ui-monospace, monospace; font-size: 0.9em; }
 footer { margin-top: 1.5em; color: #666; font-size: 0.9em; }
 </style>
 </head>
@@ -134,7 +151,8 @@ footer { margin-top: 1.5em; color: #666; font-size: 0.9em; }
 
 const TABLE_HEAD: &str = "<table>\n<thead><tr><th class=\"num\">pid</th><th>program</th><th>container</th><th>state</th>\
 <th class=\"num\">outstanding bytes</th><th class=\"num\" title=\"since its first report; in a row, the reports that grew\">growth</th>\
-<th class=\"num\">allocations</th><th>allocator</th><th>reports</th></tr></thead>\n<tbody>\n";
+<th class=\"num\">allocations</th><th title=\"the first frame of the program's own code in the stack holding the most\">culprit</th>\
+<th>allocator</th><th>reports</th></tr></thead>\n<tbody>\n";
 
 const FOOT: &str = r#"<footer>Also: <a href="/metrics">/metrics</a> for Prometheus, <a href="/api/v1/targets">/api/v1/targets</a> as JSON.</footer>
 </body>

@@ -63,7 +63,7 @@ pub fn stable_id(stack: &ReportStack) -> String {
     if stack.stack_lost {
         return LOST_STACK_ID.to_owned();
     }
-    stable_id::stable_id(&stack.frames)
+    stack.stable_id.clone().unwrap_or_else(|| stable_id::stable_id(&stack.frames))
 }
 
 /// The stack's culprit (`report::culprit`), or its first named frame
@@ -102,6 +102,7 @@ mod tests {
         stack.frames = frames.into_iter().map(Arc::new).collect();
         stack.culprit =
             SkipRules::default().culprit(&stack.frames, "/usr/lib/libc.so.6", "/app/leaker").cloned();
+        stack.stable_id = None;
         stack.bytes = bytes;
         stack.allocations = allocations;
         stack

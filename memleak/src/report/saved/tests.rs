@@ -94,7 +94,7 @@ fn refusal(inflated: impl Read, limits: Limits) -> String {
 /// A snapshot keeps no culprits: they are named when it is rendered,
 /// with that run's --skip-frames.
 fn with_culprits(mut report: Report) -> Report {
-    report.mark_culprits(&SkipRules::default());
+    report.name_stacks(&SkipRules::default());
     report
 }
 

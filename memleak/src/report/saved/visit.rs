@@ -437,6 +437,7 @@ impl StackFields {
             allocations: required(self.allocations, "allocations")?,
             frames: Vec::new(),
             culprit: None,
+            stable_id: None,
             stack_lost: required(self.stack_lost, "stack_lost")?,
             truncated: self.truncated,
             trend: Trend {

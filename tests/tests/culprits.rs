@@ -1,0 +1,277 @@
+//! What a report names a stack by, and whether its reader can find the
+//! code: the culprit past the allocation plumbing, offsets in functions
+//! with cold parts, stable ids with and without debug symbols, stripped
+//! programs, and one stack per call path.
+
+use std::{path::Path, process::Command};
+
+use memleak_tests::{Leaker, Memleak};
+use serde_json::Value;
+
+/// The C++ service (tests/fixtures/service.cpp), g++ -O2 -g.
+fn service() -> Command {
+    let mut program = Command::new(memleak_tests::optimized("service"));
+    program.args(["100", "--wait"]);
+    program
+}
+
+/// memleak -p on `program`, held at "ready" until attached: its final
+/// report, and the text of every report when `--format text` is asked.
+fn final_report(program: Command, memleak_args: &[&str]) -> Value {
+    let mut target = Leaker::start_command(program);
+    let (reports, _) = memleak_tests::trace_running(&mut target, memleak_args);
+    target.exit();
+    reports.last().cloned().expect("a final report")
+}
+
+fn function(frame: &Value) -> &str {
+    frame["function"].as_str().unwrap_or("?")
+}
+
+/// (bytes, allocations) of the stacks whose culprit is `culprit`.
+fn held_by(report: &Value, culprit: &str) -> (u64, u64) {
+    let stacks = report["stacks"].as_array().unwrap();
+    stacks.iter().filter(|stack| function(&stack["culprit"]) == culprit).fold(
+        (0, 0),
+        |(bytes, count), stack| {
+            (bytes + stack["bytes"].as_u64().unwrap(), count + stack["allocations"].as_u64().unwrap())
+        },
+    )
+}
+
+/// The one stack whose frames go through `function_name` with
+/// `size` bytes per allocation.
+fn stack_of<'a>(report: &'a Value, function_name: &str, bytes: u64) -> &'a Value {
+    let stacks: Vec<&Value> = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|stack| {
+            stack["bytes"] == bytes
+                && stack["frames"].as_array().unwrap().iter().any(|f| function(f) == function_name)
+        })
+        .collect();
+    assert_eq!(stacks.len(), 1, "one stack of {bytes} bytes through {function_name}: {report:#}");
+    stacks[0]
+}
+
+#[test]
+fn a_cxx_leak_is_named_by_the_code_that_made_it_not_by_operator_new() {
+    let report = final_report(service(), &[]);
+    // 100 sessions: the Session by new in make_session, its name and
+    // buffer by std::string and std::vector in the (inlined) constructor.
+    assert_eq!(held_by(&report, "make_session(int)"), (5_600, 100), "{report:#}");
+    assert_eq!(held_by(&report, "Session::Session(int)"), (8_100 + 6_400, 200), "{report:#}");
+    let session = stack_of(&report, "make_session(int)", 5_600);
+    assert_eq!(function(&session["frames"][0]), "operator new(unsigned long)", "the frames stay whole");
+    assert_eq!(session["culprit"]["line"], memleak_tests::marker_line("service", "session"));
+
+    // --skip-frames adds to the table; --no-default-skips empties it.
+    let report = final_report(service(), &["--skip-frames", "^make_session$"]);
+    assert_eq!(held_by(&report, "open_session(int)"), (5_600, 100), "{report:#}");
+    let report = final_report(service(), &["--no-default-skips"]);
+    assert_eq!(held_by(&report, "operator new(unsigned long)"), (5_600 + 8_100 + 6_400, 300), "{report:#}");
+    let report = final_report(service(), &["--no-default-skips", "--skip-frames", "^operator new"]);
+    assert_eq!(held_by(&report, "make_session(int)"), (5_600, 100), "{report:#}");
+}
+
+#[test]
+fn the_text_report_says_the_culprit_first() {
+    let mut target = Leaker::start_command(service());
+    let pid = target.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "-T", "10", "3600"]);
+    memleak.wait_attached();
+    target.go();
+    memleak.signal(libc::SIGINT);
+    let stdout = memleak.stdout.rest();
+    assert!(memleak.child.wait().unwrap().success());
+    let at = stdout
+        .iter()
+        .position(|line| line.starts_with("\t5600 bytes in 100 allocations"))
+        .expect("the stack");
+    assert!(stdout[at + 1].starts_with("\t\tculprit: make_session(int)+0x"), "{stdout:#?}");
+    assert!(
+        stdout[at + 1].ends_with(&format!(
+            "service.cpp:{}) [{}]",
+            memleak_tests::marker_line("service", "session"),
+            memleak_tests::optimized("service").display()
+        )),
+        "{stdout:#?}"
+    );
+    assert!(
+        stdout[at + 2].starts_with("\t\toperator new(unsigned long)+0x"),
+        "then every frame: {stdout:#?}"
+    );
+}
+
+/// The size of the symbol `name` (demangled) in `binary`, by nm.
+fn symbol_size(binary: &Path, name: &str) -> u64 {
+    let output = Command::new("nm").args(["-C", "-S"]).arg(binary).output().expect("nm");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text
+        .lines()
+        .find(|line| line.splitn(4, ' ').nth(3) == Some(name))
+        .unwrap_or_else(|| panic!("{name} in {text}"));
+    u64::from_str_radix(line.split(' ').nth(1).unwrap(), 16).unwrap()
+}
+
+#[test]
+fn offsets_count_from_the_function_even_when_it_has_a_cold_part() {
+    let binary = memleak_tests::optimized("service");
+    // The premise: gcc moved make_session's unwinding path away.
+    let hot = symbol_size(&binary, "make_session(int)");
+    assert!(symbol_size(&binary, "make_session(int) [clone .cold]") > 0);
+    let report = final_report(service(), &[]);
+    let frame = &stack_of(&report, "make_session(int)", 5_600)["frames"][1];
+    assert_eq!(function(frame), "make_session(int)");
+    let offset = frame["offset"].as_u64().unwrap();
+    assert!(
+        (1..=hot).contains(&offset),
+        "make_session(int)+{offset:#x} in a function of {hot:#x} bytes: {frame:#}"
+    );
+}
+
+/// The service built with -g, stripped of every symbol, with its debug
+/// information in a file of its own that its .gnu_debuglink names.
+fn stripped_service() -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = memleak_tests::workspace_root().join("target/fixtures/stripped-service");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (program, debug_file) = (dir.join("service"), dir.join("service.debug"));
+    let source = memleak_tests::workspace_root().join("tests/fixtures/service.cpp");
+    let run = |command: &mut Command| assert!(command.status().unwrap().success(), "{command:?}");
+    run(Command::new("g++").args(["-g", "-O2", "-pthread", "-o"]).arg(&program).arg(&source));
+    run(Command::new("objcopy").arg("--only-keep-debug").arg(&program).arg(&debug_file));
+    run(Command::new("strip").arg("--strip-all").arg(&program));
+    run(Command::new("objcopy").arg(format!("--add-gnu-debuglink={}", debug_file.display())).arg(&program));
+    (program, debug_file)
+}
+
+#[test]
+fn a_stack_keeps_its_id_when_the_debug_file_is_installed() {
+    let (program, debug_file) = stripped_service();
+    let hidden = debug_file.with_extension("away");
+    std::fs::rename(&debug_file, &hidden).unwrap();
+    let run = || {
+        let mut command = Command::new(&program);
+        command.args(["100", "--wait"]);
+        final_report(command, &[])
+    };
+    let sessions = |report: &Value| -> Value {
+        let stacks = report["stacks"].as_array().unwrap();
+        let found: Vec<&Value> = stacks.iter().filter(|stack| stack["bytes"] == 5_600).collect();
+        assert_eq!(found.len(), 1, "{report:#}");
+        found[0].clone()
+    };
+    let without = sessions(&run());
+    // Every frame of the program is its file and an offset in it.
+    let own = &without["frames"][1];
+    assert_eq!(
+        (own["function"].clone(), own["module"].as_str()),
+        (Value::Null, program.to_str()),
+        "{without:#}"
+    );
+    assert!(own["file_offset"].as_u64().is_some_and(|offset| offset > 0), "{own:#}");
+    std::fs::rename(&hidden, &debug_file).unwrap();
+    let with = sessions(&run());
+    assert_eq!(function(&with["frames"][1]), "make_session(int)", "named from the debug file: {with:#}");
+    assert_eq!(with["frames"][1]["line"], memleak_tests::marker_line("service", "session"));
+    assert_eq!(with["stable_id"], without["stable_id"], "the id is where the code is, not its name");
+    assert_eq!(with["stable_id"].as_str().map(str::len), Some(12));
+}
+
+#[test]
+fn a_stripped_program_shows_where_its_frames_are_and_what_to_install() {
+    let memcached = Path::new("/usr/bin/memcached");
+    assert!(memcached.exists(), "cargo xtask test installs memcached");
+    let port = memleak_tests::http::free_port();
+    let mut server = Command::new(memcached)
+        .args(["-u", "nobody", "-l", "127.0.0.1", "-p", &port.to_string(), "-m", "64", "-t", "1"])
+        .spawn()
+        .unwrap();
+    let connection = (0..100)
+        .find_map(|_| {
+            std::net::TcpStream::connect(("127.0.0.1", port))
+                .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
+                .ok()
+        })
+        .expect("memcached listens");
+    let pid = server.id().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    // A connection memleak sees accepted: memcached allocates its state.
+    drop(connection);
+    let mut client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    std::io::Write::write_all(&mut client, b"set key 0 0 5\r\nvalue\r\n").unwrap();
+    let mut answer = [0u8; 8];
+    std::io::Read::read_exact(&mut client, &mut answer).unwrap();
+    assert_eq!(&answer, b"STORED\r\n");
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(status.success());
+    let report = reports.last().unwrap();
+    let frames: Vec<&Value> = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|stack| stack["frames"].as_array().unwrap())
+        .collect();
+    let own: Vec<&&Value> = frames.iter().filter(|frame| frame["module"] == "/usr/bin/memcached").collect();
+    assert!(
+        !own.is_empty()
+            && own.iter().all(|frame| frame["function"].is_null() && frame["file_offset"].is_u64()),
+        "{report:#}"
+    );
+    let build_id = memleak_tests::build_id(memcached);
+    let missing = &report["missing_symbols"];
+    let memcached_missing: Vec<&Value> = missing
+        .as_array()
+        .expect("missing_symbols")
+        .iter()
+        .filter(|entry| entry["module"] == "/usr/bin/memcached")
+        .collect();
+    assert_eq!(memcached_missing.len(), 1, "{missing:#}");
+    let entry = memcached_missing[0];
+    assert_eq!(
+        (entry["lacking"].as_str(), entry["build_id"].as_str()),
+        (Some("names"), Some(build_id.as_str()))
+    );
+    assert_eq!(
+        entry["advice"],
+        format!(
+            "install memcached-dbgsym (from Debian's debug archive), or put its debug file at /usr/lib/debug/.build-id/{}/{}.debug",
+            &build_id[..2],
+            &build_id[2..]
+        )
+    );
+}
+
+#[test]
+fn attaching_to_a_busy_program_gives_no_truncated_copies_of_its_stacks() {
+    for _ in 0..3 {
+        let mut program = Command::new(memleak_tests::optimized("service"));
+        program.arg("busy");
+        let target = Leaker::start_command(program);
+        let pid = target.pid().to_string();
+        let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
+        memleak.wait_attached();
+        // Some thousands of sessions opened while attached.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        memleak.signal(libc::SIGINT);
+        let (status, reports) = memleak.finish();
+        drop(target);
+        assert!(status.success());
+        let report = reports.last().unwrap();
+        assert_eq!(report.get("truncated_stacks"), None, "{report:#}");
+        for stack in report["stacks"].as_array().unwrap() {
+            let functions: Vec<&str> = stack["frames"].as_array().unwrap().iter().map(function).collect();
+            assert!(
+                functions.contains(&"start_thread")
+                    || functions.contains(&"main")
+                    || functions.contains(&"_dl_start_user"),
+                "whole: {functions:?}"
+            );
+        }
+    }
+}
