@@ -85,6 +85,24 @@ pub fn go_program(name: &str) -> PathBuf {
     output
 }
 
+/// The Rust program of tests/fixtures/rust-jemalloc, a release build with
+/// Cargo's defaults (no frame pointers, no line tables) that allocates
+/// through tikv-jemallocator.
+pub fn rust_jemalloc() -> PathBuf {
+    let manifest = workspace_root().join("tests/fixtures/rust-jemalloc/Cargo.toml");
+    let target_dir = workspace_root().join("target/fixtures/rust-jemalloc");
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .args(["build", "--quiet", "--release", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .env_remove("RUSTFLAGS")
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "building the tikv-jemallocator fixture failed");
+    target_dir.join("release/rust-jemalloc")
+}
+
 /// Compiles `source` with `compiler` and `flags` into target/fixtures/NAME.
 /// Tests run in parallel: each builds under a private name, then renames,
 /// so that no test ever runs a half-written file.

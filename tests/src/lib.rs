@@ -6,6 +6,7 @@
 //! - `leaker`: a leaker process for memleak to attach to;
 //! - `http`: GET requests to `memleak serve`;
 //! - `prometheus`: a real Prometheus server scraping `memleak serve`;
+//! - `redis`: Debian's redis-server, filled with keys;
 //! - `rootfs`: root filesystems for container tests;
 //! - `podman`: real containers, in podman storage of the test's own;
 //! - `consumers`: flame graphs and profiles, read as their users would;
@@ -20,13 +21,14 @@ pub mod leaker;
 pub mod memleak;
 pub mod podman;
 pub mod prometheus;
+pub mod redis;
 pub mod rootfs;
 pub mod uprobes;
 
 pub use consumers::{go_pprof, svg_titles};
 pub use fixtures::{
-    build_id, fixture, go_program, marker_line, musl_leaker, optimized, shared_library, static_leaker,
-    workspace_root,
+    build_id, fixture, go_program, marker_line, musl_leaker, optimized, rust_jemalloc, shared_library,
+    static_leaker, workspace_root,
 };
 pub use leaker::Leaker;
 pub use memleak::{

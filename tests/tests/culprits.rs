@@ -132,7 +132,7 @@ fn offsets_count_from_the_function_even_when_it_has_a_cold_part() {
 }
 
 /// The service built with -g, stripped of every symbol, with its debug
-/// information in a file of its own that its .gnu_debuglink names.
+/// information in a file of its own that its `.gnu_debuglink` names.
 fn stripped_service() -> (std::path::PathBuf, std::path::PathBuf) {
     let dir = memleak_tests::workspace_root().join("target/fixtures/stripped-service");
     std::fs::create_dir_all(&dir).unwrap();
@@ -179,28 +179,29 @@ fn a_stack_keeps_its_id_when_the_debug_file_is_installed() {
     assert_eq!(with["stable_id"].as_str().map(str::len), Some(12));
 }
 
-#[test]
-fn a_stripped_program_shows_where_its_frames_are_and_what_to_install() {
-    let memcached = Path::new("/usr/bin/memcached");
-    assert!(memcached.exists(), "cargo xtask test installs memcached");
+/// Debian's memcached (a stripped build) attached with -p while it takes a
+/// connection and stores a key: memleak's final report.
+fn memcached_report(memcached: &Path) -> Value {
     let port = memleak_tests::http::free_port();
     let mut server = Command::new(memcached)
         .args(["-u", "nobody", "-l", "127.0.0.1", "-p", &port.to_string(), "-m", "64", "-t", "1"])
         .spawn()
         .unwrap();
-    let connection = (0..100)
-        .find_map(|_| {
-            std::net::TcpStream::connect(("127.0.0.1", port))
-                .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
-                .ok()
-        })
-        .expect("memcached listens");
+    let connect = || {
+        (0..100)
+            .find_map(|_| {
+                std::net::TcpStream::connect(("127.0.0.1", port))
+                    .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
+                    .ok()
+            })
+            .expect("memcached listens")
+    };
+    drop(connect());
     let pid = server.id().to_string();
     let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
     memleak.wait_attached();
     // A connection memleak sees accepted: memcached allocates its state.
-    drop(connection);
-    let mut client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut client = connect();
     std::io::Write::write_all(&mut client, b"set key 0 0 5\r\nvalue\r\n").unwrap();
     let mut answer = [0u8; 8];
     std::io::Read::read_exact(&mut client, &mut answer).unwrap();
@@ -210,7 +211,14 @@ fn a_stripped_program_shows_where_its_frames_are_and_what_to_install() {
     let _ = server.kill();
     let _ = server.wait();
     assert!(status.success());
-    let report = reports.last().unwrap();
+    reports.last().cloned().expect("a final report")
+}
+
+#[test]
+fn a_stripped_program_shows_where_its_frames_are_and_what_to_install() {
+    let memcached = Path::new("/usr/bin/memcached");
+    assert!(memcached.exists(), "cargo xtask test installs memcached");
+    let report = &memcached_report(memcached);
     let frames: Vec<&Value> = report["stacks"]
         .as_array()
         .unwrap()
@@ -274,4 +282,88 @@ fn attaching_to_a_busy_program_gives_no_truncated_copies_of_its_stacks() {
             );
         }
     }
+}
+
+#[test]
+fn redis_stacks_are_named_past_its_allocation_wrappers_in_metrics() {
+    let mut redis = memleak_tests::redis::Redis::start();
+    let (memleak, port) = memleak_tests::http::serve_pid(redis.pid());
+    redis.set_keys(5000);
+    let series_prefix = "memleak_stack_outstanding_bytes{";
+    let response = memleak_tests::http::get_until(port, "/metrics", |response| {
+        response.body.lines().filter(|line| line.starts_with(series_prefix)).count() == 5
+    });
+    memleak_tests::http::stop(memleak);
+    let frames: Vec<&str> = response
+        .body
+        .lines()
+        .filter(|line| line.starts_with(series_prefix))
+        .map(|line| {
+            line.split("frame=\"").nth(1).and_then(|rest| rest.split('"').next()).expect("a frame label")
+        })
+        .collect();
+    let wrappers = redis_wrappers();
+    assert!(frames.iter().all(|frame| !wrappers.contains(frame)), "{frames:?}");
+    // Each key: its name by dbAdd, its value by createStringObject.
+    for culprit in ["dbAdd", "createStringObject"] {
+        assert!(frames.contains(&culprit), "{culprit} in {frames:?}");
+    }
+}
+
+/// redis's allocation wrappers, as Debian's redis-server names them.
+fn redis_wrappers() -> [&'static str; 7] {
+    ["zmalloc", "zmalloc_usable", "zcalloc", "zrealloc", "ztrymalloc_usable", "_sdsnewlen", "sdsnewlen"]
+}
+
+#[test]
+fn a_rust_release_build_is_named_by_its_own_function_and_says_how_to_get_lines() {
+    let program = memleak_tests::rust_jemalloc();
+    let mut target = Leaker::start_command(Command::new(&program));
+    let (reports, _) = memleak_tests::trace_running(&mut target, &[]);
+    target.exit();
+    let report = reports.last().expect("a final report");
+    // Three leaks of 1000 bytes, each at a call site of its own (no line
+    // tables tell they are one line), reached through alloc:: and the
+    // global allocator.
+    assert_eq!(held_by(report, "rust_jemalloc::leak_blocks"), (3000, 3), "{report:#}");
+    let missing = report["missing_symbols"].as_array().expect("missing_symbols");
+    let program_entry =
+        missing.iter().find(|entry| entry["module"] == program.to_str().unwrap()).expect("the program");
+    assert_eq!(program_entry["lacking"], "lines");
+    assert_eq!(
+        program_entry["advice"],
+        "a Rust build without line tables: build it with debug = \"line-tables-only\" (or more) under [profile.release] in Cargo.toml"
+    );
+}
+
+#[test]
+fn a_python_object_is_named_past_the_interpreters_memory_api() {
+    // pyenv's CPython keeps its symbols (Debian strips its static ones).
+    let python = Path::new("/root/.pyenv/versions/3.11.7/bin/python3.11");
+    let python = if python.exists() { python.to_path_buf() } else { which("python3.11") };
+    let mut program = Command::new(python);
+    program.arg("-c").arg(
+        "import sys\nsys.stderr.write('ready\\n'); sys.stderr.flush(); sys.stdin.readline()\n\
+         kept = [bytearray(100000) for _ in range(200)]\nsys.stderr.write('done\\n'); sys.stderr.flush(); sys.stdin.read()\n",
+    );
+    let report = final_report(program, &[]);
+    // bytearray(100000) asks for its size and a terminating NUL.
+    let stack = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|stack| stack["bytes"] == 200 * 100_001)
+        .unwrap_or_else(|| panic!("200 bytearrays: {report:#}"));
+    assert_eq!(stack["allocations"], 200);
+    assert_eq!(function(&stack["frames"][0]), "_PyObject_Malloc", "the frames stay whole: {stack:#}");
+    assert_eq!(function(&stack["culprit"]), "PyByteArray_Resize", "{stack:#}");
+}
+
+/// The path of `program` on PATH.
+fn which(program: &str) -> std::path::PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| candidate.exists())
+        .unwrap_or_else(|| panic!("{program} on PATH"))
 }

@@ -52,6 +52,8 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
         r"^(__GI_)*_*(strdup|strndup|wcsdup|asprintf|vasprintf|__vasprintf_internal|getline|getdelim|realpath|open_memstream|scandir)$",
     ),
     rule("C library", r"^(__GI_)*_IO_"),
+    // Locales load their data for the program that asked for one.
+    rule("C library", r"^(_nl_|(__GI_)*_*(setlocale|newlocale)$)"),
     // stdio allocates a stream's buffer at its first use, and the FILE at
     // fopen: the culprit is who read, wrote or opened.
     rule(
@@ -82,7 +84,7 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
     ),
     rule(
         "CPython",
-        r"^(pymalloc_(alloc|realloc)|PyType_GenericAlloc|_PyType_AllocNoTrack|gc_alloc|_PyObject_GC_Alloc|allocate_from_new_pool|new_arena)$",
+        r"^(pymalloc_(alloc|realloc)|PyType_GenericAlloc|_PyType_AllocNoTrack|gc_alloc|_PyObject_GC_Alloc|allocate_from_new_pool|new_arena|_PyObject_Arena(Mmap|Malloc)|arena_map_get|arena_map_mark_used)$",
     ),
     // Well-known allocation wrappers of C programs and libraries.
     rule("redis", r"^_?z(try)?(malloc|calloc|realloc)(_usable|_no_tcache|_num|_usable_num)?$"),
