@@ -134,3 +134,27 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
         r"^xml(Malloc|MallocAtomic|Realloc|Strdup|Strndup|MemMalloc|MemRealloc|MemStrdup|MallocLoc|ReallocLoc)$",
     ),
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readme_lists_every_group_of_the_table() {
+        let readme = include_str!("../../../README.md");
+        for rule in DEFAULT_SKIPS {
+            assert!(
+                readme.contains(&format!("\n| {} | ", rule.group)),
+                "README's table of skipped frames lacks {}",
+                rule.group
+            );
+        }
+    }
+
+    #[test]
+    fn every_pattern_compiles() {
+        for rule in DEFAULT_SKIPS {
+            assert!(regex::Regex::new(rule.pattern).is_ok(), "{}: {}", rule.group, rule.pattern);
+        }
+    }
+}
