@@ -64,7 +64,7 @@ mod pod {
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 40);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 48);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
 const _: () = assert!(core::mem::size_of::<ExecMapping>() == 32);

@@ -141,7 +141,9 @@ pub struct HealthCounters {
     /// snapshots saved before memleak counted them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recorded_allocations: Option<u64>,
-    /// Releases seen: free-like calls, and old blocks realloc gave up.
+    /// Releases seen: free-like calls, and old blocks realloc gave up; a
+    /// release made inside another of the same block (an `operator
+    /// delete` calling `free`) counts once.
     pub frees: u64,
     /// Allocation calls that returned NULL (never counted as leaks).
     pub failed_allocations: u64,
