@@ -399,8 +399,8 @@ impl Tracer {
                 links.links.push((return_program, link));
             }
         }
-        if let Some(mapping) = &plan.mapping_object {
-            let mut more = self.attach_perf_events(mapping, scope)?;
+        for other in plan.mapping_object.iter().map(Box::as_ref).chain(&plan.operator_objects) {
+            let mut more = self.attach_perf_events(other, scope)?;
             links.links.append(&mut more.links);
         }
         Ok(links)
@@ -775,8 +775,8 @@ fn attach_multi(
             })?;
         links.multi.push(link);
     }
-    if let Some(mapping) = &plan.mapping_object {
-        let mut more = attach_multi(programs, mapping, scope)?;
+    for other in plan.mapping_object.iter().map(Box::as_ref).chain(&plan.operator_objects) {
+        let mut more = attach_multi(programs, other, scope)?;
         links.multi.append(&mut more.multi);
     }
     Ok(links)
