@@ -213,17 +213,24 @@ pub enum Counter {
     /// Allocation calls that returned a block, whether or not they were
     /// sampled or in the size range recorded.
     Allocations = 5,
+    /// Those of the [`Counter::Frees`] whose block memleak had not
+    /// recorded: allocated before it attached, by a function it does not
+    /// probe, or left out by sampling, the size range or a full
+    /// [`ALLOCATIONS_MAP`](crate::ALLOCATIONS_MAP). Their sizes are not
+    /// known.
+    UnrecordedFrees = 6,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 6] = [
+    pub const ALL: [Counter; 7] = [
         Counter::Frees,
         Counter::FailedAllocations,
         Counter::AllocationsNotTracked,
         Counter::StacksLost,
         Counter::EventsLost,
         Counter::Allocations,
+        Counter::UnrecordedFrees,
     ];
 }
 
@@ -236,7 +243,7 @@ impl TryFrom<u32> for Counter {
 }
 
 /// Number of [`Counter`]s.
-#[allow(clippy::cast_possible_truncation, reason = "six counters")]
+#[allow(clippy::cast_possible_truncation, reason = "seven counters")]
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
 
 /// One process's health counters, indexed by [`Counter`]: each process

@@ -652,6 +652,7 @@ impl Tracer {
                 allocations_not_tracked: read(Counter::AllocationsNotTracked),
                 stacks_lost: read(Counter::StacksLost),
                 events_lost: read(Counter::EventsLost),
+                unrecorded_frees: Some(read(Counter::UnrecordedFrees)),
             }
         };
         Ok(counters.iter().filter_map(Result::ok).map(|(pid, counters)| (pid, health(&counters))).collect())

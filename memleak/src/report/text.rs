@@ -139,7 +139,20 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         health.failed_allocations,
         health.allocations_not_tracked,
         health.stacks_lost,
-    )
+    )?;
+    write_unrecorded_frees(report, out)
+}
+
+/// The frees of blocks memleak never saw allocated, if there were any.
+fn write_unrecorded_frees(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    if let Some(frees @ 1..) = report.health.unrecorded_frees {
+        writeln!(
+            out,
+            "{frees} of those frees were of blocks memleak never saw allocated (allocated before it attached, \
+             or left out by -s, -z, -Z or --max-allocs), of sizes unknown"
+        )?;
+    }
+    Ok(())
 }
 
 /// What memleak could not keep or left out, each with what to do.
