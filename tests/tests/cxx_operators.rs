@@ -114,5 +114,8 @@ fn every_form_of_new_and_delete_is_counted_once() {
         assert_eq!(seen(&report), (1000 + 12_000, 500 + 12_000), "{allocator:?}: {report:#}");
         assert_eq!(report["total_bytes"], 32_000, "{allocator:?}: every form freed its block: {report:#}");
         assert_eq!(report["health"]["failed_allocations"], 0, "{allocator:?}");
+        // No release inside another was taken for a free of a block never
+        // seen allocated.
+        assert_eq!(report["health"]["unrecorded_frees"], 0, "{allocator:?}: {report:#}");
     }
 }
