@@ -3,6 +3,11 @@
 //! the memory-mapping functions. A function's place in
 //! [`ALLOCATOR_FUNCTIONS`] is its bit in a [`FunctionSet`], the attach
 //! cookie that tells the shared programs which function fired.
+//!
+//! C++'s `operator new` and `operator delete` are one entry each, whatever
+//! their form (array, nothrow, aligned, sized): every form of `new` takes
+//! the size first, every form of `delete` the block first, so one program
+//! serves them all, and a --trace line names the operator.
 
 use crate::names::programs;
 
@@ -15,15 +20,27 @@ pub struct AllocatorFunction {
     /// It gives a block back (free-like): it has no return probe, and its
     /// entry probe may skip a costly first instruction.
     pub releases: bool,
+    /// The symbols that define it: empty for a C function, whose symbol is
+    /// its name (after an allocator's prefix, if it has one); the mangled
+    /// forms of a C++ operator, which no prefix changes.
+    pub forms: &'static [CxxForm],
+}
+
+/// One form of a C++ operator: its symbol, mangled as the Itanium C++ ABI
+/// does on x86-64 (`size_t` is `unsigned long`, `m`), and how it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CxxForm {
+    pub symbol: &'static str,
+    pub name: &'static str,
 }
 
 impl AllocatorFunction {
     const fn allocates(name: &'static str, entry_program: &'static str) -> Self {
-        Self { name, entry_program, releases: false }
+        Self { name, entry_program, releases: false, forms: &[] }
     }
 
     const fn releases(name: &'static str) -> Self {
-        Self { name, entry_program: programs::FREE_ENTER, releases: true }
+        Self { name, entry_program: programs::FREE_ENTER, releases: true, forms: &[] }
     }
 
     /// The program at its return: the one shared return probe of every
@@ -37,9 +54,65 @@ impl AllocatorFunction {
     }
 }
 
+const fn form(symbol: &'static str, name: &'static str) -> CxxForm {
+    CxxForm { symbol, name }
+}
+
+/// Every replaceable `operator new` and `operator new[]` of C++17: the
+/// size comes first in each, as `malloc`'s does.
+pub const OPERATOR_NEW_FORMS: [CxxForm; 8] = [
+    form("_Znwm", "operator new(unsigned long)"),
+    form("_Znam", "operator new[](unsigned long)"),
+    form("_ZnwmRKSt9nothrow_t", "operator new(unsigned long, std::nothrow_t const&)"),
+    form("_ZnamRKSt9nothrow_t", "operator new[](unsigned long, std::nothrow_t const&)"),
+    form("_ZnwmSt11align_val_t", "operator new(unsigned long, std::align_val_t)"),
+    form("_ZnamSt11align_val_t", "operator new[](unsigned long, std::align_val_t)"),
+    form(
+        "_ZnwmSt11align_val_tRKSt9nothrow_t",
+        "operator new(unsigned long, std::align_val_t, std::nothrow_t const&)",
+    ),
+    form(
+        "_ZnamSt11align_val_tRKSt9nothrow_t",
+        "operator new[](unsigned long, std::align_val_t, std::nothrow_t const&)",
+    ),
+];
+
+/// Every replaceable `operator delete` and `operator delete[]` of C++17
+/// (sized, aligned, nothrow): the block comes first in each, as `free`'s
+/// does.
+pub const OPERATOR_DELETE_FORMS: [CxxForm; 12] = [
+    form("_ZdlPv", "operator delete(void*)"),
+    form("_ZdaPv", "operator delete[](void*)"),
+    form("_ZdlPvm", "operator delete(void*, unsigned long)"),
+    form("_ZdaPvm", "operator delete[](void*, unsigned long)"),
+    form("_ZdlPvRKSt9nothrow_t", "operator delete(void*, std::nothrow_t const&)"),
+    form("_ZdaPvRKSt9nothrow_t", "operator delete[](void*, std::nothrow_t const&)"),
+    form("_ZdlPvSt11align_val_t", "operator delete(void*, std::align_val_t)"),
+    form("_ZdaPvSt11align_val_t", "operator delete[](void*, std::align_val_t)"),
+    form("_ZdlPvmSt11align_val_t", "operator delete(void*, unsigned long, std::align_val_t)"),
+    form("_ZdaPvmSt11align_val_t", "operator delete[](void*, unsigned long, std::align_val_t)"),
+    form(
+        "_ZdlPvSt11align_val_tRKSt9nothrow_t",
+        "operator delete(void*, std::align_val_t, std::nothrow_t const&)",
+    ),
+    form(
+        "_ZdaPvSt11align_val_tRKSt9nothrow_t",
+        "operator delete[](void*, std::align_val_t, std::nothrow_t const&)",
+    ),
+];
+
 /// The allocator functions memleak probes, named as a C library exports
-/// them (an allocator built with a symbol prefix adds its own).
-pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 16] = [
+/// them (an allocator built with a symbol prefix adds its own), then C++'s
+/// operators.
+///
+/// The operators are probed where the program's calls to them land, and
+/// only where that adds something (see memleak's `attach::operators`): an
+/// allocator's own `operator new` (tcmalloc's, jemalloc's, mimalloc's) does
+/// not call its `malloc`, so without it a C++ program's allocations go
+/// unseen while their frees are counted. The C++ runtime's own operators
+/// (libstdc++'s, libc++'s) only call `malloc` and `free` and are not
+/// probed.
+pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 18] = [
     AllocatorFunction::allocates("malloc", programs::MALLOC_ENTER),
     AllocatorFunction::allocates("calloc", programs::CALLOC_ENTER),
     AllocatorFunction::allocates("realloc", programs::REALLOC_ENTER),
@@ -57,7 +130,20 @@ pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 16] = [
     AllocatorFunction::releases("sdallocx"),
     AllocatorFunction::releases("free_sized"),
     AllocatorFunction::releases("free_aligned_sized"),
+    // C++: every form of each operator, one entry for all of them.
+    AllocatorFunction {
+        forms: &OPERATOR_NEW_FORMS,
+        ..AllocatorFunction::allocates(OPERATOR_NEW, programs::MALLOC_ENTER)
+    },
+    AllocatorFunction { forms: &OPERATOR_DELETE_FORMS, ..AllocatorFunction::releases(OPERATOR_DELETE) },
 ];
+
+/// The name of C++'s `operator new` entry in [`ALLOCATOR_FUNCTIONS`]:
+/// `new` and `new[]` in every form.
+pub const OPERATOR_NEW: &str = "operator new";
+/// The name of C++'s `operator delete` entry: `delete` and `delete[]` in
+/// every form.
+pub const OPERATOR_DELETE: &str = "operator delete";
 
 /// A set of [`ALLOCATOR_FUNCTIONS`], bit i standing for function i. It is
 /// a probe's attach cookie: one program serves several functions and
@@ -94,6 +180,24 @@ impl FunctionSet {
             .filter(move |(index, _)| self.0 & (1 << index) != 0)
             .map(|(_, f)| f)
     }
+
+    /// The set of the function named `name`, for a constant: `name` must be
+    /// in the table.
+    const fn of_name(name: &str) -> Self {
+        let mut index = 0;
+        while index < ALLOCATOR_FUNCTIONS.len() {
+            if const_eq(ALLOCATOR_FUNCTIONS[index].name, name) {
+                return Self::of(index);
+            }
+            index += 1;
+        }
+        panic!("not in ALLOCATOR_FUNCTIONS")
+    }
+
+    /// C++'s `operator delete`, alone: a probe with this cookie is on a
+    /// form that is not also another release function (as tcmalloc's
+    /// `operator delete(void*)` is its `free`), so it may call one.
+    pub const OPERATOR_DELETE: Self = Self::of_name(OPERATOR_DELETE);
 
     /// Every function that gives memory back.
     pub const RELEASING: Self = {
@@ -140,6 +244,22 @@ pub const MAPPING_FUNCTIONS: [MappingFunction; 5] = [
         return_program: Some(programs::MAPPING_RETURN),
     },
 ];
+
+/// `a == b`, for constants.
+const fn const_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut index = 0;
+    while index < a.len() {
+        if a[index] != b[index] {
+            return false;
+        }
+        index += 1;
+    }
+    true
+}
 
 // Cookies are u32 bit sets.
 const _: () = assert!(ALLOCATOR_FUNCTIONS.len() <= 32);

@@ -20,7 +20,8 @@ pub mod unwind;
 
 pub use events::{MappingChange, MappingEvent, TraceEvent};
 pub use functions::{
-    AllocatorFunction, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
+    AllocatorFunction, CxxForm, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
+    OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS,
 };
 pub use names::{
     programs, tunables, ALLOCATIONS_MAP, CGROUP_LEVEL_UNKNOWN, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP,
@@ -63,7 +64,7 @@ mod pod {
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 40);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 48);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
 const _: () = assert!(core::mem::size_of::<ExecMapping>() == 32);

@@ -161,6 +161,13 @@ pub struct PendingCall {
     /// a process that has exited.
     pub tgid: u32,
     pub _padding: u32,
+    /// The block this thread's latest `operator delete` released, until the
+    /// thread's next call into the allocator; 0 for none. A delete that
+    /// calls a probed `free` (or `sdallocx`) with the same block has
+    /// counted the release already: that inner release is not counted
+    /// again. Releases have no return probe, so this is cleared by the
+    /// thread's next allocator call rather than by the delete's return.
+    pub releasing: u64,
 }
 
 /// Size recorded for a calloc/reallocarray whose `n * size` overflows; the
@@ -190,8 +197,9 @@ pub struct PendingMapping {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
     /// Releases seen: free-like calls with a non-NULL pointer, and the old
-    /// block of each realloc that gave it up (glibc's realloc(p, 0) also
-    /// calls free, so it counts twice).
+    /// block of each realloc that gave it up. A release made inside
+    /// another one of the same block (an `operator delete` that calls
+    /// `free`, glibc's realloc(p, 0) calling free) counts once.
     Frees = 0,
     /// Allocations that returned NULL.
     FailedAllocations = 1,
@@ -205,17 +213,24 @@ pub enum Counter {
     /// Allocation calls that returned a block, whether or not they were
     /// sampled or in the size range recorded.
     Allocations = 5,
+    /// Those of the [`Counter::Frees`] whose block memleak had not
+    /// recorded: allocated before it attached, by a function it does not
+    /// probe, or left out by sampling, the size range or a full
+    /// [`ALLOCATIONS_MAP`](crate::ALLOCATIONS_MAP). Their sizes are not
+    /// known.
+    UnrecordedFrees = 6,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 6] = [
+    pub const ALL: [Counter; 7] = [
         Counter::Frees,
         Counter::FailedAllocations,
         Counter::AllocationsNotTracked,
         Counter::StacksLost,
         Counter::EventsLost,
         Counter::Allocations,
+        Counter::UnrecordedFrees,
     ];
 }
 
@@ -228,7 +243,7 @@ impl TryFrom<u32> for Counter {
 }
 
 /// Number of [`Counter`]s.
-#[allow(clippy::cast_possible_truncation, reason = "six counters")]
+#[allow(clippy::cast_possible_truncation, reason = "seven counters")]
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
 
 /// One process's health counters, indexed by [`Counter`]: each process

@@ -9,7 +9,7 @@ use aya_ebpf::{
     programs::ProbeContext,
     EbpfContext as _,
 };
-use memleak_common::{CallKind, PendingCall};
+use memleak_common::{CallKind, FunctionSet, PendingCall};
 
 use crate::{maps::PENDING, tunables};
 
@@ -55,6 +55,8 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
         function,
         tgid: process,
         _padding: 0,
+        // A new call: the thread's last operator delete has returned.
+        releasing: 0,
     };
     match pending {
         // SAFETY: as above.
@@ -89,4 +91,46 @@ pub fn leave() -> Option<PendingCall> {
 pub fn inside_allocator() -> bool {
     // SAFETY: this thread's own entry.
     PENDING.get_ptr(thread_id()).is_some_and(|call| unsafe { (*call).depth } > 0)
+}
+
+/// Where a release that starts now on this thread is made.
+pub enum Release {
+    /// In the program's own call: it counts.
+    Outer,
+    /// Inside an `operator delete` of the same block, which counted it.
+    InsideDelete,
+    /// Inside a realloc of the same block, whose return releases it
+    /// (glibc's realloc(p, 0) calls free(p)).
+    InsideRealloc,
+}
+
+/// Starts the release of `address` by the function probed with cookie
+/// `function` on this thread, and says where it is made. An `operator
+/// delete` that is only that (not an alias of `free`) is remembered as
+/// releasing `address`, for the `free` it may call: releases have no
+/// return probe, so its calls cannot be counted as allocations' are.
+pub fn begin_release(address: u64, function: u32) -> Release {
+    let delete = function == FunctionSet::OPERATOR_DELETE.0;
+    let Some(call) = PENDING.get_ptr_mut(thread_id()) else {
+        if delete {
+            let call = PendingCall { tgid: process_id(), releasing: address, ..PendingCall::default() };
+            let _ = PENDING.insert(thread_id(), call, 0);
+        }
+        return Release::Outer;
+    };
+    // SAFETY: only this thread touches its own entry.
+    let call = unsafe { &mut *call };
+    let release = if call.releasing == address {
+        Release::InsideDelete
+    } else if call.depth > 0 && call.kind == CallKind::Reallocate as u32 && call.argument == address {
+        Release::InsideRealloc
+    } else {
+        Release::Outer
+    };
+    let releasing = if delete && matches!(release, Release::Outer) { address } else { 0 };
+    // Written only when it changes: most frees find it 0 and leave it so.
+    if call.releasing != releasing {
+        call.releasing = releasing;
+    }
+    release
 }

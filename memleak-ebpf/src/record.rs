@@ -36,13 +36,35 @@ pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
 
 /// A release of the block at `address` by process `tgid` (0: the kernel):
 /// counted, and the allocation forgotten if it was recorded. Returns its
-/// size then.
+/// size then; a block memleak had not recorded is counted apart.
 pub fn release(tgid: u32, address: u64) -> Option<u64> {
     if address == 0 {
         return None;
     }
     counters::increment(tgid, Counter::Frees);
-    forget(&AllocationKey { tgid, _padding: 0, address })
+    let size = forget(&AllocationKey { tgid, _padding: 0, address });
+    if size.is_none() {
+        counters::increment(tgid, Counter::UnrecordedFrees);
+    }
+    size
+}
+
+/// A release that an outer one has counted already (see
+/// `calls::Release::InsideDelete`): it counts only if the block is
+/// recorded, as it is if it was allocated again and recorded since the
+/// outer release.
+pub fn release_if_recorded(tgid: u32, address: u64) -> Option<u64> {
+    let size = forget(&AllocationKey { tgid, _padding: 0, address })?;
+    counters::increment(tgid, Counter::Frees);
+    Some(size)
+}
+
+/// The size of the block at `address` of process `tgid`, if it is
+/// recorded.
+pub fn recorded_size(tgid: u32, address: u64) -> Option<u64> {
+    let allocation = ALLOCATIONS.get_ptr(AllocationKey { tgid, _padding: 0, address })?;
+    // SAFETY: a live entry, read once.
+    Some(unsafe { (*allocation).size })
 }
 
 /// Removes a recorded allocation, takes it off its stack's totals and

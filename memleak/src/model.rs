@@ -141,8 +141,18 @@ pub struct HealthCounters {
     /// snapshots saved before memleak counted them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recorded_allocations: Option<u64>,
-    /// Releases seen: free-like calls, and old blocks realloc gave up.
+    /// Releases seen: free-like calls, and old blocks realloc gave up; a
+    /// release made inside another of the same block (an `operator
+    /// delete` calling `free`) counts once.
     pub frees: u64,
+    /// Those of the `frees` whose block memleak had not recorded: allocated
+    /// before it attached, through a function it does not probe, or left
+    /// out by -s, -z, -Z or a full --max-allocs. Their sizes are unknown.
+    /// A stack that replaces such blocks grows in memleak's eyes while the
+    /// program's memory holds still. `None` in snapshots saved before
+    /// memleak counted them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unrecorded_frees: Option<u64>,
     /// Allocation calls that returned NULL (never counted as leaks).
     pub failed_allocations: u64,
     /// Allocations dropped because --max-allocs was reached.

@@ -46,6 +46,10 @@ enum Record<'a> {
         object: &'a str,
         path: &'a Path,
         probes: Vec<Probe<'a>>,
+        /// Forms of C++'s `operator new` and `delete` the program's calls
+        /// land in, left unprobed because their probes would add nothing.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        not_probed: Vec<NotProbedForm<'a>>,
     },
     Report {
         pid: u32,
@@ -85,6 +89,42 @@ struct Probe<'a> {
     /// Whether its return is probed too.
     #[serde(rename = "return_probe")]
     on_return: bool,
+    /// The object it is in, when that is not the record's `object` (a
+    /// program's own `operator new`, say); its `path` likewise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    in_object: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    in_path: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct NotProbedForm<'a> {
+    function: &'a str,
+    object: &'a str,
+    why: &'a str,
+}
+
+/// A plan's `path` is memleak's own descriptor of the file: the kernel's
+/// name for it says which file that is.
+fn kernel_path(plan: &AttachPlan) -> PathBuf {
+    std::fs::read_link(&plan.path).unwrap_or_else(|_| plan.path.clone())
+}
+
+/// The probes of `plan`, each naming its object when it is `elsewhere`
+/// than the record's.
+fn probes_of(plan: &AttachPlan, elsewhere: bool) -> Vec<Probe<'_>> {
+    let in_path = elsewhere.then(|| kernel_path(plan));
+    plan.sites
+        .iter()
+        .map(|site| Probe {
+            function: site.function,
+            file_offset: site.file_offset,
+            entry_offset: site.entry_skip,
+            on_return: site.return_program.is_some(),
+            in_object: elsewhere.then_some(plan.display_path.as_str()),
+            in_path: in_path.clone(),
+        })
+        .collect()
 }
 
 impl Stats {
@@ -96,20 +136,17 @@ impl Stats {
 
     /// Where the probes for process `pid` went.
     pub fn probes(&mut self, pid: u32, plan: &AttachPlan) -> Result<(), StatsError> {
-        let probes = plan
-            .sites
+        let mut probes = probes_of(plan, false);
+        for operators in &plan.operator_objects {
+            probes.extend(probes_of(operators, true));
+        }
+        let not_probed = plan
+            .not_probed
             .iter()
-            .map(|site| Probe {
-                function: site.function,
-                file_offset: site.file_offset,
-                entry_offset: site.entry_skip,
-                on_return: site.return_program.is_some(),
-            })
+            .map(|form| NotProbedForm { function: form.function, object: &form.object, why: &form.why })
             .collect();
-        // `plan.path` is memleak's own descriptor of the file: the kernel's
-        // name for it says which file that is.
-        let path = std::fs::read_link(&plan.path).unwrap_or_else(|_| plan.path.clone());
-        self.write(&Record::Probes { pid, object: &plan.display_path, path: &path, probes })
+        let path = kernel_path(plan);
+        self.write(&Record::Probes { pid, object: &plan.display_path, path: &path, probes, not_probed })
     }
 
     /// A report, `latency` after the maps were read for it.

@@ -29,6 +29,17 @@ pub fn optimized(name: &str) -> PathBuf {
     compile(compiler, &["-g", "-O2", "-fomit-frame-pointer", "-pthread"], &source, &format!("{name}-O2"))
 }
 
+/// As `optimized`, linked with `library` too (a path: Debian's allocator
+/// libraries have no development symlink), which the program's link map
+/// then lists before the C++ runtime and the C library. Built as
+/// NAME-O2-LIBRARY.
+pub fn optimized_linked(name: &str, library: &Path) -> PathBuf {
+    let (source, compiler) = source_of(name);
+    let file = library.file_name().and_then(|file| file.to_str()).expect("a library file");
+    let output = format!("{name}-O2-{file}");
+    compile_linked(compiler, &["-g", "-O2", "-fomit-frame-pointer", "-pthread"], &source, &[library], &output)
+}
+
 /// Compiles tests/fixtures/NAME.c into a shared library, libNAME.so,
 /// with -O2 and no frame pointers.
 pub fn shared_library(name: &str) -> PathBuf {
@@ -111,6 +122,11 @@ pub fn rust_jemalloc() -> PathBuf {
 /// started from it, or the kernel would name that process's program
 /// "... (deleted)".
 fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf {
+    compile_linked(compiler, flags, source, &[], name)
+}
+
+/// As `compile`, linking `libraries` after the source.
+fn compile_linked(compiler: &str, flags: &[&str], source: &Path, libraries: &[&Path], name: &str) -> PathBuf {
     static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
     let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(output) = built.get(name) {
@@ -125,6 +141,7 @@ fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf
         .arg("-o")
         .arg(&private)
         .arg(source)
+        .args(libraries)
         .status()
         .unwrap_or_else(|error| panic!("run {compiler} (cargo xtask test installs it): {error}"));
     assert!(status.success(), "{compiler} failed on {}", source.display());

@@ -27,13 +27,13 @@ pub mod uprobes;
 
 pub use consumers::{go_pprof, svg_titles};
 pub use fixtures::{
-    build_id, fixture, go_program, marker_line, musl_leaker, optimized, rust_jemalloc, shared_library,
-    static_leaker, workspace_root,
+    build_id, fixture, go_program, marker_line, musl_leaker, optimized, optimized_linked, rust_jemalloc,
+    shared_library, static_leaker, workspace_root,
 };
 pub use leaker::Leaker;
 pub use memleak::{
-    assert_refused_in_one_line, memleak_binary, run_to_end, stacks_at, trace_command, trace_fixture,
-    trace_fixture_output, trace_fixture_output_with_env, trace_program, trace_running, usage_at, Lines,
-    Memleak, PATIENCE, PERF_EVENT_UPROBES,
+    assert_refused_in_one_line, frame_functions, memleak_binary, run_to_end, stacks_at, stacks_through,
+    trace_command, trace_fixture, trace_fixture_output, trace_fixture_output_with_env, trace_program,
+    trace_running, usage_at, Lines, Memleak, PATIENCE, PERF_EVENT_UPROBES,
 };
 pub use rootfs::{leaker_rootfs, rootfs_with, tempdir};

@@ -284,3 +284,16 @@ pub fn run_to_end(args: &[&str]) -> (Option<i32>, String) {
     let stderr: String = stderr.rest().iter().map(|line| line.clone() + "\n").collect();
     (status.code(), stderr)
 }
+
+/// The function names of a stack's frames, innermost first ("?" for a
+/// frame without one).
+pub fn frame_functions(stack: &Value) -> Vec<&str> {
+    let frames = stack["frames"].as_array().expect("frames is an array");
+    frames.iter().map(|frame| frame["function"].as_str().unwrap_or("?")).collect()
+}
+
+/// The stacks of a report with a frame in `function`.
+pub fn stacks_through<'a>(report: &'a Value, function: &str) -> Vec<&'a Value> {
+    let stacks = report["stacks"].as_array().expect("stacks is an array");
+    stacks.iter().filter(|stack| frame_functions(stack).contains(&function)).collect()
+}

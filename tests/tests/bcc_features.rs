@@ -107,7 +107,9 @@ fn several_processes_get_reports_of_their_own() {
         let health = &report["health"];
         (health["allocations"].as_u64(), health["frees"].as_u64(), health["failed_allocations"].as_u64())
     };
-    assert_eq!(seen(first_report), (Some(17), Some(3), Some(3)), "{first_report:#}");
+    // Two frees: the block realloc moved, and realloc(p, 0)'s, once
+    // although glibc's realloc calls free for it.
+    assert_eq!(seen(first_report), (Some(17), Some(2), Some(3)), "{first_report:#}");
     assert_eq!(seen(second_report), (Some(10_001), Some(10_000), Some(0)), "{second_report:#}");
     first.exit();
     second.exit();

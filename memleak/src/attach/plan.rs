@@ -2,6 +2,7 @@
 //! which file offsets each allocator function starts.
 
 use std::{
+    fmt::Write as _,
     fs::{self, File},
     os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
     path::{Path, PathBuf},
@@ -11,7 +12,11 @@ use std::{
 
 use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
 
-use super::{link_order, placement};
+use super::{
+    link_order,
+    operators::{self, Form, Landing},
+    placement,
+};
 use crate::{
     elf,
     process::{files, AddressSpace},
@@ -92,6 +97,25 @@ pub struct AttachPlan {
     /// calls the C library's), the C library's, probed for the program's
     /// own mappings: only mapping sites.
     pub mapping_object: Option<Box<AttachPlan>>,
+    /// Objects before the allocator's in link-map order that define forms
+    /// of C++'s `operator new` or `delete` the program's calls land in
+    /// (the program's own, say): only those sites.
+    pub operator_objects: Vec<AttachPlan>,
+    /// The forms of `operator new` and `delete` the program's calls land
+    /// in that are not probed, and why.
+    pub not_probed: Vec<NotProbed>,
+}
+
+/// A form of C++'s `operator new` or `delete` that calls land in, not
+/// probed because its probe would add nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotProbed {
+    /// The form, as it reads: "operator delete(void*)".
+    pub function: &'static str,
+    /// The object that defines it, as the process names it.
+    pub object: String,
+    /// Why: "only jumps to free, probed".
+    pub why: String,
 }
 
 impl AttachPlan {
@@ -105,12 +129,22 @@ impl AttachPlan {
             sites,
             object: Some(object),
             mapping_object: None,
+            operator_objects: Vec::new(),
+            not_probed: Vec::new(),
         }
     }
 
     /// What was probed, for people: "libc.so.6 (13 functions probed)".
     pub fn describe(&self) -> String {
-        let own = format!("{} ({} functions probed)", self.display_path, self.sites.len());
+        let mut own = format!("{} ({} functions probed)", self.display_path, self.sites.len());
+        for operators in &self.operator_objects {
+            let _ = write!(
+                own,
+                ", with operator new and delete in {} ({} probed)",
+                operators.display_path,
+                operators.sites.len()
+            );
+        }
         match &self.mapping_object {
             Some(mapping) => format!("{own}, with mmap & co. in {}", mapping.display_path),
             None => own,
@@ -136,10 +170,12 @@ impl AttachPlan {
             (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
             _ => false,
         };
-        self.sites.iter().any(|site| {
+        let inside = self.sites.iter().any(|site| {
             site.functions != FunctionSet::default()
                 && (site.file_offset..site.file_offset + site.code_length).contains(&file_offset)
-        }) && same_file(object, mapped)
+        }) && same_file(object, mapped);
+        inside
+            || self.operator_objects.iter().any(|operators| operators.in_allocator_call(mapped, file_offset))
     }
 }
 
@@ -242,31 +278,121 @@ fn loaded_libraries(program: &Path, loader: &str) -> Result<Vec<String>, PlanErr
 }
 
 /// The first candidate that defines `PREFIXmalloc` and `PREFIXfree`; with no
-/// prefix given, the first that does so under any of `AUTO_PREFIXES`.
+/// prefix given, the first that does so under any of `AUTO_PREFIXES`. The
+/// forms of C++'s `operator new` and `delete` are planned where the
+/// program's calls land: in the first candidate that defines each, up to
+/// the allocator's object (see `operators`).
 fn first_allocator(candidates: &[(PathBuf, String)], prefix: Option<&str>) -> Result<AttachPlan, PlanError> {
     let prefixes: &[&str] = match prefix {
         Some(prefix) => &[prefix],
         None => &AUTO_PREFIXES,
     };
-    let found = candidates.iter().find_map(|(path, display)| {
-        prefixes.iter().find_map(|prefix| plan_for_object(path, display, prefix).ok())
-    });
-    let found = found.map(|plan| plan.with_mapping_functions(candidates));
-    found.ok_or_else(|| {
-        // The program comes first; a Go program without cgo is the only
-        // object and never calls a C allocator.
-        if let Some((program, display)) = candidates.first() {
-            let data = files::read_regular(program).unwrap_or_default();
-            if object::File::parse(&*data).is_ok_and(|file| elf::is_go_program(&file)) {
-                return PlanError::GoWithoutCgo(display.clone());
+    // Forms defined by an object before the allocator's: calls land there.
+    let mut bound: Vec<Form> = Vec::new();
+    let mut earlier: Vec<EarlierObject> = Vec::new();
+    let mut not_probed = Vec::new();
+    for (index, (path, display)) in candidates.iter().enumerate() {
+        let Ok((object, data)) = read_object(path, display) else { continue };
+        let Ok(file) = object::File::parse(&*data) else { continue };
+        let mut forms = operators::defined_forms(&file, index == 0);
+        forms.retain(|(form, _)| !bound.contains(form));
+        let found = prefixes.iter().find_map(|prefix| allocator_sites_in(&file, &data, prefix, display).ok());
+        if let Some(mut sites) = found {
+            let elsewhere = |_: &str, _: bool| None;
+            not_probed.extend(operator_sites(&mut sites, &file, &data, display, &forms, &elsewhere));
+            let mut plan = AttachPlan::holding(object, display, sites);
+            for other in earlier {
+                let (operators, skipped) = other.plan(&plan, &file);
+                not_probed.extend(skipped);
+                plan.operator_objects.extend(operators);
             }
+            plan.not_probed = not_probed;
+            for skipped in &plan.not_probed {
+                log::debug!("{} in {} is not probed: {}", skipped.function, skipped.object, skipped.why);
+            }
+            return Ok(plan.with_mapping_functions(candidates));
         }
-        let searched = candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", ");
-        match prefix {
-            None => PlanError::NoKnownAllocator { searched },
-            Some(prefix) => PlanError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched },
+        bound.extend(forms.iter().map(|(form, _)| *form));
+        if operators::is_cxx_runtime(display) {
+            not_probed.extend(forms.iter().map(|(form, _)| NotProbed {
+                function: form.form.name,
+                object: display.clone(),
+                why: "the C++ runtime's, which calls malloc and free: their probes see its calls".to_owned(),
+            }));
+        } else if !forms.is_empty() {
+            earlier.push(EarlierObject { object, data, display: display.clone(), forms });
         }
+    }
+    // The program comes first; a Go program without cgo is the only
+    // object and never calls a C allocator.
+    if let Some((program, display)) = candidates.first() {
+        let data = files::read_regular(program).unwrap_or_default();
+        if object::File::parse(&*data).is_ok_and(|file| elf::is_go_program(&file)) {
+            return Err(PlanError::GoWithoutCgo(display.clone()));
+        }
+    }
+    let searched = candidates.iter().map(|(_, display)| display.as_str()).collect::<Vec<_>>().join(", ");
+    Err(match prefix {
+        None => PlanError::NoKnownAllocator { searched },
+        Some(prefix) => PlanError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched },
     })
+}
+
+/// An object before the allocator's in link-map order that defines forms
+/// of C++'s operators the program's calls land in (the program itself,
+/// with an `operator new` of its own).
+struct EarlierObject {
+    object: File,
+    data: Vec<u8>,
+    display: String,
+    forms: Vec<(Form, elf::FunctionSymbol)>,
+}
+
+impl EarlierObject {
+    /// A plan of its forms worth probing, and those that are not, given
+    /// the allocator's `plan` and ELF file: a form that only jumps to a
+    /// function probed there (`jmp free@plt`) needs no probe of its own.
+    fn plan(
+        self,
+        allocator: &AttachPlan,
+        allocator_file: &object::File,
+    ) -> (Option<AttachPlan>, Vec<NotProbed>) {
+        let Ok(file) = object::File::parse(&*self.data) else { return (None, Vec::new()) };
+        let elsewhere = |name: &str, releases: bool| {
+            let offset = elf::dynamic_symbol(allocator_file, name)
+                .and_then(|a| elf::file_offset(allocator_file, a))?;
+            let site = allocator.sites.iter().find(|site| site.file_offset == offset)?;
+            (releases_at(site) == Some(releases))
+                .then(|| format!("{} in {}", site.function, allocator.display_path))
+        };
+        let mut sites = Vec::new();
+        let not_probed =
+            operator_sites(&mut sites, &file, &self.data, &self.display, &self.forms, &elsewhere);
+        let plan = (!sites.is_empty()).then(|| AttachPlan::holding(self.object, &self.display, sites));
+        (plan, not_probed)
+    }
+}
+
+/// Where a site's jumps lead.
+enum Reach {
+    /// Another site of the same object, at this place.
+    Site(usize),
+    /// A function probed in another object, as it is to be named.
+    Probed(String),
+}
+
+/// Whether the functions probed at `site` release memory; `None` for a
+/// mapping function's.
+fn releases_at(site: &ProbeSite) -> Option<bool> {
+    (site.functions != FunctionSet::default()).then(|| site.functions.intersects(FunctionSet::RELEASING))
+}
+
+/// The file at `path`, opened and read once.
+fn read_object(path: &Path, display_path: &str) -> Result<(File, Vec<u8>), PlanError> {
+    let read_error = |source| PlanError::Read { path: PathBuf::from(display_path), source };
+    let object = files::open_regular(path).map_err(read_error)?;
+    let data = files::read_limited(&object, files::READ_LIMIT).map_err(read_error)?;
+    Ok((object, data))
 }
 
 /// The interpreter named on a script's `#!` line.
@@ -285,19 +411,40 @@ pub fn plan_for_object(path: &Path, display_path: &str, prefix: &str) -> Result<
 
 /// As `plan_for_object`, for a file opened already: the plan probes that
 /// very file, through memleak's own descriptor, whatever its path leads to
-/// by the time the probes are placed.
+/// by the time the probes are placed. The forms of C++'s operators it
+/// defines are planned too: the user chose it as the allocator.
 fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<AttachPlan, PlanError> {
     let read_error = |source| PlanError::Read { path: PathBuf::from(display_path), source };
     let data = files::read_limited(&object, files::READ_LIMIT).map_err(read_error)?;
+    let file = object::File::parse(&*data).map_err(|_| PlanError::NotElf(PathBuf::from(display_path)))?;
+    let mut sites = allocator_sites_in(&file, &data, prefix, display_path)?;
+    let forms = operators::defined_forms(&file, true);
+    let not_probed = operator_sites(&mut sites, &file, &data, display_path, &forms, &|_, _| None);
+    for skipped in &not_probed {
+        log::debug!("{} in {} is not probed: {}", skipped.function, skipped.object, skipped.why);
+    }
+    let mut plan = AttachPlan::holding(object, display_path, sites);
+    plan.not_probed = not_probed;
+    Ok(plan)
+}
+
+/// The sites of the allocator functions, named `PREFIXmalloc` and so on,
+/// in one ELF object, and of the mapping functions beside them; an error
+/// if it has no allocator.
+fn allocator_sites_in(
+    file: &object::File,
+    data: &[u8],
+    prefix: &str,
+    display_path: &str,
+) -> Result<Vec<ProbeSite>, PlanError> {
     let path = PathBuf::from(display_path);
-    let file = object::File::parse(&*data).map_err(|_| PlanError::NotElf(path.clone()))?;
-    let (mut sites, missing) = allocator_sites(&file, &data, prefix, display_path);
+    let (mut sites, missing) = allocator_sites(file, data, prefix, display_path);
     // An allocator needs malloc and a way to free. A binary linked with
     // tikv-jemallocator keeps only what Rust calls: _rjem_sdallocx, no free.
     let frees = ["free", "sdallocx", "dallocx"];
     if missing.contains(&"malloc") || frees.iter().all(|free| missing.contains(free)) {
         return Err(if prefix.is_empty() {
-            PlanError::NoAllocator(path.clone())
+            PlanError::NoAllocator(path)
         } else {
             PlanError::NoPrefixedAllocator { prefix: prefix.to_owned(), searched: display_path.to_owned() }
         });
@@ -305,9 +452,145 @@ fn plan_for_file(object: File, display_path: &str, prefix: &str) -> Result<Attac
     for function in &missing {
         log::debug!("{display_path} does not define {function}: not probed");
     }
-    let mapping = mapping_sites(&file, &data, &sites, display_path);
+    let mapping = mapping_sites(file, data, &sites, display_path);
     sites.extend(mapping);
-    Ok(AttachPlan::holding(object, display_path, sites))
+    Ok(sites)
+}
+
+/// Adds to `sites` a site for each of `forms` (C++ operator forms that
+/// `file` defines) worth a probe; returns those that are not. A form at
+/// the address of a site already there is an alias: its probe is shared,
+/// its cookie bit added. A form whose code only jumps to another site, or
+/// to a symbol `elsewhere` says is probed in another object (given the
+/// symbol and whether the form releases), is left out.
+fn operator_sites(
+    sites: &mut Vec<ProbeSite>,
+    file: &object::File,
+    data: &[u8],
+    display_path: &str,
+    forms: &[(Form, elf::FunctionSymbol)],
+    elsewhere: &dyn Fn(&str, bool) -> Option<String>,
+) -> Vec<NotProbed> {
+    if forms.is_empty() {
+        return Vec::new(); // a C program's: nothing to read the relocations for
+    }
+    let first_added = sites.len();
+    let added = add_form_sites(sites, file, data, display_path, forms);
+    let reaches = jumps_of(sites, first_added, &added, file, data, elsewhere);
+    // The function whose probe a jumping site's calls reach, through the
+    // sites they jump to that are left out too.
+    let probed_at = |start: &Reach| {
+        let mut reach = start;
+        for _ in 0..=reaches.len() {
+            match reach {
+                Reach::Probed(function) => return Some(function.clone()),
+                Reach::Site(other) => {
+                    match other.checked_sub(first_added).and_then(|i| reaches[i].as_ref()) {
+                        Some(further) => reach = further,
+                        None => return Some(sites[*other].function.to_owned()),
+                    }
+                }
+            }
+        }
+        None // jumps that go round in a circle: keep them all
+    };
+    let mut not_probed = Vec::new();
+    let mut dropped = Vec::new();
+    for (i, added) in added.iter().enumerate() {
+        let Some(function) = reaches[i].as_ref().and_then(probed_at) else { continue };
+        dropped.push(first_added + i);
+        not_probed.extend(added.forms.iter().map(|name| NotProbed {
+            function: name,
+            object: display_path.to_owned(),
+            why: format!("only jumps to {function}, probed"),
+        }));
+    }
+    let mut place = 0;
+    sites.retain(|_| {
+        place += 1;
+        !dropped.contains(&(place - 1))
+    });
+    not_probed
+}
+
+/// A site `add_form_sites` added: its entry's virtual address, and the
+/// forms that share it.
+struct AddedSite {
+    entry: u64,
+    forms: Vec<&'static str>,
+}
+
+/// Adds a site to `sites` for each of `forms` that is not at the address
+/// of one there already (then it is an alias, and adds its bit to that
+/// site's cookie); returns the sites added, in order.
+fn add_form_sites(
+    sites: &mut Vec<ProbeSite>,
+    file: &object::File,
+    data: &[u8],
+    display_path: &str,
+    forms: &[(Form, elf::FunctionSymbol)],
+) -> Vec<AddedSite> {
+    let first_added = sites.len();
+    let mut added: Vec<AddedSite> = Vec::new();
+    for (form, symbol) in forms {
+        let Some(file_offset) = elf::file_offset(file, symbol.address) else { continue };
+        if let Some(place) = sites.iter().position(|site| site.file_offset == file_offset) {
+            let site = &mut sites[place];
+            log::debug!("{} is an alias of {} in {display_path}: probed once", form.form.name, site.function);
+            site.functions = site.functions.union(FunctionSet::of(form.function));
+            if let Some(added) = place.checked_sub(first_added).and_then(|i| added.get_mut(i)) {
+                added.forms.push(form.form.name);
+            }
+            continue;
+        }
+        let function = &ALLOCATOR_FUNCTIONS[form.function];
+        let site = ProbeSite {
+            function: form.form.name,
+            entry_program: function.entry_program,
+            return_program: function.return_program(),
+            file_offset,
+            code_length: symbol.size,
+            entry_skip: 0,
+            functions: FunctionSet::of(form.function),
+        };
+        sites.push(site.placed(data, display_path));
+        added.push(AddedSite { entry: symbol.address, forms: vec![form.form.name] });
+    }
+    added
+}
+
+/// Where the code of each of the `added` sites (from `first_added` on in
+/// `sites`) leads when it is only a jump: to another site of the same
+/// kind (allocating or releasing), or to a function probed in another
+/// object, as `elsewhere` names it.
+fn jumps_of(
+    sites: &[ProbeSite],
+    first_added: usize,
+    added: &[AddedSite],
+    file: &object::File,
+    data: &[u8],
+    elsewhere: &dyn Fn(&str, bool) -> Option<String>,
+) -> Vec<Option<Reach>> {
+    let jumps = operators::Jumps::new(file, data);
+    let site_at = |address: u64| {
+        let offset = elf::file_offset(file, address)?;
+        sites.iter().position(|site| site.file_offset == offset)
+    };
+    added
+        .iter()
+        .enumerate()
+        .map(|(i, added)| {
+            let place = first_added + i;
+            let releases = releases_at(&sites[place]);
+            match jumps.follow(added.entry, |address| site_at(address).is_some())? {
+                Landing::Here(address) if address != added.entry => site_at(address)
+                    .filter(|&other| other != place && releases_at(&sites[other]) == releases)
+                    .map(Reach::Site),
+                Landing::Here(_) => None,
+                Landing::Elsewhere(symbol) => elsewhere(&symbol, releases == Some(true)).map(Reach::Probed),
+            }
+        })
+        .collect()
 }
 
 /// A plan of only the mapping functions of the object at `path`, if it
@@ -322,8 +605,9 @@ fn mapping_plan(path: &Path, display_path: &str) -> Option<AttachPlan> {
     Some(AttachPlan::holding(object, display_path, sites))
 }
 
-/// A site for each allocator function the object defines, aliases probed
-/// once; and the names of those it does not define.
+/// A site for each C allocator function the object defines, aliases
+/// probed once; and the names of those it does not define. C++'s
+/// operators are `operator_sites`' concern.
 fn allocator_sites(
     file: &object::File,
     data: &[u8],
@@ -334,7 +618,9 @@ fn allocator_sites(
     let symbols = elf::function_symbols(file, prefix, &names);
     let mut sites: Vec<ProbeSite> = Vec::new();
     let mut missing = Vec::new();
-    for (index, function) in ALLOCATOR_FUNCTIONS.iter().enumerate() {
+    let c_functions =
+        ALLOCATOR_FUNCTIONS.iter().enumerate().filter(|(_, function)| function.forms.is_empty());
+    for (index, function) in c_functions {
         let symbol = symbols.get(function.name);
         let Some((file_offset, symbol)) =
             symbol.and_then(|symbol| Some((elf::file_offset(file, symbol.address)?, symbol)))
@@ -465,6 +751,66 @@ mod tests {
             let site = plan.sites.iter().find(|site| site.function == function).unwrap();
             assert_eq!(site.entry_skip, offset, "{library} {function}");
         }
+    }
+
+    /// The plan of one of Debian's allocators, chosen with -O.
+    fn debian_plan(library: &str) -> AttachPlan {
+        let path = Path::new("/usr/lib/x86_64-linux-gnu").join(library);
+        plan_for_object(&path, library, "").expect("installed by cargo xtask test")
+    }
+
+    /// The functions the probe of site `function` names, if there is one.
+    fn cookie(plan: &AttachPlan, function: &str) -> Option<Vec<&'static str>> {
+        let site = plan.sites.iter().find(|site| site.function == function)?;
+        Some(site.functions.functions().map(|function| function.name).collect())
+    }
+
+    /// Why form `function` is not probed, if it is not.
+    fn not_probed<'a>(plan: &'a AttachPlan, function: &str) -> Option<&'a str> {
+        plan.not_probed.iter().find(|form| form.function == function).map(|form| form.why.as_str())
+    }
+
+    #[test]
+    fn tcmallocs_operators_are_probed_and_its_delete_is_its_free() {
+        let plan = debian_plan("libtcmalloc_minimal.so.4");
+        // operator delete(void*) is tc_delete, at free's address: one probe.
+        assert_eq!(cookie(&plan, "free"), Some(vec!["free", "operator delete"]));
+        assert_eq!(cookie(&plan, "operator new(unsigned long)"), Some(vec!["operator new"]));
+        assert_eq!(cookie(&plan, "operator delete(void*, unsigned long)"), Some(vec!["operator delete"]));
+        let operators = plan.sites.iter().filter(|site| site.function.starts_with("operator")).count();
+        assert_eq!(operators, 9, "4 forms of new, 5 of delete besides free's: {:#?}", plan.sites);
+        assert!(plan.not_probed.is_empty(), "{:#?}", plan.not_probed);
+    }
+
+    #[test]
+    fn jemallocs_deletes_that_jump_to_free_are_not_probed() {
+        let plan = debian_plan("libjemalloc.so.2");
+        assert_eq!(not_probed(&plan, "operator delete(void*)"), Some("only jumps to free, probed"));
+        assert_eq!(
+            not_probed(&plan, "operator new[](unsigned long)"),
+            Some("only jumps to operator new(unsigned long), probed")
+        );
+        // The sized deletes call an internal body of sdallocx, not a probed
+        // function: they need probes of their own.
+        assert_eq!(cookie(&plan, "operator delete(void*, unsigned long)"), Some(vec!["operator delete"]));
+        assert!(cookie(&plan, "operator new(unsigned long)").is_some());
+    }
+
+    #[test]
+    fn mimallocs_deletes_all_reach_its_free() {
+        let plan = debian_plan("libmimalloc.so.2");
+        assert_eq!(cookie(&plan, "free"), Some(vec!["free", "operator delete"]));
+        assert!(
+            plan.sites.iter().all(|site| !site.function.starts_with("operator delete")),
+            "{:#?}",
+            plan.sites
+        );
+        assert_eq!(
+            not_probed(&plan, "operator delete(void*, unsigned long, std::align_val_t)"),
+            Some("only jumps to free, probed"),
+            "through mi_free_size_aligned and mi_free_size"
+        );
+        assert!(cookie(&plan, "operator new(unsigned long, std::align_val_t)").is_some());
     }
 
     #[test]

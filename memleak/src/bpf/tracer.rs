@@ -399,8 +399,8 @@ impl Tracer {
                 links.links.push((return_program, link));
             }
         }
-        if let Some(mapping) = &plan.mapping_object {
-            let mut more = self.attach_perf_events(mapping, scope)?;
+        for other in plan.mapping_object.iter().map(Box::as_ref).chain(&plan.operator_objects) {
+            let mut more = self.attach_perf_events(other, scope)?;
             links.links.append(&mut more.links);
         }
         Ok(links)
@@ -652,6 +652,7 @@ impl Tracer {
                 allocations_not_tracked: read(Counter::AllocationsNotTracked),
                 stacks_lost: read(Counter::StacksLost),
                 events_lost: read(Counter::EventsLost),
+                unrecorded_frees: Some(read(Counter::UnrecordedFrees)),
             }
         };
         Ok(counters.iter().filter_map(Result::ok).map(|(pid, counters)| (pid, health(&counters))).collect())
@@ -775,8 +776,8 @@ fn attach_multi(
             })?;
         links.multi.push(link);
     }
-    if let Some(mapping) = &plan.mapping_object {
-        let mut more = attach_multi(programs, mapping, scope)?;
+    for other in plan.mapping_object.iter().map(Box::as_ref).chain(&plan.operator_objects) {
+        let mut more = attach_multi(programs, other, scope)?;
         links.multi.append(&mut more.multi);
     }
     Ok(links)

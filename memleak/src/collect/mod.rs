@@ -81,6 +81,8 @@ pub fn snapshot(
             .map(|(_, totals)| totals.allocated_count)
             .sum(),
     );
+    // Counted by every memleak that reads this map: 0 until the first.
+    counters.unrecorded_frees.get_or_insert(0);
     let mut snapshot = match &maps.allocations {
         Some(allocations) => aggregate(pid, maps.time_unix_ms, maps.now_ns, allocations, counters, options),
         None => from_totals(pid, maps.time_unix_ms, &maps.totals, &owner, counters),

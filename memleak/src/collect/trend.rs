@@ -11,6 +11,9 @@ use crate::model::{Snapshot, Trend};
 pub struct TrendTracker {
     /// Each stack of the previous report; `None` before the first report.
     previous: Option<HashMap<u64, Seen>>,
+    /// The frees of blocks memleak never saw allocated, as of the previous
+    /// report.
+    previous_unrecorded_frees: Option<u64>,
 }
 
 /// What the tracker keeps of a stack between reports.
@@ -28,7 +31,18 @@ impl TrendTracker {
     pub fn observe(&mut self, snapshot: &Snapshot) -> HashMap<u64, Trend> {
         let (trends, current) = self.compare(snapshot);
         self.previous = Some(current);
+        self.previous_unrecorded_frees = snapshot.counters.unrecorded_frees;
         trends
+    }
+
+    /// The frees of blocks memleak never saw allocated (allocated before
+    /// it attached, or left out) since the previous report, as of
+    /// `snapshot`; `None` before the first report. The blocks' stacks are
+    /// not known, so no stack's trend can take them off: a stack that
+    /// replaced them grew in memleak's eyes only.
+    pub fn unrecorded_frees_since(&self, snapshot: &Snapshot) -> Option<u64> {
+        let (before, now) = (self.previous_unrecorded_frees?, snapshot.counters.unrecorded_frees?);
+        Some(now.saturating_sub(before))
     }
 
     /// Compares `snapshot` with the previous one, which stays the one the
@@ -112,6 +126,21 @@ mod tests {
         tracker.observe(&snapshot(&[(1, 1400)]));
         let trend = tracker.observe(&snapshot(&[(1, 1600)]))[&1];
         assert_eq!((trend.growing_reports, trend.growth_per_report), (3, Some(200)));
+    }
+
+    #[test]
+    fn unrecorded_frees_are_counted_since_the_previous_report_of_the_series() {
+        let with_frees = |frees| Snapshot {
+            counters: crate::model::HealthCounters { unrecorded_frees: Some(frees), ..Default::default() },
+            ..snapshot(&[(1, 100)])
+        };
+        let mut tracker = TrendTracker::default();
+        assert_eq!(tracker.unrecorded_frees_since(&with_frees(5)), None, "no report before the first");
+        tracker.observe(&with_frees(5));
+        assert_eq!(tracker.unrecorded_frees_since(&with_frees(125)), Some(120));
+        tracker.peek(&with_frees(125));
+        tracker.observe(&with_frees(130));
+        assert_eq!(tracker.unrecorded_frees_since(&with_frees(130)), Some(0));
     }
 
     #[test]

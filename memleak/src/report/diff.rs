@@ -26,6 +26,14 @@ pub struct Diff {
     pub stacks: Vec<DiffStack>,
     /// Changed stacks before the cut to the top N.
     pub total_stacks: usize,
+    /// Frees of blocks memleak never saw allocated (allocated before it
+    /// attached, or left out) made between the two snapshots, when both
+    /// come from one process traced by one memleak (its counters never
+    /// went down in between); `None` otherwise. Their sizes, and so their
+    /// share of each stack's change, are unknown: a stack that replaced
+    /// such blocks shows growth the program's memory does not have.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unrecorded_frees_between: Option<u64>,
     /// The newer snapshot's mappings, for pprof.
     #[serde(skip)]
     pub modules: Vec<ModuleMapping>,
@@ -103,6 +111,7 @@ impl Diff {
             new: Side::of(new.report()),
             stacks,
             total_stacks,
+            unrecorded_frees_between: unrecorded_frees_between(base.report(), new.report()),
             modules: new.report().modules.clone(),
         }
     }
@@ -111,6 +120,20 @@ impl Diff {
     pub fn delta_bytes(&self) -> i64 {
         self.new.total_bytes as i64 - self.base.total_bytes as i64
     }
+}
+
+/// The frees of blocks memleak never saw allocated made between `base`
+/// and `new`, if both are of one process and one run of memleak: the same
+/// pid, `new` no earlier, and none of its health counters, which count
+/// from the moment memleak attached, below `base`'s.
+fn unrecorded_frees_between(base: &Report, new: &Report) -> Option<u64> {
+    let (before, after) = (&base.health, &new.health);
+    let one_run = base.pid == new.pid
+        && base.time_unix_ms <= new.time_unix_ms
+        && before.allocations <= after.allocations
+        && before.frees <= after.frees;
+    let (before, after) = (before.unrecorded_frees?, after.unrecorded_frees?);
+    (one_run && before <= after).then(|| after - before)
 }
 
 impl Side {
@@ -334,6 +357,7 @@ pub(crate) mod tests {
             stacks,
             unwinding: None,
             health: crate::model::HealthCounters::default(),
+            delta_unrecorded_frees: None,
             truncated_stacks: std::collections::BTreeMap::new(),
             hidden_mappings: crate::model::HiddenMappings::default(),
             modules: Vec::new(),
@@ -425,6 +449,30 @@ pub(crate) mod tests {
         let diff = Diff::between(&report(7, 1_000, vec![]), &new, 10);
         let lines: Vec<_> = diff.stacks.iter().map(|stack| stack.frames[0].line.unwrap()).collect();
         assert_eq!(lines, [12, 1, 2]);
+    }
+
+    #[test]
+    fn unrecorded_frees_between_snapshots_of_one_run() {
+        let at = |pid, time, frees, unrecorded| {
+            let mut report = report(pid, time, vec![stack(100, 1, &["cache_insert", "main"])]);
+            report.health = crate::model::HealthCounters {
+                allocations: 10 + frees,
+                frees,
+                unrecorded_frees: unrecorded,
+                ..Default::default()
+            };
+            report
+        };
+        let between = |base: &Report, new: &Report| Diff::between(base, new, 10).unrecorded_frees_between;
+        assert_eq!(between(&at(7, 1_000, 10, Some(4)), &at(7, 2_000, 130, Some(124))), Some(120));
+        // Another process, or another run of memleak (its counters start
+        // again), or a snapshot saved before memleak counted them.
+        assert_eq!(between(&at(7, 1_000, 10, Some(4)), &at(8, 2_000, 130, Some(124))), None);
+        assert_eq!(between(&at(7, 1_000, 130, Some(4)), &at(7, 2_000, 10, Some(9))), None);
+        assert_eq!(between(&at(7, 1_000, 10, None), &at(7, 2_000, 130, Some(124))), None);
+        let json =
+            serde_json::to_value(Diff::between(&at(7, 1, 1, Some(1)), &at(7, 2, 3, Some(3)), 1)).unwrap();
+        assert_eq!(json["unrecorded_frees_between"], 2);
     }
 
     #[test]

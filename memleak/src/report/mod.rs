@@ -93,6 +93,13 @@ pub struct Report {
     pub stacks: Vec<ReportStack>,
     /// For all traced processes together.
     pub health: HealthCounters,
+    /// Of `health.unrecorded_frees`, those made since the previous report
+    /// of the series; `None` in the first. Blocks memleak never saw
+    /// allocated, freed meanwhile: a stack that replaces them looks like
+    /// growth in this report's trends although the program's memory may
+    /// hold still.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_unrecorded_frees: Option<u64>,
     /// How many of the process's stacks stop short, by why; over all its
     /// stacks, not only those shown.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -273,6 +280,7 @@ impl Report {
             total_stacks,
             stacks,
             health: snapshot.counters,
+            delta_unrecorded_frees: None,
             truncated_stacks,
             hidden_mappings: snapshot.hidden,
             modules: Vec::new(),

@@ -139,7 +139,28 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         health.failed_allocations,
         health.allocations_not_tracked,
         health.stacks_lost,
-    )
+    )?;
+    write_unrecorded_frees(report, out)
+}
+
+/// The frees of blocks memleak never saw allocated, if there were any,
+/// and what they do to the trends.
+fn write_unrecorded_frees(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    if let Some(frees @ 1..) = report.health.unrecorded_frees {
+        writeln!(
+            out,
+            "{frees} of those frees were of blocks memleak never saw allocated (allocated before it attached, \
+             or left out by -s, -z, -Z or --max-allocs), of sizes unknown"
+        )?;
+    }
+    if let Some(frees @ 1..) = report.delta_unrecorded_frees {
+        writeln!(
+            out,
+            "Since the last report: {frees} frees of blocks memleak never saw allocated; a stack that \
+             replaces such blocks (a cache refilling) looks like growth until the old blocks are gone"
+        )?;
+    }
+    Ok(())
 }
 
 /// What memleak could not keep or left out, each with what to do.
@@ -225,7 +246,16 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
         base.total_allocations,
         new.total_allocations,
         diff.total_stacks
-    )
+    )?;
+    if let Some(frees @ 1..) = diff.unrecorded_frees_between {
+        writeln!(
+            out,
+            "Between these snapshots the program freed {frees} blocks memleak never saw allocated, of sizes \
+             unknown: a stack that replaces such blocks (a cache refilling) looks like growth until the old \
+             blocks are gone"
+        )?;
+    }
+    Ok(())
 }
 
 pub fn render_cgroup_total(total: &CgroupTotal, out: &mut (impl Write + ?Sized)) -> io::Result<()> {

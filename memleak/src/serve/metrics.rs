@@ -6,7 +6,7 @@
 //! --metrics-top-stacks K of them, two series each, labelled too with
 //! the stack's stable id and first named frame). Once for memleak: how
 //! full its allocation and stack maps are, and how many processes
-//! --max-processes left out. So a scrape has at most processes x (8 + 2K)
+//! --max-processes left out. So a scrape has at most processes x (9 + 2K)
 //! + 5 series.
 
 use std::fmt::Write as _;
@@ -86,6 +86,16 @@ const PROCESS_METRICS: &[Metric] = &[
         kind: Kind::Counter,
         help: "Releases seen since memleak attached: frees, and blocks realloc gave up.",
         value: |followed| of_report(followed, |report| report.health.frees),
+    },
+    Metric {
+        name: "memleak_unrecorded_frees_total",
+        kind: Kind::Counter,
+        help: "Of memleak_frees_total, releases of blocks memleak never saw allocated: allocated before it \
+               attached, or left out by -s, -z, -Z or --max-allocs. Their sizes are unknown: while they rise, \
+               a stack that replaces such blocks looks like growth.",
+        value: |followed| {
+            of_report(followed, |report| report.health.unrecorded_frees.unwrap_or_default())
+        },
     },
     Metric {
         name: "memleak_allocations_not_tracked_total",

@@ -272,6 +272,8 @@ impl Session {
             sites: Vec::new(),
             object: None,
             mapping_object: None,
+            operator_objects: Vec::new(),
+            not_probed: Vec::new(),
         };
         session.targets.push(Target::kernel(plan));
         Ok(session)

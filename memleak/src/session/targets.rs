@@ -256,6 +256,7 @@ impl Target {
             frames: frames_of(symbolizer, space, stacks, stack_id),
             truncation: truncation_of(stacks, stack_id, *unwinding),
         });
+        let unrecorded_frees = trends.unrecorded_frees_since(&snapshot);
         let trends = if request.in_series { trends.observe(&snapshot) } else { trends.peek(&snapshot) };
         let context = ReportContext {
             program: &self.program,
@@ -276,6 +277,7 @@ impl Target {
             call_paths: &self.call_paths,
         };
         let mut report = Report::build(snapshot, &context, &trends, source);
+        report.delta_unrecorded_frees = unrecorded_frees;
         if options.modules {
             report.modules = modules_of(&report, &self.space);
         }

@@ -188,6 +188,7 @@ enum ReportField {
     TotalStacks,
     Stacks,
     Health,
+    DeltaUnrecordedFrees,
     TruncatedStacks,
     HiddenMappings,
     Modules,
@@ -212,6 +213,7 @@ struct ReportFields {
     total_stacks: Option<usize>,
     stacks: Option<Stacks>,
     health: Option<HealthCounters>,
+    delta_unrecorded_frees: Option<u64>,
     truncated_stacks: BTreeMap<Truncation, usize>,
     hidden_mappings: Option<HiddenMappings>,
     modules: Vec<ModuleMapping>,
@@ -254,6 +256,9 @@ impl<'de> Visitor<'de> for ReportSeed<'_> {
                 ReportField::TotalStacks => fields.total_stacks = Some(map.next_value()?),
                 ReportField::Stacks => fields.stacks = Some(map.next_value_seed(StacksSeed(&mut *self.0))?),
                 ReportField::Health => fields.health = Some(map.next_value()?),
+                ReportField::DeltaUnrecordedFrees => {
+                    fields.delta_unrecorded_frees = map.next_value()?;
+                }
                 ReportField::TruncatedStacks => fields.truncated_stacks = map.next_value()?,
                 ReportField::HiddenMappings => fields.hidden_mappings = Some(map.next_value()?),
                 ReportField::Modules => {
@@ -289,6 +294,7 @@ impl ReportFields {
             total_stacks: required(self.total_stacks, "total_stacks")?,
             stacks,
             health: required(self.health, "health")?,
+            delta_unrecorded_frees: self.delta_unrecorded_frees,
             truncated_stacks: self.truncated_stacks,
             hidden_mappings: required(self.hidden_mappings, "hidden_mappings")?,
             modules: self.modules,
