@@ -97,7 +97,10 @@ fn a_cxx_service_leaks_exactly_its_sessions_on_every_allocator() {
     for allocator in ALLOCATORS {
         let report = allocator.report(&["1000"]);
         // 1000 sessions of sizeof(Session) = 64 bytes, never deleted.
-        assert_eq!(usage(sessions_stack(allocator, &report)), (64_000, 1000), "{allocator:?}: {report:#}");
+        let stack = sessions_stack(allocator, &report);
+        assert_eq!(usage(stack), (64_000, 1000), "{allocator:?}: {report:#}");
+        // Named by the code that said `new Session`, past the operator.
+        assert_eq!(stack["culprit"]["function"], "make_session(int)", "{allocator:?}: {stack:#}");
         assert_eq!(seen(&report), (1000, 0), "{allocator:?}: {report:#}");
         assert_eq!(report["total_bytes"], 64_000, "{allocator:?}: nothing else: {report:#}");
     }
