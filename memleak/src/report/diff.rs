@@ -44,6 +44,11 @@ pub struct Diff {
 pub struct Side {
     pub pid: u32,
     pub program: String,
+    /// For the titles; not in JSON, whose diff fields predate it.
+    #[serde(skip)]
+    pub namespace_pid: Option<u32>,
+    #[serde(skip)]
+    pub allocator: String,
     pub time_unix_ms: u64,
     pub total_bytes: u64,
     pub total_allocations: u64,
@@ -141,6 +146,8 @@ impl Side {
         Side {
             pid: report.pid,
             program: report.program.clone(),
+            namespace_pid: report.namespace_pid,
+            allocator: report.allocator.clone(),
             time_unix_ms: report.time_unix_ms,
             total_bytes: report.total_bytes,
             total_allocations: report.total_allocations,

@@ -8,7 +8,8 @@
 //!   plumbing that the one table of `skip_frames` lists;
 //! - `text`, `json`, `folded`, `svg`, `pprof`: the renderers;
 //! - `diff`: what changed between two reports; `saved`: the --save file
-//!   format; `trace`: --trace's event lines.
+//!   format; `trace`: --trace's event lines; `subject`: whom a report is
+//!   about, as every title names it.
 
 pub mod culprit;
 pub mod diff;
@@ -18,6 +19,7 @@ pub mod options;
 pub mod pprof;
 pub mod saved;
 pub mod skip_frames;
+pub mod subject;
 pub mod svg;
 pub mod text;
 pub mod trace;

@@ -8,27 +8,24 @@ use std::io::{self, Write};
 
 use inferno::flamegraph::{self, Options};
 
-use super::{diff::Diff, folded, options::Weight, printable, Report};
+use super::{diff::Diff, folded, options::Weight, subject, Report};
 
 pub fn render(report: &Report, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    let what = weight_name(weight);
-    let title = if report.pid == memleak_common::KERNEL_TGID {
-        format!("memleak: outstanding {what} in the kernel")
-    } else {
-        format!("memleak: outstanding {what} in pid {} ({})", report.pid, printable(&report.allocator))
-    };
-    draw(&folded::lines(report, weight), title, weight, out)
+    let title = format!("memleak: outstanding {} in {}", weight_name(weight), subject::of(report));
+    draw(&folded::lines(report, weight), title, "nothing outstanding", weight, out)
 }
 
 /// A differential flame graph: widths are the newer snapshot's, red where
-/// a stack grew since the base and blue where it shrank.
+/// a stack grew since the base and blue where it shrank. The title names
+/// the base too when it is of another process or program.
 pub fn render_diff(diff: &Diff, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let (base, new) = (subject::of_side(&diff.base), subject::of_side(&diff.new));
+    let since = if base == new { String::new() } else { format!(" in {base}") };
     let title = format!(
-        "memleak: outstanding {} in pid {}, red: grew since the base, blue: shrank",
-        weight_name(weight),
-        diff.new.pid
+        "memleak: outstanding {} in {new}, red: grew since the base{since}, blue: shrank",
+        weight_name(weight)
     );
-    draw(&folded::diff_lines(diff, weight), title, weight, out)
+    draw(&folded::diff_lines(diff, weight), title, "nothing changed", weight, out)
 }
 
 fn weight_name(weight: Weight) -> &'static str {
@@ -38,7 +35,14 @@ fn weight_name(weight: Weight) -> &'static str {
     }
 }
 
-fn draw(lines: &[String], title: String, weight: Weight, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+/// `empty`: what the one line of an empty graph says after the title.
+fn draw(
+    lines: &[String],
+    title: String,
+    empty: &str,
+    weight: Weight,
+    out: &mut (impl Write + ?Sized),
+) -> io::Result<()> {
     let mut options = Options::default();
     options.title = title;
     weight_name(weight).clone_into(&mut options.count_name);
@@ -47,7 +51,7 @@ fn draw(lines: &[String], title: String, weight: Weight, out: &mut (impl Write +
         // inferno refuses an empty graph; an empty report is still an answer.
         // The title is text of the SVG: XML's own characters escaped.
         let title = options.title.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
-        return writeln!(out, "<?xml version=\"1.0\" standalone=\"no\"?><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"600\" height=\"40\"><text x=\"10\" y=\"25\">{title}: nothing outstanding</text></svg>");
+        return writeln!(out, "<?xml version=\"1.0\" standalone=\"no\"?><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"1200\" height=\"40\"><text x=\"10\" y=\"25\">{title}: {empty}</text></svg>");
     }
     flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out).map_err(io::Error::other)
 }
@@ -65,7 +69,12 @@ mod tests {
         assert!(svg.starts_with("<?xml"), "{}", &svg[..80]);
         assert!(svg.contains("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("fibonacci") && svg.contains("child"), "frames are drawn");
-        assert!(svg.contains("outstanding bytes in pid 4242"), "the title says what is drawn");
+        assert!(
+            svg.contains(
+                ">memleak: outstanding bytes in pid 4242 (/app/leaker) through /usr/lib/libc.so.6</text>"
+            ),
+            "the title names the program, then its allocator"
+        );
     }
 
     #[test]
@@ -76,7 +85,13 @@ mod tests {
         let mut out = Vec::new();
         render(&report, Weight::Bytes, &mut out).unwrap();
         let svg = String::from_utf8(out).unwrap();
-        assert!(svg.contains("(/lib/&lt;script&gt;\\x1b&amp;.so): nothing outstanding</text>"), "{svg}");
+        assert!(
+            svg.contains(
+                ">memleak: outstanding bytes in pid 4242 (/app/leaker) through /lib/&lt;script&gt;\\x1b&amp;.so: \
+                 nothing outstanding</text>"
+            ),
+            "{svg}"
+        );
     }
 
     #[test]
@@ -87,5 +102,21 @@ mod tests {
         assert!(svg.contains("cache_insert") && svg.contains("new_handler"), "grown stacks are drawn");
         // inferno colours growth red and shrinkage blue, in proportion.
         assert!(svg.contains("rgb(255,") && svg.contains(",255)"), "both colours are used");
+        assert!(
+            svg.contains(
+                ">memleak: outstanding bytes in pid 7 (/app/server) through /usr/lib/libc.so.6, \
+                 red: grew since the base, blue: shrank</text>"
+            ),
+            "the title names the process once"
+        );
+        let mut diff = crate::report::diff::tests::sample_diff(10);
+        diff.base.pid = 6;
+        let mut out = Vec::new();
+        render_diff(&diff, Weight::Bytes, &mut out).unwrap();
+        let svg = String::from_utf8(out).unwrap();
+        assert!(
+            svg.contains("red: grew since the base in pid 6 (/app/server) through /usr/lib/libc.so.6, blue"),
+            "a base of another process is named: {svg}"
+        );
     }
 }

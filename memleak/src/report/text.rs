@@ -8,7 +8,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{diff::Diff, printable, CgroupTotal, Report};
+use super::{diff::Diff, printable, subject, CgroupTotal, Report};
 use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
@@ -43,15 +43,10 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
     write_health(report, out)
 }
 
-/// `[HH:MM:SS] Top N stacks with outstanding allocations in pid P (allocator):`
+/// `[HH:MM:SS] Top N stacks with outstanding allocations in pid P
+/// (PROGRAM) through ALLOCATOR:` (see `subject`), or `in the kernel:`.
 fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    let whose = if report.pid == memleak_common::KERNEL_TGID {
-        "the kernel".to_owned()
-    } else if let Some(inner) = report.namespace_pid {
-        format!("pid {} ({inner} in its namespace) ({})", report.pid, printable(&report.allocator))
-    } else {
-        format!("pid {} ({})", report.pid, printable(&report.allocator))
-    };
+    let whose = subject::of(report);
     let unwound = match report.unwinding {
         None => "",
         Some(Unwinding::Dwarf) => ", unwound with .eh_frame",
@@ -211,14 +206,15 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
     let (base, new) = (&diff.base, &diff.new);
     let seconds = (new.time_unix_ms.abs_diff(base.time_unix_ms) + 500) / 1000;
     let later = if new.time_unix_ms >= base.time_unix_ms { "later" } else { "earlier" };
-    writeln!(
-        out,
-        "Changes in outstanding memory: base pid {} ({}), new pid {} ({}), {seconds} s {later}:",
-        base.pid,
-        printable(&base.program),
-        new.pid,
-        printable(&new.program)
-    )?;
+    let (base_subject, new_subject) = (subject::of_side(base), subject::of_side(new));
+    if base_subject == new_subject {
+        writeln!(out, "Changes in outstanding memory in {new_subject}, {seconds} s {later}:")?;
+    } else {
+        writeln!(
+            out,
+            "Changes in outstanding memory: base {base_subject}, new {new_subject}, {seconds} s {later}:"
+        )?;
+    }
     for stack in &diff.stacks {
         writeln!(
             out,
@@ -363,7 +359,13 @@ mod tests {
         let mut out = Vec::new();
         render(&report, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
-        assert!(text.lines().next().unwrap().ends_with("in pid 4242 (/lib/\\x1b[2Jlibc.so.6):"), "{text}");
+        assert!(
+            text.lines()
+                .next()
+                .unwrap()
+                .ends_with("in pid 4242 (/app/leaker) through /lib/\\x1b[2Jlibc.so.6:"),
+            "{text}"
+        );
         let mut diff = crate::report::diff::tests::sample_diff(1);
         diff.new.program = "/app/\nserver".to_owned();
         let mut out = Vec::new();
@@ -371,9 +373,41 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.starts_with(
-                "Changes in outstanding memory: base pid 7 (/app/server), new pid 7 (/app/\\nserver), "
+                "Changes in outstanding memory: base pid 7 (/app/server) through /usr/lib/libc.so.6, \
+                 new pid 7 (/app/\\nserver) through /usr/lib/libc.so.6, "
             ),
             "{text}"
+        );
+    }
+
+    /// The header names the process by its program, the allocator beside
+    /// it: libc alone tells one process from another no better than a pid.
+    #[test]
+    fn the_header_names_the_program_and_its_allocator() {
+        let mut out = Vec::new();
+        render(&sample_report(1), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(
+            &text[text.find(']').unwrap()..text.find('\n').unwrap()],
+            "] Top 1 stacks with outstanding allocations in pid 4242 (/app/leaker) through /usr/lib/libc.so.6:"
+        );
+        let mut kernel = sample_report(1);
+        kernel.pid = memleak_common::KERNEL_TGID;
+        let mut out = Vec::new();
+        render(&kernel, &mut out).unwrap();
+        assert!(String::from_utf8(out)
+            .unwrap()
+            .contains("] Top 1 stacks with outstanding allocations in the kernel:\n"));
+    }
+
+    #[test]
+    fn a_diff_of_one_process_names_it_once() {
+        let mut out = Vec::new();
+        render_diff(&crate::report::diff::tests::sample_diff(1), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(
+            text.lines().next().unwrap(),
+            "Changes in outstanding memory in pid 7 (/app/server) through /usr/lib/libc.so.6, 60 s later:"
         );
     }
 

@@ -7,11 +7,14 @@
 use std::fmt::Write as _;
 
 use super::state::{Followed, Published};
-use crate::report::{text::frame_name, Report};
+use crate::report::{printable, subject, text::frame_name, Report};
 
 /// The page, from one round of reports.
 pub fn render(published: &Published) -> String {
+    let title = escape(&title(published));
     let mut page = String::from(HEAD);
+    // Writing to a String cannot fail.
+    let _ = write!(page, "<title>{title}</title>\n{STYLE}<h1>{title}</h1>\n{WHAT}");
     if published.targets.is_empty() {
         page.push_str("<p>No process is followed yet.</p>\n");
     } else {
@@ -77,6 +80,37 @@ fn largest_culprit(report: &Report) -> Option<String> {
     })
 }
 
+/// What the page is about, for its title and heading: the processes
+/// followed, by pid and program as every report's title names them (a
+/// browser's tab, a bookmark, a screenshot say which they were). One
+/// process is named as its reports are, its allocator included; of
+/// several, the first three by pid and executable.
+fn title(published: &Published) -> String {
+    const NAMED: usize = 3;
+    match published.targets.as_slice() {
+        [] => "memleak: no process followed yet".to_owned(),
+        [only] => {
+            let whom = match only.report.as_deref() {
+                Some(report) => subject::of(report),
+                None => subject::process(only.pid, None, &only.program),
+            };
+            format!("memleak: {whom}")
+        }
+        several => {
+            let named: Vec<String> = several
+                .iter()
+                .take(NAMED)
+                .map(|followed| format!("pid {} ({})", followed.pid, printable(followed.executable())))
+                .collect();
+            let more = match several.len().saturating_sub(NAMED) {
+                0 => String::new(),
+                more => format!(" and {more} more"),
+            };
+            format!("memleak: {} processes, {}{more}", several.len(), named.join(", "))
+        }
+    }
+}
+
 /// `+17,264 (3 reports)`: the bytes gained since the first report, and
 /// for how many reports in a row the process has grown.
 fn growth(bytes: i128, growing_reports: u32) -> String {
@@ -128,10 +162,11 @@ const HEAD: &str = r#"<!DOCTYPE html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>memleak</title>
-<style>
+"#;
+
+const STYLE: &str = r"<style>
 body { font: 15px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 80em; padding: 0 1em; color: #222; }
-h1 { font-size: 1.4em; margin-bottom: 0.2em; }
+h1 { font-size: 1.4em; margin-bottom: 0.2em; overflow-wrap: anywhere; }
 p.what { color: #555; margin-top: 0; }
 table { border-collapse: collapse; width: 100%; }
 th, td { padding: 0.35em 0.7em; border-bottom: 1px solid #ddd; text-align: left; }
@@ -145,9 +180,10 @@ footer { margin-top: 1.5em; color: #666; font-size: 0.9em; }
 </style>
 </head>
 <body>
-<h1>memleak</h1>
-<p class="what">Memory allocated and not freed since memleak attached, per process followed.</p>
-"#;
+";
+
+const WHAT: &str =
+    "<p class=\"what\">Memory allocated and not freed since memleak attached, per process followed.</p>\n";
 
 const TABLE_HEAD: &str = "<table>\n<thead><tr><th class=\"num\">pid</th><th>program</th><th>container</th><th>state</th>\
 <th class=\"num\">outstanding bytes</th><th class=\"num\" title=\"since its first report; in a row, the reports that grew\">growth</th>\
@@ -194,5 +230,38 @@ mod tests {
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
         assert!(page.contains("href=\"/debug/pprof/heap?pid=9\""), "{page}");
         assert!(!page.contains("<b>"), "{page}");
+        assert!(
+            page.contains("<title>memleak: pid 9 (/tmp/&lt;script&gt;alert(1)&lt;/script&gt;)</title>"),
+            "{page}"
+        );
+    }
+
+    fn followed(pid: u32, program: &str) -> Followed {
+        Followed::new(pid, program.to_owned(), None)
+    }
+
+    #[test]
+    fn the_title_names_the_processes_followed() {
+        let mut published = Published::default();
+        assert_eq!(title(&published), "memleak: no process followed yet");
+        let mut one = followed(4242, "/app/server");
+        assert_eq!(
+            title(&Published { targets: vec![one.clone()], ..Published::default() }),
+            "memleak: pid 4242 (/app/server)"
+        );
+        one.take_report(crate::report::tests::sample_report(1));
+        published.targets = vec![one];
+        assert_eq!(
+            title(&published),
+            "memleak: pid 4242 (/app/leaker) through /usr/lib/libc.so.6",
+            "as its reports"
+        );
+        published.targets = (1..=5).map(|pid| followed(pid, "/usr/bin/python3")).collect();
+        assert_eq!(
+            title(&published),
+            "memleak: 5 processes, pid 1 (python3), pid 2 (python3), pid 3 (python3) and 2 more"
+        );
+        let page = render(&published);
+        assert!(page.contains("<h1>memleak: 5 processes, pid 1 (python3)"), "{page}");
     }
 }
