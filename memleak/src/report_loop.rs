@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::{
-    bpf::{Tracer, TracerError},
+    bpf::{Traced, Tracer, TracerError},
     clock,
     config::TraceConfig,
     output::{NumberedFiles, Output, OutputError},
@@ -42,7 +42,13 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
     // Before anything is attached: a signal from now on ends the run
     // cleanly instead of killing memleak with its probes half-placed.
     let mut stop = StopSignals::new().map_err(RunError::Signals)?;
-    Tracer::check_privileges()?;
+    let traced = match config.target {
+        TargetSpec::Kernel { .. } => Traced::Kernel,
+        TargetSpec::Pids(_) | TargetSpec::Command(_) | TargetSpec::Cgroup(_) | TargetSpec::Selected(_) => {
+            Traced::Processes
+        }
+    };
+    Tracer::check_privileges(traced)?;
     // Before anything is attached too: a file that may not be overwritten
     // or cannot be written is an error now, not after the run.
     let documents = config.documents();

@@ -46,7 +46,7 @@ fn missing_privileges() {
         .expect("run setpriv");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("run as root, or with CAP_SYS_ADMIN"), "{stderr}");
+    assert!(stderr.contains("run as root, or with CAP_BPF and CAP_PERFMON"), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }
 

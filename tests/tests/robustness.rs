@@ -181,12 +181,11 @@ fn cap_bpf_and_cap_perfmon_alone_are_told_what_perf_event_uprobes_need() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.ends_with(
-            "(permission denied): tracing a process with perf-event uprobes needs root or CAP_SYS_ADMIN; \
-             CAP_BPF and CAP_PERFMON are enough for multi-uprobe links (Linux 6.6) and the kernel\n"
-        ),
-        "{stderr}"
+    assert_eq!(
+        stderr,
+        "memleak: error: tracing a process takes root or CAP_SYS_ADMIN here: MEMLEAK_PERF_EVENT_UPROBES is \
+         set, and perf-event uprobes need it (CAP_BPF and CAP_PERFMON, which memleak has, are enough to \
+         trace the kernel)\n"
     );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }

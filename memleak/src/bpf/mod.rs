@@ -1,14 +1,17 @@
 //! memleak's BPF object seen from user space: loading and attaching it
 //! (`tracer`), reading its maps once per report round (`contents`), its
-//! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`).
+//! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`);
+//! what all that takes of privileges on this kernel (`privileges`).
 
 pub mod contents;
 pub mod map_costs;
 pub mod multi_uprobes;
+pub mod privileges;
 pub mod rings;
 pub mod tracer;
 pub mod unwind_maps;
 
 pub use contents::{MapContents, MapFill, StackCatalog};
+pub use privileges::Traced;
 pub use rings::EventRing;
 pub use tracer::{Links, Tracer, TracerConfig, TracerError, TracerSettings};

@@ -23,6 +23,7 @@ use memleak_common::{
 use super::{
     map_costs::{self, MapCost},
     multi_uprobes::{self, LoadError, MultiUprobePrograms},
+    privileges::{self, Traced},
 };
 use crate::{
     attach::AttachPlan,
@@ -32,11 +33,9 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum TracerError {
-    #[error(
-        "permission denied loading BPF programs: run as root, or with CAP_SYS_ADMIN (CAP_BPF and CAP_PERFMON \
-         are enough only to trace the kernel)"
-    )]
-    NotPermitted,
+    /// What memleak lacks, and what to do: see `privileges`.
+    #[error("{0}")]
+    NotPermitted(String),
     #[error("the kernel rejected memleak's BPF object: {0}")]
     Load(#[source] EbpfError),
     #[error("the kernel rejected BPF program `{program}`: {source}")]
@@ -47,12 +46,8 @@ pub enum TracerError {
     TailCall(#[source] std::io::Error),
     #[error("failed to attach uprobe to `{function}` in {object}: {}", root_cause(source))]
     Attach { function: &'static str, object: String, source: ProgramError },
-    #[error(
-        "the kernel refused a uprobe on `{function}` in {object} (permission denied): tracing a process \
-         with perf-event uprobes needs root or CAP_SYS_ADMIN; CAP_BPF and CAP_PERFMON are enough for \
-         multi-uprobe links (Linux 6.6) and the kernel"
-    )]
-    UprobesNotPermitted { function: &'static str, object: String },
+    #[error("the kernel refused a uprobe on `{function}` in {object} (permission denied): {advice}")]
+    UprobesNotPermitted { function: &'static str, object: String, advice: String },
     #[error("failed to attach uprobes in {object}: {}", status::os_reason(source))]
     AttachMulti { object: String, source: std::io::Error },
     #[error("pid {pid} exited while memleak was attaching to it")]
@@ -223,7 +218,7 @@ fn load_for_perf_events(ebpf: &mut Ebpf) -> Result<(), TracerError> {
         let probe = uprobe(ebpf, program)?;
         probe.load().map_err(|source| {
             if caused_by_eperm(&source) {
-                TracerError::NotPermitted
+                not_permitted()
             } else {
                 TracerError::Verifier { program, source }
             }
@@ -251,7 +246,7 @@ fn load_for_multi_links(ebpf: &Ebpf) -> Result<MultiUprobePrograms, TracerError>
             LoadError::Verifier { ref source, .. } | LoadError::BtfRefused(ref source)
                 if source.raw_os_error() == Some(libc::EPERM) =>
             {
-                TracerError::NotPermitted
+                not_permitted()
             }
             error => TracerError::MultiLoad(error),
         })?;
@@ -264,24 +259,10 @@ fn load_for_multi_links(ebpf: &Ebpf) -> Result<MultiUprobePrograms, TracerError>
 }
 
 impl Tracer {
-    /// Fails early, before any work, when memleak cannot load BPF programs:
-    /// it needs `CAP_BPF` and `CAP_PERFMON`, or `CAP_SYS_ADMIN` (root has all).
-    pub fn check_privileges() -> Result<(), TracerError> {
-        const CAP_SYS_ADMIN: u32 = 21;
-        const CAP_PERFMON: u32 = 38;
-        const CAP_BPF: u32 = 39;
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let effective = status
-            .lines()
-            .find_map(|line| line.strip_prefix("CapEff:"))
-            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-            .unwrap_or(0);
-        let has = |capability: u32| effective & (1 << capability) != 0;
-        if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
-            Ok(())
-        } else {
-            Err(TracerError::NotPermitted)
-        }
+    /// Fails early, before any work, when memleak lacks what tracing
+    /// `traced` takes on this kernel, with what to do (`privileges`).
+    pub fn check_privileges(traced: Traced) -> Result<(), TracerError> {
+        privileges::check(traced).map_err(TracerError::NotPermitted)
     }
 
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
@@ -317,13 +298,15 @@ impl Tracer {
             .map_max_entries(PROCESS_COUNTERS_MAP, settings.max_processes.saturating_mul(2))
             .map_max_entries(FOLLOWED_MAP, settings.max_processes.saturating_mul(2))
             .load(BPF_OBJECT)
-            .map_err(|error| {
-                if caused_by_eperm(&error) {
-                    TracerError::NotPermitted
-                } else {
-                    map_refused(error, settings)
-                }
-            })?;
+            .map_err(
+                |error| {
+                    if caused_by_eperm(&error) {
+                        not_permitted()
+                    } else {
+                        map_refused(error, settings)
+                    }
+                },
+            )?;
         // Once the maps are made: a map the kernel refuses must fail the
         // start with that reason, not with what parsing took.
         let btf_parsing = Some(std::thread::spawn(kernel_btf));
@@ -797,7 +780,8 @@ fn attach_error(
     match (errno, scope) {
         (Some(libc::ESRCH), UProbeScope::OneProcess(pid)) => TracerError::TargetGone { pid: pid.get() },
         (Some(libc::EACCES | libc::EPERM), _) => {
-            TracerError::UprobesNotPermitted { function, object: object.to_owned() }
+            let advice = privileges::advice(Traced::Processes, true);
+            TracerError::UprobesNotPermitted { function, object: object.to_owned(), advice }
         }
         _ => TracerError::Attach { function, object: object.to_owned(), source },
     }
@@ -814,6 +798,15 @@ fn root_cause(error: &(dyn std::error::Error + 'static)) -> String {
         Some(io) if !std::ptr::addr_eq(innermost, error) => format!("{error}: {}", status::os_reason(io)),
         _ => innermost.to_string(),
     }
+}
+
+/// The kernel refused to load memleak's programs or maps: whatever is
+/// traced, that takes `CAP_BPF` and `CAP_PERFMON`.
+fn not_permitted() -> TracerError {
+    TracerError::NotPermitted(format!(
+        "permission denied loading BPF programs: {}",
+        privileges::advice(Traced::Kernel, false)
+    ))
 }
 
 fn caused_by_eperm(error: &(dyn std::error::Error + 'static)) -> bool {

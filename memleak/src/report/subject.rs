@@ -26,8 +26,11 @@ pub fn process(pid: u32, namespace_pid: Option<u32>, program: &str) -> String {
     if pid == memleak_common::KERNEL_TGID {
         return "the kernel".to_owned();
     }
+    // `pid N` is what a process whose executable could not be read is
+    // called (`process::lifecycle::program`): no name to add.
+    let unknown = program.is_empty() || program == format!("pid {pid}");
     let program = printable(program);
-    match (program.is_empty(), namespace_pid) {
+    match (unknown, namespace_pid) {
         (false, Some(inner)) => format!("pid {pid} ({program}, pid {inner} in its namespace)"),
         (false, None) => format!("pid {pid} ({program})"),
         (true, Some(inner)) => format!("pid {pid} (pid {inner} in its namespace)"),
@@ -68,6 +71,13 @@ mod tests {
         report.pid = memleak_common::KERNEL_TGID;
         report.program = "kernel".to_owned();
         assert_eq!(of(&report), "the kernel");
+    }
+
+    #[test]
+    fn a_program_that_could_not_be_read_is_not_named() {
+        let mut report = sample_report(1);
+        report.program = "pid 4242".to_owned();
+        assert_eq!(of(&report), "pid 4242 through /usr/lib/libc.so.6");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::{
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::{
-    bpf::{Tracer, TracerError},
+    bpf::{Traced, Tracer, TracerError},
     collect::CollectOptions,
     config::ServeConfig,
     process::{
@@ -93,7 +93,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let mut terminate = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
     let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
     let selectors = selectors_with_containers(config)?;
-    Tracer::check_privileges()?;
+    Tracer::check_privileges(Traced::Processes)?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
     let session_config =

@@ -1,0 +1,143 @@
+//! What memleak needs of privileges, said as this kernel makes it.
+//!
+//! Loading BPF programs and reading kernel stacks takes `CAP_BPF` and
+//! `CAP_PERFMON` (or `CAP_SYS_ADMIN`, which root has). A process's uprobes
+//! take nothing more where memleak attaches them through multi-uprobe
+//! links (Linux 6.6), as it does by default; the perf-event uprobes it
+//! falls back to, on older kernels or with `MEMLEAK_PERF_EVENT_UPROBES`
+//! set, are refused without `CAP_SYS_ADMIN` (measured on 6.18: `-p` of a
+//! process of memleak's own user, as that user with `CAP_BPF` and
+//! `CAP_PERFMON`, gets EACCES from `perf_event_open`; with `CAP_SYS_ADMIN`
+//! alone it traces). So the advice depends on what is traced and on how
+//! uprobes will be attached, and says which applies.
+
+use super::{multi_uprobes, tracer::PERF_EVENT_UPROBES};
+
+/// What a run traces, as far as privileges go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Traced {
+    /// The kernel's allocations: no uprobes.
+    Kernel,
+    /// Processes (`-p`, `-c`, `--cgroup`, `memleak serve`): uprobes.
+    Processes,
+}
+
+/// How uprobes would be attached, and so what they need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Uprobes {
+    /// Multi-uprobe links: `CAP_BPF` and `CAP_PERFMON` are enough.
+    Links,
+    /// Perf-event uprobes, which need `CAP_SYS_ADMIN`; why they are used.
+    PerfEvents(&'static str),
+}
+
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+/// Fails, before any work, with the one line of advice a user needs
+/// when memleak lacks what tracing `traced` takes on this kernel.
+pub fn check(traced: Traced) -> Result<(), String> {
+    let effective = effective_capabilities();
+    let has = |capability: u32| effective & (1 << capability) != 0;
+    if has(CAP_SYS_ADMIN) {
+        return Ok(());
+    }
+    let can_load = has(CAP_BPF) && has(CAP_PERFMON);
+    match (can_load, traced) {
+        (true, Traced::Kernel) => Ok(()),
+        (true, Traced::Processes) => match uprobes(true) {
+            Uprobes::Links => Ok(()),
+            Uprobes::PerfEvents(why) => Err(format!(
+                "tracing a process takes root or CAP_SYS_ADMIN here: {why}, and perf-event uprobes need it \
+                 (CAP_BPF and CAP_PERFMON, which memleak has, are enough to trace the kernel)"
+            )),
+        },
+        (false, _) => Err(format!("permission denied loading BPF programs: {}", advice(traced, false))),
+    }
+}
+
+/// What to do when the kernel refuses memleak its BPF programs or maps,
+/// or a process's uprobes: run as root, or with the capabilities that
+/// this kernel wants for `traced`, and why.
+pub fn advice(traced: Traced, can_load: bool) -> String {
+    match (traced, uprobes(can_load)) {
+        (Traced::Kernel, _) => "run as root, or with CAP_BPF and CAP_PERFMON".to_owned(),
+        (Traced::Processes, Uprobes::Links) => {
+            "run as root, or with CAP_BPF and CAP_PERFMON (enough on this kernel, which has multi-uprobe links)"
+                .to_owned()
+        }
+        (Traced::Processes, Uprobes::PerfEvents(why)) => format!(
+            "run as root, or with CAP_SYS_ADMIN: {why}, and perf-event uprobes need it (CAP_BPF and \
+             CAP_PERFMON are enough to trace the kernel)"
+        ),
+    }
+}
+
+/// How the tracer will attach uprobes (`Tracer::load` decides so too).
+/// `can_load`: memleak may load BPF programs, and so asks the kernel
+/// itself; otherwise the kernel's BTF says whether it knows the links.
+fn uprobes(can_load: bool) -> Uprobes {
+    if std::env::var_os(PERF_EVENT_UPROBES).is_some() {
+        return Uprobes::PerfEvents("MEMLEAK_PERF_EVENT_UPROBES is set");
+    }
+    let links = if can_load { multi_uprobes::supported() } else { kernel_knows_uprobe_multi() };
+    if links {
+        Uprobes::Links
+    } else {
+        Uprobes::PerfEvents("this kernel has no multi-uprobe links (Linux 6.6)")
+    }
+}
+
+/// The kernel's BTF, which anyone may read, names the attach type of
+/// multi-uprobe links in the kernel's `enum bpf_attach_type`; a kernel
+/// without BTF is taken at its version.
+fn kernel_knows_uprobe_multi() -> bool {
+    const NAME: &[u8] = b"BPF_TRACE_UPROBE_MULTI\0";
+    match std::fs::read("/sys/kernel/btf/vmlinux") {
+        Ok(btf) => btf.windows(NAME.len()).any(|window| window == NAME),
+        Err(_) => release_at_least(&kernel_release(), (6, 6)),
+    }
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default()
+}
+
+/// `6.18.44-fc` is at least 6.6.
+fn release_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut numbers = release.trim().split(['.', '-']).map(|part| part.parse::<u32>().ok());
+    match (numbers.next().flatten(), numbers.next().flatten()) {
+        (Some(got_major), Some(got_minor)) => (got_major, got_minor) >= (major, minor),
+        _ => false,
+    }
+}
+
+/// memleak's effective capabilities, from /proc/self/status.
+fn effective_capabilities() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn releases_are_compared_by_major_then_minor() {
+        assert!(release_at_least("6.18.44-fc-v1045", (6, 6)));
+        assert!(release_at_least("6.6.0", (6, 6)));
+        assert!(!release_at_least("6.1.0-28-amd64", (6, 6)));
+        assert!(!release_at_least("5.15.0", (6, 6)));
+        assert!(!release_at_least("", (6, 6)));
+    }
+
+    #[test]
+    fn the_kernel_needs_no_more_than_cap_bpf_and_cap_perfmon() {
+        assert_eq!(advice(Traced::Kernel, false), "run as root, or with CAP_BPF and CAP_PERFMON");
+    }
+}
