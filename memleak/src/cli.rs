@@ -12,8 +12,9 @@ use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
 
 use crate::report::options::{Choice, Format, SortKey, Weight};
 
-/// Trace outstanding allocations of processes (or, without -p and -c, of
-/// the kernel) and print the call stacks that hold the most memory.
+/// Trace outstanding allocations of processes (or, without -p, -c and
+/// --cgroup, of the kernel) and print the call stacks that hold the most
+/// memory.
 #[allow(clippy::struct_excessive_bools, reason = "bcc's yes/no flags, each independent of the others")]
 #[derive(Debug, Parser)]
 #[command(name = "memleak", version, about, after_help = EXAMPLES, args_conflicts_with_subcommands = true)]
@@ -34,7 +35,7 @@ pub struct Args {
     pub cgroup: Option<PathBuf>,
 
     /// Run this command (with its arguments, split like a shell would) and
-    /// trace it from its first instruction.
+    /// trace it from its first instruction, with the processes it forks.
     #[arg(short, long, value_name = "\"CMD ARGS\"")]
     pub command: Option<String>,
 
@@ -64,20 +65,24 @@ pub struct Args {
     /// Report only allocations older than this many milliseconds. Without
     /// -o, reports count every outstanding allocation, from per-stack
     /// totals kept in BPF: a report then costs the same for a thousand
-    /// allocations or a million. -o (and -a) read each allocation.
+    /// allocations or a million. -o (as -a and --save do) reads each
+    /// allocation.
     #[arg(short = 'o', long, value_name = "MS")]
     pub older: Option<u64>,
 
-    /// Also show the mmaps the allocator makes for itself and thread
-    /// stacks, which are left out (and counted) by default.
+    /// Also show the mmaps the allocator makes for itself, thread stacks
+    /// and PROT_NONE reservations, which are left out (and counted) by
+    /// default.
     #[arg(long)]
     pub all_mmaps: bool,
 
-    /// In kernel mode (no -p or -c), also trace per-CPU allocations.
+    /// In kernel mode (no -p, -c or --cgroup), also trace per-CPU
+    /// allocations.
     #[arg(long)]
     pub percpu: bool,
 
-    /// Print a line for every allocation and free as it happens.
+    /// Print a line for every allocation and free as it happens (with
+    /// --format text or json).
     #[arg(short = 't', long)]
     pub trace: bool,
 
@@ -113,7 +118,8 @@ pub struct Args {
     pub save: Option<PathBuf>,
 
     /// Write what memleak did to FILE, as JSON lines for programs to read:
-    /// each probe placed, and each report's size and how long it took.
+    /// how long starting took, each probe placed, each unwind table built,
+    /// and each report's size and how long it took.
     #[arg(long, value_name = "FILE")]
     pub stats: Option<PathBuf>,
 
@@ -144,7 +150,9 @@ pub struct Probing {
     #[arg(short = 'Z', long, value_name = "BYTES")]
     pub max_size: Option<u64>,
 
-    /// Allocator object to probe, instead of the libc the target maps.
+    /// Allocator object to probe, as the target names it (inside its root),
+    /// instead of the first object of its link map that defines malloc and
+    /// free (the program, a preloaded library, libc...).
     #[arg(short = 'O', long = "obj", value_name = "PATH")]
     pub object: Option<PathBuf>,
 
@@ -155,7 +163,7 @@ pub struct Probing {
     pub max_allocs: u32,
 
     /// Distinct call stacks stored at most; allocations from further stacks
-    /// are counted as "stacks lost".
+    /// are counted as "stacks lost", their bytes kept under [stack lost].
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_STACKS, value_parser = clap::value_parser!(u32).range(1..=MAX_STACKS))]
     pub max_stacks: u32,
 
@@ -187,7 +195,8 @@ pub struct Probing {
 /// offline subcommands alike.
 #[derive(Debug, clap::Args)]
 pub struct Rendering {
-    /// Number of stacks to show in each report.
+    /// Number of stacks to show in each report, in text and JSON (folded,
+    /// SVG and pprof reports hold every stack).
     #[arg(short = 'T', long, value_name = "N", default_value_t = 10)]
     pub top: usize,
 
@@ -196,13 +205,17 @@ pub struct Rendering {
     #[arg(long, value_enum)]
     pub format: Option<Format>,
 
-    /// Write reports to this file instead of stdout. Text, JSON and folded
-    /// reports go to one file, put in place when memleak ends; SVG and pprof
-    /// are a file per report, numbered unless there is one report.
+    /// Write reports to this file instead of stdout, in the format its
+    /// extension names unless --format is given. Text, JSON and folded
+    /// reports follow one another in it, each written as soon as it is
+    /// made; an SVG or pprof report is a file of its own, put in place once
+    /// whole, numbered (leaks.1.svg, leaks.2.svg... for leaks.svg) unless
+    /// there is one report. A device or FIFO is written in place.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
 
-    /// Overwrite the --output (and --save) files if they exist.
+    /// Overwrite the files --output (and --save) write if they exist; only
+    /// a regular file or a link is replaced, never a directory or device.
     #[arg(long)]
     pub force: bool,
 
@@ -297,7 +310,9 @@ pub struct ServeArgs {
     #[arg(short, long)]
     pub verbose: bool,
 
-    /// Seconds between collections; a scrape also asks for a fresh one.
+    /// Seconds between collections. A request for /metrics, / or
+    /// /api/v1/targets asks for a fresh one too, and waits up to a second
+    /// for it; a report or profile asked for is taken when asked.
     #[arg(long, value_name = "SECONDS", default_value = "2", value_parser = parse_interval)]
     pub interval: Duration,
 
@@ -330,6 +345,10 @@ pub struct ReportArgs {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(mut_arg("top", |arg| {
+    arg.help("Number of stacks shown of those that grew most, and of those that shrank most, in text and JSON \
+              (folded, SVG and pprof hold every stack that changed)")
+}))]
 pub struct DiffArgs {
     /// The earlier snapshot (from --save).
     #[arg(value_name = "BASE")]
@@ -386,8 +405,7 @@ Examples:
   memleak serve --pid 1234     serve /metrics on 127.0.0.1:9943
   memleak serve --exe nginx --container web --retain 1h";
 
-// The tracer's defaults, for `memleak serve` too, which does not take
-// these flags yet.
+// The tracer's defaults, for `memleak serve` too.
 pub const DEFAULT_MAX_ALLOCS: u32 = 1_000_000;
 pub const DEFAULT_MAX_STACKS: u32 = 65_536;
 pub const DEFAULT_MAX_UNWIND_ROWS: u32 = 1 << 20;
@@ -436,5 +454,184 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
         }
         Ok(seconds) => Ok(Duration::from_secs(seconds)),
         Err(_) => Err(format!("`{text}` is not a whole number of seconds")),
+    }
+}
+
+/// A command line clap refused, as the one line memleak prints after
+/// `memleak: error: `: what clap says is wrong (its usage and its
+/// `-- --flag` hint left out: memleak's INTERVAL would not take a flag),
+/// then what it meant, when that is known: clap's own suggestion
+/// (`; did you mean `--sample-rate`?`), a subcommand that a word in
+/// INTERVAL's place is close to, or the subcommand a flag belongs to.
+/// Quotes are backticks, as in memleak's own messages.
+pub fn describe_error(error: &clap::Error) -> String {
+    let rendered = error.render().to_string();
+    let said: Vec<&str> =
+        rendered.lines().take_while(|line| !line.trim().is_empty()).map(str::trim).collect();
+    let mut message = said.join(" ").trim_start_matches("error: ").to_owned();
+    if let Some(meant) = suggestion(error) {
+        message.push_str(&meant);
+    }
+    message.replace('\'', "`")
+}
+
+/// `; did you mean 'X'?` or `; 'X' is a flag of 'memleak serve'`.
+fn suggestion(error: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue};
+    let text = |kind| match error.get(kind) {
+        Some(ContextValue::String(text)) => Some(vec![text.clone()]),
+        Some(ContextValue::Strings(texts)) if !texts.is_empty() => Some(texts.clone()),
+        _ => None,
+    };
+    let quoted = |names: Vec<String>| names.iter().map(|name| format!("'{name}'")).collect::<Vec<_>>();
+    let clap_suggests =
+        [ContextKind::SuggestedArg, ContextKind::SuggestedValue, ContextKind::SuggestedSubcommand]
+            .into_iter()
+            .find_map(text);
+    if let Some(names) = clap_suggests {
+        return Some(format!("; did you mean {}?", quoted(names).join(" or ")));
+    }
+    let invalid = text(ContextKind::InvalidArg)?.pop()?;
+    match error.kind() {
+        // A word where INTERVAL goes: a subcommand mistyped, most likely.
+        clap::error::ErrorKind::ValueValidation if invalid == "[INTERVAL]" => {
+            let word = text(ContextKind::InvalidValue)?.pop()?;
+            let command = <Args as clap::CommandFactory>::command();
+            let close: Vec<String> = command
+                .get_subcommands()
+                .map(|subcommand| subcommand.get_name().to_owned())
+                .filter(|name| is_close(&word, name))
+                .collect();
+            (!close.is_empty()).then(|| format!("; did you mean {}?", quoted(close).join(" or ")))
+        }
+        // A flag of a subcommand given without it: `memleak --listen`.
+        clap::error::ErrorKind::UnknownArgument => {
+            let flag = invalid.split_once('=').map_or(invalid.as_str(), |(flag, _)| flag);
+            let long = flag.strip_prefix("--")?;
+            let command = <Args as clap::CommandFactory>::command();
+            if command.get_arguments().any(|arg| arg.get_long() == Some(long)) {
+                return None;
+            }
+            let owners: Vec<String> = command
+                .get_subcommands()
+                .filter(|subcommand| subcommand.get_arguments().any(|arg| arg.get_long() == Some(long)))
+                .map(|subcommand| format!("memleak {}", subcommand.get_name()))
+                .collect();
+            (!owners.is_empty()).then(|| format!("; '{flag}' is a flag of {}", quoted(owners).join(" and ")))
+        }
+        _ => None,
+    }
+}
+
+/// `word` is a mistyping of `name`: a prefix of it, or at most one edit
+/// away per three letters (`serv`, `dif`, `reprot`; a swap of two
+/// neighbours is one edit).
+fn is_close(word: &str, name: &str) -> bool {
+    if word.len() >= 3 && name.starts_with(word) {
+        return true;
+    }
+    let (word, name): (Vec<char>, Vec<char>) = (word.chars().collect(), name.chars().collect());
+    // Edits: insertions, deletions, substitutions and swaps of neighbours
+    // (the optimal string alignment distance).
+    let mut distance = vec![vec![0_usize; name.len() + 1]; word.len() + 1];
+    for (i, row) in distance.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in distance[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=word.len() {
+        for j in 1..=name.len() {
+            let cost = usize::from(word[i - 1] != name[j - 1]);
+            let mut best =
+                (distance[i - 1][j] + 1).min(distance[i][j - 1] + 1).min(distance[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && word[i - 1] == name[j - 2] && word[i - 2] == name[j - 1] {
+                best = best.min(distance[i - 2][j - 2] + 1);
+            }
+            distance[i][j] = best;
+        }
+    }
+    distance[word.len()][name.len()] <= (name.len() / 3).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn refused(line: &str) -> String {
+        let arguments = std::iter::once("memleak").chain(line.split_whitespace());
+        describe_error(&Args::try_parse_from(arguments).expect_err(line))
+    }
+
+    #[test]
+    fn a_mistyped_flag_keeps_clap_s_suggestion() {
+        assert_eq!(
+            refused("--sample-rat 10"),
+            "unexpected argument `--sample-rat` found; did you mean `--sample-rate`?"
+        );
+        assert_eq!(refused("serve --prot 9"), "unexpected argument `--prot` found; did you mean `--port`?");
+        assert_eq!(
+            refused("report --formt json heap.snap"),
+            "unexpected argument `--formt` found; did you mean `--format`?"
+        );
+        assert_eq!(
+            refused("--format jsn"),
+            "invalid value `jsn` for `--format <FORMAT>` [possible values: text, json, folded, svg, pprof]; \
+             did you mean `json`?"
+        );
+    }
+
+    #[test]
+    fn a_mistyped_subcommand_is_named() {
+        assert_eq!(
+            refused("serv --pid 1"),
+            "invalid value `serv` for `[INTERVAL]`: `serv` is not a whole number of seconds; did you mean `serve`?"
+        );
+        assert!(refused("dif a b").ends_with("; did you mean `diff`?"));
+        assert!(refused("reprot a").ends_with("; did you mean `report`?"));
+        assert_eq!(
+            refused("soon"),
+            "invalid value `soon` for `[INTERVAL]`: `soon` is not a whole number of seconds"
+        );
+    }
+
+    #[test]
+    fn a_subcommand_s_flag_says_whose_it_is() {
+        assert_eq!(
+            refused("--listen 0.0.0.0"),
+            "unexpected argument `--listen` found; `--listen` is a flag of `memleak serve`"
+        );
+        assert_eq!(refused("--xyz"), "unexpected argument `--xyz` found", "no `-- --xyz` hint");
+    }
+
+    /// The long help of memleak and each subcommand, as `--help` prints it.
+    fn help_of(subcommand: Option<&str>) -> String {
+        let mut command = <Args as clap::CommandFactory>::command();
+        let command = match subcommand {
+            Some(name) => command.find_subcommand_mut(name).unwrap(),
+            None => &mut command,
+        };
+        command.render_long_help().to_string()
+    }
+
+    /// Help that once said what memleak no longer does.
+    #[test]
+    fn the_help_says_what_memleak_does_now() {
+        for subcommand in [None, Some("report"), Some("diff"), Some("serve")] {
+            let help = help_of(subcommand);
+            for stale in ["when memleak ends", "instead of the libc the target maps", "without -p and -c,"] {
+                assert!(!help.contains(stale), "{subcommand:?}: {stale:?} in\n{help}");
+            }
+        }
+        assert!(help_of(None).contains("each written as soon as it is made"));
+        assert!(help_of(Some("diff")).contains("of those that grew most, and of those that shrank most"));
+    }
+
+    #[test]
+    fn words_close_to_a_name() {
+        assert!(is_close("serv", "serve") && is_close("dif", "diff") && is_close("reprot", "report"));
+        assert!(is_close("sreve", "serve") && !is_close("x", "diff") && !is_close("sort", "report"));
     }
 }

@@ -295,8 +295,8 @@ fn shown(
     ReportOptions { sort, top, show_allocs }
 }
 
-/// The daemon traces with the tracer's defaults; it takes none of the
-/// tuning flags yet. Beyond loopback it wants a token: the reports name
+/// The daemon takes the trace command's tracing flags (`Probing`), with
+/// the same defaults. Beyond loopback it wants a token: the reports name
 /// a host's programs and their files.
 fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     if !args.listen.is_loopback() && args.token_file.is_none() {

@@ -46,12 +46,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(error) => {
-            // clap says what is wrong before its first blank line (sometimes
-            // over two lines); the usage hint after it is noise.
-            let rendered = error.render().to_string();
-            let message: Vec<&str> =
-                rendered.lines().take_while(|line| !line.trim().is_empty()).map(str::trim).collect();
-            status::error(&message.join(" ").trim_start_matches("error: ").replace('\'', "`"));
+            status::error(&cli::describe_error(&error));
             return ExitCode::from(2);
         }
     };

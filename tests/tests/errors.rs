@@ -104,3 +104,47 @@ fn output_files_are_refused_before_anything_is_attached() {
         "--force is for overwriting the --output (or --save) files",
     );
 }
+
+/// A mistyped flag or subcommand: one line, with what clap thinks was
+/// meant, status 2; nothing attached, nothing on stdout.
+#[test]
+fn a_mistyped_flag_or_subcommand_is_refused_with_what_was_meant() {
+    let refused = |args: &[&str], expected: &str| {
+        let (code, stderr) = memleak_tests::run_to_end(args);
+        assert_eq!(
+            (code, stderr.as_str()),
+            (Some(2), format!("memleak: error: {expected}\n").as_str()),
+            "{args:?}"
+        );
+    };
+    refused(
+        &["--sample-rat", "10"],
+        "unexpected argument `--sample-rat` found; did you mean `--sample-rate`?",
+    );
+    refused(&["serve", "--prot", "9943"], "unexpected argument `--prot` found; did you mean `--port`?");
+    refused(
+        &["serv", "--pid", "1"],
+        "invalid value `serv` for `[INTERVAL]`: `serv` is not a whole number of seconds; did you mean `serve`?",
+    );
+    refused(
+        &["--listen", "0.0.0.0"],
+        "unexpected argument `--listen` found; `--listen` is a flag of `memleak serve`",
+    );
+}
+
+/// --help and --version are answers, not errors: stdout, status 0.
+#[test]
+fn help_and_version_go_to_stdout() {
+    for args in [&["--help"][..], &["--version"], &["serve", "--help"], &["diff", "-h"]] {
+        let output = std::process::Command::new(memleak_tests::memleak_binary())
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(0), "{args:?}");
+        assert!(output.stderr.is_empty(), "{args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        assert!(stdout.starts_with(if args[0] == "--version" { "memleak " } else { "" }), "{stdout}");
+        assert!(args[0] == "--version" || stdout.contains("Usage: memleak"), "{args:?}: {stdout}");
+    }
+}
