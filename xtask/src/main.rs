@@ -1,7 +1,8 @@
-//! Everything besides cargo itself: toolchain setup, the README demo, the
-//! privileged test run and the benchmark.
+//! Everything besides cargo itself: toolchain setup, the README demo and
+//! its examples, the privileged test run and the benchmark.
 
 mod bench;
+mod readme;
 mod setup;
 
 use std::{
@@ -33,6 +34,21 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         test_args: Vec<String>,
     },
+    /// Make the README's example outputs again from real runs: each block
+    /// marked `<!-- example: NAME -->`, and the files it shows (docs/).
+    /// A block changes only where more than run-specific values (times,
+    /// pids, addresses, ports) differ.
+    Readme {
+        /// Write nothing; fail, naming each example whose output changed.
+        #[arg(long, conflicts_with = "fresh")]
+        check: bool,
+        /// Rewrite the blocks made even where only run-specific values
+        /// differ: a fresh transcript.
+        #[arg(long)]
+        fresh: bool,
+        /// Only these examples (all by default).
+        examples: Vec<String>,
+    },
     /// Measure memleak's overhead on a malloc-heavy workload, with and
     /// without frame pointers, and its unwind tables for real programs.
     Bench {
@@ -51,6 +67,9 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
         Task::Bench { quick, serve_only } => bench::run(quick, serve_only),
+        Task::Readme { check, fresh, examples } => {
+            readme::run(&readme::Options { check, fresh, only: examples })
+        }
     }
 }
 
