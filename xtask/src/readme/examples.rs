@@ -38,6 +38,8 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "cgroup-joined", check: Check::Exact, make: cgroup_joined },
     Example { name: "sessions", check: Check::Exact, make: sessions },
     Example { name: "sessions-fp", check: Check::Exact, make: sessions_fp },
+    Example { name: "culprit", check: Check::Exact, make: culprit },
+    Example { name: "stripped", check: Check::Exact, make: stripped },
     Example { name: "jit", check: Check::Exact, make: jit },
     Example { name: "redis", check: Check::Outline, make: redis },
     Example { name: "go-static", check: Check::Exact, make: go_static },
@@ -340,6 +342,67 @@ fn sessions(workshop: &mut Workshop) -> Result<Made> {
 
 fn sessions_fp(workshop: &mut Workshop) -> Result<Made> {
     Ok(Made::text(&sessions_with(workshop, &["--unwind", "fp"])?))
+}
+
+/// tests/fixtures/service.cpp, built -O2 as a release build is, leaking
+/// 100 sessions: each a `Session` by `new` in `make_session`, its name
+/// and buffer by `std::string` and `std::vector` in its constructor.
+fn culprit(workshop: &mut Workshop) -> Result<Made> {
+    let service = workshop.optimized("service")?;
+    let mut server = target(workshop, &service, &["100", "--wait"], "ready")?;
+    let pid = server.pid().to_string();
+    let args = ["-p", pid.as_str(), "-T", "3"];
+    let mut memleak = memleak_running(workshop, &args)?;
+    memleak.wait_for_start("memleak: tracing ")?;
+    server.send("go")?;
+    server.wait_for("the sessions", |line| line == "done")?;
+    memleak.signal(libc::SIGINT);
+    let (_, lines) = memleak.finish()?;
+    let mut transcript = Transcript::default();
+    transcript.command(&typed(&args)).lines(&lines);
+    Ok(Made::text(&transcript))
+}
+
+/// Debian's memcached, a stripped build, attached with -p while it takes
+/// a connection and stores a key.
+fn stripped(workshop: &mut Workshop) -> Result<Made> {
+    use std::io::{Read as _, Write as _};
+    let memcached = Path::new("/usr/bin/memcached");
+    if !memcached.exists() {
+        return Err(Unavailable("Debian's memcached is not installed".to_owned()).into());
+    }
+    let port = free_port()?.to_string();
+    let mut server = workshop.command(memcached);
+    server.args(["-u", "nobody", "-l", "127.0.0.1", "-p", &port, "-m", "64", "-t", "1"]);
+    let server = Run::spawn(server.stdin(std::process::Stdio::null()))?;
+    let connect = || -> Result<std::net::TcpStream> {
+        for _ in 0..100 {
+            if let Ok(stream) = std::net::TcpStream::connect(format!("127.0.0.1:{port}")) {
+                return Ok(stream);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        bail!("memcached does not listen on port {port}")
+    };
+    drop(connect()?);
+    let pid = server.pid().to_string();
+    let args = ["-p", pid.as_str()];
+    let mut memleak = memleak_running(workshop, &args)?;
+    memleak.wait_for_start("memleak: tracing ")?;
+    // A connection memleak sees accepted: memcached allocates its state.
+    let mut client = connect()?;
+    client.write_all(b"set key 0 0 5\r\nvalue\r\n")?;
+    let mut answer = [0_u8; 8];
+    client.read_exact(&mut answer)?;
+    if &answer != b"STORED\r\n" {
+        bail!("memcached answered {:?}", String::from_utf8_lossy(&answer));
+    }
+    memleak.signal(libc::SIGINT);
+    let (_, lines) = memleak.finish()?;
+    drop(server);
+    let mut transcript = Transcript::default();
+    transcript.command("sudo memleak -p $(pidof memcached)").lines(&lines);
+    Ok(Made::text(&transcript))
 }
 
 /// tests/fixtures/jit.c calls malloc from code it copied into an mmap'd
