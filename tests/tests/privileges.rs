@@ -2,8 +2,9 @@
 //! root: nobody, with `CAP_BPF` and `CAP_PERFMON` as ambient capabilities, or
 //! with none. On this kernel (multi-uprobe links, Linux 6.6 and later)
 //! the two capabilities trace a process of that user, with `-p` and with
-//! `-c`, and the kernel; perf-event uprobes (`MEMLEAK_PERF_EVENT_UPROBES`)
-//! take `CAP_SYS_ADMIN`, and memleak says so before it attaches anything.
+//! `-c`; the kernel takes `CAP_SYSLOG` too, for its addresses in
+//! /proc/kallsyms; perf-event uprobes (`MEMLEAK_PERF_EVENT_UPROBES`) take
+//! `CAP_SYS_ADMIN`; and memleak says which before it attaches anything.
 
 use std::{
     os::unix::fs::PermissionsExt as _,
@@ -45,10 +46,15 @@ fn runnable_by_nobody(path: &Path, dir: &TempDir) -> PathBuf {
     copy
 }
 
-/// memleak as nobody with `CAP_BPF` and `CAP_PERFMON`, its output read as it
-/// comes.
-fn start_memleak_as_nobody(memleak: &Path, args: &[&str], env: &[(&str, &str)]) -> Memleak {
-    let mut child = as_nobody(Some("+bpf,+perfmon"))
+/// memleak as nobody with `capabilities` (`+bpf,+perfmon`), its output
+/// read as it comes.
+fn start_memleak_as_nobody(
+    memleak: &Path,
+    capabilities: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Memleak {
+    let mut child = as_nobody(Some(capabilities))
         .arg(memleak)
         .args(args)
         .envs(env.iter().copied())
@@ -94,8 +100,12 @@ fn cap_bpf_and_cap_perfmon_trace_a_process_of_their_user_with_p() {
     command.arg(&leaker).args(["all", "--wait"]);
     let mut target = Leaker::start_command(command);
     let pid = target.pid().to_string();
-    let mut memleak =
-        start_memleak_as_nobody(&memleak, &["-p", &pid, "--format", "json", "-T", "1000", "3600"], &[]);
+    let mut memleak = start_memleak_as_nobody(
+        &memleak,
+        "+bpf,+perfmon",
+        &["-p", &pid, "--format", "json", "-T", "1000", "3600"],
+        &[],
+    );
     memleak.wait_attached();
     target.go();
     memleak.signal(libc::SIGINT);
@@ -111,22 +121,59 @@ fn cap_bpf_and_cap_perfmon_trace_a_command_with_c() {
     let dir = TempDir::new("memleak-privileges");
     let memleak = runnable_by_nobody(&memleak_binary(), &dir);
     let command = format!("{} all --exit", runnable_by_nobody(&fixture("leaker"), &dir).display());
-    let memleak =
-        start_memleak_as_nobody(&memleak, &["-c", &command, "--format", "json", "-T", "1000", "3600"], &[]);
+    let memleak = start_memleak_as_nobody(
+        &memleak,
+        "+bpf,+perfmon",
+        &["-c", &command, "--format", "json", "-T", "1000", "3600"],
+        &[],
+    );
     let (status, reports) = memleak.finish();
     assert!(status.success(), "memleak -c as nobody: {status}");
     assert_eq!(totals(reports.last().expect("a final report")), (Some(17_264), Some(15)));
 }
 
 #[test]
-fn cap_bpf_and_cap_perfmon_trace_the_kernel() {
+fn cap_bpf_cap_perfmon_and_cap_syslog_trace_the_kernel() {
     let dir = TempDir::new("memleak-privileges");
     let memleak = runnable_by_nobody(&memleak_binary(), &dir);
-    let mut memleak = start_memleak_as_nobody(&memleak, &["-T", "1", "1", "1"], &[]);
+    let mut memleak = start_memleak_as_nobody(&memleak, "+bpf,+perfmon,+syslog", &["-T", "1"], &[]);
+    memleak
+        .stderr
+        .wait_for("memleak to attach", |line| line.starts_with("memleak: tracing kernel allocations"));
+    // A process that holds 100 open files: the kernel's allocations, which
+    // the final report, at SIGINT, is sure to hold.
+    let mut files = Command::new(fixture("leaker"));
+    files.args(["files", "100", "--wait"]);
+    let mut files = Leaker::start_command(files);
+    files.go();
+    memleak.signal(libc::SIGINT);
     let header = memleak.stdout.wait_for("a kernel report", |line| line.starts_with('['));
     let status = memleak.child.wait().unwrap();
+    files.exit();
     assert!(status.success(), "memleak as nobody on the kernel: {status}; {:#?}", memleak.stderr.rest());
     assert!(header.ends_with("] Top 1 stacks with outstanding allocations in the kernel:"), "{header}");
+    // The kernel's frames are named: /proc/kallsyms shows their addresses.
+    let frame = memleak.stdout.wait_for("a frame", |line| line.starts_with("\t\t"));
+    assert!(frame.ends_with(" [kernel]") && !frame.contains("[unknown]"), "{frame}");
+}
+
+/// Without `CAP_SYSLOG`, /proc/kallsyms shows nobody the kernel's
+/// addresses as 0: memleak would name none of its frames and count its own
+/// map refills, and says so rather than report that.
+#[test]
+fn cap_bpf_and_cap_perfmon_alone_are_told_the_kernel_takes_cap_syslog() {
+    let dir = TempDir::new("memleak-privileges");
+    let memleak = runnable_by_nobody(&memleak_binary(), &dir);
+    assert_eq!(
+        run_as_nobody(Some("+bpf,+perfmon"), &memleak, &["-T", "1", "1", "1"], &[]),
+        (
+            Some(2),
+            "memleak: error: tracing the kernel takes CAP_SYSLOG too here: /proc/kallsyms hides the kernel's \
+             addresses from memleak, which could then name none of its frames nor leave out its own map \
+             refills (run as root, or add CAP_SYSLOG)\n"
+                .to_owned()
+        )
+    );
 }
 
 #[test]
@@ -149,19 +196,19 @@ fn without_capabilities_the_user_is_told_what_this_kernel_needs() {
         refused(&["-T", "1", "1", "1"], &[]),
         (
             Some(2),
-            "memleak: error: permission denied loading BPF programs: run as root, or with CAP_BPF and \
-             CAP_PERFMON\n"
+            "memleak: error: permission denied loading BPF programs: run as root, or with CAP_BPF, \
+             CAP_PERFMON and CAP_SYSLOG\n"
                 .to_owned()
         ),
-        "the kernel"
+        "the kernel, whose addresses /proc/kallsyms hides from nobody"
     );
     assert_eq!(
         refused(&["-p", "1"], &[(PERF_EVENT_UPROBES, "1")]),
         (
             Some(2),
             "memleak: error: permission denied loading BPF programs: run as root, or with CAP_SYS_ADMIN: \
-             MEMLEAK_PERF_EVENT_UPROBES is set, and perf-event uprobes need it (CAP_BPF and CAP_PERFMON are \
-             enough to trace the kernel)\n"
+             MEMLEAK_PERF_EVENT_UPROBES is set, and perf-event uprobes need it (the kernel takes CAP_BPF, \
+             CAP_PERFMON and CAP_SYSLOG)\n"
                 .to_owned()
         )
     );
@@ -184,8 +231,7 @@ fn perf_event_uprobes_are_refused_before_anything_is_attached() {
         (
             Some(2),
             "memleak: error: tracing a process takes root or CAP_SYS_ADMIN here: MEMLEAK_PERF_EVENT_UPROBES is \
-             set, and perf-event uprobes need it (CAP_BPF and CAP_PERFMON, which memleak has, are enough to \
-             trace the kernel)\n"
+             set, and perf-event uprobes need it (the kernel takes CAP_BPF, CAP_PERFMON and CAP_SYSLOG)\n"
                 .to_owned()
         )
     );

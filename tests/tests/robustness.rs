@@ -184,8 +184,7 @@ fn cap_bpf_and_cap_perfmon_alone_are_told_what_perf_event_uprobes_need() {
     assert_eq!(
         stderr,
         "memleak: error: tracing a process takes root or CAP_SYS_ADMIN here: MEMLEAK_PERF_EVENT_UPROBES is \
-         set, and perf-event uprobes need it (CAP_BPF and CAP_PERFMON, which memleak has, are enough to \
-         trace the kernel)\n"
+         set, and perf-event uprobes need it (the kernel takes CAP_BPF, CAP_PERFMON and CAP_SYSLOG)\n"
     );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }
