@@ -919,16 +919,25 @@ fn privileges(workshop: &mut Workshop) -> Result<Made> {
     let memleak = workshop.dir().join("memleak");
     std::fs::copy(workshop.memleak_path(), &memleak)?;
     let mut transcript = Transcript::default();
-    // As typed, the arguments, and whether perf-event uprobes are asked for.
-    let runs: [(&str, &[&str], bool); 3] = [
-        ("memleak -p 1          # as nobody, without capabilities", &["-p", "1"], false),
-        ("memleak -T 1 1 1      # the kernel", &["-T", "1", "1", "1"], false),
-        ("MEMLEAK_PERF_EVENT_UPROBES=1 memleak -p 1", &["-p", "1"], true),
+    // As typed, the arguments, whether perf-event uprobes are asked for,
+    // and the capabilities held.
+    let runs: [(&str, &[&str], bool, &str); 4] = [
+        ("memleak -p 1          # as nobody, without capabilities", &["-p", "1"], false, ""),
+        ("memleak -T 1 1 1      # the kernel", &["-T", "1", "1", "1"], false, ""),
+        ("MEMLEAK_PERF_EVENT_UPROBES=1 memleak -p 1", &["-p", "1"], true, ""),
+        (
+            "memleak -T 1 1 1      # the kernel, with CAP_BPF and CAP_PERFMON",
+            &["-T", "1", "1", "1"],
+            false,
+            ",+bpf,+perfmon",
+        ),
     ];
-    for (shown, args, perf_events) in runs {
+    for (shown, args, perf_events, capabilities) in runs {
         let mut command = workshop.command("setpriv");
         command
-            .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"])
+            .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups"])
+            .arg(format!("--inh-caps=-all{capabilities}"))
+            .arg(format!("--ambient-caps=-all{capabilities}"))
             .arg(&memleak)
             .args(args);
         if perf_events {
