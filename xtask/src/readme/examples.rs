@@ -674,7 +674,7 @@ fn screenshot(workshop: &Workshop, url: &str) -> Result<Artifact> {
     let png = workshop.dir().join("page.png");
     let mut chromium = workshop.command("chromium");
     chromium
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,260"])
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,300"])
         .arg(format!("--screenshot={}", png.display()))
         .arg(format!("http://{url}"));
     lines_of(&mut chromium)?;

@@ -337,12 +337,13 @@ fn compare(
             error: format!("README.md has no block for {part:?}"),
         });
     }
-    outcomes.extend(compare_files(example, made.files));
+    outcomes.extend(compare_files(example, made.files, fresh));
     outcomes
 }
 
-/// What an example's new files change of those the README shows.
-fn compare_files(example: &Example, made: Vec<(PathBuf, Artifact)>) -> Vec<Outcome> {
+/// What an example's new files change of those the README shows; with
+/// `fresh`, any change.
+fn compare_files(example: &Example, made: Vec<(PathBuf, Artifact)>, fresh: bool) -> Vec<Outcome> {
     let name = example.name.to_owned();
     let mut difference = String::new();
     let mut files = Vec::new();
@@ -350,7 +351,11 @@ fn compare_files(example: &Example, made: Vec<(PathBuf, Artifact)>) -> Vec<Outco
         let existing = std::fs::read(root().join(&path)).unwrap_or_default();
         match artifact {
             Artifact::Text(new) => {
-                let changed = normalise::difference(example.check, &String::from_utf8_lossy(&existing), &new);
+                let mut changed =
+                    normalise::difference(example.check, &String::from_utf8_lossy(&existing), &new);
+                if fresh && changed.is_empty() && existing != new.as_bytes() {
+                    "  (run-specific values only: --fresh)\n".clone_into(&mut changed);
+                }
                 if !changed.is_empty() {
                     let _ = writeln!(difference, "{}:\n{changed}", path.display());
                     files.push((path, new.into_bytes()));
@@ -358,7 +363,10 @@ fn compare_files(example: &Example, made: Vec<(PathBuf, Artifact)>) -> Vec<Outco
             }
             Artifact::Png { png, source } => {
                 let old_source = workshop::png_text(&existing, examples::PNG_SOURCE_KEY).unwrap_or_default();
-                let changed = normalise::difference(example.check, &old_source, &source);
+                let mut changed = normalise::difference(example.check, &old_source, &source);
+                if fresh && changed.is_empty() {
+                    "  (drawn again: --fresh)\n".clone_into(&mut changed);
+                }
                 if changed.is_empty() {
                     continue;
                 }
