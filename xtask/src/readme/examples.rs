@@ -39,6 +39,7 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "sessions", check: Check::Exact, make: sessions },
     Example { name: "sessions-fp", check: Check::Exact, make: sessions_fp },
     Example { name: "culprit", check: Check::Exact, make: culprit },
+    Example { name: "operators", check: Check::Exact, make: operators },
     Example { name: "stripped", check: Check::Exact, make: stripped },
     Example { name: "jit", check: Check::Exact, make: jit },
     Example { name: "redis", check: Check::Outline, make: redis },
@@ -48,6 +49,7 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "diff", check: Check::Exact, make: diff },
     Example { name: "trace", check: Check::Exact, make: trace },
     Example { name: "json", check: Check::Exact, make: json },
+    Example { name: "unrecorded-frees", check: Check::Exact, make: unrecorded_frees },
     Example { name: "stats", check: Check::Exact, make: stats },
     Example { name: "serve", check: Check::Exact, make: serve },
     Example { name: "serve-token", check: Check::Exact, make: serve_token },
@@ -360,6 +362,53 @@ fn culprit(workshop: &mut Workshop) -> Result<Made> {
     let (_, lines) = memleak.finish()?;
     let mut transcript = Transcript::default();
     transcript.command(&typed(&args)).lines(&lines);
+    Ok(Made::text(&transcript))
+}
+
+/// tests/fixtures/sessions.cpp at -O2, linked with Debian's tcmalloc,
+/// attached with -p before it serves 1000 requests that each leak a
+/// session: memleak probes tcmalloc's own operator new.
+fn operators(workshop: &mut Workshop) -> Result<Made> {
+    let tcmalloc = Path::new("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4");
+    if !tcmalloc.exists() {
+        return Err(Unavailable("Debian's libtcmalloc-minimal4 is not installed".to_owned()).into());
+    }
+    let sessions = workshop.optimized_linked("sessions", tcmalloc)?;
+    let mut server = target(workshop, &sessions, &["1000", "--wait"], "ready")?;
+    let pid = server.pid().to_string();
+    let args = ["-p", pid.as_str(), "-T", "1"];
+    let mut memleak = memleak_running(workshop, &args)?;
+    memleak.wait_for_start("memleak: tracing ")?;
+    server.send("go")?;
+    server.wait_for("the sessions", |line| line == "done")?;
+    memleak.signal(libc::SIGINT);
+    let (_, lines) = memleak.finish()?;
+    let mut transcript = Transcript::default();
+    transcript.command("sudo memleak -p $(pidof sessions-libtcmalloc_minimal) -T 1").lines(&lines);
+    Ok(Made::text(&transcript))
+}
+
+/// `leaker cache`, whose 100 entries of 400 bytes were allocated before
+/// memleak attached, replaces them all and leaks 1000 bytes: the end of
+/// the final report, the first begun after the replacement.
+fn unrecorded_frees(workshop: &mut Workshop) -> Result<Made> {
+    let leaker = workshop.fixture("leaker")?;
+    let mut cache = target(workshop, &leaker, &["cache"], "ready")?;
+    let pid = cache.pid().to_string();
+    let args = ["-p", pid.as_str(), "3"];
+    let mut memleak = memleak_running(workshop, &args)?;
+    memleak.wait_for_start("memleak: tracing ")?;
+    memleak.wait_for("a first report", |line| line.starts_with("Seen: "))?;
+    // Well within the 3 s to the next report: the final one follows it.
+    cache.send("replace")?;
+    cache.wait_for("the replacement", |line| line == "replaced")?;
+    memleak.signal(libc::SIGINT);
+    let (_, lines) = memleak.finish()?;
+    let last = reports(&lines).pop().context("a final report")?;
+    let mut transcript = Transcript::default();
+    transcript.command(&typed(&args)).line("...").kept(&last, |line| {
+        line.starts_with("Outstanding:") || line.starts_with("Seen:") || line.contains("never saw allocated")
+    });
     Ok(Made::text(&transcript))
 }
 

@@ -95,6 +95,20 @@ impl Workshop {
         self.compile(name, name, &["-g", "-O2", "-fomit-frame-pointer", "-pthread"])
     }
 
+    /// As `optimized`, linked with `library` (a path: Debian ships no
+    /// development link for the allocators), as `g++ ... -ltcmalloc`
+    /// would; built as NAME-LIBRARY.
+    pub fn optimized_linked(&self, name: &str, library: &Path) -> Result<PathBuf> {
+        let stem = library.file_name().and_then(|file| file.to_str()).unwrap_or("library");
+        let stem = stem.split('.').next().unwrap_or(stem);
+        let library = library.to_str().context("a library path in UTF-8")?;
+        self.compile(
+            name,
+            &format!("{name}-{stem}"),
+            &["-g", "-O2", "-fomit-frame-pointer", "-pthread", library],
+        )
+    }
+
     fn compile(&self, name: &str, output: &str, flags: &[&str]) -> Result<PathBuf> {
         let binary = self.dir.join(output);
         if binary.exists() {
