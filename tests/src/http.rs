@@ -71,6 +71,18 @@ pub fn get_with(port: u16, path: &str, headers: &[(&str, &str)]) -> std::io::Res
     Ok(Response { status, content_type, headers, body: String::from_utf8_lossy(&bytes).into_owned(), bytes })
 }
 
+/// A connection to 127.0.0.1:`port`, once a server the test started
+/// listens there (it is given 5 s).
+pub fn connect_when_listening(port: u16) -> std::net::TcpStream {
+    (0..100)
+        .find_map(|_| {
+            std::net::TcpStream::connect(("127.0.0.1", port))
+                .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("nothing listens on port {port}"))
+}
+
 /// A loopback port free now, for a server the test starts.
 pub fn free_port() -> u16 {
     let listener = TcpListener::bind(("127.0.0.1", 0)).expect("bind a free loopback port");

@@ -5,7 +5,6 @@ use std::{
     io::{Read as _, Write as _},
     net::TcpStream,
     process::{Child, Command, Stdio},
-    time::Duration,
 };
 
 /// A redis-server that is killed when dropped.
@@ -23,13 +22,7 @@ impl Redis {
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server is installed by cargo xtask test");
-        let connection = (0..100)
-            .find_map(|_| {
-                TcpStream::connect(("127.0.0.1", port))
-                    .map_err(|_| std::thread::sleep(Duration::from_millis(50)))
-                    .ok()
-            })
-            .expect("redis-server listens");
+        let connection = crate::http::connect_when_listening(port);
         Self { child, connection }
     }
 

@@ -86,53 +86,17 @@ fn a_running_process_with_a_preloaded_allocator() {
     leaker.exit();
 }
 
-/// A free loopback port.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[test]
 fn redis_server_allocates_through_jemalloc() {
-    use std::io::{Read, Write};
     const KEYS: u64 = 5000;
-    let port = free_port();
-    let mut redis = std::process::Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server is installed by cargo xtask test");
-    let connect = || {
-        (0..100)
-            .find_map(|_| {
-                std::net::TcpStream::connect(("127.0.0.1", port))
-                    .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
-                    .ok()
-            })
-            .expect("redis-server listens")
-    };
-    let mut connection = connect();
-    let pid = redis.id().to_string();
+    let mut redis = memleak_tests::redis::Redis::start();
+    let pid = redis.pid().to_string();
     let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-o", "0", "-T", "1000", "3600"]);
     memleak.wait_attached();
-    // SET key:i to 100 bytes, pipelined, then wait for every +OK.
-    let mut commands = Vec::new();
-    for i in 0..KEYS {
-        let key = format!("key:{i}");
-        write!(commands, "*3\r\n$3\r\nSET\r\n${}\r\n{key}\r\n$100\r\n{}\r\n", key.len(), "v".repeat(100))
-            .unwrap();
-    }
-    connection.write_all(&commands).unwrap();
-    let mut replies = Vec::new();
-    let mut buffer = vec![0u8; 65536];
-    while (replies.windows(3).filter(|window| window == b"+OK").count() as u64) < KEYS {
-        let read = connection.read(&mut buffer).unwrap();
-        assert!(read > 0, "redis closed the connection");
-        replies.extend_from_slice(&buffer[..read]);
-    }
+    redis.set_keys(KEYS);
     memleak.signal(libc::SIGINT);
     let (status, reports) = memleak.finish();
-    let _ = redis.kill();
-    let _ = redis.wait();
+    drop(redis);
     assert!(status.success());
     let report = reports.last().unwrap();
     assert!(report["allocator"].as_str().unwrap().ends_with("/libjemalloc.so.2"), "{}", report["allocator"]);
@@ -207,18 +171,7 @@ fn a_rust_release_build_with_tikv_jemallocator() {
     // The default release profile: no frame pointers. jemalloc is linked
     // in with the _rjem_ prefix and keeps only what Rust calls (mallocx,
     // sdallocx...).
-    let manifest = memleak_tests::workspace_root().join("tests/fixtures/rust-jemalloc/Cargo.toml");
-    let target_dir = memleak_tests::workspace_root().join("target/fixtures/rust-jemalloc");
-    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .args(["build", "--quiet", "--release", "--manifest-path"])
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(&target_dir)
-        .env_remove("RUSTFLAGS")
-        .status()
-        .expect("run cargo");
-    assert!(status.success(), "building the tikv-jemallocator fixture failed");
-    let program = target_dir.join("release/rust-jemalloc");
+    let program = memleak_tests::rust_jemalloc();
     let mut target = Leaker::start_command(std::process::Command::new(&program));
     let (reports, _) = memleak_tests::trace_running(&mut target, &[]);
     target.exit();

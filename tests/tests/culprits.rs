@@ -187,15 +187,7 @@ fn memcached_report(memcached: &Path) -> Value {
         .args(["-u", "nobody", "-l", "127.0.0.1", "-p", &port.to_string(), "-m", "64", "-t", "1"])
         .spawn()
         .unwrap();
-    let connect = || {
-        (0..100)
-            .find_map(|_| {
-                std::net::TcpStream::connect(("127.0.0.1", port))
-                    .map_err(|_| std::thread::sleep(std::time::Duration::from_millis(50)))
-                    .ok()
-            })
-            .expect("memcached listens")
-    };
+    let connect = || memleak_tests::http::connect_when_listening(port);
     drop(connect());
     let pid = server.id().to_string();
     let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
@@ -286,13 +278,23 @@ fn attaching_to_a_busy_program_gives_no_truncated_copies_of_its_stacks() {
 
 #[test]
 fn redis_stacks_are_named_past_its_allocation_wrappers_in_metrics() {
+    const KEYS: u64 = 5000;
     let mut redis = memleak_tests::redis::Redis::start();
     let (memleak, port) = memleak_tests::http::serve_pid(redis.pid());
-    redis.set_keys(5000);
-    let series_prefix = "memleak_stack_outstanding_bytes{";
+    redis.set_keys(KEYS);
+    // A round taken once every key is in: each holds its name, its value
+    // and its dict entry.
+    let allocations =
+        format!("memleak_outstanding_allocations{{pid=\"{}\",exe=\"redis-server\"}} ", redis.pid());
     let response = memleak_tests::http::get_until(port, "/metrics", |response| {
-        response.body.lines().filter(|line| line.starts_with(series_prefix)).count() == 5
+        response
+            .body
+            .lines()
+            .find_map(|line| line.strip_prefix(&allocations))
+            .and_then(|count| count.parse::<u64>().ok())
+            .is_some_and(|count| count >= 3 * KEYS)
     });
+    let series_prefix = "memleak_stack_outstanding_bytes{";
     memleak_tests::http::stop(memleak);
     let frames: Vec<&str> = response
         .body
@@ -302,6 +304,7 @@ fn redis_stacks_are_named_past_its_allocation_wrappers_in_metrics() {
             line.split("frame=\"").nth(1).and_then(|rest| rest.split('"').next()).expect("a frame label")
         })
         .collect();
+    assert_eq!(frames.len(), 5, "--metrics-top-stacks' 5: {}", response.body);
     let wrappers = redis_wrappers();
     assert!(frames.iter().all(|frame| !wrappers.contains(frame)), "{frames:?}");
     // Each key: its name by dbAdd, its value by createStringObject.

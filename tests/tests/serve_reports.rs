@@ -149,10 +149,13 @@ fn headless_chromium_shows_the_followed_process_on_the_page() {
         dom.contains("<td class=\"num\">17,264</td><td class=\"num\">"),
         "outstanding bytes, then growth: {dom}"
     );
+    // The culprit of the largest stack: leak_realloc's 5000 bytes.
+    let culprit = format!("leak_realloc (leaker.c:{})", memleak_tests::marker_line("leaker", "realloc"));
     assert!(
-        dom.contains(
-            "</td><td class=\"num\">15</td><td title=\"/usr/lib/x86_64-linux-gnu/libc.so.6\">libc.so.6</td>"
-        ),
+        dom.contains(&format!(
+            "</td><td class=\"num\">15</td><td class=\"culprit\">{culprit}</td>\
+             <td title=\"/usr/lib/x86_64-linux-gnu/libc.so.6\">libc.so.6</td>"
+        )),
         "{dom}"
     );
     assert!(

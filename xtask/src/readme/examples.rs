@@ -319,23 +319,35 @@ fn cgroup_joined(workshop: &mut Workshop) -> Result<Made> {
     Ok(Made::text(&transcript))
 }
 
-/// tests/fixtures/sessions.cpp built as a release build is: -O2, no
-/// frame pointers; 1000 sessions leaked.
-fn sessions_with(workshop: &Workshop, extra: &[&str]) -> Result<Transcript> {
-    let sessions = workshop.optimized("sessions")?;
-    let mut server = target(workshop, &sessions, &["1000", "--wait"], "ready")?;
+/// `program` held at "ready" until memleak -p (with `extra` flags) has
+/// attached, then let go until it prints "done": memleak's output, under
+/// the command a user would type.
+fn attached_until_done(
+    workshop: &Workshop,
+    program: &Path,
+    program_args: &[&str],
+    extra: &[&str],
+) -> Result<Transcript> {
+    let mut server = target(workshop, program, program_args, "ready")?;
     let pid = server.pid().to_string();
     let mut args = vec!["-p", pid.as_str()];
     args.extend_from_slice(extra);
     let mut memleak = memleak_running(workshop, &args)?;
     memleak.wait_for_start("memleak: tracing ")?;
     server.send("go")?;
-    server.wait_for("the sessions", |line| line == "done")?;
+    server.wait_for("the program's allocations", |line| line == "done")?;
     memleak.signal(libc::SIGINT);
     let (_, lines) = memleak.finish()?;
     let mut transcript = Transcript::default();
     transcript.command(&typed(&args)).lines(&lines);
     Ok(transcript)
+}
+
+/// tests/fixtures/sessions.cpp built as a release build is: -O2, no
+/// frame pointers; 1000 sessions leaked.
+fn sessions_with(workshop: &Workshop, extra: &[&str]) -> Result<Transcript> {
+    let sessions = workshop.optimized("sessions")?;
+    attached_until_done(workshop, &sessions, &["1000", "--wait"], extra)
 }
 
 fn sessions(workshop: &mut Workshop) -> Result<Made> {
@@ -351,17 +363,7 @@ fn sessions_fp(workshop: &mut Workshop) -> Result<Made> {
 /// and buffer by `std::string` and `std::vector` in its constructor.
 fn culprit(workshop: &mut Workshop) -> Result<Made> {
     let service = workshop.optimized("service")?;
-    let mut server = target(workshop, &service, &["100", "--wait"], "ready")?;
-    let pid = server.pid().to_string();
-    let args = ["-p", pid.as_str(), "-T", "3"];
-    let mut memleak = memleak_running(workshop, &args)?;
-    memleak.wait_for_start("memleak: tracing ")?;
-    server.send("go")?;
-    server.wait_for("the sessions", |line| line == "done")?;
-    memleak.signal(libc::SIGINT);
-    let (_, lines) = memleak.finish()?;
-    let mut transcript = Transcript::default();
-    transcript.command(&typed(&args)).lines(&lines);
+    let transcript = attached_until_done(workshop, &service, &["100", "--wait"], &["-T", "3"])?;
     Ok(Made::text(&transcript))
 }
 
@@ -374,17 +376,7 @@ fn operators(workshop: &mut Workshop) -> Result<Made> {
         return Err(Unavailable("Debian's libtcmalloc-minimal4 is not installed".to_owned()).into());
     }
     let sessions = workshop.optimized_linked("sessions", tcmalloc)?;
-    let mut server = target(workshop, &sessions, &["1000", "--wait"], "ready")?;
-    let pid = server.pid().to_string();
-    let args = ["-p", pid.as_str(), "-T", "1"];
-    let mut memleak = memleak_running(workshop, &args)?;
-    memleak.wait_for_start("memleak: tracing ")?;
-    server.send("go")?;
-    server.wait_for("the sessions", |line| line == "done")?;
-    memleak.signal(libc::SIGINT);
-    let (_, lines) = memleak.finish()?;
-    let mut transcript = Transcript::default();
-    transcript.command("sudo memleak -p $(pidof sessions-libtcmalloc_minimal) -T 1").lines(&lines);
+    let transcript = attached_until_done(workshop, &sessions, &["1000", "--wait"], &["-T", "1"])?;
     Ok(Made::text(&transcript))
 }
 
