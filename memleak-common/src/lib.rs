@@ -24,14 +24,15 @@ pub use functions::{
     OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS,
 };
 pub use names::{
-    programs, tunables, ALLOCATIONS_MAP, CGROUP_LEVEL_UNKNOWN, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP,
-    MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP,
-    STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
+    programs, tunables, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, CGROUP_LEVEL_UNKNOWN, EVENTS_MAP, FOLLOWED_MAP,
+    MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP,
+    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    USER_STACK_RECORDER_MAP,
 };
 pub use records::{
-    lost_stack_id, lost_stack_owner, Allocation, AllocationKey, CallKind, Counter, PendingCall,
-    PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals, COUNTER_SLOTS,
-    KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE,
+    lost_stack_id, lost_stack_owner, Allocation, AllocationKey, AllocatorCode, CallKind, Counter,
+    PendingCall, PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals,
+    COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
 pub use unwind::{
     ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkEnd, MAX_EXEC_MAPPINGS,
@@ -61,9 +62,12 @@ mod pod {
     unsafe impl aya::Pod for super::UnwindRow {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::ProcessMappings {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::AllocatorCode {}
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
+const _: () = assert!(core::mem::size_of::<AllocatorCode>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 48);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);

@@ -28,6 +28,8 @@ pub const MAPPING_EVENTS_MAP: &str = "MAPPING_EVENTS";
 pub const UNWIND_ROWS_MAP: &str = "UNWIND_ROWS";
 /// Process id (u32) -> [`ProcessMappings`](crate::ProcessMappings).
 pub const PROCESS_MAPPINGS_MAP: &str = "PROCESS_MAPPINGS";
+/// Process id (u32) -> [`AllocatorCode`](crate::AllocatorCode).
+pub const ALLOCATOR_CODE_MAP: &str = "ALLOCATOR_CODE";
 /// Process id (u32) -> `CLOCK_MONOTONIC` ns (u64) of the first walk since
 /// the last rescan that met code in no known mapping: user space rescans
 /// that process's mappings and deletes the entry.

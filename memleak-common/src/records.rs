@@ -170,6 +170,21 @@ pub struct PendingCall {
     pub releasing: u64,
 }
 
+/// Value of [`ALLOCATOR_CODE_MAP`](crate::ALLOCATOR_CODE_MAP): where the
+/// probed allocator's code lies in a process. A free called from there
+/// releases a block the allocator made for itself with no call memleak
+/// sees (glibc's per-thread cache, freed as each thread exits): it is no
+/// block the program allocated before memleak attached, and is not
+/// counted as [`Counter::UnrecordedFrees`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocatorCode {
+    /// First address of its executable mapping.
+    pub start: u64,
+    /// One past its last.
+    pub end: u64,
+}
+
 /// Size recorded for a calloc/reallocarray whose `n * size` overflows; the
 /// call fails, so it is never recorded as an allocation.
 pub const OVERFLOWED_SIZE: u64 = u64::MAX;

@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf},
 };
 use memleak_common::{
-    Allocation, AllocationKey, MappingEvent, PendingCall, PendingMapping, ProcessCounters, ProcessMappings,
-    RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow, RULE_CACHE_ENTRIES,
+    Allocation, AllocationKey, AllocatorCode, MappingEvent, PendingCall, PendingMapping, ProcessCounters,
+    ProcessMappings, RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow, RULE_CACHE_ENTRIES,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -86,6 +86,11 @@ pub static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1, BPF_F_MMAP
 #[map(name = "PROCESS_MAPPINGS")]
 pub static PROCESS_MAPPINGS: HashMap<u32, ProcessMappings> =
     HashMap::with_max_entries(1024, BPF_F_NO_PREALLOC);
+
+/// Process id -> where its allocator's code lies (see
+/// `memleak_common::AllocatorCode`).
+#[map(name = "ALLOCATOR_CODE")]
+pub static ALLOCATOR_CODE: HashMap<u32, AllocatorCode> = HashMap::with_max_entries(1024, 0);
 
 /// Process id -> when a walk first met code in no mapping it knows; user
 /// space rescans the process and deletes the entry.

@@ -36,14 +36,15 @@ pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
 
 /// A release of the block at `address` by process `tgid` (0: the kernel):
 /// counted, and the allocation forgotten if it was recorded. Returns its
-/// size then; a block memleak had not recorded is counted apart.
-pub fn release(tgid: u32, address: u64) -> Option<u64> {
+/// size then; a block memleak had not recorded is counted apart, unless
+/// `allocators_own` says the allocator released a block of its own.
+pub fn release(tgid: u32, address: u64, allocators_own: impl FnOnce() -> bool) -> Option<u64> {
     if address == 0 {
         return None;
     }
     counters::increment(tgid, Counter::Frees);
     let size = forget(&AllocationKey { tgid, _padding: 0, address });
-    if size.is_none() {
+    if size.is_none() && !allocators_own() {
         counters::increment(tgid, Counter::UnrecordedFrees);
     }
     size

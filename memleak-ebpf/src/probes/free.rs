@@ -1,12 +1,18 @@
 //! The entry probe of free and the other functions that give memory back.
 
 use aya_ebpf::{
-    helpers::generated::bpf_get_attach_cookie, macros::uprobe, programs::ProbeContext, EbpfContext as _,
+    bindings::pt_regs,
+    helpers::{bpf_probe_read_user, generated::bpf_get_attach_cookie},
+    macros::uprobe,
+    programs::ProbeContext,
+    EbpfContext as _,
 };
 
 use crate::{
     calls::{self, Release},
-    events, record, tunables,
+    events,
+    maps::ALLOCATOR_CODE,
+    record, tunables,
 };
 
 /// free(ptr), sdallocx(ptr, size, flags), operator delete(ptr, ...) and
@@ -23,7 +29,7 @@ pub fn free_enter(ctx: ProbeContext) -> u32 {
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let tgid = calls::process_id();
     let size = match calls::begin_release(address, function) {
-        Release::Outer => record::release(tgid, address),
+        Release::Outer => record::release(tgid, address, || called_from_allocator(&ctx, tgid)),
         Release::InsideDelete => record::release_if_recorded(tgid, address),
         // Released at realloc's return: traced now, with its size.
         Release::InsideRealloc if tunables::trace() => record::recorded_size(tgid, address),
@@ -31,4 +37,19 @@ pub fn free_enter(ctx: ProbeContext) -> u32 {
     };
     events::send(function, address, size.unwrap_or(0));
     0
+}
+
+/// Whether the allocator itself made this call: its return address, on
+/// top of the stack (the probe comes before anything the function
+/// pushes: see memleak's `attach::placement`), lies in the allocator's
+/// code. Asked only of a release of a block memleak had not recorded.
+fn called_from_allocator(ctx: &ProbeContext, tgid: u32) -> bool {
+    // SAFETY: a lookup in a map of plain values.
+    let Some(code) = (unsafe { ALLOCATOR_CODE.get(tgid) }) else { return false };
+    let regs = ctx.as_ptr() as *const pt_regs;
+    // SAFETY: the probe's registers, which the kernel hands over.
+    let sp = unsafe { (*regs).rsp };
+    // SAFETY: reads user memory; a fault only yields an error.
+    let caller: u64 = unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0);
+    (code.start..code.end).contains(&caller)
 }

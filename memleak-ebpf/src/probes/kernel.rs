@@ -94,5 +94,5 @@ fn record(ctx: &BtfTracePointContext, address: u64, size: u64) {
 }
 
 fn release(address: u64) {
-    let _ = record::release(KERNEL_TGID, address);
+    let _ = record::release(KERNEL_TGID, address, || false);
 }

@@ -13,11 +13,11 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader, Pod,
 };
 use memleak_common::{
-    lost_stack_id, programs, tunables, Allocation, AllocationKey, Counter, PendingCall, ProcessCounters,
-    ProcessMappings, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_FUNCTIONS, EVENTS_MAP,
-    FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP,
-    PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
-    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, Counter, PendingCall,
+    ProcessCounters, ProcessMappings, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP,
+    ALLOCATOR_FUNCTIONS, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
+    MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP,
+    STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
 };
 
 use super::{
@@ -292,6 +292,7 @@ impl Tracer {
             .map_max_entries(STACK_TOTALS_MAP, settings.max_stacks.saturating_add(settings.max_processes))
             .map_max_entries(UNWIND_ROWS_MAP, settings.unwind_rows())
             .map_max_entries(PROCESS_MAPPINGS_MAP, settings.max_processes)
+            .map_max_entries(ALLOCATOR_CODE_MAP, settings.max_processes)
             .map_max_entries(UNWIND_RESCANS_MAP, settings.max_processes)
             // Room for processes that are counted but not traced: a
             // cgroup's beyond --max-processes, children not followed yet.
@@ -436,6 +437,13 @@ impl Tracer {
         self.forget_processes(&HashSet::from([tgid]))
     }
 
+    /// Tells the free probe where process `pid`'s allocator code lies (see
+    /// `memleak_common::AllocatorCode`).
+    pub fn set_allocator_code(&mut self, pid: u32, code: AllocatorCode) -> Result<(), TracerError> {
+        let mut map: HashMap<&mut MapData, u32, AllocatorCode> = self.map_mut(ALLOCATOR_CODE_MAP)?;
+        map.insert(pid, code, 0).map_err(|source| TracerError::WriteMap { map: ALLOCATOR_CODE_MAP, source })
+    }
+
     /// `forget_process` for each of `gone`, in one pass over each map.
     pub fn forget_processes(&mut self, gone: &HashSet<u32>) -> Result<(), TracerError> {
         self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| gone.contains(&key.tgid))?;
@@ -451,6 +459,7 @@ impl Tracer {
         self.remove_entries::<u32, PendingCall>(PENDING_MAP, |_, call| gone.contains(&call.tgid))?;
         let by_pid = |pid: &u32| gone.contains(pid);
         self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| by_pid(pid))?;
+        self.remove_entries::<u32, AllocatorCode>(ALLOCATOR_CODE_MAP, |pid, _| by_pid(pid))?;
         self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| by_pid(pid))?;
         let mut counters: PerCpuHashMap<&mut MapData, u32, ProcessCounters> =
             self.map_mut(PROCESS_COUNTERS_MAP)?;

@@ -307,6 +307,21 @@ impl AddressSpace {
         self.executable.as_deref()
     }
 
+    /// From the first to the end of the last executable mapping of the
+    /// very file `file` is, if the process maps it now.
+    pub fn code_of_file(&self, file: &File) -> Option<(u64, u64)> {
+        let object = self.object_of_file(file)?;
+        let ranges = self
+            .code
+            .iter()
+            .filter(|range| range.object.as_ref().is_some_and(|mapped| Arc::ptr_eq(mapped, &object)));
+        ranges.fold(None, |span, range| {
+            Some(span.map_or((range.start, range.end), |(start, end): (u64, u64)| {
+                (start.min(range.start), end.max(range.end))
+            }))
+        })
+    }
+
     /// The object mapped now that is the very file `file` is (device and
     /// inode): how a file planned from before the process ran is named as
     /// the process maps it.

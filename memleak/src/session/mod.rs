@@ -502,12 +502,14 @@ impl Session {
         Ok(())
     }
 
-    /// Gives the walkers `target`'s table of executable mappings.
+    /// Gives the walkers `target`'s table of executable mappings, and the
+    /// free probe where its allocator's code lies.
     fn load_unwind_table(&mut self, target: &mut Target) -> Result<(), SessionError> {
         target.unwinding = self.unwind.as_ref().map(UnwindTables::unwinding);
         if let Some(tables) = self.unwind.as_mut() {
             update_unwind_table(tables, &mut self.tracer, target)?;
         }
+        update_allocator_code(&mut self.tracer, target)?;
         Ok(())
     }
 
@@ -528,6 +530,7 @@ impl Session {
             if let Some(tables) = self.unwind.as_mut() {
                 update_unwind_table(tables, &mut self.tracer, target)?;
             }
+            update_allocator_code(&mut self.tracer, target)?;
         }
         Ok(())
     }
@@ -861,6 +864,18 @@ fn update_unwind_table(
     log::debug!("pid {}: unwind table of {} executable mappings in use", target.pid, table.count);
     target.unwind_table = Some(table);
     Ok(())
+}
+
+/// Tells the free probe where `target`'s allocator code lies, once the
+/// process maps it (a newcomer probed at its execve maps it later).
+fn update_allocator_code(tracer: &mut Tracer, target: &Target) -> Result<(), TracerError> {
+    let Some(object) = target.plan.object.as_deref().filter(|_| !target.is_kernel()) else { return Ok(()) };
+    match target.space.code_of_file(object) {
+        Some((start, end)) => {
+            tracer.set_allocator_code(target.pid, memleak_common::AllocatorCode { start, end })
+        }
+        None => Ok(()),
+    }
 }
 
 /// Process `pid`'s address space as it is now, and the probes for its

@@ -398,7 +398,7 @@ fn unrecorded_frees(workshop: &mut Workshop) -> Result<Made> {
     let (_, lines) = memleak.finish()?;
     let last = reports(&lines).pop().context("a final report")?;
     let mut transcript = Transcript::default();
-    transcript.command(&typed(&args)).line("...").kept(&last, |line| {
+    transcript.command(&typed(&args)).kept(&last, |line| {
         line.starts_with("Outstanding:") || line.starts_with("Seen:") || line.contains("never saw allocated")
     });
     Ok(Made::text(&transcript))
