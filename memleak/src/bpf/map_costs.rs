@@ -5,8 +5,9 @@
 use std::mem::size_of;
 
 use memleak_common::{
-    Allocation, AllocationKey, ProcessMappings, StackKey, StackSlot, StackTotals, UnwindRow, ALLOCATIONS_MAP,
-    PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    Allocation, AllocationKey, AllocatorCode, ProcessMappings, StackKey, StackSlot, StackTotals, UnwindRow,
+    ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
 use super::TracerSettings;
@@ -63,6 +64,11 @@ pub fn cost_of(name: &str, settings: &TracerSettings) -> Option<MapCost> {
             settings.max_processes,
             "--max-processes",
             Layout::HashPreallocated { key: size_of::<u32>(), value: size_of::<u64>() },
+        ),
+        ALLOCATOR_CODE_MAP => (
+            settings.max_processes,
+            "--max-processes",
+            Layout::HashPreallocated { key: size_of::<u32>(), value: size_of::<AllocatorCode>() },
         ),
         _ => return None,
     };
