@@ -5,7 +5,7 @@
 //! label of `/metrics`): `make_session(int)`, not `operator new`;
 //! `setKey`, not redis's `zmalloc`.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use regex::RegexSet;
 
@@ -53,6 +53,12 @@ impl SkipRules {
         frames.iter().find(|frame| !self.passes_over(frame, allocator, program))
     }
 
+    /// `culprit` for many stacks of one report: each frame is looked at
+    /// once, as stacks through the same code share their frames.
+    pub fn culprits<'r>(&'r self, allocator: &'r str, program: &'r str) -> Culprits<'r> {
+        Culprits { rules: self, allocator, program, passed_over: HashMap::new() }
+    }
+
     fn passes_over(&self, frame: &Frame, allocator: &str, program: &str) -> bool {
         // A program that links its allocator in (a Rust binary with
         // tikv-jemallocator) is the allocator's object: its own frames
@@ -62,6 +68,26 @@ impl SkipRules {
         }
         let (Some(names), Some(function)) = (&self.names, frame.function.as_deref()) else { return false };
         names.is_match(qualified_name(function))
+    }
+}
+
+/// The culprits of the stacks of one report (`SkipRules::culprits`).
+pub struct Culprits<'r> {
+    rules: &'r SkipRules,
+    allocator: &'r str,
+    program: &'r str,
+    /// Whether each frame met is passed over.
+    passed_over: HashMap<*const Frame, bool>,
+}
+
+impl Culprits<'_> {
+    pub fn of<'f>(&mut self, frames: &'f [Arc<Frame>]) -> Option<&'f Arc<Frame>> {
+        let Self { rules, allocator, program, passed_over } = self;
+        frames.iter().find(|frame| {
+            !*passed_over
+                .entry(Arc::as_ptr(frame))
+                .or_insert_with(|| rules.passes_over(frame, allocator, program))
+        })
     }
 }
 

