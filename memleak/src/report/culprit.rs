@@ -5,12 +5,12 @@
 //! label of `/metrics`): `make_session(int)`, not `operator new`;
 //! `setKey`, not redis's `zmalloc`.
 
-use std::{collections::HashMap, sync::Arc};
+use std::sync::Arc;
 
 use regex::RegexSet;
 
 use super::skip_frames::DEFAULT_SKIPS;
-use crate::model::Frame;
+use crate::{model::Frame, symbolize::WordMap};
 
 /// What a culprit is looked for past: the built-in table and the user's
 /// patterns, compiled once.
@@ -56,7 +56,7 @@ impl SkipRules {
     /// `culprit` for many stacks of one report: each frame is looked at
     /// once, as stacks through the same code share their frames.
     pub fn culprits<'r>(&'r self, allocator: &'r str, program: &'r str) -> Culprits<'r> {
-        Culprits { rules: self, allocator, program, passed_over: HashMap::new() }
+        Culprits { rules: self, allocator, program, passed_over: WordMap::default() }
     }
 
     fn passes_over(&self, frame: &Frame, allocator: &str, program: &str) -> bool {
@@ -77,7 +77,7 @@ pub struct Culprits<'r> {
     allocator: &'r str,
     program: &'r str,
     /// Whether each frame met is passed over.
-    passed_over: HashMap<*const Frame, bool>,
+    passed_over: WordMap<*const Frame, bool>,
 }
 
 impl Culprits<'_> {

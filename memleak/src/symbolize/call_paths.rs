@@ -31,7 +31,7 @@ use std::{
 
 use memleak_common::lost_stack_owner;
 
-use super::stable_id::stable_id;
+use super::{stable_id::stable_id, WordMap};
 use crate::model::{Frame, MappingKind, Snapshot, StackUsage, Truncation};
 
 /// The call paths of one process's stacks, kept from report to report.
@@ -39,7 +39,7 @@ use crate::model::{Frame, MappingKind, Snapshot, StackUsage, Truncation};
 pub struct CallPaths {
     /// Each BPF stack id met, and the id of its call path: the id of the
     /// path's first stack.
-    path_of: HashMap<u64, u64>,
+    path_of: WordMap<u64, u64>,
     /// Each call path by what its frames read as (a hash of their
     /// `frame_key`s).
     by_key: HashMap<u64, u64>,
@@ -63,7 +63,7 @@ pub struct Met {
 /// Each frame's `frame_key`, worked out once in a merge: frames are shared
 /// by the stacks through the same code.
 #[derive(Default)]
-struct FrameKeys(HashMap<*const Frame, u64>);
+struct FrameKeys(WordMap<*const Frame, u64>);
 
 impl FrameKeys {
     fn of(&mut self, frames: &[Arc<Frame>]) -> Vec<u64> {

@@ -10,8 +10,9 @@
 //! or after a reinstall), and its offset in that object's file, which
 //! addresses randomized at load (ASLR) leave alone.
 
-use std::{collections::HashMap, sync::Arc};
+use std::sync::Arc;
 
+use super::WordMap;
 use crate::model::Frame;
 
 /// 12 hex digits of a 64-bit FNV-1a hash of the stack's code locations,
@@ -31,7 +32,7 @@ pub fn stable_id(frames: &[Arc<Frame>]) -> String {
 /// by the stacks through the same code.
 #[derive(Default)]
 pub struct StableIds {
-    frames: HashMap<*const Frame, u64>,
+    frames: WordMap<*const Frame, u64>,
 }
 
 impl StableIds {
