@@ -527,31 +527,9 @@ fn suggestion(error: &clap::Error) -> Option<String> {
 /// away per three letters (`serv`, `dif`, `reprot`; a swap of two
 /// neighbours is one edit).
 fn is_close(word: &str, name: &str) -> bool {
-    if word.len() >= 3 && name.starts_with(word) {
-        return true;
-    }
-    let (word, name): (Vec<char>, Vec<char>) = (word.chars().collect(), name.chars().collect());
-    // Edits: insertions, deletions, substitutions and swaps of neighbours
-    // (the optimal string alignment distance).
-    let mut distance = vec![vec![0_usize; name.len() + 1]; word.len() + 1];
-    for (i, row) in distance.iter_mut().enumerate() {
-        row[0] = i;
-    }
-    for (j, cell) in distance[0].iter_mut().enumerate() {
-        *cell = j;
-    }
-    for i in 1..=word.len() {
-        for j in 1..=name.len() {
-            let cost = usize::from(word[i - 1] != name[j - 1]);
-            let mut best =
-                (distance[i - 1][j] + 1).min(distance[i][j - 1] + 1).min(distance[i - 1][j - 1] + cost);
-            if i > 1 && j > 1 && word[i - 1] == name[j - 2] && word[i - 2] == name[j - 1] {
-                best = best.min(distance[i - 2][j - 2] + 1);
-            }
-            distance[i][j] = best;
-        }
-    }
-    distance[word.len()][name.len()] <= (name.len() / 3).max(1)
+    // The measure clap's own suggestions use (insertions, deletions,
+    // substitutions and swaps of neighbours), with clap's crate for it.
+    (word.len() >= 3 && name.starts_with(word)) || strsim::osa_distance(word, name) <= (name.len() / 3).max(1)
 }
 
 #[cfg(test)]

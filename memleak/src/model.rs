@@ -197,6 +197,15 @@ pub struct Frame {
     pub cold_part: bool,
 }
 
+impl Frame {
+    /// Where a frame of a file lies, as a report names a frame without a
+    /// function: the file's name and the offset in it, `memcached+0x1a2b3`.
+    pub fn file_location(&self) -> Option<String> {
+        let (module, file_offset) = (self.module.as_deref()?, self.file_offset?);
+        Some(format!("{}+{file_offset:#x}", module.rsplit('/').next().unwrap_or(module)))
+    }
+}
+
 #[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's serialize_with hands over a reference")]
 fn hex_address<S: serde::Serializer>(address: &u64, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&format!("{address:#x}"))

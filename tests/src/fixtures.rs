@@ -96,6 +96,19 @@ pub fn go_program(name: &str) -> PathBuf {
     output
 }
 
+/// Moves `program`'s debug information into a file of its own beside it,
+/// `PROGRAM.debug`, that its `.gnu_debuglink` names, as distributions
+/// ship them; `strip` is how much `strip` takes out of the program
+/// (`--strip-debug`, `--strip-all`). Returns the debug file.
+pub fn split_debug_file(program: &Path, strip: &str) -> PathBuf {
+    let debug_file = program.with_extension("debug");
+    let run = |command: &mut Command| assert!(command.status().unwrap().success(), "{command:?}");
+    run(Command::new("objcopy").arg("--only-keep-debug").arg(program).arg(&debug_file));
+    run(Command::new("strip").arg(strip).arg(program));
+    run(Command::new("objcopy").arg(format!("--add-gnu-debuglink={}", debug_file.display())).arg(program));
+    debug_file
+}
+
 /// The Rust program of tests/fixtures/rust-jemalloc, a release build with
 /// Cargo's defaults (no frame pointers, no line tables) that allocates
 /// through tikv-jemallocator.

@@ -136,13 +136,11 @@ fn offsets_count_from_the_function_even_when_it_has_a_cold_part() {
 fn stripped_service() -> (std::path::PathBuf, std::path::PathBuf) {
     let dir = memleak_tests::workspace_root().join("target/fixtures/stripped-service");
     std::fs::create_dir_all(&dir).unwrap();
-    let (program, debug_file) = (dir.join("service"), dir.join("service.debug"));
+    let program = dir.join("service");
     let source = memleak_tests::workspace_root().join("tests/fixtures/service.cpp");
     let run = |command: &mut Command| assert!(command.status().unwrap().success(), "{command:?}");
     run(Command::new("g++").args(["-g", "-O2", "-pthread", "-o"]).arg(&program).arg(&source));
-    run(Command::new("objcopy").arg("--only-keep-debug").arg(&program).arg(&debug_file));
-    run(Command::new("strip").arg("--strip-all").arg(&program));
-    run(Command::new("objcopy").arg(format!("--add-gnu-debuglink={}", debug_file.display())).arg(&program));
+    let debug_file = memleak_tests::fixtures::split_debug_file(&program, "--strip-all");
     (program, debug_file)
 }
 

@@ -89,7 +89,7 @@ fn frame_pointers_alone_cannot_see_past_new_but_keep_one_stack() {
 fn sessions_with_a_separate_debug_file() -> (std::path::PathBuf, std::path::PathBuf) {
     let dir = memleak_tests::workspace_root().join("target/fixtures/debuglink");
     std::fs::create_dir_all(&dir).unwrap();
-    let (program, debug_file) = (dir.join("sessions"), dir.join("sessions.debug"));
+    let program = dir.join("sessions");
     let source = memleak_tests::workspace_root().join("tests/fixtures/sessions.cpp");
     let run = |command: &mut Command| assert!(command.status().unwrap().success(), "{command:?}");
     run(Command::new("g++")
@@ -103,9 +103,7 @@ fn sessions_with_a_separate_debug_file() -> (std::path::PathBuf, std::path::Path
         ])
         .arg(&program)
         .arg(&source));
-    run(Command::new("objcopy").arg("--only-keep-debug").arg(&program).arg(&debug_file));
-    run(Command::new("strip").arg("--strip-debug").arg(&program));
-    run(Command::new("objcopy").arg(format!("--add-gnu-debuglink={}", debug_file.display())).arg(&program));
+    let debug_file = memleak_tests::fixtures::split_debug_file(&program, "--strip-debug");
     (program, debug_file)
 }
 

@@ -534,29 +534,54 @@ fn add_form_sites(
     let mut added: Vec<AddedSite> = Vec::new();
     for (form, symbol) in forms {
         let Some(file_offset) = elf::file_offset(file, symbol.address) else { continue };
-        if let Some(place) = sites.iter().position(|site| site.file_offset == file_offset) {
-            let site = &mut sites[place];
-            log::debug!("{} is an alias of {} in {display_path}: probed once", form.form.name, site.function);
-            site.functions = site.functions.union(FunctionSet::of(form.function));
-            if let Some(added) = place.checked_sub(first_added).and_then(|i| added.get_mut(i)) {
-                added.forms.push(form.form.name);
+        let new_site = FunctionSite { index: form.function, name: form.form.name, file_offset, symbol };
+        match new_site.add_to(sites, data, display_path) {
+            Some(place) => {
+                if let Some(added) = place.checked_sub(first_added).and_then(|i| added.get_mut(i)) {
+                    added.forms.push(form.form.name);
+                }
             }
-            continue;
+            None => added.push(AddedSite { entry: symbol.address, forms: vec![form.form.name] }),
         }
-        let function = &ALLOCATOR_FUNCTIONS[form.function];
-        let site = ProbeSite {
-            function: form.form.name,
-            entry_program: function.entry_program,
-            return_program: function.return_program(),
-            file_offset,
-            code_length: symbol.size,
-            entry_skip: 0,
-            functions: FunctionSet::of(form.function),
-        };
-        sites.push(site.placed(data, display_path));
-        added.push(AddedSite { entry: symbol.address, forms: vec![form.form.name] });
     }
     added
+}
+
+/// An allocator function (or form of a C++ operator) found in an object.
+struct FunctionSite<'a> {
+    /// Its place in `ALLOCATOR_FUNCTIONS`.
+    index: usize,
+    /// As it is named.
+    name: &'static str,
+    file_offset: u64,
+    symbol: &'a elf::FunctionSymbol,
+}
+
+impl FunctionSite<'_> {
+    /// Adds a site for it to `sites`, probes placed; or, if a site there
+    /// has its address (glibc's `aligned_alloc` and `memalign` share code,
+    /// tcmalloc's operator delete is its free), adds it to that site's
+    /// cookie, so that its calls are counted once: the place of that site.
+    fn add_to(self, sites: &mut Vec<ProbeSite>, data: &[u8], display_path: &str) -> Option<usize> {
+        if let Some(place) = sites.iter().position(|site| site.file_offset == self.file_offset) {
+            let site = &mut sites[place];
+            log::debug!("{} is an alias of {} in {display_path}: probed once", self.name, site.function);
+            site.functions = site.functions.union(FunctionSet::of(self.index));
+            return Some(place);
+        }
+        let function = &ALLOCATOR_FUNCTIONS[self.index];
+        let site = ProbeSite {
+            function: self.name,
+            entry_program: function.entry_program,
+            return_program: function.return_program(),
+            file_offset: self.file_offset,
+            code_length: self.symbol.size,
+            entry_skip: 0,
+            functions: FunctionSet::of(self.index),
+        };
+        sites.push(site.placed(data, display_path));
+        None
+    }
 }
 
 /// Where the code of each of the `added` sites (from `first_added` on in
@@ -628,23 +653,11 @@ fn allocator_sites(
             missing.push(function.name);
             continue;
         };
-        // Aliases (glibc's aligned_alloc and memalign share code) are probed
-        // once, or every call would count twice; the cookie names them all.
-        if let Some(first) = sites.iter_mut().find(|site| site.file_offset == file_offset) {
-            log::debug!("{} is an alias of {} in {display_path}: probed once", function.name, first.function);
-            first.functions = first.functions.union(FunctionSet::of(index));
-            continue;
-        }
-        let site = ProbeSite {
-            function: function.name,
-            entry_program: function.entry_program,
-            return_program: function.return_program(),
-            file_offset,
-            code_length: symbol.size,
-            entry_skip: 0,
-            functions: FunctionSet::of(index),
-        };
-        sites.push(site.placed(data, display_path));
+        FunctionSite { index, name: function.name, file_offset, symbol }.add_to(
+            &mut sites,
+            data,
+            display_path,
+        );
     }
     (sites, missing)
 }

@@ -311,15 +311,12 @@ impl AddressSpace {
     /// very file `file` is, if the process maps it now.
     pub fn code_of_file(&self, file: &File) -> Option<(u64, u64)> {
         let object = self.object_of_file(file)?;
-        let ranges = self
+        let ranges: Vec<&CodeRange> = self
             .code
             .iter()
-            .filter(|range| range.object.as_ref().is_some_and(|mapped| Arc::ptr_eq(mapped, &object)));
-        ranges.fold(None, |span, range| {
-            Some(span.map_or((range.start, range.end), |(start, end): (u64, u64)| {
-                (start.min(range.start), end.max(range.end))
-            }))
-        })
+            .filter(|range| range.object.as_ref().is_some_and(|mapped| Arc::ptr_eq(mapped, &object)))
+            .collect();
+        Some((ranges.iter().map(|range| range.start).min()?, ranges.iter().map(|range| range.end).max()?))
     }
 
     /// The object mapped now that is the very file `file` is (device and

@@ -85,12 +85,7 @@ impl FrameNames {
 /// file name and the offset in that file (`memcached+0x1a2b3`), or
 /// `[unknown]`.
 fn frame_name(frame: &Frame) -> String {
-    let unnamed = match (frame.module.as_deref(), frame.file_offset) {
-        (Some(module), Some(file_offset)) if frame.function.is_none() => {
-            Some(format!("{}+{file_offset:#x}", module.rsplit('/').next().unwrap_or(module)))
-        }
-        _ => None,
-    };
+    let unnamed = frame.function.is_none().then(|| frame.file_location()).flatten();
     folded_name(frame.function.as_deref().or(unnamed.as_deref()), frame.inlined)
 }
 

@@ -318,14 +318,11 @@ pub(super) fn describe(frame: &Frame) -> String {
 /// and the offset in that file (`memcached+0x1a2b3`), which a symbolizer
 /// can still read later; without a module either, its address.
 pub fn frame_name(frame: &Frame) -> String {
-    match (&frame.function, frame.module.as_deref(), frame.file_offset) {
-        (Some(function), ..) if frame.cold_part => format!("{} [clone .cold]", printable(function)),
-        (Some(function), ..) => printable(function).into_owned(),
-        (None, Some(module), Some(file_offset)) => {
-            let file_name = module.rsplit('/').next().unwrap_or(module);
-            format!("{}+{file_offset:#x}", printable(file_name))
-        }
-        (None, ..) => format!("[unknown] {:#x}", frame.address),
+    match (&frame.function, frame.file_location()) {
+        (Some(function), _) if frame.cold_part => format!("{} [clone .cold]", printable(function)),
+        (Some(function), _) => printable(function).into_owned(),
+        (None, Some(location)) => printable(&location).into_owned(),
+        (None, None) => format!("[unknown] {:#x}", frame.address),
     }
 }
 

@@ -466,16 +466,16 @@ impl Session {
     /// Attaches to process `pid` and follows it until it exits.
     fn add(&mut self, mut target: Target, scope: UProbeScope) -> Result<(), SessionError> {
         let pid = target.pid;
-        // The unwind table goes in before the probes: a walk finds none in
-        // the moment between, goes by frame pointers, and stops short in
-        // code built without them. Each allocation of that moment would be
-        // a truncated copy of a real stack.
-        self.load_unwind_table(&mut target)?;
+        // The unwind table goes in before the probes: a walk that found
+        // none, in the moment between, would go by frame pointers and stop
+        // short in code built without them, making each allocation of that
+        // moment a truncated copy of a real stack.
+        self.load_process_tables(&mut target)?;
         if matches!(scope, UProbeScope::OneProcess(_)) {
             match self.tracer.attach(&target.plan, scope) {
                 Ok(links) => target.links = Some(links),
                 Err(error) => {
-                    self.forget_unwind_table(pid)?;
+                    self.forget_process_tables(pid)?;
                     return Err(error.into());
                 }
             }
@@ -487,7 +487,7 @@ impl Session {
                 if let Some(links) = target.links.take() {
                     self.tracer.detach(links);
                 }
-                self.forget_unwind_table(pid)?;
+                self.forget_process_tables(pid)?;
                 return Err(SessionError::Watch { pid, source });
             }
         }
@@ -497,14 +497,14 @@ impl Session {
 
     /// Starts keeping `target`, with its unwind table.
     fn push(&mut self, mut target: Target) -> Result<(), SessionError> {
-        self.load_unwind_table(&mut target)?;
+        self.load_process_tables(&mut target)?;
         self.targets.push(target);
         Ok(())
     }
 
     /// Gives the walkers `target`'s table of executable mappings, and the
     /// free probe where its allocator's code lies.
-    fn load_unwind_table(&mut self, target: &mut Target) -> Result<(), SessionError> {
+    fn load_process_tables(&mut self, target: &mut Target) -> Result<(), SessionError> {
         target.unwinding = self.unwind.as_ref().map(UnwindTables::unwinding);
         if let Some(tables) = self.unwind.as_mut() {
             update_unwind_table(tables, &mut self.tracer, target)?;
@@ -513,10 +513,10 @@ impl Session {
         Ok(())
     }
 
-    /// Takes back what `load_unwind_table` gave for a process not kept.
-    fn forget_unwind_table(&mut self, pid: u32) -> Result<(), SessionError> {
+    /// Takes back what `load_process_tables` gave for a process not kept.
+    fn forget_process_tables(&mut self, pid: u32) -> Result<(), SessionError> {
+        self.tracer.forget_process(pid)?;
         if let Some(tables) = self.unwind.as_mut() {
-            self.tracer.forget_process(pid)?;
             tables.forget(pid);
         }
         Ok(())

@@ -252,9 +252,9 @@ impl Target {
             let frames = frames_of(symbolizer, space, stacks, region.stack_id);
             collect::regions::classify(region, &frames, in_allocator)
         });
-        call_paths.merge(&mut snapshot, |stack_id| Met {
-            frames: frames_of(symbolizer, space, stacks, stack_id),
-            truncation: truncation_of(stacks, stack_id, *unwinding),
+        call_paths.merge(&mut snapshot, |stack_id| {
+            let frames = frames_of(symbolizer, space, stacks, stack_id);
+            Met { truncation: truncation_of(stacks, stack_id, *unwinding, &frames), frames }
         });
         let unrecorded_frees = trends.unrecorded_frees_since(&snapshot);
         let trends = if request.in_series { trends.observe(&snapshot) } else { trends.peek(&snapshot) };
@@ -309,18 +309,24 @@ impl StackSource for TargetStacks<'_> {
 
     fn truncation(&self, stack_id: u64) -> Option<Truncation> {
         let shown = self.call_paths.shown(stack_id);
-        let frames = self.symbolizer.cached(shown);
-        if frames
-            .is_some_and(|frames| frames.last().is_some_and(|last| symbolize::ends_at_stack_switch(last)))
-        {
-            return Some(Truncation::StackSwitch);
-        }
-        truncation_of(self.stacks, shown, self.unwinding)
+        let frames = self.symbolizer.cached(shown).unwrap_or_default();
+        truncation_of(self.stacks, shown, self.unwinding, &frames)
     }
 }
 
-/// Why the walk of a stack stopped short of its root, if it did.
-fn truncation_of(stacks: &StackCatalog, stack_id: u64, unwinding: Option<Unwinding>) -> Option<Truncation> {
+/// Why the walk of a stack stopped short of its root, if it did, as its
+/// symbolized `frames` end or its walk ended.
+fn truncation_of(
+    stacks: &StackCatalog,
+    stack_id: u64,
+    unwinding: Option<Unwinding>,
+    frames: &[Arc<Frame>],
+) -> Option<Truncation> {
+    // A walk through Go's runtime.asmcgocall ends in junk, cut off when
+    // symbolized, whatever the walk said.
+    if frames.last().is_some_and(|last| symbolize::ends_at_stack_switch(last)) {
+        return Some(Truncation::StackSwitch);
+    }
     match WalkEnd::try_from(stacks.walk_end(stack_id)?) {
         Ok(WalkEnd::Root) | Err(_) => None,
         Ok(WalkEnd::DepthLimit) => Some(Truncation::DepthLimit),

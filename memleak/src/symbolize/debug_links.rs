@@ -22,7 +22,7 @@ use std::{
     fs::File,
     io,
     os::{fd::AsRawFd as _, unix::fs::DirBuilderExt as _},
-    path::{Path, PathBuf},
+    path::PathBuf,
 };
 
 use object::{read::ReadCache, Object as _};
@@ -92,9 +92,7 @@ impl DebugLinks {
             }
             let target = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
             let mut names: Vec<PathBuf> = references.debuglink.iter().map(PathBuf::from).collect();
-            if let Some(id) = object.build_id().filter(|id| id.len() > 2) {
-                names.push(Path::new(".build-id").join(&id[..2]).join(format!("{}.debug", &id[2..])));
-            }
+            names.extend(object.build_id().and_then(debug_files::build_id_path).map(PathBuf::from));
             for name in names {
                 let path = private.join(name);
                 let linked = path

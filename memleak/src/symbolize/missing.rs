@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     model::Frame,
     process::address_space::{FileId, MappedObject},
+    unwind::debug_files,
 };
 
 /// What frames of an object lack.
@@ -103,8 +104,8 @@ fn advise(object: &MappedObject, lacking: Lacking) -> String {
             if package == "libc6" { "libc6-dbg".to_owned() } else { format!("{package}-dbgsym") };
         ways.push(format!("install {debug_package} (from Debian's debug archive)"));
     }
-    if let Some(id) = object.build_id().filter(|id| id.len() > 2) {
-        ways.push(format!("put its debug file at /usr/lib/debug/.build-id/{}/{}.debug", &id[..2], &id[2..]));
+    if let Some(name) = object.build_id().and_then(debug_files::build_id_path) {
+        ways.push(format!("put its debug file at /usr/lib/debug/{name}"));
     }
     if package.is_none() && !sections.debug_info {
         ways.push(

@@ -9,7 +9,7 @@
 use std::{
     collections::HashMap,
     hash::{BuildHasherDefault, Hasher},
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::Arc,
 };
 
@@ -26,6 +26,7 @@ use crate::{
         address_space::{FileId, MappedObject},
         AddressSpace,
     },
+    unwind::debug_files,
 };
 
 pub mod call_paths;
@@ -351,8 +352,7 @@ struct SymbolFile {
 
 impl SymbolFile {
     fn of(object: &MappedObject, dirs: &[PathBuf]) -> Option<Self> {
-        let id = object.build_id().filter(|id| id.len() > 2)?;
-        let name = Path::new(".build-id").join(&id[..2]).join(format!("{}.debug", &id[2..]));
+        let name = object.build_id().and_then(debug_files::build_id_path)?;
         let path = dirs.iter().map(|dir| dir.join(&name)).find(|path| path.is_file())?;
         let segments = elf::load_segments(object.file());
         Some(Self { path, segments })

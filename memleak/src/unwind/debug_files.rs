@@ -18,6 +18,13 @@ pub fn candidates(pid: u32, object_path: &str, data: &[u8], build_id: Option<&st
     candidates_of(pid, object_path, debuglink, build_id)
 }
 
+/// Where a debug directory keeps the debug file of the object with build
+/// id `id` (hex): `.build-id/ab/cdef….debug`, as distributions install
+/// them; `None` for an id too short to split.
+pub fn build_id_path(id: &str) -> Option<String> {
+    (id.len() > 2 && id.is_char_boundary(2)).then(|| format!(".build-id/{}/{}.debug", &id[..2], &id[2..]))
+}
+
 /// As `candidates`, given the object's `.gnu_debuglink` name.
 pub fn candidates_of(
     pid: u32,
@@ -26,8 +33,8 @@ pub fn candidates_of(
     build_id: Option<&str>,
 ) -> Vec<DebugFile> {
     let mut inside: Vec<String> = Vec::new();
-    if let Some(id) = build_id.filter(|id| id.len() > 2) {
-        inside.push(format!("/usr/lib/debug/.build-id/{}/{}.debug", &id[..2], &id[2..]));
+    if let Some(name) = build_id.and_then(build_id_path) {
+        inside.push(format!("/usr/lib/debug/{name}"));
     }
     let debuglink = debuglink.map(|name| String::from_utf8_lossy(name).into_owned());
     // A link names a file, not a path.
