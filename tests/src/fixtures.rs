@@ -96,6 +96,16 @@ pub fn go_program(name: &str) -> PathBuf {
     output
 }
 
+/// Copies the executable `from` to `to` with `cp`, not from this process.
+/// A file this process writes stays open for writing in every child any
+/// test thread forks meanwhile, until that child's exec closes it, and
+/// running the copy in that moment fails with ETXTBSY (the `containers`
+/// test of a deleted binary failed so in a full run).
+pub fn copy_executable(from: &Path, to: &Path) {
+    let status = Command::new("cp").arg(from).arg(to).status().expect("run cp");
+    assert!(status.success(), "cp {} {}", from.display(), to.display());
+}
+
 /// Moves `program`'s debug information into a file of its own beside it,
 /// `PROGRAM.debug`, that its `.gnu_debuglink` names, as distributions
 /// ship them; `strip` is how much `strip` takes out of the program

@@ -19,7 +19,9 @@ pub fn rootfs_with(leaker: &Path) -> tempdir::TempDir {
         fs::copy(from, to)
             .unwrap_or_else(|error| panic!("copy {} to {}: {error}", from.display(), to.display()));
     };
-    copy(leaker, &root.path().join("app/leaker"));
+    let program = root.path().join("app/leaker");
+    fs::create_dir_all(program.parent().unwrap()).unwrap();
+    crate::fixtures::copy_executable(leaker, &program);
     // Ask the program's own dynamic loader (glibc's or musl's) what it loads.
     let headers = Command::new("readelf").arg("-l").arg(leaker).output().expect("run readelf");
     let headers = String::from_utf8_lossy(&headers.stdout);

@@ -92,7 +92,7 @@ fn a_chroot() {
 fn a_binary_deleted_after_it_started() {
     let dir = TempDir::new("memleak-deleted");
     let binary = dir.path().join("leaker-deleted");
-    fs::copy(fixture("leaker"), &binary).unwrap();
+    memleak_tests::fixtures::copy_executable(&fixture("leaker"), &binary);
     let mut command = Command::new(&binary);
     command.args(["seed", "3", "--wait"]);
     let mut leaker = Leaker::start_command(command);

@@ -41,7 +41,7 @@ fn runnable_by_nobody(path: &Path, dir: &TempDir) -> PathBuf {
     }
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let copy = dir.path().join(path.file_name().unwrap());
-    std::fs::copy(path, &copy).unwrap();
+    memleak_tests::fixtures::copy_executable(path, &copy);
     std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
     copy
 }

@@ -24,7 +24,7 @@ fn named_leaker(tag: &str) -> (TempDir, PathBuf, String) {
     let dir = TempDir::new(&format!("memleak-exe-{tag}"));
     let name = format!("leaker-{tag}-{}", std::process::id());
     let binary = dir.path().join(&name);
-    fs::copy(fixture("leaker"), &binary).expect("copy the leaker");
+    memleak_tests::fixtures::copy_executable(&fixture("leaker"), &binary);
     (dir, binary, name)
 }
 
