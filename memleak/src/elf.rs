@@ -115,10 +115,15 @@ pub fn interpreter(file: &object::File) -> Option<String> {
 /// The GNU build id of the ELF file at `path`, in hex.
 pub fn build_id(path: &Path) -> Option<String> {
     let bytes = blazesym::helper::read_elf_build_id(path).ok().flatten()?;
-    Some(bytes.iter().fold(String::new(), |mut hex, byte| {
+    Some(hex(&bytes))
+}
+
+/// `bytes` in lowercase hex, as build ids are written.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().fold(String::new(), |mut hex, byte| {
         let _ = write!(hex, "{byte:02x}");
         hex
-    }))
+    })
 }
 
 #[cfg(test)]

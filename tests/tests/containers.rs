@@ -32,12 +32,18 @@ fn assert_seed_leaks(report: &Value, module: &str) {
 /// Starts /app/leaker seed 3 --wait in `rootfs`, in new mount and pid
 /// namespaces under `pivot_root`, as a container runtime would.
 fn start_in_container(rootfs: &TempDir) -> Leaker {
+    start_program_in_container(rootfs, std::path::Path::new("/app/leaker"))
+}
+
+/// As `start_in_container`, the leaker at `program` in the container.
+fn start_program_in_container(rootfs: &TempDir, program: &std::path::Path) -> Leaker {
     let mut command = Command::new("unshare");
     command
         .args(["--mount", "--pid", "--fork", "sh"])
         .arg(workspace_root().join("tests/fixtures/enter-container.sh"))
         .arg(rootfs.path())
-        .args(["/app/leaker", "seed", "3", "--wait"]);
+        .arg(program)
+        .args(["seed", "3", "--wait"]);
     Leaker::start_command(command)
 }
 
@@ -212,4 +218,107 @@ fn a_debug_file_that_leads_to_a_host_fifo_is_not_opened() {
         .sum();
     assert_eq!(fibonacci, 5 * 8192, "{report:#}");
     leaker.exit();
+}
+
+/// Counts the times a file is opened or read, by anyone, from now on
+/// (inotify's `IN_OPEN` and `IN_ACCESS`).
+struct AccessWatch {
+    inotify: std::os::fd::OwnedFd,
+}
+
+impl AccessWatch {
+    fn new(path: &std::path::Path) -> Self {
+        use std::os::fd::{AsRawFd as _, FromRawFd as _};
+        // SAFETY: no pointers; a fresh descriptor is owned below.
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(fd >= 0, "inotify_init1: {}", std::io::Error::last_os_error());
+        // SAFETY: a descriptor nobody else owns.
+        let inotify = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path and an inotify descriptor.
+        let watch = unsafe {
+            libc::inotify_add_watch(inotify.as_raw_fd(), name.as_ptr(), libc::IN_OPEN | libc::IN_ACCESS)
+        };
+        assert!(watch >= 0, "inotify_add_watch {}: {}", path.display(), std::io::Error::last_os_error());
+        Self { inotify }
+    }
+
+    /// The opens and reads seen so far.
+    fn events(&self) -> usize {
+        use std::os::fd::AsRawFd as _;
+        let mut events = 0;
+        let mut buffer = [0u8; 4096];
+        loop {
+            // SAFETY: reads into `buffer`, whose length is passed.
+            let read =
+                unsafe { libc::read(self.inotify.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len()) };
+            let Ok(read) = usize::try_from(read) else { return events };
+            // Each event is a header and a name, here empty (the watch is
+            // on the file itself).
+            events += read / size_of::<libc::inotify_event>();
+        }
+    }
+}
+
+#[test]
+fn a_debug_link_never_leads_to_the_hosts_files() {
+    // The container's program sits at a path the host has too, and its
+    // .gnu_debuglink names a file that, beside that path, only the host
+    // has: the program's own debug file, a match by CRC and build id, but
+    // the host's, which a container must not make memleak open. Built
+    // without .eh_frame, so that the unwinder looks for the debug file's
+    // .debug_frame as well as the symbolizer for its lines.
+    let work = TempDir::new("memleak-debuglink-build");
+    let full = work.path().join("leaker");
+    let built = Command::new("gcc")
+        .args(["-g", "-O0", "-fno-omit-frame-pointer", "-pthread"])
+        .args(["-fno-asynchronous-unwind-tables", "-fno-unwind-tables", "-o"])
+        .arg(&full)
+        .arg(workspace_root().join("tests/fixtures/leaker.c"))
+        .status()
+        .unwrap();
+    assert!(built.success());
+    let debug = work.path().join("leaker.debug");
+    let stripped = work.path().join("leaker-stripped");
+    let objcopy = |args: &[&std::ffi::OsStr]| {
+        let status = Command::new("objcopy").args(args).status().expect("run objcopy");
+        assert!(status.success(), "objcopy {args:?}");
+    };
+    objcopy(&["--only-keep-debug".as_ref(), full.as_os_str(), debug.as_os_str()]);
+    let link = format!("--add-gnu-debuglink={}", debug.display());
+    objcopy(&["--strip-debug".as_ref(), link.as_ref(), full.as_os_str(), stripped.as_os_str()]);
+    let shared = TempDir::new("memleak-debuglink-shared");
+    let sentinel = shared.path().join("leaker.debug");
+    fs::copy(&debug, &sentinel).unwrap();
+    let rootfs = memleak_tests::rootfs_with(&stripped);
+    let program = shared.path().join("leaker");
+    let in_rootfs = |path: &std::path::Path| rootfs.path().join(path.strip_prefix("/").unwrap());
+    fs::create_dir_all(in_rootfs(shared.path())).unwrap();
+    memleak_tests::fixtures::copy_executable(&stripped, &in_rootfs(&program));
+    let watch = AccessWatch::new(&sentinel);
+
+    let mut leaker = start_program_in_container(&rootfs, &program);
+    let pid = leaker.leaker_pid();
+    let report = trace_seed(&mut leaker, pid);
+    leaker.exit();
+    let fibonacci: Vec<&Value> = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|stack| stack["frames"][0]["function"] == "fibonacci")
+        .collect();
+    let bytes: u64 = fibonacci.iter().map(|stack| stack["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(bytes, 5 * 8192, "{report:#}");
+    assert!(fibonacci.iter().all(|stack| stack["frames"][0]["line"].is_null()), "no lines: {report:#}");
+    assert_eq!(watch.events(), 0, "memleak opened or read the host's {}", sentinel.display());
+
+    // The same debug file shipped by the container, beside its program,
+    // is used: lines and file.
+    fs::copy(&debug, in_rootfs(&sentinel)).unwrap();
+    let mut leaker = start_program_in_container(&rootfs, &program);
+    let pid = leaker.leaker_pid();
+    let report = trace_seed(&mut leaker, pid);
+    leaker.exit();
+    assert_seed_leaks(&report, program.to_str().unwrap());
+    assert_eq!(watch.events(), 0, "memleak opened or read the host's {}", sentinel.display());
 }

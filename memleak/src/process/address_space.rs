@@ -55,6 +55,17 @@ impl MappedObject {
         &self.file
     }
 
+    /// Whether the host's file at `path` is this very file (device and
+    /// inode): then what lies beside it on the host, its package and its
+    /// debug files, is the object's own, not a container's choice. The
+    /// host's path is only stat'ed, never opened.
+    pub fn is_hosts_own(&self) -> bool {
+        use std::os::unix::fs::MetadataExt as _;
+        let identity = |metadata: std::fs::Metadata| (metadata.dev(), metadata.ino());
+        let on_host = std::fs::metadata(&self.path).map(identity);
+        on_host.is_ok_and(|on_host| self.file.metadata().map(identity).is_ok_and(|ours| ours == on_host))
+    }
+
     /// The GNU build id, in hex, read once.
     pub fn build_id(&self) -> Option<&str> {
         self.build_id.get_or_init(|| elf::build_id(&self.fd_path())).as_deref()

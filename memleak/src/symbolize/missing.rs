@@ -3,7 +3,7 @@
 //! offsets, `memcached+0x1a2b3`), and the culprits' objects that have no
 //! file and line.
 
-use std::{collections::HashMap, os::unix::fs::MetadataExt as _, path::Path, process::Command};
+use std::{collections::HashMap, process::Command};
 
 use object::{Object as _, ObjectSection as _};
 use serde::{Deserialize, Serialize};
@@ -150,10 +150,7 @@ impl Sections {
 /// file (a container's files are its image's, which the host's dpkg does
 /// not know, even at the same path).
 fn host_package(object: &MappedObject) -> Option<String> {
-    let path = Path::new(&object.path);
-    let host = std::fs::metadata(path).ok()?;
-    let here = object.file().metadata().ok()?;
-    if (host.dev(), host.ino()) != (here.dev(), here.ino()) {
+    if !object.is_hosts_own() {
         return None;
     }
     // dpkg knows files by the paths packages list, from before /usr was

@@ -20,13 +20,8 @@ use blazesym::symbolize::{
 };
 
 use crate::{
-    elf,
     model::Frame,
-    process::{
-        address_space::{FileId, MappedObject},
-        AddressSpace,
-    },
-    unwind::debug_files,
+    process::{address_space::MappedObject, AddressSpace},
 };
 
 pub mod call_paths;
@@ -35,7 +30,7 @@ pub mod missing;
 mod perf_map;
 pub mod stable_id;
 
-use debug_links::DebugLinks;
+use debug_links::{DebugLinks, Route};
 use perf_map::PerfMap;
 
 /// A map keyed by machine words memleak made itself, frame pointers and
@@ -87,13 +82,13 @@ pub struct StackSymbolizer {
     addresses: WordMap<u64, Arc<[Arc<Frame>]>>,
     /// Names of JIT-compiled code, where the process writes them.
     jit: Option<PerfMap>,
-    /// The debug files blazesym may read; none for the kernel.
+    /// What blazesym may read of each object's debug information; none
+    /// for the kernel.
     debug_links: Option<DebugLinks>,
-    /// Each object's separate debug file, for its symbol table, looked
-    /// for once.
-    symbol_files: HashMap<FileId, Option<SymbolFile>>,
 }
 
+/// A blazesym symbolizer that searches `debug_dirs` for debug files
+/// objects link to.
 fn symbolizer(debug_dirs: &[PathBuf]) -> symbolize::Symbolizer {
     symbolize::Symbolizer::builder()
         .enable_code_info(true)
@@ -107,18 +102,16 @@ impl StackSymbolizer {
     /// For process `pid`, whose pid in its own namespace is
     /// `namespace_pid` (if it differs).
     pub fn new(pid: u32, namespace_pid: Option<u32>) -> Self {
-        // Separate debug files (by build id, or named by .gnu_debuglink) are
-        // looked for inside the target's root first (a container ships its
-        // own), then on the host: see `debug_links` for how safely.
-        let debug_links = DebugLinks::new(pid);
+        // No debug directories: blazesym follows no debug link of a
+        // process's objects; memleak finds their debug files itself (see
+        // `debug_links`).
         Self {
             kernel: false,
-            symbolizer: symbolizer(&debug_links.dirs()),
+            symbolizer: symbolizer(&[]),
             cache: WordMap::default(),
             addresses: WordMap::default(),
             jit: Some(PerfMap::of_process(pid, namespace_pid)),
-            debug_links: Some(debug_links),
-            symbol_files: HashMap::new(),
+            debug_links: Some(DebugLinks::new(pid)),
         }
     }
 
@@ -126,12 +119,11 @@ impl StackSymbolizer {
     pub fn kernel() -> Self {
         Self {
             kernel: true,
-            symbolizer: symbolizer(&debug_links::host_dirs()),
+            symbolizer: symbolizer(&debug_links::KERNEL_DEBUG_DIRS.map(PathBuf::from)),
             cache: WordMap::default(),
             addresses: WordMap::default(),
             jit: None,
             debug_links: None,
-            symbol_files: HashMap::new(),
         }
     }
 
@@ -227,10 +219,29 @@ impl StackSymbolizer {
             ..unknown
         };
         let call_offset = mapping.file_offset(address - 1);
-        let debug_syms = self.debug_links.as_mut().is_some_and(|links| links.allow(object));
-        let mut elf = Elf::new(object.fd_path());
-        elf.debug_syms = debug_syms;
-        let symbolized = self.symbolizer.symbolize_single(&Source::Elf(elf), Input::FileOffset(call_offset));
+        let route = self.debug_links.as_mut().map_or(Route::SymbolsOnly, |links| links.route(object));
+        let debug_syms = !matches!(route, Route::SymbolsOnly);
+        let from_debug_file = match &route {
+            Route::Separate(debug_file) => {
+                debug_file.virtual_offset(call_offset).and_then(|virtual_offset| {
+                    let mut elf = Elf::new(debug_file.fd_path());
+                    elf.debug_syms = true;
+                    let input = Input::VirtOffset(virtual_offset);
+                    match self.symbolizer.symbolize_single(&Source::Elf(elf), input) {
+                        Ok(Symbolized::Sym(sym)) => Some(sym),
+                        _ => None,
+                    }
+                })
+            }
+            Route::Own | Route::SymbolsOnly => None,
+        };
+        let symbolized = if let Some(sym) = from_debug_file {
+            Ok(Symbolized::Sym(sym))
+        } else {
+            let mut elf = Elf::new(object.fd_path());
+            elf.debug_syms = matches!(route, Route::Own);
+            self.symbolizer.symbolize_single(&Source::Elf(elf), Input::FileOffset(call_offset))
+        };
         let Ok(Symbolized::Sym(sym)) = symbolized else { return vec![in_file] };
         let mut frames = frames_of_symbol(&sym, in_file);
         let own_symbol = SymbolPart::of(&sym);
@@ -263,11 +274,9 @@ impl StackSymbolizer {
         {
             return Some(SymbolPart::of(&sym));
         }
-        let dirs = self.debug_links.as_ref().map(DebugLinks::dirs).unwrap_or_default();
-        let debug_file =
-            self.symbol_files.entry(object.id).or_insert_with(|| SymbolFile::of(object, &dirs)).as_ref()?;
+        let debug_file = self.debug_links.as_mut()?.separate_file(object)?;
         let virtual_offset = debug_file.virtual_offset(call_offset)?;
-        let mut elf = Elf::new(debug_file.path.clone());
+        let mut elf = Elf::new(debug_file.fd_path());
         elf.debug_syms = false;
         match self.symbolizer.symbolize_single(&Source::Elf(elf), Input::VirtOffset(virtual_offset)) {
             Ok(Symbolized::Sym(sym)) => Some(SymbolPart::of(&sym)),
@@ -338,31 +347,6 @@ fn frames_of_symbol(sym: &symbolize::Sym, named: Frame) -> Vec<Frame> {
     let (file, line) = location(sym.code_info.as_deref());
     frames.push(Frame { function: Some(sym.name.to_string()), file, line, inlined: false, ..named });
     frames
-}
-
-/// The separate debug file of an object, where the distribution puts it
-/// (`DIR/.build-id/ab/cdef….debug`), and how to find its addresses.
-struct SymbolFile {
-    path: PathBuf,
-    /// The object's loadable segments: (file offset, size in the file,
-    /// virtual address). A debug file keeps the addresses, not the file
-    /// layout, so a file offset becomes an address through these.
-    segments: Vec<(u64, u64, u64)>,
-}
-
-impl SymbolFile {
-    fn of(object: &MappedObject, dirs: &[PathBuf]) -> Option<Self> {
-        let name = object.build_id().and_then(debug_files::build_id_path)?;
-        let path = dirs.iter().map(|dir| dir.join(&name)).find(|path| path.is_file())?;
-        let segments = elf::load_segments(object.file());
-        Some(Self { path, segments })
-    }
-
-    fn virtual_offset(&self, file_offset: u64) -> Option<u64> {
-        self.segments.iter().find_map(|&(offset, size, address)| {
-            (offset <= file_offset && file_offset < offset + size).then(|| file_offset - offset + address)
-        })
-    }
 }
 
 #[cfg(test)]

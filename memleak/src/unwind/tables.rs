@@ -304,24 +304,31 @@ impl UnwindTables {
 
 /// `table`, or if it covers less than half of the object's code, the
 /// table with the `.debug_frame` of the object's separate debug file, if
-/// one is installed.
+/// one is installed (see `debug_files` for where, and what is checked
+/// before it is read).
 fn with_debug_file(pid: u32, object: &MappedObject, data: &[u8], table: ObjectTable) -> ObjectTable {
     if table.stats.covered_bytes * 2 >= table.stats.code_bytes {
         return table;
     }
-    let path = Path::new(&object.path);
-    for candidate in debug_files::candidates(pid, &object.path, data, object.build_id()) {
-        let Ok(debug_data) = candidate.read() else { continue };
-        let debug_file = eh_frame::DebugFile { path: &candidate.path, data: &debug_data };
-        match eh_frame::build_with_debug_file(path, data, Some(debug_file)) {
-            Ok(fuller) => {
-                log::debug!("unwind rows for {} from {candidate}", object.path);
-                return fuller;
-            }
-            Err(error) => log::debug!("{error}"),
+    let Some(found) = debug_files::find(pid, object) else { return table };
+    let debug_data = match files::read_limited(&found.file, debug_files::MAX_BYTES) {
+        Ok(data) => data,
+        Err(error) => {
+            log::debug!("cannot read {}: {error}", found.place);
+            return table;
+        }
+    };
+    let debug_file = eh_frame::DebugFile { path: &found.place.path, data: &debug_data };
+    match eh_frame::build_with_debug_file(Path::new(&object.path), data, Some(debug_file)) {
+        Ok(fuller) => {
+            log::debug!("unwind rows for {} from {}", object.path, found.place);
+            fuller
+        }
+        Err(error) => {
+            log::debug!("{error}");
+            table
         }
     }
-    table
 }
 
 /// The executable `PT_LOAD` segments of an ELF file.
