@@ -9,7 +9,8 @@ use std::{
     process::{Command, Stdio},
 };
 
-use memleak_tests::{memleak_binary, tempdir::TempDir};
+use memleak_tests::{memleak_binary, tempdir::TempDir, Leaker, Memleak};
+use serde_json::Value;
 
 /// The address space memleak may take: a reader that held what the bomb
 /// inflates to would need four times as much.
@@ -83,4 +84,94 @@ fn a_gzip_bomb_is_refused_in_bounded_memory() {
     assert_refused(&["report", path], &bomb);
     assert_refused(&["report", path, "--format", "folded"], &bomb);
     assert_refused(&["diff", path, path], &bomb);
+}
+
+/// Removes files however the test ends.
+struct Removed(Vec<PathBuf>);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// The most memory process `pid` has held resident (`VmHWM`), in bytes.
+fn peak_resident(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|line| line.starts_with("VmHWM:")).expect("a VmHWM line");
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+#[test]
+fn perf_maps_share_one_budget_and_a_map_past_its_share_is_dropped() {
+    // Five JIT processes (a trampoline in anonymous memory calls malloc):
+    // the first's perf map names its code; two write a 1 GiB line that never
+    // ends, two write 1,500,000 lines that never name it. Held as they
+    // were read, these took about 1 GB together.
+    let jit = memleak_tests::fixture("jit");
+    let mut targets: Vec<Leaker> = (0..5).map(|_| Leaker::start_command(Command::new(&jit))).collect();
+    let pids: Vec<u32> = targets.iter().map(Leaker::pid).collect();
+    let maps = Removed(pids.iter().map(|pid| PathBuf::from(format!("/tmp/perf-{pid}.map"))).collect());
+    // Every address below 2^47: the trampoline, wherever mmap put it.
+    std::fs::write(&maps.0[0], "0 7fffffffffff JIT:trampoline\n").unwrap();
+    for map in &maps.0[1..3] {
+        // Sparse: no disk.
+        std::fs::File::create(map).unwrap().set_len(1 << 30).unwrap();
+    }
+    for map in &maps.0[3..5] {
+        let mut file = std::io::BufWriter::new(std::fs::File::create(map).unwrap());
+        for function in 0..1_500_000u64 {
+            writeln!(file, "{:x} 10 JS:a_compiled_function_number_{function}", 0x1000 + function * 16)
+                .unwrap();
+        }
+        file.flush().unwrap();
+    }
+    let pid_list = pids.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+    let mut memleak = Memleak::start(&["-p", &pid_list, "--format", "json", "-T", "1000", "1"]);
+    memleak.wait_attached();
+    for target in &mut targets {
+        target.go();
+    }
+    // Each process's first report with the trampoline's allocation: by
+    // then every map has been read.
+    let mut named = std::collections::BTreeMap::new();
+    while named.len() < pids.len() {
+        let line = memleak.stdout.wait_for("a report", |_| true);
+        let report: Value = serde_json::from_str(&line).unwrap();
+        let stacks = report["stacks"].as_array().cloned().unwrap_or_default();
+        if let Some(stack) = stacks.iter().find(|stack| stack["bytes"] == 4242) {
+            let pid = u32::try_from(report["pid"].as_u64().unwrap()).unwrap();
+            named.entry(pid).or_insert_with(|| stack["frames"][0]["function"].clone());
+        }
+    }
+    let peak = peak_resident(memleak.child.id());
+    memleak.signal(libc::SIGINT);
+    let stderr = memleak.stderr.rest();
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "{stderr:#?}");
+    assert_eq!(named[&pids[0]], "JIT:trampoline", "a map within its share is used");
+    for pid in &pids[1..] {
+        assert_eq!(named[pid], Value::Null, "pid {pid}: {stderr:#?}");
+    }
+    let dropped: Vec<&String> = stderr.iter().filter(|line| line.contains("perf map")).collect();
+    assert_eq!(dropped.len(), 4, "one line per map dropped: {stderr:#?}");
+    for (pid, why) in [
+        (pids[1], "has a line longer than 16 KiB"),
+        (pids[2], "has a line longer than 16 KiB"),
+        (pids[3], "passed its share of memory (64 MiB)"),
+        (pids[4], "passed its share of memory (64 MiB)"),
+    ] {
+        let said =
+            format!("memleak: warn: the perf map /tmp/perf-{pid}.map of pid {pid} {why}: it is left out");
+        assert_eq!(dropped.iter().filter(|line| line.starts_with(&said)).count(), 1, "{said}: {dropped:#?}");
+    }
+    // All perf maps together hold at most 256 MiB; here, one map's share
+    // at a time, and memleak's own memory besides.
+    assert!(peak < 256 << 20, "memleak held {} MiB at its peak", peak >> 20);
+    for target in targets {
+        target.exit();
+    }
 }
