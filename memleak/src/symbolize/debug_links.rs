@@ -84,7 +84,7 @@ impl DebugLinks {
         if let Some(route) = self.routes.get(&object.id) {
             return route.clone();
         }
-        let links = debug_files::links_of(object.file()).unwrap_or_default();
+        let links = debug_files::object_links(object).unwrap_or_default();
         let route = if links.none() {
             Route::Own
         } else if links.names_paths {

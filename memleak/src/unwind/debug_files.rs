@@ -89,6 +89,13 @@ pub fn links_of(file: &File) -> Option<Links> {
     Some(links)
 }
 
+/// What `object` names for its debug information, read through a file
+/// description of its own: the object's is shared, and parsing moves its
+/// offset.
+pub fn object_links(object: &MappedObject) -> Option<Links> {
+    links_of(&File::open(object.fd_path()).ok()?)
+}
+
 /// A verified debug file, open.
 pub struct Found {
     pub file: File,
@@ -100,7 +107,7 @@ pub struct Found {
 /// is where it may be (see the module's documentation) and passes the
 /// checks.
 pub fn find(pid: u32, object: &MappedObject) -> Option<Found> {
-    let links = links_of(object.file())?;
+    let links = object_links(object)?;
     if links.names_paths {
         return None;
     }
@@ -147,10 +154,13 @@ pub fn candidates_of(
             paths.push((path, Match::Crc));
         }
     }
-    let in_root =
-        paths.iter().map(|(path, by)| DebugFile { root_of: Some(pid), path: path.clone(), by: *by });
-    let on_host = paths.iter().map(|(path, by)| DebugFile { root_of: None, path: path.clone(), by: *by });
-    in_root.chain(on_host.take(if hosts_own { paths.len() } else { 0 })).collect()
+    let roots = if hosts_own { vec![Some(pid), None] } else { vec![Some(pid)] };
+    roots
+        .into_iter()
+        .flat_map(|root_of| {
+            paths.iter().map(move |(path, by)| DebugFile { root_of, path: path.clone(), by: *by })
+        })
+        .collect()
 }
 
 /// What makes a file found at a place the object's debug file.
