@@ -25,7 +25,7 @@
 
 use std::{
     fs::File,
-    io::{self, Seek as _},
+    io,
     path::{Path, PathBuf},
 };
 
@@ -114,10 +114,8 @@ pub fn find(pid: u32, object: &MappedObject) -> Option<Found> {
     let hosts_own = object.is_hosts_own();
     let candidates = candidates_of(pid, &object.path, links.debuglink.as_ref(), object.build_id(), hosts_own);
     candidates.into_iter().find_map(|candidate| {
-        let mut file = candidate.open().ok()?;
-        let checked = candidate.is_debug_file_of(&file, object.build_id(), links.debuglink.as_ref());
-        // The checks moved the file's offset: a reader starts at its start.
-        match checked.and_then(|()| file.rewind().map_err(|error| error.to_string())) {
+        let file = candidate.open().ok()?;
+        match candidate.is_debug_file_of(&file, object.build_id(), links.debuglink.as_ref()) {
             Ok(()) => Some(Found { file, place: candidate }),
             Err(why) => {
                 log::debug!("{candidate} is not the debug file of {}: {why}", object.path);

@@ -37,7 +37,8 @@ use memleak_common::{Rule, RuleKind, UnwindRow};
 use object::{
     elf::{EM_X86_64, PF_X, PT_LOAD},
     read::elf::{ElfFile64, FileHeader as _, ProgramHeader as _},
-    CompressedData, CompressionFormat, Endianness, Object as _, ObjectSection as _,
+    read::ReadCache,
+    CompressedData, CompressionFormat, Endianness, Object as _, ObjectSection as _, ReadRef,
 };
 
 /// A gap of at most this many bytes between two FDEs is alignment padding
@@ -49,6 +50,12 @@ const MAX_PADDING: u64 = 15;
 /// Decompressed sections are allocated up front up to this size only, so
 /// that a corrupt header cannot ask for gigabytes before any byte is read.
 const MAX_PREALLOCATION: u64 = 64 << 20;
+
+/// The largest call frame section read, before or after decompression:
+/// far more than any object's (Debian's libLLVM's `.eh_frame` is a few
+/// megabytes), and what a crafted file (a debug file a container ships,
+/// a zlib bomb) can make memleak hold at most.
+const MAX_SECTION: u64 = 256 << 20;
 
 /// The unwind rows of one object, the same for every process mapping it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -124,12 +131,14 @@ pub struct UnsupportedRows {
 
 /// A separate debug file of the object, found by build id or
 /// `.gnu_debuglink`: its `.debug_frame` fills in code that the object's own
-/// sections leave without call frame information.
+/// sections leave without call frame information. Read from the open file
+/// as needed (its headers, build id and `.debug_frame`), never whole: a
+/// debug file is mostly DWARF that unwinding does not use.
 #[derive(Clone, Copy, Debug)]
 pub struct DebugFile<'a> {
     /// Names the file in errors.
     pub path: &'a Path,
-    pub data: &'a [u8],
+    pub file: &'a std::fs::File,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +155,8 @@ pub enum TableError {
     Section { path: PathBuf, section: &'static str, source: object::Error },
     #[error("cannot decompress the {section} section of {path}: {source}")]
     Decompress { path: PathBuf, section: &'static str, source: std::io::Error },
+    #[error("the {section} section of {path} is {size} bytes, more than memleak reads ({MAX_SECTION})")]
+    SectionTooLarge { path: PathBuf, section: &'static str, size: u64 },
     #[error("the {section} section of {path} is compressed as {format}, which memleak does not read")]
     Compression { path: PathBuf, section: &'static str, format: String },
     #[error("{debug_file} is not the debug file of {path}: their build ids differ")]
@@ -176,7 +187,8 @@ pub fn build_with_debug_file(
     }
     builder.add_debug_frame(path, &object, Source::DebugFrame)?;
     if let Some(debug_file) = debug_file {
-        let debug_object = parse_x86_64_elf(debug_file.path, debug_file.data)?;
+        let cache = ReadCache::new(debug_file.file);
+        let debug_object = parse_x86_64_elf(debug_file.path, &cache)?;
         if build_id(&object).zip(build_id(&debug_object)).is_some_and(|(ours, its)| ours != its) {
             return Err(TableError::DebugFileMismatch {
                 path: path.to_owned(),
@@ -188,18 +200,19 @@ pub fn build_with_debug_file(
     builder.finish(path)
 }
 
-type Elf<'data> = ElfFile64<'data, Endianness>;
+type Elf<'data, R = &'data [u8]> = ElfFile64<'data, Endianness, R>;
 type Reader<'data> = EndianSlice<'data, LittleEndian>;
 
-fn parse_x86_64_elf<'data>(path: &Path, data: &'data [u8]) -> Result<Elf<'data>, TableError> {
-    let object = Elf::parse(data).map_err(|source| TableError::NotElf { path: path.to_owned(), source })?;
+fn parse_x86_64_elf<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Elf<'data, R>, TableError> {
+    let object =
+        Elf::<R>::parse(data).map_err(|source| TableError::NotElf { path: path.to_owned(), source })?;
     if object.elf_header().e_machine(object.endian()) != EM_X86_64 || !object.is_little_endian() {
         return Err(TableError::NotX86_64 { path: path.to_owned() });
     }
     Ok(object)
 }
 
-fn build_id<'data>(object: &Elf<'data>) -> Option<&'data [u8]> {
+fn build_id<'data, R: ReadRef<'data>>(object: &Elf<'data, R>) -> Option<&'data [u8]> {
     object.build_id().ok().flatten()
 }
 
@@ -212,17 +225,25 @@ struct SectionBytes<'data> {
 
 /// `None` if the object has no such section. A `SHT_NOBITS` section (a
 /// debug file's `.eh_frame`) is empty.
-fn section_bytes<'data>(
+fn section_bytes<'data, R: ReadRef<'data>>(
     path: &Path,
-    object: &Elf<'data>,
+    object: &Elf<'data, R>,
     section: &'static str,
 ) -> Result<Option<SectionBytes<'data>>, TableError> {
     let Some(found) = object.section_by_name(section) else { return Ok(None) };
+    let too_large = |size| TableError::SectionTooLarge { path: path.to_owned(), section, size };
+    // Its size in the file, before its bytes are read.
+    if found.size() > MAX_SECTION {
+        return Err(too_large(found.size()));
+    }
     let compressed = found.compressed_data().map_err(|source| TableError::Section {
         path: path.to_owned(),
         section,
         source,
     })?;
+    if compressed.uncompressed_size > MAX_SECTION {
+        return Err(too_large(compressed.uncompressed_size));
+    }
     let bytes = match compressed.format {
         CompressionFormat::None => Cow::Borrowed(compressed.data),
         CompressionFormat::Zlib => {
@@ -363,7 +384,12 @@ impl Builder {
         }
     }
 
-    fn add_debug_frame(&mut self, path: &Path, object: &Elf<'_>, source: Source) -> Result<(), TableError> {
+    fn add_debug_frame<'data, R: ReadRef<'data>>(
+        &mut self,
+        path: &Path,
+        object: &Elf<'data, R>,
+        source: Source,
+    ) -> Result<(), TableError> {
         if let Some(section) = section_bytes(path, object, ".debug_frame")? {
             let mut debug_frame = DebugFrame::new(&section.bytes, LittleEndian);
             debug_frame.set_address_size(8);
@@ -850,8 +876,8 @@ mod tests {
     /// The table of `program` and the pc of the call site in `walker`.
     fn walker_call_site(program: &Path, debug_file: Option<&Path>) -> (ObjectTable, u64) {
         let data = fs::read(program).unwrap();
-        let debug_data = debug_file.map(|path| fs::read(path).unwrap());
-        let debug_file = debug_file.zip(debug_data.as_deref()).map(|(path, data)| DebugFile { path, data });
+        let opened = debug_file.map(|path| fs::File::open(path).unwrap());
+        let debug_file = debug_file.zip(opened.as_ref()).map(|(path, file)| DebugFile { path, file });
         let table =
             build_with_debug_file(program, &data, debug_file).unwrap_or_else(|error| panic!("{error}"));
         assert_well_formed(&program.display().to_string(), &table);
@@ -908,7 +934,7 @@ mod tests {
         let error = build_with_debug_file(
             &stripped,
             &fs::read(&stripped).unwrap(),
-            Some(DebugFile { path: Path::new(LIBC), data: &read(LIBC) }),
+            Some(DebugFile { path: Path::new(LIBC), file: &fs::File::open(LIBC).unwrap() }),
         );
         assert!(matches!(error, Err(TableError::DebugFileMismatch { .. })), "{error:?}");
     }

@@ -311,14 +311,7 @@ fn with_debug_file(pid: u32, object: &MappedObject, data: &[u8], table: ObjectTa
         return table;
     }
     let Some(found) = debug_files::find(pid, object) else { return table };
-    let debug_data = match files::read_limited(&found.file, debug_files::MAX_BYTES) {
-        Ok(data) => data,
-        Err(error) => {
-            log::debug!("cannot read {}: {error}", found.place);
-            return table;
-        }
-    };
-    let debug_file = eh_frame::DebugFile { path: &found.place.path, data: &debug_data };
+    let debug_file = eh_frame::DebugFile { path: &found.place.path, file: &found.file };
     match eh_frame::build_with_debug_file(Path::new(&object.path), data, Some(debug_file)) {
         Ok(fuller) => {
             log::debug!("unwind rows for {} from {}", object.path, found.place);
