@@ -908,6 +908,36 @@ mod tests {
     }
 
     #[test]
+    fn a_call_frame_section_that_would_inflate_past_the_bound_is_refused_unread() {
+        let scratch = Scratch::new("bomb");
+        scratch.compile("dbg", &["-O2", "-g", "-fno-asynchronous-unwind-tables"]);
+        scratch.run("objcopy", &["--only-keep-debug", "--compress-debug-sections=zlib", "dbg", "dbg.zdebug"]);
+        scratch.run("objcopy", &["--strip-debug", "dbg", "dbg.stripped"]);
+        // The compressed section's header (Elf64_Chdr) says how large it
+        // inflates: 1 TiB, says this one.
+        let bomb = scratch.0.join("dbg.zdebug");
+        let mut data = fs::read(&bomb).unwrap();
+        let (offset, _) =
+            Elf::parse(&*data).unwrap().section_by_name(".debug_frame").unwrap().file_range().unwrap();
+        let size_at = usize::try_from(offset).unwrap() + 8;
+        data[size_at..size_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        fs::write(&bomb, &data).unwrap();
+        let stripped = scratch.0.join("dbg.stripped");
+        let error = build_with_debug_file(
+            &stripped,
+            &fs::read(&stripped).unwrap(),
+            Some(DebugFile { path: &bomb, file: &fs::File::open(&bomb).unwrap() }),
+        );
+        assert!(
+            matches!(
+                error,
+                Err(TableError::SectionTooLarge { section: ".debug_frame", size: 0x100_0000_0000, .. })
+            ),
+            "{error:?}"
+        );
+    }
+
+    #[test]
     fn debug_frame_serves_from_the_object_or_its_debug_file() {
         let scratch = Scratch::new("debug-frame");
         // Call frame information in .debug_frame only, as -g without
