@@ -38,6 +38,10 @@ use clap::Parser as _;
 use config::Run;
 
 fn main() -> ExitCode {
+    // memleak's binary started again to outlive it: see `command_cgroup`.
+    if let Some(exit) = process::command_cgroup::reaper_main() {
+        return exit;
+    }
     let args = match cli::Args::try_parse() {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {
