@@ -53,7 +53,13 @@ fn a_command_dies_with_memleak_even_if_memleak_is_killed_before_it_runs() {
     let memleak_pid = memleak.child.id();
     let deadline = std::time::Instant::now() + PATIENCE;
     let command = loop {
-        if let Some(&child) = children_of(memleak_pid).first() {
+        // Not the reaper memleak starts to end the command's processes.
+        let command = children_of(memleak_pid).into_iter().find(|&child| {
+            fs::read(format!("/proc/{child}/cmdline")).is_ok_and(|cmdline| {
+                !cmdline.split(|&byte| byte == 0).any(|arg| arg == b"--internal-command-reaper")
+            })
+        });
+        if let Some(child) = command {
             break child;
         }
         assert!(std::time::Instant::now() < deadline, "memleak never forked the command");
