@@ -13,7 +13,7 @@ use memleak_tests::{tempdir::TempDir, Memleak};
 
 /// Longer than memleak's grace period (3 s) plus the time SIGKILL takes,
 /// many times over: only a process that is never ended waits this long.
-const ENDED_WITHIN: Duration = Duration::from_secs(60);
+const ENDED_WITHIN: Duration = Duration::from_mins(1);
 
 /// A command that starts every kind of process that used to outlive
 /// memleak, each writing its pid to `pids`, then waits.
