@@ -61,6 +61,9 @@ impl GatedCommand {
             words.iter().map(|word| to_c(word.as_bytes())).collect::<Result<_, _>>()?;
         let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|arg| arg.as_ptr()).collect();
         argv.push(std::ptr::null());
+        // The mask memleak was started with: SIGINT and SIGTERM, held by
+        // memleak until its tracer is loaded, are the command's as usual.
+        let signal_mask = crate::stop_signals::started_with();
         let (gate_read, gate_write) = pipe().map_err(spawn_error)?;
         let (error_read, error_write) = pipe().map_err(spawn_error)?;
         // Made before the fork: the child must not allocate.
@@ -79,7 +82,14 @@ impl GatedCommand {
                 // Only memleak holds the gate's writing end: its death ends
                 // the pipe as well as sending the death signal.
                 libc::close(gate_write.as_raw_fd());
-                run_when_let_in(&gate_read, &error_write, memleak_pid, &program_c, &argv)
+                run_when_let_in(
+                    &gate_read,
+                    &error_write,
+                    memleak_pid,
+                    signal_mask.as_ref(),
+                    &program_c,
+                    &argv,
+                )
             }
         }
         drop((gate_read, error_write));
@@ -156,6 +166,7 @@ unsafe fn run_when_let_in(
     gate: &OwnedFd,
     exec_error: &OwnedFd,
     memleak_pid: libc::pid_t,
+    signal_mask: Option<&libc::sigset_t>,
     program: &CString,
     argv: &[*const libc::c_char],
 ) -> ! {
@@ -176,6 +187,9 @@ unsafe fn run_when_let_in(
         };
         if read != 1 || byte != GO {
             libc::_exit(127);
+        }
+        if let Some(mask) = signal_mask {
+            libc::pthread_sigmask(libc::SIG_SETMASK, mask, std::ptr::null_mut());
         }
         libc::execv(program.as_ptr(), argv.as_ptr());
         let errno = *libc::__errno_location();
