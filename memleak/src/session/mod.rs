@@ -25,7 +25,7 @@ use crate::{
         command::{CommandError, GatedCommand, SpawnedCommand},
         container,
         feedback::Excluded,
-        identity::ProcessKey,
+        identity::{HeldProcess, ProcessKey},
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
     },
@@ -289,9 +289,19 @@ impl Session {
     }
 
     /// Attaches to processes named by pid, planned by `plan_named`.
-    fn add_named(&mut self, planned: Vec<(u32, AttachPlan, AddressSpace)>) -> Result<(), SessionError> {
-        for (pid, plan, space) in planned {
+    fn add_named(
+        &mut self,
+        planned: Vec<(HeldProcess, AttachPlan, AddressSpace)>,
+    ) -> Result<(), SessionError> {
+        for (held, plan, space) in planned {
+            let pid = held.key.pid;
             self.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
+            // The probes are in: if the process held still runs, they
+            // reached it; if not, they may be in another given its pid.
+            if let Err(error) = held.check_same() {
+                self.remove_target(pid)?;
+                return Err(error.into());
+            }
             self.follow_children_of(pid)?;
             self.named.insert(pid);
         }
@@ -891,7 +901,7 @@ fn plan_process(pid: u32, allocator: &AllocatorChoice) -> Result<(AttachPlan, Ad
 fn plan_named(
     pids: &[u32],
     config: &SessionConfig,
-) -> Result<Vec<(u32, AttachPlan, AddressSpace)>, SessionError> {
+) -> Result<Vec<(HeldProcess, AttachPlan, AddressSpace)>, SessionError> {
     if pids.len() > config.tracer.max_processes as usize {
         return Err(SessionError::TooManyProcesses { pids: pids.len(), max: config.tracer.max_processes });
     }
@@ -900,9 +910,12 @@ fn plan_named(
         if let Some(excluded) = config.excluded.iter().find(|excluded| excluded.pid == pid) {
             return Err(SessionError::Excluded { pid, why: excluded.why });
         }
+        // Held from this first look, so that the attach, later, is checked
+        // to have reached this process and no other given its pid.
+        let held = HeldProcess::hold(pid)?;
         lifecycle::check_process(pid)?;
         let (plan, space) = plan_process(pid, &config.allocator)?;
-        planned.push((pid, plan, space));
+        planned.push((held, plan, space));
     }
     Ok(planned)
 }
