@@ -69,7 +69,7 @@ fn started_pids(dir: &Path) -> Vec<u32> {
     pids.lines().filter_map(|line| line.trim().parse().ok()).collect()
 }
 
-/// The cgroup memleak `pid` makes for its command: beside memleak, in the
+/// The cgroup memleak `pid` makes for its command: a child of the
 /// cgroup memleak inherited from this test.
 fn command_cgroup(memleak: u32) -> PathBuf {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();

@@ -2,8 +2,8 @@
 //! process group or a session of its own, a daemon that double-forked
 //! away. A process group misses the last two and a PID namespace changes
 //! the pids memleak reports, so the command runs in a cgroup v2 of its own
-//! (`memleak-command-PID`, beside memleak in memleak's own cgroup, so the
-//! limits memleak runs under hold for the command too): no fork leaves it.
+//! (`memleak-command-PID`, a child of memleak's own cgroup, so the limits
+//! memleak runs under hold for the command too): no fork leaves it.
 //!
 //! memleak ends it on its way out: SIGTERM to every process in it, then
 //! after `GRACE` SIGKILL through `cgroup.kill`, then the directory is
