@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memleak_tests::{tempdir::TempDir, Memleak};
+use memleak_tests::{memleak_binary, tempdir::TempDir, Memleak};
 
 /// Longer than memleak's grace period (3 s) plus the time SIGKILL takes,
 /// many times over: only a process that is never ended waits this long.
@@ -72,17 +72,21 @@ fn started_pids(dir: &Path) -> Vec<u32> {
 /// The cgroup memleak `pid` makes for its command: a child of the
 /// cgroup memleak inherited from this test.
 fn command_cgroup(memleak: u32) -> PathBuf {
+    let mount = cgroup2_mount();
+    let own = fs::read_to_string("/proc/self/cgroup").unwrap();
+    let own = own.lines().find_map(|line| line.strip_prefix("0::")).expect("a cgroup v2").to_owned();
+    mount.join(own.trim_start_matches('/')).join(format!("memleak-command-{memleak}"))
+}
+
+fn cgroup2_mount() -> PathBuf {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let mount = mountinfo
+    mountinfo
         .lines()
         .find_map(|line| {
             let (fields, filesystem) = line.split_once(" - ")?;
             filesystem.starts_with("cgroup2 ").then(|| fields.split_whitespace().nth(4).map(PathBuf::from))?
         })
-        .expect("a cgroup v2 mount");
-    let own = fs::read_to_string("/proc/self/cgroup").unwrap();
-    let own = own.lines().find_map(|line| line.strip_prefix("0::")).expect("a cgroup v2").to_owned();
-    mount.join(own.trim_start_matches('/')).join(format!("memleak-command-{memleak}"))
+        .expect("a cgroup v2 mount")
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -92,9 +96,22 @@ enum Ending {
     Signal(libc::c_int),
 }
 
+/// How memleak is started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cgroups {
+    Writable,
+    /// In a mount namespace of its own where the cgroup v2 file system is
+    /// read-only: it cannot make the command a cgroup.
+    ReadOnly,
+}
+
 /// Runs the command under memleak with `args`, ends memleak with
 /// `ending`, and checks that nothing the command started outlives it.
 fn nothing_outlives_memleak(ending: Ending, args: &[&str]) {
+    nothing_outlives(ending, args, Cgroups::Writable);
+}
+
+fn nothing_outlives(ending: Ending, args: &[&str], cgroups: Cgroups) {
     let dir = TempDir::new("memleak-command-lifecycle");
     let script = command_script(dir.path());
     let script = script.to_str().unwrap();
@@ -104,7 +121,16 @@ fn nothing_outlives_memleak(ending: Ending, args: &[&str]) {
         // Long enough for the command to start everything first.
         memleak_args.extend_from_slice(&["4", "2"]);
     }
-    let memleak = Memleak::start(&memleak_args);
+    let memleak = match cgroups {
+        Cgroups::Writable => Memleak::start(&memleak_args),
+        Cgroups::ReadOnly => {
+            let mount = cgroup2_mount();
+            let script = format!("mount -o remount,bind,ro '{}' && exec \"$0\" \"$@\"", mount.display());
+            let mut command = std::process::Command::new("unshare");
+            command.args(["--mount", "sh", "-c", &script]).arg(memleak_binary()).args(&memleak_args);
+            Memleak::spawn(&mut command)
+        }
+    };
     let memleak_pid = memleak.child.id();
     let ready = || started_pids(dir.path()).len() == 7;
     match ending {
@@ -113,6 +139,12 @@ fn nothing_outlives_memleak(ending: Ending, args: &[&str]) {
             wait_until(ENDED_WITHIN, "the command to start its workers", ready);
             memleak.signal(signal);
         }
+    }
+    let mut memleak = memleak;
+    if cgroups == Cgroups::ReadOnly {
+        memleak.stderr.wait_for("memleak to say it cannot make a cgroup", |line| {
+            line.starts_with("memleak: warn: cannot make a cgroup for the command (Read-only file system")
+        });
     }
     let (status, reports) = memleak.finish();
     let started = started_pids(dir.path());
@@ -162,4 +194,11 @@ fn a_commands_processes_end_when_memleak_is_killed() {
 fn a_commands_processes_end_with_memleak_even_untraced() {
     nothing_outlives_memleak(Ending::Signal(libc::SIGTERM), &["--no-follow-forks"]);
     nothing_outlives_memleak(Ending::Count, &["--no-follow-forks"]);
+}
+
+#[test]
+fn without_a_cgroup_a_commands_processes_end_when_memleak_ends_normally() {
+    // memleak is then their subreaper: the daemon's orphan comes to it.
+    nothing_outlives(Ending::Signal(libc::SIGTERM), &[], Cgroups::ReadOnly);
+    nothing_outlives(Ending::Count, &[], Cgroups::ReadOnly);
 }
