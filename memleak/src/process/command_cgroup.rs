@@ -157,6 +157,8 @@ fn start_reaper(cgroup: &Path) -> io::Result<(Child, OwnedFd)> {
     use std::os::unix::process::CommandExt as _;
     let (read_end, write_end) = super::command::pipe()?;
     let reaper = Command::new("/proc/self/exe")
+        // As `ps` shows it.
+        .arg0("memleak")
         .arg(REAPER_FLAG)
         .arg(cgroup)
         .stdin(Stdio::from(read_end))
