@@ -28,6 +28,7 @@ mod serve;
 mod session;
 mod stats;
 mod status;
+mod stop_signals;
 mod symbolize;
 mod unwind;
 
@@ -38,6 +39,13 @@ use clap::Parser as _;
 use config::Run;
 
 fn main() -> ExitCode {
+    // First of all: a stop signal during the start ends the run cleanly
+    // once the tracer is loaded (see `stop_signals`).
+    stop_signals::hold();
+    // memleak's binary started again to outlive it: see `command_cgroup`.
+    if let Some(exit) = process::command_cgroup::reaper_main() {
+        return exit;
+    }
     let args = match cli::Args::try_parse() {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {
@@ -54,8 +62,15 @@ fn main() -> ExitCode {
     init_logging(args.verbose || serving_verbosely);
     let result = match config::resolve(args) {
         Ok(Run::Trace(config)) => trace(&config),
-        Ok(Run::Report(config)) => offline::report(&config).map_err(anyhow::Error::from),
-        Ok(Run::Diff(config)) => offline::diff(&config).map_err(anyhow::Error::from),
+        Ok(Run::Report(config)) => {
+            // Nothing to load: a signal ends it at once.
+            stop_signals::release();
+            offline::report(&config).map_err(anyhow::Error::from)
+        }
+        Ok(Run::Diff(config)) => {
+            stop_signals::release();
+            offline::diff(&config).map_err(anyhow::Error::from)
+        }
         Ok(Run::Serve(config)) => serve(&config),
         Err(message) => Err(anyhow::Error::msg(message)),
     };

@@ -115,7 +115,9 @@ impl Memleak {
         Self::spawn(Command::new(memleak_binary()).args(args).current_dir(directory))
     }
 
-    fn spawn(command: &mut Command) -> Self {
+    /// Starts `command`, which runs memleak (through a wrapper that execs
+    /// it, say), with memleak's pipes.
+    pub fn spawn(command: &mut Command) -> Self {
         let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -53,7 +53,13 @@ fn a_command_dies_with_memleak_even_if_memleak_is_killed_before_it_runs() {
     let memleak_pid = memleak.child.id();
     let deadline = std::time::Instant::now() + PATIENCE;
     let command = loop {
-        if let Some(&child) = children_of(memleak_pid).first() {
+        // Not the reaper memleak starts to end the command's processes.
+        let command = children_of(memleak_pid).into_iter().find(|&child| {
+            fs::read(format!("/proc/{child}/cmdline")).is_ok_and(|cmdline| {
+                !cmdline.split(|&byte| byte == 0).any(|arg| arg == b"--internal-command-reaper")
+            })
+        });
+        if let Some(child) = command {
             break child;
         }
         assert!(std::time::Instant::now() < deadline, "memleak never forked the command");
@@ -149,6 +155,53 @@ fn a_target_that_exits_while_memleak_attaches_is_named_as_the_cause() {
     assert_eq!(status.code(), Some(2), "{stderr:#?}");
     let error = stderr.iter().find(|line| line.starts_with("memleak: error: ")).unwrap();
     assert_eq!(error, &format!("memleak: error: pid {pid} exited while memleak was attaching to it"));
+}
+
+/// A `sleep 600` with pid `pid`: the kernel gives the pid after
+/// `ns_last_pid` to the next fork, unless another fork of the machine's
+/// takes it first; then again.
+fn impostor_with_pid(pid: u32) -> std::process::Child {
+    for _ in 0..1000 {
+        fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).expect("write ns_last_pid");
+        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        if child.id() == pid {
+            return child;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    panic!("no process could be given pid {pid}");
+}
+
+#[test]
+fn a_pid_reused_between_the_check_and_the_attach_is_refused_not_traced() {
+    let target = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    let pid = target.id();
+    let pid_text = pid.to_string();
+    let mut memleak = Memleak::start(&["-v", "-p", &pid_text, "--format", "json", "1", "1"]);
+    // Checked and planned by then; its probes are placed once the
+    // programs are loaded, tens of milliseconds later.
+    memleak
+        .stderr
+        .wait_for("memleak to load its programs", |line| line.starts_with("memleak: debug: uprobes: "));
+    let mut target = target;
+    target.kill().unwrap();
+    target.wait().unwrap();
+    let mut impostor = impostor_with_pid(pid);
+    let status = memleak.child.wait().unwrap();
+    let stderr = memleak.stderr.rest();
+    impostor.kill().unwrap();
+    impostor.wait().unwrap();
+    assert_eq!(status.code(), Some(2), "the impostor was traced: {stderr:#?}");
+    let errors: Vec<&String> = stderr.iter().filter(|line| line.starts_with("memleak: error: ")).collect();
+    // Which of the two depends on whether the impostor was there before
+    // the probes were placed: it is, but for a busy machine.
+    let replaced = format!(
+        "memleak: error: pid {pid} exited before memleak attached to it, and another process has its pid \
+         now: that one is not traced"
+    );
+    let exited = format!("memleak: error: pid {pid} exited while memleak was attaching to it");
+    assert!(errors.len() == 1 && (*errors[0] == replaced || *errors[0] == exited), "{stderr:#?}");
 }
 
 #[test]

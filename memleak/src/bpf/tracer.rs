@@ -265,7 +265,16 @@ impl Tracer {
         privileges::check(traced).map_err(TracerError::NotPermitted)
     }
 
+    /// Loads the programs with SIGINT and SIGTERM held since memleak's
+    /// start, and lets them through once done, loaded or not: a signal
+    /// pending in the verifier makes it give up with EAGAIN.
     pub fn load(config: &TracerConfig) -> Result<Self, TracerError> {
+        let loaded = Self::load_holding_signals(config);
+        crate::stop_signals::release();
+        loaded
+    }
+
+    fn load_holding_signals(config: &TracerConfig) -> Result<Self, TracerError> {
         let started = std::time::Instant::now();
         let settings = &config.settings;
         let mut ebpf = EbpfLoader::new()

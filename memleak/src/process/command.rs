@@ -13,7 +13,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{lifecycle::TargetEvent, link_map::LinkMapHook};
+use super::{command_cgroup::Containment, lifecycle::TargetEvent, link_map::LinkMapHook};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
@@ -40,6 +40,8 @@ pub struct GatedCommand {
     /// The child writes its exec error here; EOF means exec succeeded.
     exec_error: OwnedFd,
     name: String,
+    /// What keeps everything the command starts together, to end it all.
+    containment: Containment,
 }
 
 impl GatedCommand {
@@ -59,8 +61,13 @@ impl GatedCommand {
             words.iter().map(|word| to_c(word.as_bytes())).collect::<Result<_, _>>()?;
         let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|arg| arg.as_ptr()).collect();
         argv.push(std::ptr::null());
+        // The mask memleak was started with: SIGINT and SIGTERM, held by
+        // memleak until its tracer is loaded, are the command's as usual.
+        let signal_mask = crate::stop_signals::started_with();
         let (gate_read, gate_write) = pipe().map_err(spawn_error)?;
         let (error_read, error_write) = pipe().map_err(spawn_error)?;
+        // Made before the fork: the child must not allocate.
+        let mut containment = Containment::new();
         // SAFETY: getpid has no preconditions.
         let memleak_pid = unsafe { libc::getpid() };
         // SAFETY: the child branch below only calls async-signal-safe
@@ -75,11 +82,20 @@ impl GatedCommand {
                 // Only memleak holds the gate's writing end: its death ends
                 // the pipe as well as sending the death signal.
                 libc::close(gate_write.as_raw_fd());
-                run_when_let_in(&gate_read, &error_write, memleak_pid, &program_c, &argv)
+                run_when_let_in(
+                    &gate_read,
+                    &error_write,
+                    memleak_pid,
+                    signal_mask.as_ref(),
+                    &program_c,
+                    &argv,
+                )
             }
         }
         drop((gate_read, error_write));
-        Ok(Self { pid: pid as u32, program, gate: gate_write, exec_error: error_read, name })
+        // In before it may run, so that every process it starts is too.
+        containment.enter(pid as u32);
+        Ok(Self { pid: pid as u32, program, gate: gate_write, exec_error: error_read, name, containment })
     }
 
     /// Lets the command exec, watched for its exit, and reports whether
@@ -94,11 +110,12 @@ impl GatedCommand {
             Ok(watcher) => watcher,
             Err(source) => {
                 let error = spawn_error(source);
-                self.abandon();
+                let Self { pid, containment, .. } = self;
+                abandon(pid, containment);
                 return Err(error);
             }
         };
-        let command = SpawnedCommand { pid: self.pid, watcher };
+        let command = SpawnedCommand { pid: self.pid, watcher, containment: self.containment };
         // The byte, not the end of the pipe, lets the child in: an end
         // without it means memleak died before it was ready.
         if let Err(error) = File::from(self.gate).write_all(&[GO]) {
@@ -121,11 +138,18 @@ impl GatedCommand {
 
     /// Gives up on the command: it never gets to run.
     pub fn abandon(self) {
-        signal(self.pid, libc::SIGKILL);
-        let mut status = 0;
-        // SAFETY: reaps our own child.
-        unsafe { libc::waitpid(self.pid as libc::pid_t, &raw mut status, 0) };
+        abandon(self.pid, self.containment);
     }
+}
+
+/// Kills the command's process `pid`, held at the gate, and takes down
+/// its containment.
+fn abandon(pid: u32, containment: Containment) {
+    signal(pid, libc::SIGKILL);
+    let mut status = 0;
+    // SAFETY: reaps our own child.
+    unsafe { libc::waitpid(pid as libc::pid_t, &raw mut status, 0) };
+    containment.end(pid, &|| true);
 }
 
 /// What the gate says when the command may run.
@@ -142,6 +166,7 @@ unsafe fn run_when_let_in(
     gate: &OwnedFd,
     exec_error: &OwnedFd,
     memleak_pid: libc::pid_t,
+    signal_mask: Option<&libc::sigset_t>,
     program: &CString,
     argv: &[*const libc::c_char],
 ) -> ! {
@@ -163,6 +188,9 @@ unsafe fn run_when_let_in(
         if read != 1 || byte != GO {
             libc::_exit(127);
         }
+        if let Some(mask) = signal_mask {
+            libc::pthread_sigmask(libc::SIG_SETMASK, mask, std::ptr::null_mut());
+        }
         libc::execv(program.as_ptr(), argv.as_ptr());
         let errno = *libc::__errno_location();
         libc::write(exec_error.as_raw_fd(), (&raw const errno).cast(), 4);
@@ -171,27 +199,26 @@ unsafe fn run_when_let_in(
 }
 
 /// A command memleak started, watched through ptrace for its exit; it does
-/// not outlive memleak.
+/// not outlive memleak, nor does anything it started.
 pub struct SpawnedCommand {
     pub pid: u32,
     watcher: std::thread::JoinHandle<()>,
+    containment: Containment,
 }
 
 impl SpawnedCommand {
-    /// Ends the command if it still runs, and waits until it is reaped.
+    /// Ends the command and every process it started (SIGTERM, then
+    /// SIGKILL after `command_cgroup::GRACE`), and waits until they are
+    /// gone and the command reaped.
     pub fn finish(self) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
-        if !self.watcher.is_finished() {
-            signal(self.pid, libc::SIGTERM);
+        let Self { pid, watcher, containment } = self;
+        containment.end(pid, &|| watcher.is_finished());
+        if !watcher.is_finished() {
+            // Not ended with the rest: the watcher has not reaped it, so
+            // the pid is still the command's.
+            signal(pid, libc::SIGKILL);
         }
-        while !self.watcher.is_finished() {
-            if std::time::Instant::now() > deadline {
-                signal(self.pid, libc::SIGKILL);
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let _ = self.watcher.join();
+        let _ = watcher.join();
     }
 }
 
@@ -327,7 +354,7 @@ fn libraries_mapped(
     None
 }
 
-fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+pub(super) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {

@@ -1,7 +1,8 @@
 //! Processes memleak must never trace, because each event it printed
 //! would cause more: memleak itself, and with --trace the processes that
 //! read its output (the other end of its stdout pipe, a FIFO's reader,
-//! the terminal behind its pseudo-terminal).
+//! the terminal behind its pseudo-terminal) and other memleaks, found as
+//! they are met (`runs_memleak`).
 
 use std::{
     fs,
@@ -18,6 +19,34 @@ pub struct Excluded {
 
 pub const ITSELF: &str = "it is memleak itself";
 pub const READS_OUTPUT: &str = "it reads memleak's output, so tracing it with --trace would feed on itself";
+pub const ANOTHER_MEMLEAK: &str =
+    "it is another memleak: with --trace, each tracing the other would print an event for each event printed";
+
+/// Whether process `pid` runs memleak: the very file this memleak runs
+/// (same device and inode), or a copy of the same build (same GNU build
+/// id). Two memleaks with --trace that trace each other feed on each
+/// other: each event printed allocates, which is an event for the other.
+/// Not a name check: a program may be called anything, memleak too.
+pub fn runs_memleak(pid: u32) -> bool {
+    is_memleak(Path::new(&format!("/proc/{pid}/exe")))
+}
+
+/// Whether the executable at `path` is memleak, as `runs_memleak` tells.
+pub fn is_memleak(path: &Path) -> bool {
+    static OWN: std::sync::OnceLock<Option<(u64, u64, Option<String>)>> = std::sync::OnceLock::new();
+    let own = OWN.get_or_init(|| {
+        let metadata = fs::metadata("/proc/self/exe").ok()?;
+        Some((metadata.dev(), metadata.ino(), crate::elf::build_id(Path::new("/proc/self/exe"))))
+    });
+    let (Some((device, inode, own_build_id)), Ok(metadata)) = (own, fs::metadata(path)) else { return false };
+    if (metadata.dev(), metadata.ino()) == (*device, *inode) {
+        return true;
+    }
+    // Only a file as large as memleak can be a copy of it: no other file
+    // is read.
+    let own_size = fs::metadata("/proc/self/exe").map_or(0, |own| own.len());
+    own_build_id.is_some() && metadata.len() == own_size && crate::elf::build_id(path) == *own_build_id
+}
 
 /// memleak, and with `trace` the readers of its stdout and of
 /// `output_path`, found now: readers that come later are not known.
@@ -106,6 +135,26 @@ mod tests {
         assert_eq!(readers(&[output], std::process::id()), vec![reader.id()]);
         drop(reader.stdin.take());
         reader.wait().unwrap();
+    }
+
+    #[test]
+    fn this_program_runs_memleak_and_a_copy_of_it_too_but_not_another_program() {
+        // The test binary stands for memleak: it is /proc/self/exe.
+        let own = std::process::id();
+        assert!(runs_memleak(own));
+        let dir = std::env::temp_dir().join(format!("memleak-copy-{own}"));
+        fs::create_dir_all(&dir).unwrap();
+        let copy = dir.join("renamed");
+        fs::copy("/proc/self/exe", &copy).unwrap();
+        let copied = is_memleak(&copy);
+        let _ = fs::remove_dir_all(&dir);
+        assert!(copied, "a copy of the same build, under another name");
+        let mut other = Command::new("sleep").arg("60").spawn().unwrap();
+        let other_runs_memleak = runs_memleak(other.id());
+        other.kill().unwrap();
+        other.wait().unwrap();
+        assert!(!other_runs_memleak);
+        assert!(!runs_memleak(u32::MAX), "no such process");
     }
 
     #[test]

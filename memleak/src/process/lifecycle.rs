@@ -18,6 +18,10 @@ pub enum ProcessError {
     NoSuchProcess(u32),
     #[error("pid {0} is a kernel thread: it has no user-space allocator to trace")]
     KernelThread(u32),
+    #[error("pid {0} exited while memleak was attaching to it")]
+    ExitedBeforeAttach(u32),
+    #[error("pid {0} exited before memleak attached to it, and another process has its pid now: that one is not traced")]
+    Replaced(u32),
 }
 
 /// `PF_KTHREAD` from include/linux/sched.h: set in /proc/PID/stat's flags.
@@ -102,7 +106,7 @@ pub fn watch_exit(pid: u32, events: UnboundedSender<TargetEvent>) -> io::Result<
     Ok(task.abort_handle())
 }
 
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+pub(super) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor.
     let result = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, libc::O_NONBLOCK) };
     let Ok(fd) = i32::try_from(result) else { return Err(io::Error::last_os_error()) };

@@ -1,12 +1,13 @@
 //! The processes memleak traces, seen from outside: their address space
 //! (`maps`, `address_space`), their life (`lifecycle`), a command memleak
-//! starts itself (`command`), cgroups of them (`cgroup`), and those it
-//! must leave alone (`feedback`); and opening the files they control
-//! (`files`).
+//! starts itself (`command`) and all that it starts (`command_cgroup`),
+//! cgroups of them (`cgroup`), and those it must leave alone
+//! (`feedback`); and opening the files they control (`files`).
 
 pub mod address_space;
 pub mod cgroup;
 pub mod command;
+pub mod command_cgroup;
 pub mod container;
 pub mod feedback;
 pub mod files;

@@ -24,8 +24,8 @@ use crate::{
         cgroup::{Cgroup, CgroupError},
         command::{CommandError, GatedCommand, SpawnedCommand},
         container,
-        feedback::Excluded,
-        identity::ProcessKey,
+        feedback::{self, Excluded},
+        identity::{HeldProcess, ProcessKey},
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
     },
@@ -58,6 +58,8 @@ pub enum SessionError {
     TooManyProcesses { pids: usize, max: u32 },
     #[error("memleak does not trace pid {pid}: {why}")]
     Excluded { pid: u32, why: &'static str },
+    #[error("memleak does not trace `{program}`: {why}")]
+    ExcludedCommand { program: String, why: &'static str },
 }
 
 /// How often the walkers' rescan requests are looked at.
@@ -289,9 +291,19 @@ impl Session {
     }
 
     /// Attaches to processes named by pid, planned by `plan_named`.
-    fn add_named(&mut self, planned: Vec<(u32, AttachPlan, AddressSpace)>) -> Result<(), SessionError> {
-        for (pid, plan, space) in planned {
+    fn add_named(
+        &mut self,
+        planned: Vec<(HeldProcess, AttachPlan, AddressSpace)>,
+    ) -> Result<(), SessionError> {
+        for (held, plan, space) in planned {
+            let pid = held.key.pid;
             self.add(Target::process(pid, plan, space), UProbeScope::OneProcess(nonzero(pid)))?;
+            // The probes are in: if the process held still runs, they
+            // reached it; if not, they may be in another given its pid.
+            if let Err(error) = held.check_same() {
+                self.remove_target(pid)?;
+                return Err(error.into());
+            }
             self.follow_children_of(pid)?;
             self.named.insert(pid);
         }
@@ -365,6 +377,11 @@ impl Session {
     /// `-c`: forks the command held before exec, attaches, then lets it run.
     fn start_command(command_line: &str, config: &SessionConfig) -> Result<Self, SessionError> {
         let gated = GatedCommand::spawn(command_line)?;
+        if config.tracer.trace_events && feedback::is_memleak(&gated.program) {
+            let program = gated.program.display().to_string();
+            gated.abandon();
+            return Err(SessionError::ExcludedCommand { program, why: feedback::ANOTHER_MEMLEAK });
+        }
         // Everything that can fail happens before the command may run: on
         // a failure it is abandoned, never left to run untraced.
         let prepared = attach::plan::plan_for_program(&gated.program, &config.allocator)
@@ -789,6 +806,10 @@ impl Session {
         if self.follows_newcomers() && !self.named.contains(&pid) {
             return Ok(None);
         }
+        if let Some(why) = left_out(&self.excluded, self.trace_events.is_some(), pid) {
+            log::warn!("pid {pid} is no longer traced after its execve: {why}");
+            return Ok(None);
+        }
         let planned = plan_process(pid, &self.allocator);
         let (plan, space) = match planned {
             Ok(planned) => planned,
@@ -891,18 +912,21 @@ fn plan_process(pid: u32, allocator: &AllocatorChoice) -> Result<(AttachPlan, Ad
 fn plan_named(
     pids: &[u32],
     config: &SessionConfig,
-) -> Result<Vec<(u32, AttachPlan, AddressSpace)>, SessionError> {
+) -> Result<Vec<(HeldProcess, AttachPlan, AddressSpace)>, SessionError> {
     if pids.len() > config.tracer.max_processes as usize {
         return Err(SessionError::TooManyProcesses { pids: pids.len(), max: config.tracer.max_processes });
     }
     let mut planned = Vec::new();
     for &pid in pids {
-        if let Some(excluded) = config.excluded.iter().find(|excluded| excluded.pid == pid) {
-            return Err(SessionError::Excluded { pid, why: excluded.why });
+        if let Some(why) = left_out(&config.excluded, config.tracer.trace_events, pid) {
+            return Err(SessionError::Excluded { pid, why });
         }
+        // Held from this first look, so that the attach, later, is checked
+        // to have reached this process and no other given its pid.
+        let held = HeldProcess::hold(pid)?;
         lifecycle::check_process(pid)?;
         let (plan, space) = plan_process(pid, &config.allocator)?;
-        planned.push((pid, plan, space));
+        planned.push((held, plan, space));
     }
     Ok(planned)
 }
@@ -916,6 +940,15 @@ fn process_tracer_config(config: &SessionConfig) -> Result<TracerConfig, Session
         tracer_config.task_tgid_offset = kernel_btf::member_offset(btf, "task_struct", "tgid")?;
     }
     Ok(tracer_config)
+}
+
+/// Why memleak leaves process `pid` alone, if it does: one of those it
+/// never traces, or with --trace (`trace`) another memleak.
+fn left_out(excluded: &[Excluded], trace: bool, pid: u32) -> Option<&'static str> {
+    if let Some(excluded) = excluded.iter().find(|excluded| excluded.pid == pid) {
+        return Some(excluded.why);
+    }
+    (trace && feedback::runs_memleak(pid)).then_some(feedback::ANOTHER_MEMLEAK)
 }
 
 fn excluded_pids(config: &SessionConfig) -> Vec<u32> {

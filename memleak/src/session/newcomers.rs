@@ -125,9 +125,9 @@ impl Session {
     /// called execve, and its loader may not have mapped its allocator
     /// yet; then a failed plan is left to the next look, unsaid.
     fn take_in(&mut self, pid: u32, whose: &str, at_exec: bool) -> bool {
-        if let Some(excluded) = self.excluded.iter().find(|excluded| excluded.pid == pid) {
+        if let Some(why) = super::left_out(&self.excluded, self.trace_events.is_some(), pid) {
             if self.excluded_said.insert(pid) {
-                log::warn!("not tracing pid {pid}{whose}: {}", excluded.why);
+                log::warn!("not tracing pid {pid}{whose}: {why}");
             }
             return false;
         }
