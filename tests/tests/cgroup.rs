@@ -234,6 +234,19 @@ fn a_path_that_is_not_a_cgroup() {
     assert!(stderr.starts_with("memleak: error: /tmp is not a cgroup v2 directory"), "{stderr}");
 }
 
+/// A file of the cgroup file system is on cgroup2 and has an inode, but
+/// no task is ever in it: taken for a cgroup, it traced nothing.
+#[test]
+fn a_file_of_a_cgroup_is_not_a_cgroup() {
+    let cgroup = TestCgroup::new();
+    let file = cgroup.0.join("cgroup.procs");
+    let file = file.to_str().unwrap();
+    let (code, stderr) = memleak_tests::run_to_end(&["--cgroup", file, "1", "1"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with(&format!("memleak: error: {file} is not a cgroup v2 directory")), "{stderr}");
+}
+
 #[test]
 fn memleak_in_the_cgroup_it_traces_never_traces_itself() {
     // With --trace, each event memleak printed would make more: it must

@@ -39,10 +39,13 @@ pub struct Cgroup {
 impl Cgroup {
     pub fn open(path: &Path) -> Result<Self, CgroupError> {
         let not_cgroup = || CgroupError::NotCgroup2(path.to_path_buf());
-        if !is_cgroup2(path) {
+        // A file of cgroupfs (cgroup.procs, say) is on cgroup2 too, and has
+        // an inode, but no task is ever in it: only a directory is a cgroup.
+        let metadata = std::fs::metadata(path).map_err(|_| not_cgroup())?;
+        if !metadata.is_dir() || !is_cgroup2(path) {
             return Err(not_cgroup());
         }
-        let id = std::fs::metadata(path).map_err(|_| not_cgroup())?.ino();
+        let id = metadata.ino();
         let level = level_of(path);
         if level.is_none() {
             log::warn!(
