@@ -57,6 +57,14 @@ impl Cgroup {
         Ok(Self { path: path.to_path_buf(), id, level })
     }
 
+    /// The id of the cgroup at `path` now: another than `id` once the
+    /// cgroup was removed and made again there (a container restarted);
+    /// `None` while there is none.
+    pub fn id_now(&self) -> Option<u64> {
+        let metadata = std::fs::metadata(&self.path).ok()?;
+        metadata.is_dir().then(|| metadata.ino())
+    }
+
     /// The processes in the cgroup and, when its level is known, in its
     /// descendant cgroups now, each once, those directly in it first.
     pub fn processes(&self) -> Vec<CgroupProcess> {

@@ -123,6 +123,10 @@ pub struct Session {
     /// With --cgroup (or serve's --cgroup and --container): the cgroups
     /// whose processes are followed.
     cgroups: Vec<Cgroup>,
+    /// Whether BPF records only the tasks of the first of `cgroups` (and
+    /// of its descendants), by its id: with one cgroup and nothing else
+    /// followed.
+    cgroup_filter: bool,
     /// With serve's --exe: the executables' file names whose processes
     /// are followed.
     exes: Vec<String>,
@@ -209,6 +213,7 @@ impl Session {
                 ..MapFill::default()
             },
             cgroups: Vec::new(),
+            cgroup_filter: false,
             exes: Vec::new(),
             cgroup2_root: None,
             named: HashSet::new(),
@@ -329,7 +334,9 @@ impl Session {
         };
         // BPF can check one cgroup subtree: with one cgroup and nothing
         // else followed, a process that leaves it stops being recorded.
-        if let ([cgroup], true, true) = (cgroups.as_slice(), pids.is_empty(), exes.is_empty()) {
+        let cgroup_filter =
+            matches!((cgroups.as_slice(), pids.is_empty(), exes.is_empty()), ([_], true, true));
+        if let (true, Some(cgroup)) = (cgroup_filter, cgroups.first()) {
             tracer_config.cgroup_id = cgroup.id;
             tracer_config.cgroup_level = cgroup.level;
         }
@@ -339,6 +346,7 @@ impl Session {
         session.add_named(planned)?;
         session.cgroup2_root = if cgroups.is_empty() { None } else { container::cgroup2_mount() };
         session.cgroups = cgroups;
+        session.cgroup_filter = cgroup_filter;
         session.exes = exes;
         session.follow_newcomers();
         Ok(session)
@@ -358,6 +366,7 @@ impl Session {
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         session.cgroups.push(cgroup);
+        session.cgroup_filter = true;
         session.cgroup_census = session.follow_newcomers();
         Ok(session)
     }
