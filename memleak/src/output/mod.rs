@@ -43,7 +43,7 @@
 
 use std::{
     fs::{self, File, OpenOptions},
-    io::{self, Write},
+    io::{self, Seek as _, SeekFrom, Write},
     os::unix::{
         fs::OpenOptionsExt as _,
         io::{FromRawFd as _, RawFd},
@@ -247,11 +247,17 @@ fn render(path: &Path, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> 
 /// reports keeps them, as a killed one does. Only `finish` syncs the rest:
 /// a kill loses nothing that was written, only a crash of the whole system
 /// could, and an fsync per report would cost more than it buys.
+///
+/// A report that cannot be written whole (a full disk, a quota) is taken
+/// back: the file is cut to where it ended before, so that it still ends
+/// on a complete report, and the run ends with the reason.
 struct Stream {
     path: PathBuf,
     force: bool,
     /// The file at `path` once the first report is in place.
     file: Option<File>,
+    /// Where the last complete report ends.
+    length: u64,
 }
 
 impl Stream {
@@ -259,17 +265,32 @@ impl Stream {
         target.check_replaceable(path, force)?;
         // Whether the directory takes files, before anything is attached.
         Temporary::create(path).map_err(write_error(path))?;
-        Ok(Self { path: path.to_path_buf(), force, file: None })
+        Ok(Self { path: path.to_path_buf(), force, file: None, length: 0 })
     }
 
     fn append(&mut self, bytes: &[u8]) -> Result<(), OutputError> {
-        if let Some(file) = &mut self.file {
-            return file.write_all(bytes).map_err(write_error(&self.path));
+        let Some(file) = &mut self.file else {
+            if !bytes.is_empty() {
+                self.file = Some(self.start(bytes)?);
+                self.length = bytes.len() as u64;
+            }
+            return Ok(());
+        };
+        match file.write_all(bytes) {
+            Ok(()) => {
+                self.length += bytes.len() as u64;
+                Ok(())
+            }
+            Err(source) => {
+                // Part of the report may be in: cut it off, and leave the
+                // offset at the end, for anything written after.
+                let cut = file.set_len(self.length).and_then(|()| file.seek(SeekFrom::Start(self.length)));
+                if let Err(error) = cut {
+                    log::warn!("cannot take a report cut short out of {}: {error}", self.path.display());
+                }
+                Err(OutputError::Write { path: self.path.clone(), source })
+            }
         }
-        if !bytes.is_empty() {
-            self.file = Some(self.start(bytes)?);
-        }
-        Ok(())
     }
 
     /// Puts a file holding `bytes` at the path; returns it, open.
