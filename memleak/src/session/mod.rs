@@ -690,7 +690,9 @@ impl Session {
         let Some(ring) = self.mapping_events.as_mut() else { return };
         let events: Vec<MappingEvent> = ring.drain();
         for event in &events {
-            if MappingChange::try_from(event.change) == Ok(MappingChange::Launched) {
+            let change = MappingChange::try_from(event.change);
+            let traced = self.targets.iter().any(|target| target.pid == event.tgid);
+            if change == Ok(MappingChange::Launched) && !traced {
                 self.launched.push_back(event.tgid);
                 continue;
             }
@@ -703,7 +705,17 @@ impl Session {
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == event.tgid) else {
                 continue;
             };
-            if MappingChange::try_from(event.change) == Ok(MappingChange::Exec) {
+            // A target whose execve BPF saw as an untraced process's
+            // (`Launched`) called it while memleak was taking it in. Made
+            // after its address space was read, the execve left its plan
+            // and table those of the program it ran before (a container's
+            // `runc init`, found in the cgroup, then running the
+            // container's program): taken as its exec, it is planned
+            // again. Made before, it is the program planned.
+            if change == Ok(MappingChange::Launched) && event.timestamp_ns < target.space.read_ns() {
+                continue;
+            }
+            if matches!(change, Ok(MappingChange::Exec | MappingChange::Launched)) {
                 if target.exec_ns.is_none() {
                     target.exec_ns = Some(event.timestamp_ns);
                     self.execs.push_back(target.pid);
