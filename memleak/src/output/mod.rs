@@ -35,7 +35,8 @@
 //!   killed run leaves holding every complete report: see `Stream`.
 //! - **SVG, pprof and --save snapshots** are whole documents, one file per
 //!   report, each written in full and renamed into place: see
-//!   `NumberedFiles`.
+//!   `NumberedFiles`; snapshots by a thread of their own, in order
+//!   (`BackgroundFiles`).
 //!
 //! A run that fails, or is killed, leaves no temporary behind, except when
 //! killed in the instant between creating a file and renaming it (a write
@@ -51,7 +52,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
+mod background;
 mod destination;
+
+pub use background::BackgroundFiles;
 
 use memleak_common::TraceEvent;
 
@@ -771,5 +775,38 @@ mod tests {
         output.finish().unwrap();
         assert_eq!(fs::read_to_string(dir.join("captured")).unwrap(), "{\"report\":1}\n");
         assert_eq!(dir.names(), ["captured"], "nothing made beside it, nothing replaced");
+    }
+
+    /// --save's snapshots are written by a thread of their own: in the
+    /// order they were handed over, each whole, and the first error comes
+    /// back to the report loop.
+    #[test]
+    fn documents_written_in_the_background_keep_their_order_and_errors() {
+        let dir = TestDir::new("background");
+        let files = NumberedFiles::new(&dir.join("heap.snap"), Documents::Several, false).unwrap();
+        let mut background = BackgroundFiles::new(files).unwrap();
+        for number in 1..=5 {
+            background.write(move |out| write!(out, "snapshot {number}")).unwrap();
+        }
+        background.finish().unwrap();
+        assert_eq!(dir.names(), ["heap.1.snap", "heap.2.snap", "heap.3.snap", "heap.4.snap", "heap.5.snap"]);
+        for number in 1..=5 {
+            let written = fs::read_to_string(dir.join(&format!("heap.{number}.snap"))).unwrap();
+            assert_eq!(written, format!("snapshot {number}"));
+        }
+
+        let files = NumberedFiles::new(&dir.join("failing.snap"), Documents::Several, false).unwrap();
+        let mut background = BackgroundFiles::new(files).unwrap();
+        background.write(|_| Err(io::Error::other("no room"))).unwrap();
+        // Taken back by the next write, or at the latest by `finish`.
+        let error = match background.write(|out| write!(out, "after")) {
+            Err(error) => error,
+            Ok(()) => background.finish().unwrap_err(),
+        };
+        assert_eq!(
+            error.to_string(),
+            format!("cannot write {}: no room", dir.join("failing.1.snap").display())
+        );
+        assert!(!dir.names().iter().any(|name| name.starts_with("failing")), "{:?}", dir.names());
     }
 }
