@@ -19,6 +19,13 @@ pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
 /// Process id (u32) -> 1 (u32): processes whose new children are
 /// followed; the fork tracepoint adds each child it reports.
 pub const FOLLOWED_MAP: &str = "FOLLOWED";
+/// Array of one u64: with --cgroup (or `memleak serve` following one
+/// cgroup and nothing else), the cgroup v2 id whose tasks, and those of
+/// its descendant cgroups, are recorded; 0 records every task the probes
+/// fire for. A map, not a load-time tunable: a cgroup removed and made
+/// again at the same path (a container restarted) has a new id, which
+/// user space writes here.
+pub const CGROUP_FILTER_MAP: &str = "CGROUP_FILTER";
 /// Ring buffer of [`TraceEvent`](crate::TraceEvent)s, written only with --trace.
 pub const EVENTS_MAP: &str = "EVENTS";
 /// Ring buffer of [`MappingEvent`](crate::MappingEvent)s.
@@ -48,13 +55,10 @@ pub mod tunables {
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
     /// u32: 1 to send a [`crate::TraceEvent`] per allocation and free.
     pub const TRACE: &str = "TRACE";
-    /// u64: with --cgroup, the cgroup v2 id whose tasks, and those of its
-    /// descendant cgroups, are recorded; 0 records every task the probes
-    /// fire for.
-    pub const CGROUP_ID: &str = "CGROUP_ID";
-    /// u32: the level of [`CGROUP_ID`] below the cgroup2 root (the root is
-    /// 0), or [`crate::CGROUP_LEVEL_UNKNOWN`]: then only tasks directly in
-    /// it are recorded.
+    /// u32: the level of the cgroup in [`crate::CGROUP_FILTER_MAP`] below
+    /// the cgroup2 root (the root is 0), or [`crate::CGROUP_LEVEL_UNKNOWN`]:
+    /// then only tasks directly in it are recorded. A cgroup made again at
+    /// the same path has the same level.
     pub const CGROUP_LEVEL: &str = "CGROUP_LEVEL";
     /// u32: offset of `size` in the kernel's struct `kmem_cache`.
     pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";

@@ -48,6 +48,11 @@ pub static PROCESS_COUNTERS: PerCpuHashMap<u32, ProcessCounters> = PerCpuHashMap
 #[map(name = "FOLLOWED")]
 pub static FOLLOWED: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
 
+/// Slot 0: the id of the cgroup whose tasks are recorded, 0 for all; see
+/// `memleak_common::CGROUP_FILTER_MAP`.
+#[map(name = "CGROUP_FILTER")]
+pub static CGROUP_FILTER: Array<u64> = Array::with_max_entries(1, 0);
+
 /// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]
 pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(1, 0);

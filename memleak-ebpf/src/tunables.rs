@@ -1,4 +1,6 @@
-//! Read-only globals that user space sets at load time.
+//! Read-only globals that user space sets at load time, and what the
+//! probes decide from them (with the cgroup filter, which is a map: see
+//! `memleak_common::CGROUP_FILTER_MAP`).
 
 use memleak_common::{CGROUP_LEVEL_UNKNOWN, MAX_IGNORED_PROCESSES, MAX_STACK_DEPTH};
 
@@ -18,8 +20,6 @@ static CACHE_SIZE_OFFSET: u32 = 0;
 static TASK_TGID_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static NEWCOMER_EXECS: u32 = 0;
-#[unsafe(no_mangle)]
-static CGROUP_ID: u64 = 0;
 #[unsafe(no_mangle)]
 static CGROUP_LEVEL: u32 = CGROUP_LEVEL_UNKNOWN;
 #[unsafe(no_mangle)]
@@ -106,8 +106,8 @@ pub fn ignored_caller(call_site: u64) -> bool {
 /// attached them to. With --cgroup, a process that has left the cgroup
 /// (and its descendants) since is not recorded any more.
 pub fn in_scope() -> bool {
-    // SAFETY: as above.
-    let cgroup = unsafe { core::ptr::read_volatile(&raw const CGROUP_ID) };
+    // An array's lookup, which the verifier inlines: a few instructions.
+    let cgroup = crate::maps::CGROUP_FILTER.get(0).copied().unwrap_or(0);
     cgroup == 0 || (in_cgroup_subtree(cgroup) && !ignored_process(crate::calls::process_id()))
 }
 

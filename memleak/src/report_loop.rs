@@ -10,7 +10,7 @@ use crate::{
     bpf::{Traced, Tracer, TracerError},
     clock,
     config::TraceConfig,
-    output::{NumberedFiles, Output, OutputError},
+    output::{BackgroundFiles, NumberedFiles, Output, OutputError},
     process::feedback,
     report::{saved, CgroupTotal, Report},
     session::{CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec},
@@ -56,7 +56,7 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
     let mut saves = config
         .save
         .as_deref()
-        .map(|path| NumberedFiles::new(path, documents, config.output.force))
+        .map(|path| NumberedFiles::new(path, documents, config.output.force).and_then(BackgroundFiles::new))
         .transpose()?;
     let mut stats = Stats::open(config.stats.as_deref())?;
     let starting = Instant::now();
@@ -76,9 +76,14 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
     let ended = drive(config, &mut session, &mut sinks, &mut stop).await;
     // Ends a command memleak started and detaches every probe.
     drop(session);
+    // Every snapshot handed over is written, whatever ended the run.
+    let snapshots_written = saves.as_mut().map_or(Ok(()), BackgroundFiles::finish);
     match ended {
         // Nobody is listening any more: not an error.
-        Ok(()) | Err(RunError::Output(OutputError::ReaderGone)) => Ok(output.finish()?),
+        Ok(()) | Err(RunError::Output(OutputError::ReaderGone)) => {
+            snapshots_written?;
+            Ok(output.finish()?)
+        }
         Err(error) => Err(error),
     }
 }
@@ -145,7 +150,7 @@ fn say_joined(target: &Target) {
 struct Sinks<'a> {
     output: &'a mut Output,
     /// --save's snapshots.
-    saves: Option<&'a mut NumberedFiles>,
+    saves: Option<&'a mut BackgroundFiles>,
     stats: &'a mut Stats,
 }
 
@@ -310,7 +315,11 @@ fn report_round(
         );
         let writing = Instant::now();
         if let Some(saves) = sinks.saves.as_mut() {
-            saves.write(|out| saved::write(&report, out))?;
+            // Written by a thread of its own: a snapshot of every stack
+            // takes seconds at 65,536 deep stacks, and the report loop
+            // goes on meanwhile. The frames are shared, not copied.
+            let whole = report.clone();
+            saves.write(move |out| saved::write(&whole, out))?;
             // Saved whole; shown as asked.
             report.cut_for_display(&config.shown, config.output.rendering.format);
         }

@@ -118,6 +118,34 @@ impl Podman {
         container
     }
 
+    /// Runs `/app/leaker ARGS` in a new container called `name`, detached
+    /// and kept when it stops (so that it can be started again), with
+    /// the host's directory `shared` at /shared: the test talks to the
+    /// leaker through a FIFO there (`--input`), as `podman restart` gives
+    /// the new process no stdin of the test's. Removed when dropped.
+    pub fn run_detached(&self, name: &str, shared: &Path, args: &[&str]) -> Container<'_> {
+        let id_file = self.dir.path().join(format!("{name}.id"));
+        let mut command = self.command();
+        command
+            .args(["run", "--detach", "--name", name, "--network", "none", "--cidfile"])
+            .arg(&id_file)
+            .args(["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--volume"])
+            .arg(format!("{}:/shared", shared.display()))
+            .arg(&self.image)
+            .arg("/app/leaker")
+            .args(args)
+            .stdout(Stdio::null());
+        // Removed should anything after fail: the guard exists before.
+        let container = Container { podman: self, name: name.to_owned(), id_file, leaker: None };
+        run(&mut command);
+        container
+    }
+
+    /// `podman ARGS`, to success.
+    pub fn run(&self, args: &[&str]) {
+        run(self.command().args(args).stdout(Stdio::null()));
+    }
+
     /// `podman inspect --format FORMAT NAME`, trimmed.
     pub fn inspect(&self, name: &str, format: &str) -> String {
         let output = self

@@ -234,6 +234,64 @@ fn a_path_that_is_not_a_cgroup() {
     assert!(stderr.starts_with("memleak: error: /tmp is not a cgroup v2 directory"), "{stderr}");
 }
 
+/// A cgroup removed and made again at the same path, as a container's is
+/// when it restarts, is another cgroup with another id: its processes are
+/// traced, and the BPF filter that keeps the cgroup's tasks must take the
+/// new id, or each of them counts nothing.
+#[test]
+fn a_cgroup_made_again_at_its_path_is_followed() {
+    let cgroup = TestCgroup::new();
+    let path = cgroup.0.to_str().unwrap();
+    let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "100", "3600"]);
+    memleak.wait_attached();
+    let join = |leaker: &mut Leaker, memleak: &mut Memleak| {
+        cgroup.join(leaker.pid());
+        let joined = format!("memleak: pid {} is in the cgroup", leaker.pid());
+        memleak.stderr.wait_for("memleak to pick the process up", |line| line.starts_with(&joined));
+        leaker.go();
+    };
+    let mut before = Leaker::start_waiting(&["all"]);
+    join(&mut before, &mut memleak);
+    let pid_before = before.pid();
+    before.exit();
+    let report = format!("\"pid\":{pid_before},");
+    memleak.stdout.wait_for("the final report of the first process", |line| line.contains(&report));
+    for round in 0..2 {
+        let old_id = fs::metadata(&cgroup.0).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata));
+        fs::remove_dir(&cgroup.0).expect("remove the empty cgroup");
+        fs::create_dir(&cgroup.0).expect("make the cgroup again");
+        let new_id = fs::metadata(&cgroup.0).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata));
+        assert_ne!(old_id.ok(), new_id.ok(), "round {round}: a cgroup made again has another id");
+        let mut after = Leaker::start_waiting(&["all"]);
+        join(&mut after, &mut memleak);
+        let pid = after.pid();
+        after.exit();
+        let report = format!("\"pid\":{pid},");
+        let line =
+            memleak.stdout.wait_for("the final report of a process of the cgroup made again", |line| {
+                line.contains(&report)
+            });
+        let report: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(report["total_bytes"], 17_264, "round {round}: {report:#}");
+        assert_eq!(usage_at(&report, "leak_malloc", "malloc"), (3000, 3), "round {round}: {report:#}");
+    }
+    memleak.signal(libc::SIGINT);
+    assert!(memleak.finish().0.success());
+}
+
+/// A file of the cgroup file system is on cgroup2 and has an inode, but
+/// no task is ever in it: taken for a cgroup, it traced nothing.
+#[test]
+fn a_file_of_a_cgroup_is_not_a_cgroup() {
+    let cgroup = TestCgroup::new();
+    let file = cgroup.0.join("cgroup.procs");
+    let file = file.to_str().unwrap();
+    let (code, stderr) = memleak_tests::run_to_end(&["--cgroup", file, "1", "1"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with(&format!("memleak: error: {file} is not a cgroup v2 directory")), "{stderr}");
+}
+
 #[test]
 fn memleak_in_the_cgroup_it_traces_never_traces_itself() {
     // With --trace, each event memleak printed would make more: it must

@@ -323,3 +323,106 @@ fn a_killed_run_keeps_every_complete_report() {
     assert_eq!(names(dir.path()), ["out.json"], "no temporary left behind");
     leaker.exit();
 }
+
+/// A small tmpfs mounted at a directory of its own; unmounted when dropped.
+struct SmallFileSystem {
+    dir: TempDir,
+}
+
+impl SmallFileSystem {
+    fn new(tag: &str, size: &str) -> Self {
+        let dir = TempDir::new(tag);
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "mount a {size} tmpfs at {}", dir.path().display());
+        Self { dir }
+    }
+
+    /// Writes a file until the file system is full.
+    fn fill(&self) {
+        let mut filler = fs::File::create(self.dir.path().join("filler")).expect("create a filler");
+        let page = [b'x'; 4096];
+        let error = loop {
+            if let Err(error) = std::io::Write::write_all(&mut filler, &page) {
+                break error;
+            }
+        };
+        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC), "filling the tmpfs: {error}");
+    }
+}
+
+impl Drop for SmallFileSystem {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("--lazy").arg(self.dir.path()).status();
+    }
+}
+
+/// The reports of text `output`, each from its header line on.
+fn text_reports(output: &str) -> Vec<Vec<&str>> {
+    let mut reports: Vec<Vec<&str>> = Vec::new();
+    for line in output.lines() {
+        if line.starts_with('[') && line.contains("] Top ") {
+            reports.push(Vec::new());
+        }
+        reports.last_mut().unwrap_or_else(|| panic!("text before the first report: {line}")).push(line);
+    }
+    reports
+}
+
+/// A file system that fills up under a stream of reports: the report
+/// that does not fit is taken back, so the file ends on a complete one,
+/// and memleak exits 2 saying why in one line.
+#[test]
+fn a_full_disk_leaves_the_file_ending_on_a_complete_report() {
+    for format in ["json", "text"] {
+        let small = SmallFileSystem::new(&format!("memleak-full-{format}"), "64k");
+        let out = small.dir.path().join(format!("out.{format}"));
+        let mut leaker = Leaker::start_waiting(&["all"]);
+        let pid = leaker.pid().to_string();
+        let mut memleak = Memleak::start(&["-p", &pid, "--format", format, "--output", path(&out), "1"]);
+        memleak.wait_attached();
+        leaker.go();
+        let deadline = Instant::now() + PATIENCE;
+        while !out.exists() {
+            assert!(Instant::now() < deadline, "no {} after {PATIENCE:?}", out.display());
+            thread::sleep(Duration::from_millis(100));
+        }
+        // The next reports go in the room left in the file's last page,
+        // until one does not fit.
+        small.fill();
+        let status = loop {
+            if let Some(status) = memleak.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "memleak still runs on a full file system");
+            thread::sleep(Duration::from_millis(100));
+        };
+        let stderr = memleak.stderr.rest();
+        assert_eq!(status.code(), Some(2), "{format}: {stderr:#?}");
+        let errors: Vec<&String> =
+            stderr.iter().filter(|line| line.starts_with("memleak: error: ")).collect();
+        assert_eq!(
+            errors,
+            [&format!(
+                "memleak: error: cannot write {}: No space left on device (os error 28)",
+                out.display()
+            )],
+            "{format}: one line with the reason: {stderr:#?}"
+        );
+        let written = fs::read_to_string(&out).unwrap();
+        assert!(written.ends_with('\n'), "{format}: the last report cut short: {written:?}");
+        if format == "json" {
+            reports(&written, "out.json on a full file system");
+        } else {
+            let every = text_reports(&written);
+            assert!(
+                every.iter().all(|report| report.len() == every[0].len()),
+                "every text report whole, as long as the first: {written}"
+            );
+        }
+        leaker.exit();
+    }
+}

@@ -5,12 +5,13 @@
 //! containers in storage of the test's own, which memleak's `podman
 //! inspect` is pointed at through the environment it inherits.
 
-use std::fs;
+use std::{fs, io::Write as _};
 
 use memleak_tests::{
     http::{get, get_until, serve_with_env, stop, Response},
     leaker_rootfs,
     podman::Podman,
+    tempdir::TempDir,
 };
 use serde_json::Value;
 
@@ -132,4 +133,61 @@ fn container_by_a_hex_name_follows_that_container_not_an_id_prefix() {
     named.exit();
     first.leaker().go();
     first.exit();
+}
+
+/// A container restarted (`podman restart`, or stopped and started) runs
+/// its new process in a cgroup made again at the same path, with another
+/// id: memleak follows the new process, and the BPF filter that keeps the
+/// container's tasks follows the new cgroup, so each byte it leaks counts.
+#[test]
+fn a_restarted_container_is_followed_and_counted() {
+    let rootfs = leaker_rootfs();
+    let podman = Podman::with_image("restart", rootfs.path());
+    let shared = TempDir::new("memleak-podman-shared");
+    let fifo = shared.path().join("input");
+    let fifo_name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo_name.as_ptr(), 0o600) }, 0, "mkfifo {}", fifo.display());
+    // Held open for reading and writing: the leaker's open never waits for
+    // a writer, and its reads never meet end of file, across restarts.
+    let mut input = fs::OpenOptions::new().read(true).write(true).open(&fifo).expect("open the FIFO");
+    let name = format!("memleak-test-restart-{}", std::process::id());
+    let container = podman.run_detached(&name, shared.path(), &["all", "--wait", "--input", "/shared/input"]);
+    let short = container.id()[..12].to_owned();
+    let env = podman.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let (mut memleak, port) = serve_with_env(&["--container", &name], &env);
+    let mut pids = Vec::new();
+    for round in ["at the start", "after podman restart", "after podman stop and start"] {
+        match round {
+            "after podman restart" => podman.run(&["restart", "--time", "0", &name]),
+            "after podman stop and start" => {
+                podman.run(&["stop", "--time", "0", &name]);
+                podman.run(&["start", &name]);
+            }
+            _ => {}
+        }
+        let pid = container.host_pid();
+        assert!(!pids.contains(&pid), "{round}: a new process, not one of {pids:?}");
+        pids.push(pid);
+        // Found in the container as the leaker, or before as `runc init`
+        // (runc maps libc), which then runs the leaker.
+        let tracing = format!("memleak: tracing pid {pid} (leaker) in container {short} through ");
+        let now_runs = format!("memleak: pid {pid} now runs /app/leaker: tracing it");
+        let traced = |line: &str| line.starts_with(&tracing) || line == now_runs;
+        if !memleak.stderr.seen.iter().any(|line| traced(line)) {
+            memleak.stderr.wait_for(&format!("memleak to trace the leaker {round}"), traced);
+        }
+        input.write_all(b"go\n").expect("tell the leaker to allocate");
+        let response = get_until(port, "/api/v1/targets", |response| {
+            targets(response)
+                .iter()
+                .any(|target| target["pid"] == pid && target["outstanding_bytes"] == 17_264)
+        });
+        let list = targets(&response);
+        let target = list.iter().find(|target| target["pid"] == pid).unwrap();
+        assert_eq!(target["outstanding_allocations"], 15, "{round}: {list:#?}");
+    }
+    stop(memleak);
+    drop(container);
 }

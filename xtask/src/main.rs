@@ -58,6 +58,10 @@ enum Task {
         /// Only `memleak serve`'s section: its scrapes and its soak.
         #[arg(long)]
         serve_only: bool,
+        /// Only the time one --save snapshot of 65,536 deep stacks takes
+        /// (no root needed).
+        #[arg(long, conflicts_with = "serve_only")]
+        save_only: bool,
     },
 }
 
@@ -66,7 +70,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
-        Task::Bench { quick, serve_only } => bench::run(quick, serve_only),
+        Task::Bench { quick, serve_only, save_only } => bench::run(quick, serve_only, save_only),
         Task::Readme { check, fresh, examples } => {
             readme::run(&readme::Options { check, fresh, only: examples })
         }

@@ -78,7 +78,10 @@ fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Opti
 }
 
 /// The address range of kernel function `name`, from /proc/kallsyms: from
-/// its address to the next symbol's.
+/// its address to the next symbol's. Without a symbol of that name, that
+/// of the copy GCC made of it, specialized (`NAME.constprop.0`,
+/// `NAME.isra.0`, `NAME.part.0`): a kernel built so has the function under
+/// that name alone.
 pub fn function_range(kallsyms: &str, name: &str) -> Option<std::ops::Range<u64>> {
     let mut addresses: Vec<(u64, &str)> = kallsyms
         .lines()
@@ -91,7 +94,15 @@ pub fn function_range(kallsyms: &str, name: &str) -> Option<std::ops::Range<u64>
         .filter(|(address, _)| *address != 0)
         .collect();
     addresses.sort_unstable();
-    let index = addresses.iter().position(|(_, symbol)| *symbol == name)?;
+    let clone_of = |symbol: &str| {
+        symbol.strip_prefix(name).and_then(|rest| rest.strip_prefix('.')).is_some_and(|suffix| {
+            ["constprop.", "isra.", "part."].iter().any(|kind| suffix.starts_with(kind))
+        })
+    };
+    let index = addresses
+        .iter()
+        .position(|(_, symbol)| *symbol == name)
+        .or_else(|| addresses.iter().position(|(_, symbol)| clone_of(symbol)))?;
     let start = addresses[index].0;
     let end = addresses[index..].iter().map(|(address, _)| *address).find(|&address| address > start)?;
     Some(start..end)
@@ -116,5 +127,9 @@ mod tests {
             "ffffffff81000200 t second\nffffffff81000100 T first\nffffffff81000100 t first_alias\n";
         assert_eq!(function_range(kallsyms, "first"), Some(0xffff_ffff_8100_0100..0xffff_ffff_8100_0200));
         assert_eq!(function_range(kallsyms, "missing"), None);
+        let cloned = "ffffffff81000300 t alloc_bulk.constprop.0\nffffffff81000400 t free_bulk\n\
+                      ffffffff81000100 t alloc_bulk_other\n";
+        assert_eq!(function_range(cloned, "alloc_bulk"), Some(0xffff_ffff_8100_0300..0xffff_ffff_8100_0400));
+        assert_eq!(function_range(cloned, "alloc"), None, "another function, not a copy of it");
     }
 }

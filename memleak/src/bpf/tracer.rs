@@ -5,7 +5,7 @@
 use std::{collections::HashSet, os::fd::OwnedFd};
 
 use aya::{
-    maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
@@ -15,7 +15,7 @@ use aya::{
 use memleak_common::{
     lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, Counter, PendingCall,
     ProcessCounters, ProcessMappings, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP,
-    ALLOCATOR_FUNCTIONS, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
+    ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
     MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP,
     STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
 };
@@ -121,7 +121,7 @@ pub struct TracerConfig {
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
     /// With --cgroup, the only cgroup whose tasks (and those of its
-    /// descendants) are recorded.
+    /// descendants) are recorded at first; 0 for every task.
     pub cgroup_id: u64,
     /// Report the execs of processes not traced (`MappingChange::Launched`):
     /// `memleak serve` following executables or cgroups.
@@ -285,7 +285,6 @@ impl Tracer {
             .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
             .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
-            .override_global(tunables::CGROUP_ID, &config.cgroup_id, true)
             .override_global(tunables::NEWCOMER_EXECS, &u32::from(config.newcomer_execs), true)
             .override_global(
                 tunables::CGROUP_LEVEL,
@@ -328,6 +327,8 @@ impl Tracer {
             load_for_perf_events(&mut ebpf)?;
             None
         };
+        // Before any probe is attached: none records a task it should not.
+        write_cgroup_filter(&mut ebpf, config.cgroup_id)?;
         Ok(Self {
             ebpf,
             multi,
@@ -448,6 +449,13 @@ impl Tracer {
 
     /// Tells the free probe where process `pid`'s allocator code lies (see
     /// `memleak_common::AllocatorCode`).
+    /// Records only the tasks of cgroup `id` and of its descendants, from
+    /// now on: at load, and for the cgroup followed made again at its path
+    /// (see `memleak_common::CGROUP_FILTER_MAP`).
+    pub fn set_cgroup_filter(&mut self, id: u64) -> Result<(), TracerError> {
+        write_cgroup_filter(&mut self.ebpf, id)
+    }
+
     pub fn set_allocator_code(&mut self, pid: u32, code: AllocatorCode) -> Result<(), TracerError> {
         let mut map: HashMap<&mut MapData, u32, AllocatorCode> = self.map_mut(ALLOCATOR_CODE_MAP)?;
         map.insert(pid, code, 0).map_err(|source| TracerError::WriteMap { map: ALLOCATOR_CODE_MAP, source })
@@ -674,6 +682,15 @@ impl Tracer {
         let map = self.ebpf.map_mut(name).ok_or(TracerError::Missing(name))?;
         T::try_from(map).map_err(|source| TracerError::ReadMap { map: name, source })
     }
+}
+
+/// Has BPF record only the tasks of cgroup `id` and of its descendants;
+/// 0: every task.
+fn write_cgroup_filter(ebpf: &mut Ebpf, id: u64) -> Result<(), TracerError> {
+    let map = ebpf.map_mut(CGROUP_FILTER_MAP).ok_or(TracerError::Missing(CGROUP_FILTER_MAP))?;
+    let mut filter: Array<&mut MapData, u64> =
+        Array::try_from(map).map_err(|source| TracerError::ReadMap { map: CGROUP_FILTER_MAP, source })?;
+    filter.set(0, id, 0).map_err(|source| TracerError::WriteMap { map: CGROUP_FILTER_MAP, source })
 }
 
 fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, TracerError> {

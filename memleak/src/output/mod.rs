@@ -35,7 +35,8 @@
 //!   killed run leaves holding every complete report: see `Stream`.
 //! - **SVG, pprof and --save snapshots** are whole documents, one file per
 //!   report, each written in full and renamed into place: see
-//!   `NumberedFiles`.
+//!   `NumberedFiles`; snapshots by a thread of their own, in order
+//!   (`BackgroundFiles`).
 //!
 //! A run that fails, or is killed, leaves no temporary behind, except when
 //! killed in the instant between creating a file and renaming it (a write
@@ -43,7 +44,7 @@
 
 use std::{
     fs::{self, File, OpenOptions},
-    io::{self, Write},
+    io::{self, Seek as _, SeekFrom, Write},
     os::unix::{
         fs::OpenOptionsExt as _,
         io::{FromRawFd as _, RawFd},
@@ -51,7 +52,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
+mod background;
 mod destination;
+
+pub use background::BackgroundFiles;
 
 use memleak_common::TraceEvent;
 
@@ -247,11 +251,17 @@ fn render(path: &Path, write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> 
 /// reports keeps them, as a killed one does. Only `finish` syncs the rest:
 /// a kill loses nothing that was written, only a crash of the whole system
 /// could, and an fsync per report would cost more than it buys.
+///
+/// A report that cannot be written whole (a full disk, a quota) is taken
+/// back: the file is cut to where it ended before, so that it still ends
+/// on a complete report, and the run ends with the reason.
 struct Stream {
     path: PathBuf,
     force: bool,
     /// The file at `path` once the first report is in place.
     file: Option<File>,
+    /// Where the last complete report ends.
+    length: u64,
 }
 
 impl Stream {
@@ -259,17 +269,32 @@ impl Stream {
         target.check_replaceable(path, force)?;
         // Whether the directory takes files, before anything is attached.
         Temporary::create(path).map_err(write_error(path))?;
-        Ok(Self { path: path.to_path_buf(), force, file: None })
+        Ok(Self { path: path.to_path_buf(), force, file: None, length: 0 })
     }
 
     fn append(&mut self, bytes: &[u8]) -> Result<(), OutputError> {
-        if let Some(file) = &mut self.file {
-            return file.write_all(bytes).map_err(write_error(&self.path));
+        let Some(file) = &mut self.file else {
+            if !bytes.is_empty() {
+                self.file = Some(self.start(bytes)?);
+                self.length = bytes.len() as u64;
+            }
+            return Ok(());
+        };
+        match file.write_all(bytes) {
+            Ok(()) => {
+                self.length += bytes.len() as u64;
+                Ok(())
+            }
+            Err(source) => {
+                // Part of the report may be in: cut it off, and leave the
+                // offset at the end, for anything written after.
+                let cut = file.set_len(self.length).and_then(|()| file.seek(SeekFrom::Start(self.length)));
+                if let Err(error) = cut {
+                    log::warn!("cannot take a report cut short out of {}: {error}", self.path.display());
+                }
+                Err(OutputError::Write { path: self.path.clone(), source })
+            }
         }
-        if !bytes.is_empty() {
-            self.file = Some(self.start(bytes)?);
-        }
-        Ok(())
     }
 
     /// Puts a file holding `bytes` at the path; returns it, open.
@@ -750,5 +775,38 @@ mod tests {
         output.finish().unwrap();
         assert_eq!(fs::read_to_string(dir.join("captured")).unwrap(), "{\"report\":1}\n");
         assert_eq!(dir.names(), ["captured"], "nothing made beside it, nothing replaced");
+    }
+
+    /// --save's snapshots are written by a thread of their own: in the
+    /// order they were handed over, each whole, and the first error comes
+    /// back to the report loop.
+    #[test]
+    fn documents_written_in_the_background_keep_their_order_and_errors() {
+        let dir = TestDir::new("background");
+        let files = NumberedFiles::new(&dir.join("heap.snap"), Documents::Several, false).unwrap();
+        let mut background = BackgroundFiles::new(files).unwrap();
+        for number in 1..=5 {
+            background.write(move |out| write!(out, "snapshot {number}")).unwrap();
+        }
+        background.finish().unwrap();
+        assert_eq!(dir.names(), ["heap.1.snap", "heap.2.snap", "heap.3.snap", "heap.4.snap", "heap.5.snap"]);
+        for number in 1..=5 {
+            let written = fs::read_to_string(dir.join(&format!("heap.{number}.snap"))).unwrap();
+            assert_eq!(written, format!("snapshot {number}"));
+        }
+
+        let files = NumberedFiles::new(&dir.join("failing.snap"), Documents::Several, false).unwrap();
+        let mut background = BackgroundFiles::new(files).unwrap();
+        background.write(|_| Err(io::Error::other("no room"))).unwrap();
+        // Taken back by the next write, or at the latest by `finish`.
+        let error = match background.write(|out| write!(out, "after")) {
+            Err(error) => error,
+            Ok(()) => background.finish().unwrap_err(),
+        };
+        assert_eq!(
+            error.to_string(),
+            format!("cannot write {}: no room", dir.join("failing.1.snap").display())
+        );
+        assert!(!dir.names().iter().any(|name| name.starts_with("failing")), "{:?}", dir.names());
     }
 }

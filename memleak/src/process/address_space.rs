@@ -145,6 +145,10 @@ pub struct AddressSpace {
     last_maps: String,
     /// The name of the program's executable, once it is mapped.
     executable: Option<String>,
+    /// `CLOCK_MONOTONIC` ns, BPF's clock, when `read` began; 0 for a model
+    /// filled in by `refresh` alone. A program the process runs after an
+    /// execve from then on may not be the one modelled.
+    read_ns: u64,
 }
 
 impl AddressSpace {
@@ -157,12 +161,13 @@ impl AddressSpace {
             code: Vec::new(),
             last_maps: String::new(),
             executable: None,
+            read_ns: 0,
         }
     }
 
     /// The model of process `pid` as it is now.
     pub fn read(pid: u32) -> std::io::Result<Self> {
-        let mut space = Self::new(pid);
+        let mut space = Self { read_ns: crate::clock::monotonic_ns(), ..Self::new(pid) };
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
         space.update(&maps);
         Ok(space)
@@ -170,6 +175,11 @@ impl AddressSpace {
 
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// When `read` began (see `read_ns`).
+    pub fn read_ns(&self) -> u64 {
+        self.read_ns
     }
 
     /// Re-reads /proc/PID/maps and says which objects came and went. Once

@@ -39,10 +39,13 @@ pub struct Cgroup {
 impl Cgroup {
     pub fn open(path: &Path) -> Result<Self, CgroupError> {
         let not_cgroup = || CgroupError::NotCgroup2(path.to_path_buf());
-        if !is_cgroup2(path) {
+        // A file of cgroupfs (cgroup.procs, say) is on cgroup2 too, and has
+        // an inode, but no task is ever in it: only a directory is a cgroup.
+        let metadata = std::fs::metadata(path).map_err(|_| not_cgroup())?;
+        if !metadata.is_dir() || !is_cgroup2(path) {
             return Err(not_cgroup());
         }
-        let id = std::fs::metadata(path).map_err(|_| not_cgroup())?.ino();
+        let id = metadata.ino();
         let level = level_of(path);
         if level.is_none() {
             log::warn!(
@@ -52,6 +55,14 @@ impl Cgroup {
             );
         }
         Ok(Self { path: path.to_path_buf(), id, level })
+    }
+
+    /// The id of the cgroup at `path` now: another than `id` once the
+    /// cgroup was removed and made again there (a container restarted);
+    /// `None` while there is none.
+    pub fn id_now(&self) -> Option<u64> {
+        let metadata = std::fs::metadata(&self.path).ok()?;
+        metadata.is_dir().then(|| metadata.ino())
     }
 
     /// The processes in the cgroup and, when its level is known, in its

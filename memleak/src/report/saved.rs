@@ -115,19 +115,70 @@ struct Header {
     written_by: String,
 }
 
-/// Writes `report` as a snapshot.
+/// What serde's many small writes (a field name, a quote, a comma) are
+/// gathered into before each goes to the compressor: each write into
+/// flate2 costs a call into the deflater, and unbuffered they made a
+/// snapshot of 65,536 stacks of 37 frames take over 30 s.
+const SERIALIZED_CHUNK: usize = 256 << 10;
+
+/// Writes `report` as a snapshot. The JSON is made on this thread and
+/// compressed on another, a chunk at a time: at 65,536 stacks of 37
+/// frames (570 MB of JSON) making it takes about 1.6 s here and
+/// compressing it 0.7 s, which then overlap.
 pub fn write(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let header = Header {
         format: FORMAT.to_owned(),
         version: VERSION,
         written_by: env!("CARGO_PKG_VERSION").to_owned(),
     };
-    let mut gzip = GzEncoder::new(Vec::new(), Compression::fast());
-    serde_json::to_writer(&mut gzip, &header)?;
-    gzip.write_all(b"\n")?;
-    serde_json::to_writer(&mut gzip, report)?;
-    gzip.write_all(b"\n")?;
-    out.write_all(&gzip.finish()?)
+    let (chunks, to_compress) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
+    let compressed = std::thread::scope(|scope| {
+        let compressor = scope.spawn(move || {
+            let mut gzip = GzEncoder::new(Vec::new(), Compression::fast());
+            for chunk in to_compress {
+                gzip.write_all(&chunk)?;
+            }
+            gzip.finish()
+        });
+        let mut json = Chunks { chunk: Vec::with_capacity(SERIALIZED_CHUNK), chunks };
+        let made = serde_json::to_writer(&mut json, &header)
+            .map_err(io::Error::from)
+            .and_then(|()| json.write_all(b"\n"))
+            .and_then(|()| serde_json::to_writer(&mut json, report).map_err(io::Error::from))
+            .and_then(|()| json.write_all(b"\n"))
+            .and_then(|()| json.flush());
+        // The compressor ends once every chunk is taken.
+        drop(json);
+        let compressed =
+            compressor.join().unwrap_or_else(|_| Err(io::Error::other("the compressor panicked")));
+        made.and(compressed)
+    })?;
+    out.write_all(&compressed)
+}
+
+/// Bytes in chunks of `SERIALIZED_CHUNK`, each sent to the compressor
+/// whole.
+struct Chunks {
+    chunk: Vec<u8>,
+    chunks: std::sync::mpsc::SyncSender<Vec<u8>>,
+}
+
+impl Write for Chunks {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.chunk.extend_from_slice(bytes);
+        if self.chunk.len() >= SERIALIZED_CHUNK {
+            self.flush()?;
+        }
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        if self.chunk.is_empty() {
+            return Ok(());
+        }
+        let full = mem::replace(&mut self.chunk, Vec::with_capacity(SERIALIZED_CHUNK));
+        self.chunks.send(full).map_err(|_| io::Error::other("the compressor stopped"))
+    }
 }
 
 /// A snapshot as read: its report, with each distinct frame held once and

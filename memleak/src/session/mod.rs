@@ -125,6 +125,10 @@ pub struct Session {
     /// With --cgroup (or serve's --cgroup and --container): the cgroups
     /// whose processes are followed.
     cgroups: Vec<Cgroup>,
+    /// Whether BPF records only the tasks of the first of `cgroups` (and
+    /// of its descendants), by its id: with one cgroup and nothing else
+    /// followed.
+    cgroup_filter: bool,
     /// With serve's --exe: the executables' file names whose processes
     /// are followed.
     exes: Vec<String>,
@@ -211,6 +215,7 @@ impl Session {
                 ..MapFill::default()
             },
             cgroups: Vec::new(),
+            cgroup_filter: false,
             exes: Vec::new(),
             cgroup2_root: None,
             named: HashSet::new(),
@@ -341,7 +346,9 @@ impl Session {
         };
         // BPF can check one cgroup subtree: with one cgroup and nothing
         // else followed, a process that leaves it stops being recorded.
-        if let ([cgroup], true, true) = (cgroups.as_slice(), pids.is_empty(), exes.is_empty()) {
+        let cgroup_filter =
+            matches!((cgroups.as_slice(), pids.is_empty(), exes.is_empty()), ([_], true, true));
+        if let (true, Some(cgroup)) = (cgroup_filter, cgroups.first()) {
             tracer_config.cgroup_id = cgroup.id;
             tracer_config.cgroup_level = cgroup.level;
         }
@@ -351,6 +358,7 @@ impl Session {
         session.add_named(planned)?;
         session.cgroup2_root = if cgroups.is_empty() { None } else { container::cgroup2_mount() };
         session.cgroups = cgroups;
+        session.cgroup_filter = cgroup_filter;
         session.exes = exes;
         session.follow_newcomers();
         Ok(session)
@@ -370,6 +378,7 @@ impl Session {
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         session.cgroups.push(cgroup);
+        session.cgroup_filter = true;
         session.cgroup_census = session.follow_newcomers();
         Ok(session)
     }
@@ -698,7 +707,9 @@ impl Session {
         let Some(ring) = self.mapping_events.as_mut() else { return };
         let events: Vec<MappingEvent> = ring.drain();
         for event in &events {
-            if MappingChange::try_from(event.change) == Ok(MappingChange::Launched) {
+            let change = MappingChange::try_from(event.change);
+            let traced = self.targets.iter().any(|target| target.pid == event.tgid);
+            if change == Ok(MappingChange::Launched) && !traced {
                 self.launched.push_back(event.tgid);
                 continue;
             }
@@ -711,7 +722,17 @@ impl Session {
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == event.tgid) else {
                 continue;
             };
-            if MappingChange::try_from(event.change) == Ok(MappingChange::Exec) {
+            // A target whose execve BPF saw as an untraced process's
+            // (`Launched`) called it while memleak was taking it in. Made
+            // after its address space was read, the execve left its plan
+            // and table those of the program it ran before (a container's
+            // `runc init`, found in the cgroup, then running the
+            // container's program): taken as its exec, it is planned
+            // again. Made before, it is the program planned.
+            if change == Ok(MappingChange::Launched) && event.timestamp_ns < target.space.read_ns() {
+                continue;
+            }
+            if matches!(change, Ok(MappingChange::Exec | MappingChange::Launched)) {
                 if target.exec_ns.is_none() {
                     target.exec_ns = Some(event.timestamp_ns);
                     self.execs.push_back(target.pid);

@@ -93,6 +93,7 @@ impl Session {
     /// and the executables name that are not followed yet, each probed on
     /// its own. Returns how many were added.
     pub(super) fn follow_newcomers(&mut self) -> CgroupCensus {
+        self.follow_remade_cgroup();
         let mut known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
         known.extend(self.unplannable.iter().filter(|(_, failure)| failure.given_up).map(|(key, _)| key.pid));
         let mut seen = HashSet::new();
@@ -246,6 +247,26 @@ impl Session {
         }
     }
 
+    /// With the BPF cgroup filter: a cgroup removed and made again at the
+    /// path followed (a container restarted, stopped and started) is
+    /// another cgroup, with another id, whose processes the filter would
+    /// leave out though they are probed. The filter takes the new id
+    /// before any of them is probed: each is looked for at its path.
+    fn follow_remade_cgroup(&mut self) {
+        if !self.cgroup_filter {
+            return;
+        }
+        let Some(cgroup) = self.cgroups.first_mut() else { return };
+        let Some(id) = cgroup.id_now().filter(|&id| id != cgroup.id) else { return };
+        match self.tracer.set_cgroup_filter(id) {
+            Ok(()) => {
+                log::debug!("cgroup {} made again: id {} now, was {}", cgroup.path.display(), id, cgroup.id);
+                cgroup.id = id;
+            }
+            Err(error) => log::warn!("cannot follow cgroup {} made again: {error}", cgroup.path.display()),
+        }
+    }
+
     /// Counts process `pid`, left untraced because --max-processes is
     /// reached, once however often it is seen; says so for the first.
     fn refuse_past_bound(&mut self, pid: u32, whose: &str) {
@@ -311,6 +332,7 @@ impl Session {
         if self.targets.iter().any(|target| target.pid == pid) || !self.selects(pid) {
             return false;
         }
+        self.follow_remade_cgroup();
         self.take_in(pid, "", at_exec)
     }
 

@@ -20,7 +20,9 @@
 //! outstanding; memleak's CPU and memory, and its BPF maps' memory. Last,
 //! `memleak serve`: one scrape of each endpoint at 10,000 stacks, and a
 //! soak of short-lived processes under `--exe`, the daemon's memory,
-//! descriptors and map entries taken at its start and end.
+//! descriptors and map entries taken at its start and end. And the time
+//! one `--save` snapshot of 65,536 deep stacks takes (`--save-only` runs
+//! that alone).
 //! Ratios, not absolute times, are what carry across machines. CI does not
 //! run this.
 
@@ -33,6 +35,7 @@ mod map_memory;
 mod overhead;
 mod process;
 mod redis;
+mod saving;
 mod serve;
 mod stats;
 mod unwind_tables;
@@ -87,8 +90,12 @@ const FULL: Settings = Settings {
 /// One allocation in this many is leaked through `leak_one()`.
 const LEAK_EVERY: u32 = 100;
 
-pub fn run(quick: bool, serve_only: bool) -> Result<()> {
+pub fn run(quick: bool, serve_only: bool, save_only: bool) -> Result<()> {
     let settings = if quick { QUICK } else { FULL };
+    if save_only {
+        saving::print(&saving::measure());
+        return Ok(());
+    }
     setup::run()?;
     require_root("the benchmark")?;
     let heaptrack_installed = install_packages()?;
@@ -135,6 +142,8 @@ pub fn run(quick: bool, serve_only: bool) -> Result<()> {
     latency::print(&latencies);
     eprintln!("bench: memleak's own cost at 65,536 deep stacks");
     deep_stacks::print(&deep_stacks::measure(&workload.memleak, &spread));
+    eprintln!("bench: one --save snapshot of 65,536 deep stacks");
+    saving::print(&saving::measure());
     overhead::print_memleak_usage(&contenders);
     latency::print_map_memory(&latencies);
     daemon(&workload.memleak, &spread, &settings.soak)?;

@@ -1,5 +1,5 @@
 use super::*;
-use crate::report::{culprit::SkipRules, options::SortKey, tests::sample_report};
+use crate::report::{culprit::SkipRules, options::SortKey, tests::sample_report, ReportStack};
 
 fn saved() -> Vec<u8> {
     let mut bytes = Vec::new();
@@ -292,4 +292,119 @@ fn messages_quote_the_file_escaped_and_short() {
     assert!(error.starts_with("heap.snap is truncated or corrupt: unknown variant `\\x1b[2JAAA"), "{error}");
     assert!(error.ends_with("AAA..."), "cut short: {error}");
     assert!(error.len() < 300 && !error.chars().any(char::is_control), "{error}");
+}
+
+/// A report as `--save` writes one for tests/fixtures/spread.c at 65,536
+/// stacks 16 levels deep: 37 frames each (the allocator, `allocate`, 16
+/// levels of `walk` and `zero` or `one`, `main` and libc's start-up),
+/// shared as the symbolizer shares them, and one allocation per stack.
+fn spread_report(stacks: u32) -> Report {
+    use crate::model::OutstandingAllocation;
+    let frame = |function: &str, file: &str, line: u32, address: u64| {
+        Arc::new(Frame {
+            address,
+            function: Some(function.to_owned()),
+            offset: Some(0x1f),
+            file: Some(file.to_owned()),
+            line: Some(line),
+            module: Some("/usr/local/bin/spread".to_owned()),
+            file_offset: Some(address - 0x40_0000),
+            build_id: Some("4f2a9c0b61d8e3f7a5b2c9d0e1f2a3b4c5d6e7f8".to_owned()),
+            ..Frame::default()
+        })
+    };
+    let malloc = Arc::new(Frame {
+        module: Some("/usr/lib/x86_64-linux-gnu/libc.so.6".to_owned()),
+        ..(*frame("malloc", "./malloc/malloc.c", 3287, 0x7f00_0000_1234)).clone()
+    });
+    let allocate = frame("allocate", "tests/fixtures/spread.c", 52, 0x40_1100);
+    let start = [
+        frame("main", "tests/fixtures/spread.c", 90, 0x40_1300),
+        frame("__libc_start_call_main", "../sysdeps/nptl/libc_start_call_main.h", 58, 0x7f00_0000_2000),
+        frame("__libc_start_main_impl", "../csu/libc-start.c", 360, 0x7f00_0000_3000),
+    ];
+    // Each level's walk, zero and one: the same frames in many stacks.
+    let level = |level| {
+        [("walk", 60, 0x40_1200), ("zero", 33, 0x40_1180), ("one", 39, 0x40_11c0)].map(
+            |(function, line, address)| frame(function, "tests/fixtures/spread.c", line, address + level),
+        )
+    };
+    let levels: Vec<[Arc<Frame>; 3]> = (0..16u64).map(level).collect();
+    let mut report = sample_report(usize::MAX);
+    report.stacks = (0..stacks)
+        .map(|path| {
+            let mut frames = vec![Arc::clone(&malloc), Arc::clone(&allocate)];
+            for (level, [walk, zero, one]) in levels.iter().enumerate().rev() {
+                frames.push(Arc::clone(walk));
+                frames.push(Arc::clone(if path >> level & 1 == 1 { one } else { zero }));
+            }
+            frames.extend(start.iter().cloned());
+            let address = 0x5600_0000_0000 + u64::from(path) * 64;
+            ReportStack {
+                stack_id: u64::from(path) + 1,
+                frames,
+                bytes: 16 + u64::from(path % 49),
+                allocations: 1,
+                culprit: Some(Arc::clone(&allocate)),
+                stable_id: Some(format!("{:016x}", u64::from(path).wrapping_mul(0x9e37_79b9_7f4a_7c15))),
+                outstanding: vec![OutstandingAllocation {
+                    address,
+                    size: 16 + u64::from(path % 49),
+                    age_ms: 1500,
+                }],
+                ..report.stacks[0].clone()
+            }
+        })
+        .collect();
+    report.total_stacks = report.stacks.len();
+    report
+}
+
+#[test]
+fn a_spread_report_has_the_benchs_shape() {
+    let report = spread_report(4);
+    assert_eq!(report.stacks.len(), 4);
+    assert!(report.stacks.iter().all(|stack| stack.frames.len() == 37));
+    let mut bytes = Vec::new();
+    write(&report, &mut bytes).unwrap();
+    let read = read_bytes(&bytes).unwrap();
+    assert_eq!(read.stacks.len(), 4);
+    for (read, written) in read.stacks.iter().zip(&report.stacks) {
+        assert_eq!((&read.frames, &read.outstanding), (&written.frames, &written.outstanding));
+    }
+}
+
+/// `cargo xtask bench` runs this in release: the time to save a report of
+/// 65,536 stacks of 37 frames, as --save does (the median of three, on a
+/// machine others share), and the time the report loop gives it (a copy
+/// of the report, handed to the writing thread).
+#[test]
+#[ignore = "a benchmark: cargo xtask bench runs it in release"]
+fn bench_saving_65536_stacks_of_37_frames() {
+    let report = spread_report(65_536);
+    let copying = std::time::Instant::now();
+    let report = report.clone();
+    let copied = copying.elapsed().as_secs_f64();
+    let dir = std::env::temp_dir().join(format!("memleak-bench-save-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bench.snap");
+    let mut times = Vec::new();
+    let mut size = 0;
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        let mut file = File::create(&path).unwrap();
+        write(&report, &mut file).unwrap();
+        file.sync_all().unwrap();
+        times.push(started.elapsed().as_secs_f64());
+        size = file.metadata().unwrap().len();
+    }
+    times.sort_by(f64::total_cmp);
+    let seconds = times[1];
+    let round_trip = read(&path).map(|saved| saved.report.stacks.len());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(round_trip.ok(), Some(65_536), "the snapshot reads back");
+    println!(
+        "bench: saved 65536 stacks of 37 frames in {seconds:.3} s, {size} bytes; copied in {copied:.3} s \
+         (times {times:.3?})"
+    );
 }
