@@ -162,3 +162,28 @@ fn the_tracing_flags_size_the_daemons_maps() {
     assert!(metrics.body.contains("\nmemleak_map_max_entries{map=\"allocations\"} 5\n"), "{}", metrics.body);
     http::stop(memleak);
 }
+
+/// `--port 0` lets the kernel choose the port, and the line that says
+/// where memleak serves names that port, not 0: a client can be pointed
+/// at it.
+#[test]
+fn port_0_says_the_port_the_kernel_chose() {
+    let leaker = Leaker::start_waiting(&["all"]);
+    let mut memleak =
+        memleak_tests::Memleak::start(&["serve", "--pid", &leaker.pid().to_string(), "--port", "0"]);
+    let serving =
+        memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
+    let address = serving
+        .strip_prefix("memleak: serving http://")
+        .and_then(|rest| rest.split_once("/;"))
+        .map_or_else(|| panic!("no address in {serving:?}"), |(address, _)| address);
+    let port: u16 = address
+        .strip_prefix("127.0.0.1:")
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("not 127.0.0.1:PORT: {serving:?}"));
+    assert_ne!(port, 0, "{serving}");
+    let health = get(port, "/healthz").expect("GET /healthz on the port said");
+    assert_eq!((health.status, health.body.as_str()), (200, "ok\n"), "{health:#?}");
+    http::stop(memleak);
+    drop(leaker);
+}

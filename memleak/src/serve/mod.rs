@@ -96,6 +96,9 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     Tracer::check_privileges(Traced::Processes)?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
+    // With --port 0 the kernel chose the port: the address said is the
+    // one bound, so that a client can be pointed at it.
+    let serving = listener.local_addr().map_err(ServeError::Server)?;
     let session_config =
         SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
@@ -106,7 +109,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // report.
     collector.publish(&board);
     let server = http::Server::start(listener, reader, token).map_err(ServeError::Server)?;
-    status::say(&format!("serving http://{}/; Ctrl-C to stop", config.listen));
+    status::say(&format!("serving http://{serving}/; Ctrl-C to stop"));
     let stop = async {
         tokio::select! {
             _ = interrupt.recv() => {}
