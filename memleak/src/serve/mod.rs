@@ -232,6 +232,13 @@ impl Collector {
                 event = session.next_event() => self.take_event(session, board, event?)?,
                 Some(query) = self.queries.recv() => answer(session, query),
             }
+            // A process left out (by --max-processes) is found by a
+            // refresh or an event that adds nobody: the count is published
+            // as it changes, not with the next newcomer.
+            if session.processes_not_followed() != self.processes_not_followed {
+                self.processes_not_followed = session.processes_not_followed();
+                self.publish(board);
+            }
         }
     }
 
