@@ -6,6 +6,7 @@
 use std::{fs, thread};
 
 use memleak_tests::{
+    assert_refused_in_one_line,
     consumers::go_pprof_url,
     http::{get, get_until, get_with, serve, stop},
     svg_titles,
@@ -202,4 +203,35 @@ fn a_token_guards_every_endpoint_but_healthz() {
         stderr.trim_end(),
         "memleak: error: --listen 0.0.0.0: beyond loopback, memleak serve needs --token-file FILE, the token clients must send"
     );
+}
+
+/// A token file is read as memleak reads every file it does not control:
+/// a FIFO (which blocked the daemon's start for good, SIGTERM ignored), a
+/// device (`/dev/zero`, read until the OOM killer came), a file far
+/// larger than a token (300 MB of NULs, taken as the token) and a first
+/// line of NULs are each refused in one line, at once.
+#[test]
+fn a_token_file_that_holds_no_token_is_refused_at_once() {
+    let directory = TempDir::new("memleak-bad-token");
+    let fifo = directory.path().join("fifo");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status().expect("run mkfifo");
+    assert!(status.success(), "mkfifo: {status}");
+    let nuls = directory.path().join("nuls");
+    fs::write(&nuls, [0u8; 64]).expect("write 64 NULs");
+    let large = directory.path().join("large");
+    // Sparse: 300 MB of NULs that take no disk.
+    fs::File::create(&large).and_then(|file| file.set_len(300_000_000)).expect("a 300 MB file");
+    let pid = std::process::id().to_string();
+    for (path, reason) in [
+        (fifo.as_path(), "not a regular file"),
+        (std::path::Path::new("/dev/zero"), "not a regular file"),
+        (large.as_path(), "it is 300000000 bytes, more than memleak reads (4096)"),
+        (nuls.as_path(), "the token on its first line must be printable ASCII without blanks"),
+    ] {
+        let path = path.to_str().expect("a UTF-8 path");
+        assert_refused_in_one_line(
+            &["serve", "--pid", &pid, "--port", "0", "--listen", "0.0.0.0", "--token-file", path],
+            &format!("--token-file {path}: {reason}"),
+        );
+    }
 }
