@@ -9,6 +9,7 @@
 //! published, so a slow client never holds up collection, nor a long
 //! collection a scrape of the last round.
 
+mod connections;
 mod http;
 mod metrics;
 mod page;
