@@ -121,9 +121,16 @@ fn scrape(port: u16) -> std::io::Result<u16> {
         .ok_or_else(|| std::io::Error::other(format!("no status in {:?}", String::from_utf8_lossy(&answer))))
 }
 
-/// Sockets that connect and send nothing, ever.
+/// Sockets that connect and send nothing, ever. Ready once the daemon
+/// has accepted them all: the scrapes measure a daemon holding them, not
+/// how fast it takes in a burst of 2,000 (a tenth of a second, idle).
 fn idle_sockets(port: u16, stopping: &AtomicBool, ready: &mpsc::Sender<()>) {
     let sockets: Vec<TcpStream> = (0..IDLE_SOCKETS).map(|_| connect(port)).collect();
+    let deadline = Instant::now() + memleak_tests::PATIENCE;
+    while accept_queue(port) > 0 {
+        assert!(Instant::now() < deadline, "the daemon did not accept the idle sockets");
+        thread::sleep(Duration::from_millis(10));
+    }
     let _ = ready.send(());
     hold_until(stopping);
     drop(sockets);
@@ -206,6 +213,22 @@ fn ask_kept_alive(mut socket: &TcpStream) -> std::io::Result<()> {
         answer.extend_from_slice(&buffer[..read]);
     }
     Ok(())
+}
+
+/// Connections the kernel holds for the daemon's listening socket on
+/// loopback `port`, not accepted yet: a listening socket's receive queue
+/// in /proc/net/tcp.
+fn accept_queue(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
+    let local = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .find(|fields| fields.get(1) == Some(&local.as_str()) && fields.get(3) == Some(&"0A"))
+        .and_then(|fields| fields.get(4)?.split_once(':').map(|(_, queued)| queued.to_owned()))
+        .and_then(|queued| usize::from_str_radix(&queued, 16).ok())
+        .unwrap_or_else(|| panic!("no listening socket on 127.0.0.1:{port} in /proc/net/tcp"))
 }
 
 fn connect(port: u16) -> TcpStream {

@@ -20,7 +20,7 @@
 //!   (`RLIMIT_NOFILE`), leaving half of what is free to the tracer.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     os::fd::RawFd,
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::Duration,
@@ -102,31 +102,49 @@ struct Slot {
 
 struct Table {
     slots: HashMap<u64, Slot>,
+    /// The connections waiting for a request, longest waiting first: a
+    /// newcomer makes room without a look at every connection held.
+    waiting: BTreeSet<(Instant, u64)>,
     next_id: u64,
     limit: usize,
     deadlines: Deadlines,
 }
 
 impl Table {
+    fn insert(&mut self, id: u64, slot: Slot) {
+        if let State::Waiting { since } = slot.state {
+            self.waiting.insert((since, id));
+        }
+        self.slots.insert(id, slot);
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Slot> {
+        let slot = self.slots.remove(&id)?;
+        if let State::Waiting { since } = slot.state {
+            self.waiting.remove(&(since, id));
+        }
+        Some(slot)
+    }
+
+    fn set_state(&mut self, id: u64, state: State) {
+        if let Some(mut slot) = self.remove(id) {
+            slot.state = state;
+            slot.wake.notify_one();
+            self.insert(id, slot);
+        }
+    }
+
     /// Closes the connection that has waited longest for a request and
     /// has none waiting to be read: its slot goes, and its task is woken
     /// to drop it.
     fn evict_longest_waiting(&mut self) -> bool {
-        let mut waiting: Vec<(Instant, u64, RawFd)> = self
-            .slots
-            .iter()
-            .filter_map(|(&id, slot)| match slot.state {
-                State::Waiting { since } => Some((since, id, slot.socket)),
-                State::Busy { .. } => None,
-            })
-            .collect();
-        waiting.sort_unstable();
-        let Some(&(_, id, _)) = waiting.iter().find(|&&(_, _, socket)| !has_unread_bytes(socket)) else {
+        let slots = &self.slots;
+        let unread = |id: &u64| slots.get(id).is_some_and(|slot| has_unread_bytes(slot.socket));
+        let Some(id) = self.waiting.iter().map(|&(_, id)| id).find(|id| !unread(id)) else {
             return false;
         };
-        if let Some(slot) = self.slots.remove(&id) {
-            slot.wake.notify_one();
-        }
+        let Some(slot) = self.remove(id) else { return false };
+        slot.wake.notify_one();
         true
     }
 }
@@ -140,7 +158,7 @@ pub struct Connections {
 
 impl Connections {
     pub fn new(limit: usize, deadlines: Deadlines) -> Self {
-        let table = Table { slots: HashMap::new(), next_id: 0, limit, deadlines };
+        let table = Table { slots: HashMap::new(), waiting: BTreeSet::new(), next_id: 0, limit, deadlines };
         Self { table: Arc::new(Mutex::new(table)) }
     }
 
@@ -163,7 +181,7 @@ impl Connections {
         table.next_id += 1;
         let wake = Arc::new(Notify::new());
         let state = State::Waiting { since: Instant::now() };
-        table.slots.insert(id, Slot { state, socket, wake: wake.clone() });
+        table.insert(id, Slot { state, socket, wake: wake.clone() });
         Some(Admitted { handle: Handle { id, wake, connections: self.clone() } })
     }
 
@@ -180,14 +198,11 @@ impl Connections {
     }
 
     fn set_state(&self, id: u64, state: State) {
-        if let Some(slot) = self.table().slots.get_mut(&id) {
-            slot.state = state;
-            slot.wake.notify_one();
-        }
+        self.table().set_state(id, state);
     }
 
     fn remove(&self, id: u64) {
-        self.table().slots.remove(&id);
+        self.table().remove(id);
     }
 
     #[cfg(test)]

@@ -40,6 +40,9 @@ use super::{
 /// The most a request's head may take, in bytes (hyper's smallest
 /// buffer): every endpoint is a short GET.
 const MAX_REQUEST_HEAD: usize = 8192;
+/// Connections the kernel queues until memleak accepts them (capped by
+/// `net.core.somaxconn`, 4096 by default).
+const ACCEPT_BACKLOG: libc::c_int = 4096;
 /// How long the requests in flight at shutdown get to be answered.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
@@ -61,6 +64,14 @@ impl Server {
         token: Option<Token>,
     ) -> io::Result<Self> {
         listener.set_nonblocking(true)?;
+        // listen(2) again sets the backlog of a listening socket: std's 128
+        // fills in a burst of connections, and a scraper's connection
+        // arriving then is dropped by the kernel (retried after a second)
+        // before memleak could make room for it.
+        // SAFETY: listen on a socket descriptor the listener owns.
+        if unsafe { libc::listen(listener.as_raw_fd(), ACCEPT_BACKLOG) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
         let (stop, stopped) = watch::channel(false);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let handlers = Handlers { board, token: token.map(Arc::new), windows: Arc::new(Windows::default()) };
@@ -123,11 +134,6 @@ async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped
                     });
                     let connection = http1().serve_connection(TokioIo::new(stream), service);
                     tokio::spawn(serve_connection(graceful.watch(connection), admitted, peer));
-                    // The connection just accepted reads its request before
-                    // more are accepted: a burst of newcomers cannot make
-                    // room with a connection whose request has arrived but
-                    // was not read yet.
-                    tokio::task::yield_now().await;
                 }
                 Err(error) => {
                     // Out of descriptors: the connection that has waited
