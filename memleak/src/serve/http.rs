@@ -117,7 +117,7 @@ async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let Some(admitted) = connections.admit(stream.as_raw_fd()) else {
-                        log::debug!("closing the connection from {peer}: {limit} connections in requests");
+                        log::debug!("closing the connection from {peer}: {limit} connections held, none idle");
                         continue;
                     };
                     let handle = admitted.handle();
