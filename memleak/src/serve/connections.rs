@@ -59,6 +59,12 @@ pub fn limit_from_descriptors() -> usize {
         1024
     };
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count);
+    limit_for(soft, open)
+}
+
+/// Connections held at most with a soft descriptor limit of `soft`, of
+/// which `open` are open.
+fn limit_for(soft: usize, open: usize) -> usize {
     (soft.saturating_sub(open) / 2).clamp(FEWEST_CONNECTIONS, MOST_CONNECTIONS)
 }
 
@@ -337,6 +343,32 @@ mod tests {
             assert!(connections.admit(sockets[3].0.as_raw_fd()).is_none(), "every connection held is busy");
             drop(oldest);
             assert_eq!(connections.held(), 2, "an evicted connection's slot went with its eviction");
+        });
+    }
+
+    #[test]
+    fn the_limit_is_half_the_free_descriptors_within_bounds() {
+        // The usual soft limit, with a daemon's ~90 descriptors open.
+        assert_eq!(limit_for(1024, 90), 467);
+        assert_eq!(limit_for(1 << 20, 90), MOST_CONNECTIONS);
+        assert_eq!(limit_for(100, 95), FEWEST_CONNECTIONS);
+    }
+
+    #[test]
+    fn a_connection_kept_alive_waits_from_its_last_response() {
+        runtime().block_on(async {
+            let sockets: Vec<_> = (0..3).map(|_| socket()).collect();
+            let connections = Connections::new(2, Deadlines::SERVED);
+            let first = connections.admit(sockets[0].0.as_raw_fd()).expect("a free place");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let second = connections.admit(sockets[1].0.as_raw_fd()).expect("a free place");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            // The first answers a request: its wait starts again after.
+            drop(first.handle().busy());
+            let _newcomer = connections.admit(sockets[2].0.as_raw_fd()).expect("the second makes room");
+            assert_eq!(second.closing().await, Closing::MadeRoom);
+            let state = connections.state(first.handle.id).map(|(state, _)| state);
+            assert!(matches!(state, Some(State::Waiting { .. })), "the first is held: {state:?}");
         });
     }
 
