@@ -225,9 +225,21 @@ fn processes_past_max_processes_are_counted_and_said() {
     let second = start_waiting(&binary);
     let refused = format!("memleak: warn: not tracing pid {}: --max-processes 1 reached", second.pid());
     memleak.stderr.wait_for("memleak to say it left one out", |line| line.starts_with(&refused));
-    let list = targets(&get(port, "/api/v1/targets").expect("GET /api/v1/targets"));
+    // The count is published once the process is left out, though no
+    // process was added with it.
+    let left_out = |response: &Response| {
+        serde_json::from_str::<Value>(&response.body).is_ok_and(|list| list["processes_not_followed"] == 1)
+    };
+    let response = get_until(port, "/api/v1/targets", left_out);
+    let list = targets(&response);
     assert_eq!(list.len(), 1, "{list:#?}");
     assert_eq!(list[0]["pid"], first.pid());
+    let metrics = get(port, "/metrics").expect("GET /metrics");
+    assert!(
+        metrics.body.lines().any(|line| line == "memleak_processes_not_followed_total 1"),
+        "{}",
+        metrics.body
+    );
     first.exit();
     second.exit();
     stop(memleak);

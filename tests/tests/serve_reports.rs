@@ -6,6 +6,7 @@
 use std::{fs, thread};
 
 use memleak_tests::{
+    assert_refused_in_one_line,
     consumers::go_pprof_url,
     http::{get, get_until, get_with, serve, stop},
     svg_titles,
@@ -202,4 +203,80 @@ fn a_token_guards_every_endpoint_but_healthz() {
         stderr.trim_end(),
         "memleak: error: --listen 0.0.0.0: beyond loopback, memleak serve needs --token-file FILE, the token clients must send"
     );
+}
+
+/// A token file is read as memleak reads every file it does not control:
+/// a FIFO (which blocked the daemon's start for good, SIGTERM ignored), a
+/// device (`/dev/zero`, read until the OOM killer came), a file far
+/// larger than a token (300 MB of NULs, taken as the token) and a first
+/// line of NULs are each refused in one line, at once.
+#[test]
+fn a_token_file_that_holds_no_token_is_refused_at_once() {
+    let directory = TempDir::new("memleak-bad-token");
+    let fifo = directory.path().join("fifo");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status().expect("run mkfifo");
+    assert!(status.success(), "mkfifo: {status}");
+    let nuls = directory.path().join("nuls");
+    fs::write(&nuls, [0u8; 64]).expect("write 64 NULs");
+    let large = directory.path().join("large");
+    // Sparse: 300 MB of NULs that take no disk.
+    fs::File::create(&large).and_then(|file| file.set_len(300_000_000)).expect("a 300 MB file");
+    let pid = std::process::id().to_string();
+    for (path, reason) in [
+        (fifo.as_path(), "not a regular file"),
+        (std::path::Path::new("/dev/zero"), "not a regular file"),
+        (large.as_path(), "it is 300000000 bytes, more than memleak reads (4096)"),
+        (nuls.as_path(), "the token on its first line must be printable ASCII without blanks"),
+    ] {
+        let path = path.to_str().expect("a UTF-8 path");
+        assert_refused_in_one_line(
+            &["serve", "--pid", &pid, "--port", "0", "--listen", "0.0.0.0", "--token-file", path],
+            &format!("--token-file {path}: {reason}"),
+        );
+    }
+}
+
+/// Windows taken at once at most (`reports::WINDOWS_AT_ONCE`).
+const WINDOWS_AT_ONCE: usize = 4;
+
+/// More `?seconds=N` windows asked for at once than the daemon takes:
+/// those it takes are served after their window, the others refused at
+/// once (they waited the whole window, then most got 503), with a
+/// `Retry-After` saying when the first window taken ends.
+#[test]
+fn windows_beyond_those_taken_are_refused_at_once_saying_when_to_retry() {
+    const WINDOW_SECONDS: u64 = 10;
+    const ASKED: usize = 10;
+    let (leaker, memleak, port) = serve_leaker(&[]);
+    let path = format!("/api/v1/report?pid={}&format=json&seconds={WINDOW_SECONDS}", leaker.pid());
+    let start = std::time::Instant::now();
+    let answers: Vec<(u16, Option<u64>, std::time::Duration)> = thread::scope(|scope| {
+        let asking: Vec<_> = (0..ASKED)
+            .map(|_| {
+                scope.spawn(|| {
+                    let response = get(port, &path).expect("GET a window");
+                    let retry_after = response.header("retry-after").map(|value| {
+                        value.parse().unwrap_or_else(|_| panic!("Retry-After {value:?}: {response:#?}"))
+                    });
+                    (response.status, retry_after, start.elapsed())
+                })
+            })
+            .collect();
+        asking.into_iter().map(|asked| asked.join().expect("a request's thread")).collect()
+    });
+    let served = answers.iter().filter(|(status, ..)| *status == 200).count();
+    let refused: Vec<_> = answers.iter().filter(|(status, ..)| *status == 503).collect();
+    assert_eq!((served, refused.len()), (WINDOWS_AT_ONCE, ASKED - WINDOWS_AT_ONCE), "{answers:#?}");
+    // At once: long before the windows taken end (half a window is a
+    // margin of thousands over a refusal's milliseconds), and told to
+    // come back when the first of them ends.
+    let half_window = std::time::Duration::from_secs(WINDOW_SECONDS / 2);
+    for (_, retry_after, after) in refused {
+        assert!(*after < half_window, "refused only after {after:?}: {answers:#?}");
+        assert!(
+            retry_after.is_some_and(|seconds| (WINDOW_SECONDS / 2..=WINDOW_SECONDS + 1).contains(&seconds)),
+            "Retry-After is not when the first window ends: {answers:#?}"
+        );
+    }
+    stop(memleak);
 }

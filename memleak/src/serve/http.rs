@@ -5,40 +5,44 @@
 //! filesystem or a command line.
 //!
 //! hyper's HTTP/1 server, without a framework: a handful of GET
-//! endpoints need no router, and hyper sets the bounds on a request's
-//! head and time directly.
+//! endpoints need no router. Which connections are held, and for how
+//! long, is `connections`' to say.
 
-use std::{convert::Infallible, io, net::SocketAddr, sync::Arc, thread, time::Duration};
+use std::{
+    convert::Infallible,
+    io,
+    net::SocketAddr,
+    os::fd::AsRawFd as _,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    thread,
+    time::Duration,
+};
 
 use http_body_util::Full;
 use hyper::{
-    body::{Bytes, Incoming},
+    body::{Body, Bytes, Frame, Incoming, SizeHint},
     header, Method, Request, Response, StatusCode,
 };
-use hyper_util::{
-    rt::{TokioIo, TokioTimer},
-    server::graceful::GracefulShutdown,
-};
-use tokio::sync::{watch, Semaphore};
+use hyper_util::{rt::TokioIo, server::graceful::GracefulShutdown};
+use tokio::sync::watch;
 
 use super::{
+    connections::{self, Admitted, Busy, Connections, Deadlines},
     metrics, page,
-    query::{self, Params, ReportAsked},
-    reports,
+    query::{Params, ReportAsked},
+    reports::{self, Windows},
     state::{BoardReader, Followed, Published, TargetSummary},
     token::Token,
 };
 
-/// Connections served at once; more are closed as they come.
-const MAX_CONNECTIONS: usize = 64;
 /// The most a request's head may take, in bytes (hyper's smallest
 /// buffer): every endpoint is a short GET.
 const MAX_REQUEST_HEAD: usize = 8192;
-/// How long a client has to send a request's head.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long one connection may stay open, keep-alive included: long
-/// enough for the longest `?seconds=N` window, and its report.
-const CONNECTION_LIFETIME: Duration = Duration::from_secs(query::MAX_WINDOW.as_secs() + 30);
+/// Connections the kernel queues until memleak accepts them (capped by
+/// `net.core.somaxconn`, 4096 by default).
+const ACCEPT_BACKLOG: libc::c_int = 4096;
 /// How long the requests in flight at shutdown get to be answered.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
@@ -60,9 +64,17 @@ impl Server {
         token: Option<Token>,
     ) -> io::Result<Self> {
         listener.set_nonblocking(true)?;
+        // listen(2) again sets the backlog of a listening socket: std's 128
+        // fills in a burst of connections, and a scraper's connection
+        // arriving then is dropped by the kernel (retried after a second)
+        // before memleak could make room for it.
+        // SAFETY: listen on a socket descriptor the listener owns.
+        if unsafe { libc::listen(listener.as_raw_fd(), ACCEPT_BACKLOG) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
         let (stop, stopped) = watch::channel(false);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let handlers = Handlers { board, token: token.map(Arc::new) };
+        let handlers = Handlers { board, token: token.map(Arc::new), windows: Arc::new(Windows::default()) };
         let thread = thread::Builder::new()
             .name("memleak-http".to_owned())
             .spawn(move || runtime.block_on(accept(listener, handlers, stopped)))?;
@@ -84,6 +96,8 @@ impl Server {
 struct Handlers {
     board: BoardReader,
     token: Option<Arc<Token>>,
+    /// The `?seconds=N` windows being taken.
+    windows: Arc<Windows>,
 }
 
 async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped: watch::Receiver<bool>) {
@@ -94,31 +108,45 @@ async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped
             return;
         }
     };
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let limit = connections::limit_from_descriptors();
+    log::debug!("serving up to {limit} connections at once");
+    let connections = Connections::new(limit, Deadlines::SERVED);
     let graceful = GracefulShutdown::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let Ok(permit) = permits.clone().try_acquire_owned() else {
-                        log::debug!("closing the connection from {peer}: {MAX_CONNECTIONS} connections open");
+                    let Some(admitted) = connections.admit(stream.as_raw_fd()) else {
+                        log::debug!("closing the connection from {peer}: {limit} connections held, none idle");
                         continue;
                     };
-                    let connection = http1()
-                        .serve_connection(TokioIo::new(stream), hyper::service::service_fn({
+                    let handle = admitted.handle();
+                    let service = hyper::service::service_fn({
+                        let handlers = handlers.clone();
+                        move |request| {
+                            let busy = handle.busy();
                             let handlers = handlers.clone();
-                            move |request| answer(request, handlers.clone())
-                        }));
-                    let connection = graceful.watch(connection);
-                    tokio::spawn(async move {
-                        close_when_done(connection, peer).await;
-                        drop(permit);
+                            async move {
+                                let response = answer(request, handlers).await?;
+                                Ok::<_, Infallible>(response.map(|body| Answered { body, _busy: busy }))
+                            }
+                        }
                     });
+                    let connection = http1().serve_connection(TokioIo::new(stream), service);
+                    tokio::spawn(serve_connection(graceful.watch(connection), admitted, peer));
                 }
-                // Out of descriptors, say: the next accept may succeed.
                 Err(error) => {
-                    log::warn!("cannot accept a connection: {error}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    // Out of descriptors: the connection that has waited
+                    // longest for a request makes room for the next one.
+                    let out_of_descriptors =
+                        matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_descriptors && connections.evict_longest_waiting() {
+                        log::debug!("out of descriptors: closed the connection that waited longest");
+                        tokio::task::yield_now().await;
+                    } else {
+                        log::warn!("cannot accept a connection: {error}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                 }
             },
             _ = stopped.changed() => break,
@@ -132,15 +160,50 @@ async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped
 
 fn http1() -> hyper::server::conn::http1::Builder {
     let mut builder = hyper::server::conn::http1::Builder::new();
-    builder.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT).max_buf_size(MAX_REQUEST_HEAD);
+    // The head's deadline is `connections`', which covers the waits
+    // between kept-alive requests too.
+    builder.header_read_timeout(None).max_buf_size(MAX_REQUEST_HEAD);
     builder
 }
 
-async fn close_when_done(connection: impl std::future::Future<Output = hyper::Result<()>>, peer: SocketAddr) {
-    match tokio::time::timeout(CONNECTION_LIFETIME, connection).await {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => log::debug!("connection from {peer}: {error}"),
-        Err(_) => log::debug!("closing the connection from {peer} after {CONNECTION_LIFETIME:?}"),
+/// Serves one connection until it ends, or memleak closes it.
+async fn serve_connection(
+    connection: impl std::future::Future<Output = hyper::Result<()>>,
+    admitted: Admitted,
+    peer: SocketAddr,
+) {
+    tokio::select! {
+        served = connection => if let Err(error) = served {
+            log::debug!("connection from {peer}: {error}");
+        },
+        closing = admitted.closing() => log::debug!("closing the connection from {peer}: {closing:?}"),
+    }
+}
+
+/// A response's body, and its connection's busy mark, which goes once the
+/// body is sent: from then on the connection waits for its next request.
+struct Answered {
+    body: Full<Bytes>,
+    _busy: Busy,
+}
+
+impl Body for Answered {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(context)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -217,9 +280,9 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
             with_type(StatusCode::OK, metrics::CONTENT_TYPE, metrics::render(&*board.fresh().await))
         }
         Endpoint::Targets => targets(&*board.fresh().await),
-        Endpoint::Pprof => reports::answer(board, &params, None).await,
+        Endpoint::Pprof => reports::answer(board, &handlers.windows, &params, None).await,
         Endpoint::Report => match ReportAsked::of(&params) {
-            Ok(asked) => reports::answer(board, &params, Some(asked)).await,
+            Ok(asked) => reports::answer(board, &handlers.windows, &params, Some(asked)).await,
             Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
         },
     })

@@ -9,6 +9,7 @@
 //! published, so a slow client never holds up collection, nor a long
 //! collection a scrape of the last round.
 
+mod connections;
 mod http;
 mod metrics;
 mod page;
@@ -96,6 +97,9 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     Tracer::check_privileges(Traced::Processes)?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
+    // With --port 0 the kernel chose the port: the address said is the
+    // one bound, so that a client can be pointed at it.
+    let serving = listener.local_addr().map_err(ServeError::Server)?;
     let session_config =
         SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
@@ -106,7 +110,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // report.
     collector.publish(&board);
     let server = http::Server::start(listener, reader, token).map_err(ServeError::Server)?;
-    status::say(&format!("serving http://{}/; Ctrl-C to stop", config.listen));
+    status::say(&format!("serving http://{serving}/; Ctrl-C to stop"));
     let stop = async {
         tokio::select! {
             _ = interrupt.recv() => {}
@@ -228,6 +232,13 @@ impl Collector {
                 }
                 event = session.next_event() => self.take_event(session, board, event?)?,
                 Some(query) = self.queries.recv() => answer(session, query),
+            }
+            // A process left out (by --max-processes) is found by a
+            // refresh or an event that adds nobody: the count is published
+            // as it changes, not with the next newcomer.
+            if session.processes_not_followed() != self.processes_not_followed {
+                self.processes_not_followed = session.processes_not_followed();
+                self.publish(board);
             }
         }
     }

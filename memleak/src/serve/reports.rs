@@ -3,6 +3,14 @@
 //! `?seconds=N`, after N seconds, counting only what those seconds left
 //! outstanding, as jeprof's `--base` would with two profiles).
 
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, PoisonError,
+    },
+    time::{Duration, Instant},
+};
+
 use http_body_util::Full;
 use hyper::{body::Bytes, header, Response, StatusCode};
 
@@ -37,14 +45,68 @@ const PPROF: ReportAsked = ReportAsked {
     older_ms: None,
 };
 
+/// `?seconds=N` windows taken at once at most. Each holds a connection
+/// for its N seconds, and its report is one query of the collector's: a
+/// window more is refused at once, not after its N seconds.
+pub const WINDOWS_AT_ONCE: usize = 4;
+
+/// The windows being taken: when each ends.
+#[derive(Default)]
+pub struct Windows {
+    /// Each window's id and end.
+    ends: Mutex<Vec<(u64, Instant)>>,
+    next_id: AtomicU64,
+}
+
+impl Windows {
+    /// Takes a window of `length` from now if fewer than
+    /// `WINDOWS_AT_ONCE` are being taken; else a 503 that says when the
+    /// first of those ends (its report follows), in whole seconds.
+    fn open(self: &Arc<Self>, length: Duration) -> Result<Window, Refusal> {
+        let mut ends = self.ends.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if ends.len() >= WINDOWS_AT_ONCE {
+            let first_end = ends.iter().map(|&(_, end)| end).min().unwrap_or(now);
+            // Rounded up, and a second for its report.
+            let wait = first_end.saturating_duration_since(now);
+            let retry_after = wait.as_secs() + u64::from(wait.subsec_nanos() > 0) + 1;
+            return Err(Refusal {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                reason: format!(
+                    "{WINDOWS_AT_ONCE} windows are being taken: retry in {retry_after} s, as one ends"
+                ),
+                retry_after,
+            });
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        ends.push((id, now + length));
+        Ok(Window { id, windows: self.clone() })
+    }
+}
+
+/// A window being taken, until its report is answered or the request
+/// given up.
+struct Window {
+    id: u64,
+    windows: Arc<Windows>,
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        let mut ends = self.windows.ends.lock().unwrap_or_else(PoisonError::into_inner);
+        ends.retain(|&(id, _)| id != self.id);
+    }
+}
+
 /// Answers `/debug/pprof/heap` (`asked` is `None`) or `/api/v1/report`.
 pub async fn answer(
     board: &BoardReader,
+    windows: &Arc<Windows>,
     params: &Params,
     asked: Option<ReportAsked>,
 ) -> Response<Full<Bytes>> {
     let asked = asked.unwrap_or(PPROF);
-    match report(board, params, asked).await {
+    match report(board, windows, params, asked).await {
         Ok(report) => rendered(&report, asked),
         Err(refusal) => refusal.response(),
     }
@@ -54,24 +116,31 @@ pub async fn answer(
 struct Refusal {
     status: StatusCode,
     reason: String,
+    /// For a 503: in how many seconds to ask again.
+    retry_after: u64,
 }
 
 impl Refusal {
     fn new(status: StatusCode, reason: String) -> Self {
-        Self { status, reason }
+        Self { status, reason, retry_after: 1 }
     }
 
     fn response(self) -> Response<Full<Bytes>> {
         let mut response = plain(self.status, format!("{}\n", self.reason));
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
-            response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from(self.retry_after));
         }
         response
     }
 }
 
 /// The report asked for, or why not.
-async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Result<Report, Refusal> {
+async fn report(
+    board: &BoardReader,
+    windows: &Arc<Windows>,
+    params: &Params,
+    asked: ReportAsked,
+) -> Result<Report, Refusal> {
     let bad = |reason: String| Refusal::new(StatusCode::BAD_REQUEST, reason);
     let pid = params.pid().map_err(bad)?;
     let window = params.window().map_err(bad)?;
@@ -90,7 +159,10 @@ async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Res
         modules: asked.format.needs_modules(),
         ..CollectOptions::NONE
     };
+    // Held until the window's report is answered.
+    let mut taken = None;
     if let Some(window) = window {
+        taken = Some(windows.open(window)?);
         collect.born_since_ns = Some(clock::monotonic_ns());
         // What was allocated before the window is not the window's.
         collect.freed_stacks = false;
@@ -99,7 +171,15 @@ async fn report(board: &BoardReader, params: &Params, asked: ReportAsked) -> Res
     }
     let top = if asked.format.wants_every_stack() { usize::MAX } else { asked.top };
     let request = ReportRequest { collect, sort: asked.sort, top, in_series: false };
-    match board.query(pid, request).await {
+    // A window's report waits for its turn with the collector: the window
+    // was admitted, and only `WINDOWS_AT_ONCE` can wait so.
+    let answered = if taken.is_some() {
+        board.query_in_turn(pid, request).await
+    } else {
+        board.query(pid, request).await
+    };
+    drop(taken);
+    match answered {
         Ok(Ok(Some(mut report))) => {
             if window.is_some() {
                 // alloc_space since memleak attached is no part of a window.
