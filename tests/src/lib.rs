@@ -11,9 +11,11 @@
 //! - `podman`: real containers, in podman storage of the test's own;
 //! - `consumers`: flame graphs and profiles, read as their users would;
 //! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool;
+//! - `cgroups`: cgroup v2 directories of a test's own;
 //! - `uprobes`: memleak's uprobe links, and the breakpoints they place.
 
 pub mod bpf_maps;
+pub mod cgroups;
 pub mod consumers;
 pub mod fixtures;
 pub mod http;

@@ -1,65 +1,20 @@
 //! --cgroup: every process of a cgroup v2, including those that join it
 //! after memleak attached, and none outside it.
 
-use std::{fs, path::PathBuf};
+use std::fs;
 
 use memleak_tests::{
     bpf_maps::map_entries,
+    cgroups::TestCgroup,
     uprobes::{byte_in_file, byte_in_process, multi_links},
     usage_at, Leaker, Memleak, PATIENCE,
 };
 use serde_json::Value;
 
-/// A fresh cgroup v2 directory, removed when dropped.
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new() -> Self {
-        // A pure cgroup v2 machine mounts it at /sys/fs/cgroup; a hybrid one,
-        // like ours, at /sys/fs/cgroup/unified.
-        let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
-            .into_iter()
-            .map(PathBuf::from)
-            .find(|root| root.join("cgroup.procs").exists() && root.join("cgroup.controllers").exists())
-            .expect("a cgroup v2 hierarchy");
-        // Tests run in parallel threads of one process: each its own cgroup.
-        let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_alphanumeric(), "");
-        let path = root.join(format!("memleak-test-{}-{thread}", std::process::id()));
-        fs::create_dir_all(&path).expect("create a cgroup");
-        Self(path)
-    }
-
-    fn join(&self, pid: u32) {
-        fs::write(self.0.join("cgroup.procs"), pid.to_string()).expect("move a process into the cgroup");
-    }
-
-    /// A child cgroup, as a pod or a slice has one per container or
-    /// service; removed with its parent.
-    fn child(&self, name: &str) -> Self {
-        let path = self.0.join(name);
-        fs::create_dir(&path).expect("create a child cgroup");
-        Self(path)
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        // Children first: rmdir refuses a cgroup that has children.
-        if let Ok(entries) = fs::read_dir(&self.0) {
-            for entry in entries.flatten() {
-                if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
-                    drop(Self(entry.path()));
-                }
-            }
-        }
-        let _ = fs::remove_dir(&self.0);
-    }
-}
-
 #[test]
 fn processes_that_join_later_are_traced_and_others_are_not() {
     let cgroup = TestCgroup::new();
-    let path = cgroup.0.to_str().unwrap();
+    let path = cgroup.arg();
     let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-o", "0", "-T", "100", "3600"]);
     memleak.wait_attached();
     let mut first = Leaker::start_waiting(&["all"]);
@@ -100,7 +55,7 @@ fn processes_that_join_later_are_traced_and_others_are_not() {
 #[test]
 fn processes_that_come_and_go_leave_nothing_behind_in_the_maps() {
     let cgroup = TestCgroup::new();
-    let path = cgroup.0.to_str().unwrap();
+    let path = cgroup.arg();
     let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "1", "3600"]);
     memleak.wait_attached();
     let memleak_pid = memleak.child.id();
@@ -138,7 +93,7 @@ fn processes_that_come_and_go_leave_nothing_behind_in_the_maps() {
         memleak.stdout.wait_for("the final report of a process that exited", |line| line.contains(&report));
         // Processes that join, allocate and exit between two looks at the
         // cgroup: BPF counts their calls, and memleak never traces them.
-        let procs = cgroup.0.join("cgroup.procs");
+        let procs = cgroup.path().join("cgroup.procs");
         let quick = format!("echo $$ > {} && exec /usr/bin/python3 -c pass", procs.display());
         let status = std::process::Command::new("sh").args(["-c", &quick]).status().expect("run sh");
         assert!(status.success());
@@ -175,7 +130,7 @@ fn a_parent_cgroup_includes_the_processes_of_its_descendants() {
     pod.join(direct.pid());
     container.join(in_child.pid());
     nested.join(in_grandchild.pid());
-    let path = pod.0.to_str().unwrap();
+    let path = pod.arg();
     let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "100", "3600"]);
     let census = memleak.stderr.wait_for("how many processes memleak found", |line| {
         line.starts_with("memleak: tracing ") && !line.starts_with("memleak: tracing cgroup")
@@ -218,7 +173,7 @@ fn a_parent_cgroup_includes_the_processes_of_its_descendants() {
 fn a_cgroup_without_processes_says_so() {
     let slice = TestCgroup::new();
     let _empty_child = slice.child("empty");
-    let path = slice.0.to_str().unwrap();
+    let path = slice.arg();
     let (code, stderr) = memleak_tests::run_to_end(&["--cgroup", path, "1", "1"]);
     assert_eq!(code, Some(0), "{stderr}");
     let expected = format!(
@@ -241,7 +196,7 @@ fn a_path_that_is_not_a_cgroup() {
 #[test]
 fn a_cgroup_made_again_at_its_path_is_followed() {
     let cgroup = TestCgroup::new();
-    let path = cgroup.0.to_str().unwrap();
+    let path = cgroup.arg();
     let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "100", "3600"]);
     memleak.wait_attached();
     let join = |leaker: &mut Leaker, memleak: &mut Memleak| {
@@ -257,10 +212,12 @@ fn a_cgroup_made_again_at_its_path_is_followed() {
     let report = format!("\"pid\":{pid_before},");
     memleak.stdout.wait_for("the final report of the first process", |line| line.contains(&report));
     for round in 0..2 {
-        let old_id = fs::metadata(&cgroup.0).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata));
-        fs::remove_dir(&cgroup.0).expect("remove the empty cgroup");
-        fs::create_dir(&cgroup.0).expect("make the cgroup again");
-        let new_id = fs::metadata(&cgroup.0).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata));
+        let old_id =
+            fs::metadata(cgroup.path()).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata));
+        fs::remove_dir(cgroup.path()).expect("remove the empty cgroup");
+        fs::create_dir(cgroup.path()).expect("make the cgroup again");
+        let new_id =
+            fs::metadata(cgroup.path()).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata));
         assert_ne!(old_id.ok(), new_id.ok(), "round {round}: a cgroup made again has another id");
         let mut after = Leaker::start_waiting(&["all"]);
         join(&mut after, &mut memleak);
@@ -284,7 +241,7 @@ fn a_cgroup_made_again_at_its_path_is_followed() {
 #[test]
 fn a_file_of_a_cgroup_is_not_a_cgroup() {
     let cgroup = TestCgroup::new();
-    let file = cgroup.0.join("cgroup.procs");
+    let file = cgroup.path().join("cgroup.procs");
     let file = file.to_str().unwrap();
     let (code, stderr) = memleak_tests::run_to_end(&["--cgroup", file, "1", "1"]);
     assert_eq!(code, Some(2), "{stderr}");
@@ -297,7 +254,7 @@ fn memleak_in_the_cgroup_it_traces_never_traces_itself() {
     // With --trace, each event memleak printed would make more: it must
     // leave itself out, and say so.
     let cgroup = TestCgroup::new();
-    let path = cgroup.0.to_str().unwrap();
+    let path = cgroup.arg();
     let output = std::process::Command::new("sh")
         .arg("-c")
         .arg(format!("echo $$ > {path}/cgroup.procs && exec \"$0\" \"$@\""))
@@ -328,7 +285,7 @@ fn only_the_cgroups_processes_get_breakpoints_in_a_libc_the_host_shares() {
     let member = Leaker::start_waiting(&["all"]);
     let outsider = Leaker::start_waiting(&["all"]);
     cgroup.join(member.pid());
-    let path = cgroup.0.to_str().unwrap();
+    let path = cgroup.arg();
     let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "100", "3600"]);
     memleak.wait_attached();
     let links = multi_links(memleak.child.id());

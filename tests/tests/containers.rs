@@ -114,16 +114,9 @@ fn debug_info_shipped_inside_the_container_is_found_first() {
     // A stripped binary whose DWARF sits in a separate file that only the
     // container has, under its /usr/lib/debug, named by .gnu_debuglink.
     let work = TempDir::new("memleak-debuglink");
-    let full = fixture("leaker");
-    let debug = work.path().join("leaker.debug");
     let stripped = work.path().join("leaker");
-    let objcopy = |args: &[&std::ffi::OsStr]| {
-        let status = Command::new("objcopy").args(args).status().expect("run objcopy");
-        assert!(status.success(), "objcopy {args:?}");
-    };
-    objcopy(&["--only-keep-debug".as_ref(), full.as_os_str(), debug.as_os_str()]);
-    let link = format!("--add-gnu-debuglink={}", debug.display());
-    objcopy(&["--strip-debug".as_ref(), link.as_ref(), full.as_os_str(), stripped.as_os_str()]);
+    memleak_tests::fixtures::copy_executable(&fixture("leaker"), &stripped);
+    let debug = memleak_tests::fixtures::split_debug_file(&stripped, "--strip-debug");
     let rootfs = memleak_tests::rootfs_with(&stripped);
     let debug_dir = rootfs.path().join("usr/lib/debug");
     fs::create_dir_all(&debug_dir).unwrap();
@@ -278,15 +271,8 @@ fn a_debug_link_never_leads_to_the_hosts_files() {
         .status()
         .unwrap();
     assert!(built.success());
-    let debug = work.path().join("leaker.debug");
-    let stripped = work.path().join("leaker-stripped");
-    let objcopy = |args: &[&std::ffi::OsStr]| {
-        let status = Command::new("objcopy").args(args).status().expect("run objcopy");
-        assert!(status.success(), "objcopy {args:?}");
-    };
-    objcopy(&["--only-keep-debug".as_ref(), full.as_os_str(), debug.as_os_str()]);
-    let link = format!("--add-gnu-debuglink={}", debug.display());
-    objcopy(&["--strip-debug".as_ref(), link.as_ref(), full.as_os_str(), stripped.as_os_str()]);
+    let stripped = full;
+    let debug = memleak_tests::fixtures::split_debug_file(&stripped, "--strip-debug");
     let shared = TempDir::new("memleak-debuglink-shared");
     let sentinel = shared.path().join("leaker.debug");
     fs::copy(&debug, &sentinel).unwrap();

@@ -3,9 +3,7 @@
 //! burn both cores writing 59 MB in 8 s. Each leaves the other out, in
 //! one line, as it leaves out itself and its output's readers.
 
-use std::{fs, path::PathBuf};
-
-use memleak_tests::{memleak_binary, run_to_end, Leaker, Memleak};
+use memleak_tests::{cgroups::TestCgroup, memleak_binary, run_to_end, Leaker, Memleak};
 
 const ANOTHER_MEMLEAK: &str =
     "it is another memleak: with --trace, each tracing the other would print an event for each event printed";
@@ -47,44 +45,10 @@ fn a_command_that_is_memleak_is_not_run_with_trace() {
     );
 }
 
-/// A cgroup of the test's own, removed when dropped.
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new() -> Self {
-        let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
-            .into_iter()
-            .map(PathBuf::from)
-            .find(|root| root.join("cgroup.procs").exists() && root.join("cgroup.controllers").exists())
-            .expect("a cgroup v2 hierarchy");
-        let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_alphanumeric(), "");
-        let path = root.join(format!("memleak-memleaks-{}-{thread}", std::process::id()));
-        fs::create_dir_all(&path).expect("create a cgroup");
-        Self(path)
-    }
-
-    fn join(&self, pid: u32) {
-        fs::write(self.0.join("cgroup.procs"), pid.to_string()).expect("move a process into the cgroup");
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        // Its processes back where this test runs, so that it can go.
-        let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-        let own = own.lines().find_map(|line| line.strip_prefix("0::")).unwrap_or("/").to_owned();
-        let parent = self.0.parent().unwrap().join(own.trim_start_matches('/'));
-        for pid in fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default().lines() {
-            let _ = fs::write(parent.join("cgroup.procs"), pid);
-        }
-        let _ = fs::remove_dir(&self.0);
-    }
-}
-
 #[test]
 fn two_memleaks_with_trace_in_the_cgroup_they_trace_leave_each_other_out() {
     let cgroup = TestCgroup::new();
-    let path = cgroup.0.to_str().unwrap();
+    let path = cgroup.arg();
     let mut leaker = Leaker::start_waiting(&["seed", "3"]);
     cgroup.join(leaker.pid());
     let args = ["-t", "--cgroup", path, "--format", "json", "3600"];

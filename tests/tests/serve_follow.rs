@@ -10,7 +10,9 @@ use std::{
 };
 
 use memleak_tests::{
-    assert_refused_in_one_line, fixture,
+    assert_refused_in_one_line,
+    cgroups::TestCgroup,
+    fixture,
     http::{free_port, get, get_until, serve, stop, Response},
     leaker_rootfs,
     tempdir::TempDir,
@@ -92,42 +94,10 @@ fn exe_follows_a_program_by_the_name_it_was_started_under() {
     stop(memleak);
 }
 
-/// A fresh cgroup v2 directory named `name` under the hierarchy's mount,
-/// found from /proc/self/mountinfo; removed when dropped.
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new(name: &str) -> Self {
-        let mounts = fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
-        let root = mounts
-            .lines()
-            .find_map(|line| {
-                let (fields, filesystem) = line.split_once(" - ")?;
-                filesystem
-                    .starts_with("cgroup2 ")
-                    .then(|| fields.split_whitespace().nth(4).map(PathBuf::from))?
-            })
-            .expect("a cgroup v2 hierarchy mounted");
-        let path = root.join(name);
-        fs::create_dir_all(&path).expect("create a cgroup");
-        Self(path)
-    }
-
-    fn join(&self, pid: u32) {
-        fs::write(self.0.join("cgroup.procs"), pid.to_string()).expect("move a process into the cgroup");
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir(&self.0);
-    }
-}
-
 #[test]
 fn cgroup_follows_a_process_that_joins_later() {
-    let cgroup = TestCgroup::new(&format!("memleak-serve-follow-{}", std::process::id()));
-    let (mut memleak, port) = serve(&["--cgroup", cgroup.0.to_str().unwrap()]);
+    let cgroup = TestCgroup::named(&format!("memleak-serve-follow-{}", std::process::id()));
+    let (mut memleak, port) = serve(&["--cgroup", cgroup.arg()]);
     let mut leaker = Leaker::start_waiting(&["all"]);
     let pid = leaker.pid();
     cgroup.join(pid);
@@ -163,7 +133,7 @@ fn made_up_container_id() -> String {
 #[test]
 fn container_follows_the_process_in_a_container_by_id_prefix() {
     let id = made_up_container_id();
-    let cgroup = TestCgroup::new(&format!("libpod-{id}.scope"));
+    let cgroup = TestCgroup::named(&format!("libpod-{id}.scope"));
     let rootfs = leaker_rootfs();
     let mut command = Command::new("unshare");
     command
