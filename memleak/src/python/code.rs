@@ -47,13 +47,24 @@ impl CodeLayout {
     /// each version's headers and checked on live processes); `None`
     /// outside 3.8–3.13.
     pub fn for_version(minor: u8, code_type: u64) -> Option<Self> {
-        let (co_name, co_qualname, co_filename, co_firstlineno, co_lines, ascii_size, compact_size) = match minor {
-            8..=10 => (0x70, None, 0x68, 0x28, 0x78, 0x30, 0x48),
-            11 => (0x78, Some(0x80), 0x70, 0x48, 0x88, 0x30, 0x48),
-            12 | 13 => (0x78, Some(0x80), 0x70, 0x44, 0x88, 0x28, 0x38),
-            _ => return None,
-        };
-        Some(Self { minor, code_type, co_name, co_qualname, co_filename, co_firstlineno, co_lines, ascii_size, compact_size })
+        let (co_name, co_qualname, co_filename, co_firstlineno, co_lines, ascii_size, compact_size) =
+            match minor {
+                8..=10 => (0x70, None, 0x68, 0x28, 0x78, 0x30, 0x48),
+                11 => (0x78, Some(0x80), 0x70, 0x48, 0x88, 0x30, 0x48),
+                12 | 13 => (0x78, Some(0x80), 0x70, 0x44, 0x88, 0x28, 0x38),
+                _ => return None,
+            };
+        Some(Self {
+            minor,
+            code_type,
+            co_name,
+            co_qualname,
+            co_filename,
+            co_firstlineno,
+            co_lines,
+            ascii_size,
+            compact_size,
+        })
     }
 
     fn line_table_format(&self) -> Option<LineTableFormat> {
@@ -63,7 +74,8 @@ impl CodeLayout {
     /// How much of a code object a read takes: through the last field
     /// used.
     fn header_size(&self) -> usize {
-        let pointers = [self.co_name, self.co_qualname.unwrap_or(0), self.co_filename, self.co_lines].map(|offset| offset + 8);
+        let pointers = [self.co_name, self.co_qualname.unwrap_or(0), self.co_filename, self.co_lines]
+            .map(|offset| offset + 8);
         pointers.into_iter().chain([self.co_firstlineno + 4]).max().unwrap_or(0)
     }
 }
@@ -75,13 +87,13 @@ const STR_LENGTH: usize = 0x10;
 const STR_STATE: usize = 0x20;
 /// `PyBytesObject.ob_size` and `.ob_sval`.
 const BYTES_SIZE: usize = 0x10;
-const BYTES_DATA: u64 = 0x20;
+const BYTES_DATA: usize = 0x20;
 /// Longer names or file names are taken for garbage: a path is at most
 /// 4096 bytes, and a qualified name is far shorter.
-const MAX_STRING_CHARS: u64 = 16 * 1024;
+const MAX_STRING_CHARS: usize = 16 * 1024;
 /// Longer line tables are taken for garbage: a table takes a few bytes per
 /// instruction, and a frame record cannot point past 2^18 code units.
-const MAX_LINE_TABLE: u64 = 1 << 20;
+const MAX_LINE_TABLE: usize = 1 << 20;
 /// Code objects kept per process; past it, the least recently used goes.
 pub const CODE_CACHE_CAPACITY: usize = 64 * 1024;
 
@@ -159,9 +171,11 @@ struct Identity {
 /// Reads the code object at `address`.
 fn read_identity(memory: &impl Memory, layout: &CodeLayout, address: u64) -> Result<Identity, CodeError> {
     let mut header = vec![0; layout.header_size()];
-    memory
-        .read_exact_at(address, &mut header)
-        .map_err(|source| CodeError::Unreadable { what: "code object", address, source })?;
+    memory.read_exact_at(address, &mut header).map_err(|source| CodeError::Unreadable {
+        what: "code object",
+        address,
+        source,
+    })?;
     let found = u64_at(&header, OB_TYPE);
     if found != layout.code_type {
         return Err(CodeError::NotCode { address, found, expected: layout.code_type });
@@ -179,10 +193,16 @@ fn u64_at(bytes: &[u8], offset: usize) -> u64 {
 }
 
 /// Reads what `identity` points to, for the code object at `code`.
-fn read_code_info(memory: &impl Memory, layout: &CodeLayout, code: u64, identity: Identity) -> Result<CodeInfo, CodeError> {
+fn read_code_info(
+    memory: &impl Memory,
+    layout: &CodeLayout,
+    code: u64,
+    identity: Identity,
+) -> Result<CodeInfo, CodeError> {
     let format = layout.line_table_format().ok_or(CodeError::UnsupportedVersion { minor: layout.minor })?;
     let (name_type, name) = read_str(memory, layout, identity.name).map_err(|why| why.of("name", code))?;
-    let (file_type, file) = read_str(memory, layout, identity.file).map_err(|why| why.of("file name", code))?;
+    let (file_type, file) =
+        read_str(memory, layout, identity.file).map_err(|why| why.of("file name", code))?;
     if name_type != file_type {
         let why = format!("its type {name_type:#x} is not that of the file name, {file_type:#x}");
         return Err(CodeError::BadString { what: "name", code, why });
@@ -205,7 +225,9 @@ impl Refused {
 }
 
 fn read_refused(memory: &impl Memory, address: u64, buffer: &mut [u8]) -> Result<(), Refused> {
-    memory.read_exact_at(address, buffer).map_err(|error| Refused(format!("cannot read {address:#x}: {error}")))
+    memory
+        .read_exact_at(address, buffer)
+        .map_err(|error| Refused(format!("cannot read {address:#x}: {error}")))
 }
 
 /// A compact str object (every name and file name of a code object is
@@ -216,18 +238,18 @@ fn read_str(memory: &impl Memory, layout: &CodeLayout, address: u64) -> Result<(
     let mut header = [0; STR_STATE + 4];
     read_refused(memory, address, &mut header)?;
     let length = u64_at(&header, STR_LENGTH);
+    let count = usize::try_from(length).ok().filter(|&count| count <= MAX_STRING_CHARS);
     let state = u32::from_ne_bytes(header[STR_STATE..][..4].try_into().unwrap_or_default());
     let (kind, compact, ascii) = ((state >> 2) & 7, state & (1 << 5) != 0, state & (1 << 6) != 0);
     if !compact || !matches!(kind, 1 | 2 | 4) || (ascii && kind != 1) {
         return Err(Refused(format!("state {state:#x} is not that of a compact str")));
     }
-    if length > MAX_STRING_CHARS {
+    let Some(count) = count else {
         return Err(Refused(format!("{length} characters")));
-    }
+    };
     let width = kind as usize;
     let data = address + if ascii { layout.ascii_size } else { layout.compact_size } as u64;
-    // Bounded by MAX_STRING_CHARS above.
-    let mut bytes = vec![0; (length as usize + 1) * width];
+    let mut bytes = vec![0; (count + 1) * width];
     read_refused(memory, data, &mut bytes)?;
     let mut characters: Vec<u32> = bytes
         .chunks_exact(width)
@@ -245,7 +267,10 @@ fn read_str(memory: &impl Memory, layout: &CodeLayout, address: u64) -> Result<(
         return Err(Refused("an ASCII str holds a character past 0x7f".into()));
     }
     // A str may hold lone surrogates, which Rust's str cannot.
-    let text: String = characters.into_iter().map(|character| char::from_u32(character).unwrap_or(char::REPLACEMENT_CHARACTER)).collect();
+    let text: String = characters
+        .into_iter()
+        .map(|character| char::from_u32(character).unwrap_or(char::REPLACEMENT_CHARACTER))
+        .collect();
     Ok((u64_at(&header, OB_TYPE), text.into()))
 }
 
@@ -255,12 +280,11 @@ fn read_bytes(memory: &impl Memory, address: u64) -> Result<Box<[u8]>, Refused> 
     let mut header = [0; BYTES_SIZE + 8];
     read_refused(memory, address, &mut header)?;
     let size = u64_at(&header, BYTES_SIZE);
-    if size > MAX_LINE_TABLE {
+    let Some(length) = usize::try_from(size).ok().filter(|&length| length <= MAX_LINE_TABLE) else {
         return Err(Refused(format!("{size} bytes")));
-    }
-    // Bounded by MAX_LINE_TABLE above.
-    let mut bytes = vec![0; size as usize + 1];
-    read_refused(memory, address + BYTES_DATA, &mut bytes)?;
+    };
+    let mut bytes = vec![0; length + 1];
+    read_refused(memory, address + BYTES_DATA as u64, &mut bytes)?;
     if bytes.pop() != Some(0) {
         return Err(Refused(format!("its {size} bytes do not end in NUL")));
     }
@@ -285,10 +309,16 @@ pub enum PyFrame {
 impl fmt::Display for PyFrame {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Code { function, file, line: Some(line) } => write!(formatter, "{function} ({file}:{line})"),
+            Self::Code { function, file, line: Some(line) } => {
+                write!(formatter, "{function} ({file}:{line})")
+            }
             Self::Code { function, file, line: None } => write!(formatter, "{function} ({file})"),
-            Self::Unknown { code, instruction: Instruction::Unit(units) } => write!(formatter, "<freed code {code:#x} +{units}>"),
-            Self::Unknown { code, instruction: Instruction::NotStarted } => write!(formatter, "<freed code {code:#x}>"),
+            Self::Unknown { code, instruction: Instruction::Unit(units) } => {
+                write!(formatter, "<freed code {code:#x} +{units}>")
+            }
+            Self::Unknown { code, instruction: Instruction::NotStarted } => {
+                write!(formatter, "<freed code {code:#x}>")
+            }
         }
     }
 }
@@ -323,7 +353,14 @@ impl CodeCache<ProcessMemory> {
 
 impl<M: Memory> CodeCache<M> {
     pub fn new(memory: M, layout: CodeLayout, capacity: usize) -> Self {
-        Self { memory, layout, slots: HashMap::new(), by_use: BTreeMap::new(), clock: 0, capacity: capacity.max(1) }
+        Self {
+            memory,
+            layout,
+            slots: HashMap::new(),
+            by_use: BTreeMap::new(),
+            clock: 0,
+            capacity: capacity.max(1),
+        }
     }
 
     /// The code object at `address`. Each call reads its header again (one
@@ -362,7 +399,11 @@ impl<M: Memory> CodeCache<M> {
     /// The frame that runs `instruction` of the code object at `code`.
     pub fn resolve(&mut self, code: u64, instruction: Instruction) -> PyFrame {
         match self.code(code) {
-            Ok(info) => PyFrame::Code { function: info.name.clone(), file: info.file.clone(), line: info.line(instruction) },
+            Ok(info) => PyFrame::Code {
+                function: info.name.clone(),
+                file: info.file.clone(),
+                line: info.line(instruction),
+            },
             Err(error) => {
                 log::debug!("python frame shown as unknown: {error}");
                 PyFrame::Unknown { code, instruction }
@@ -403,7 +444,10 @@ mod tests {
 
     impl FakeMemory {
         fn put(&mut self, bytes: Vec<u8>) -> u64 {
-            let address = self.regions.last_key_value().map_or(0x10000, |(start, bytes)| (start + bytes.len() as u64 + 0x100) & !0xff);
+            let address = self
+                .regions
+                .last_key_value()
+                .map_or(0x10000, |(start, bytes)| (start + bytes.len() as u64 + 0x100) & !0xff);
             self.regions.insert(address, bytes);
             address
         }
@@ -438,7 +482,7 @@ mod tests {
         }
 
         fn put_bytes(&mut self, data: &[u8]) -> u64 {
-            let mut bytes = Self::object(BYTES_TYPE, BYTES_DATA as usize);
+            let mut bytes = Self::object(BYTES_TYPE, BYTES_DATA);
             bytes[BYTES_SIZE..][..8].copy_from_slice(&(data.len() as u64).to_ne_bytes());
             bytes.extend_from_slice(data);
             bytes.push(0);
@@ -518,7 +562,8 @@ mod tests {
     #[test]
     fn the_least_recently_used_code_object_goes_first() {
         let mut memory = FakeMemory::default();
-        let codes: Vec<u64> = ["a", "b", "c"].iter().map(|name| memory.put_code(name, "/app/svc.py", 1)).collect();
+        let codes: Vec<u64> =
+            ["a", "b", "c"].iter().map(|name| memory.put_code(name, "/app/svc.py", 1)).collect();
         let mut cache = CodeCache::new(&memory, layout(), 2);
         let a = cache.code(codes[0]).unwrap();
         let b = cache.code(codes[1]).unwrap();
@@ -551,7 +596,10 @@ mod tests {
         memory.0.borrow_mut().regions.insert(code, reused);
         assert_eq!(cache.resolve(code, Instruction::Unit(1)).to_string(), "second (/app/svc.py:31)");
         memory.0.borrow_mut().regions.insert(code, freed);
-        assert_eq!(cache.resolve(code, Instruction::Unit(1)).to_string(), format!("<freed code {code:#x} +1>"));
+        assert_eq!(
+            cache.resolve(code, Instruction::Unit(1)).to_string(),
+            format!("<freed code {code:#x} +1>")
+        );
         assert_eq!(cache.len(), 0, "a freed code object is not kept");
     }
 
@@ -584,22 +632,35 @@ mod tests {
     #[test]
     fn a_name_that_is_not_a_compact_str_is_refused() {
         assert!(code_with_edited_name(|_| ()).is_ok());
-        let set_state = |state: u32| move |bytes: &mut Vec<u8>| bytes[STR_STATE..][..4].copy_from_slice(&state.to_ne_bytes());
+        let set_state = |state: u32| {
+            move |bytes: &mut Vec<u8>| bytes[STR_STATE..][..4].copy_from_slice(&state.to_ne_bytes())
+        };
         let ascii_kind_1 = (1 << 2) | (1 << 5) | (1 << 6);
-        for (state, case) in
-            [(ascii_kind_1 & !(1 << 5), "not compact"), ((3 << 2) | (1 << 5), "kind 3"), ((2 << 2) | (1 << 5) | (1 << 6), "ASCII of kind 2")]
-        {
+        for (state, case) in [
+            (ascii_kind_1 & !(1 << 5), "not compact"),
+            ((3 << 2) | (1 << 5), "kind 3"),
+            ((2 << 2) | (1 << 5) | (1 << 6), "ASCII of kind 2"),
+        ] {
             let result = code_with_edited_name(set_state(state));
             assert!(matches!(result, Err(CodeError::BadString { what: "name", .. })), "{case}: {result:?}");
         }
         let longer = |bytes: &mut Vec<u8>| bytes[STR_LENGTH] += 1;
-        assert!(matches!(code_with_edited_name(longer), Err(CodeError::BadString { .. })), "no NUL where the length ends");
+        assert!(
+            matches!(code_with_edited_name(longer), Err(CodeError::BadString { .. })),
+            "no NUL where the length ends"
+        );
         let huge = |bytes: &mut Vec<u8>| bytes[STR_LENGTH..][..8].copy_from_slice(&u64::MAX.to_ne_bytes());
         assert!(matches!(code_with_edited_name(huge), Err(CodeError::BadString { .. })), "a huge length");
         let not_ascii = |bytes: &mut Vec<u8>| bytes[layout().ascii_size] = 0xe9;
-        assert!(matches!(code_with_edited_name(not_ascii), Err(CodeError::BadString { .. })), "é in an ASCII str");
+        assert!(
+            matches!(code_with_edited_name(not_ascii), Err(CodeError::BadString { .. })),
+            "é in an ASCII str"
+        );
         let other_type = |bytes: &mut Vec<u8>| bytes[OB_TYPE] ^= 0x10;
-        assert!(matches!(code_with_edited_name(other_type), Err(CodeError::BadString { .. })), "a name of another type than the file's");
+        assert!(
+            matches!(code_with_edited_name(other_type), Err(CodeError::BadString { .. })),
+            "a name of another type than the file's"
+        );
     }
 
     #[test]
@@ -620,7 +681,7 @@ mod tests {
         let code = memory.put_code("keep", "/app/svc.py", 9);
         let table = u64_at(&memory.regions[&code], layout().co_lines);
         let bytes = memory.regions.get_mut(&table).unwrap();
-        bytes[BYTES_SIZE..][..8].copy_from_slice(&(MAX_LINE_TABLE + 1).to_ne_bytes());
+        bytes[BYTES_SIZE..][..8].copy_from_slice(&(MAX_LINE_TABLE as u64 + 1).to_ne_bytes());
         let result = CodeCache::new(&memory, layout(), 16).code(code);
         assert!(matches!(result, Err(CodeError::BadLineTable { .. })), "{result:?}");
     }

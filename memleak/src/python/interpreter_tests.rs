@@ -125,7 +125,10 @@ impl Drop for Interpreter {
 
 /// Starts `python` on [`SCRIPT`] and returns it with what it printed.
 fn start(python: &str, tag: &str) -> (Interpreter, Value) {
-    assert!(std::path::Path::new(python).exists(), "{python} is not installed: these tests need the interpreters of the machine image");
+    assert!(
+        std::path::Path::new(python).exists(),
+        "{python} is not installed: these tests need the interpreters of the machine image"
+    );
     let dir = std::env::temp_dir().join(format!("memleak-python-code-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let script = dir.join(SCRIPT_NAME);
@@ -141,7 +144,8 @@ fn start(python: &str, tag: &str) -> (Interpreter, Value) {
     let mut interpreter = Interpreter { child, dir };
     let mut line = String::new();
     BufReader::new(interpreter.child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let printed = serde_json::from_str(&line).unwrap_or_else(|error| panic!("{python} printed {line:?}: {error}"));
+    let printed =
+        serde_json::from_str(&line).unwrap_or_else(|error| panic!("{python} printed {line:?}: {error}"));
     (interpreter, printed)
 }
 
@@ -171,7 +175,8 @@ fn check_interpreter(python: &str, minor: u8) {
         let mut check = |lasti: i64, line: Option<i32>| {
             let got = cache.resolve(address, Instruction::from_lasti(minor, lasti));
             if got != expect(line) {
-                let _ = writeln!(mismatches, "{address:#x} lasti {lasti}: expected {}, got {got}", expect(line));
+                let _ =
+                    writeln!(mismatches, "{address:#x} lasti {lasti}: expected {}, got {got}", expect(line));
             }
         };
         check(-1, Some(first_line));
@@ -181,21 +186,36 @@ fn check_interpreter(python: &str, minor: u8) {
             instructions += 1;
         }
     }
-    assert!(mismatches.is_empty(), "{python}: {} mismatches over {instructions} instructions:\n{mismatches}", mismatches.lines().count());
+    assert!(
+        mismatches.is_empty(),
+        "{python}: {} mismatches over {instructions} instructions:\n{mismatches}",
+        mismatches.lines().count()
+    );
     // What the test covers: enough instructions, and names of each kind.
     assert!(instructions > 300, "{python}: only {instructions} instructions");
     let script_path = interpreter.dir.join(SCRIPT_NAME).display().to_string();
     let method = if minor >= 11 { "Класс.функция" } else { "функция" };
-    for (function, file) in
-        [("grüße", &*script_path), (method, &script_path), ("𐌰𐌱", &script_path), ("ssss", "/tmp/🐍 snake.py"), ("<module>", "/tmp/файл.py")]
-    {
-        assert!(names.contains(&(function.into(), file.into())), "{python}: no {function} of {file} in {names:?}");
+    for (function, file) in [
+        ("grüße", &*script_path),
+        (method, &script_path),
+        ("𐌰𐌱", &script_path),
+        ("ssss", "/tmp/🐍 snake.py"),
+        ("<module>", "/tmp/файл.py"),
+    ] {
+        assert!(
+            names.contains(&(function.into(), file.into())),
+            "{python}: no {function} of {file} in {names:?}"
+        );
     }
     let cached = cache.len();
     assert_eq!(cached, names.len(), "{python}: every code object read and kept");
     for thing in printed["not_code"].as_array().unwrap().iter().map(u64_of).chain([8]) {
         let got = cache.resolve(thing, Instruction::Unit(3));
-        assert_eq!(got, PyFrame::Unknown { code: thing, instruction: Instruction::Unit(3) }, "{python}: {thing:#x}");
+        assert_eq!(
+            got,
+            PyFrame::Unknown { code: thing, instruction: Instruction::Unit(3) },
+            "{python}: {thing:#x}"
+        );
         assert_eq!(got.to_string(), format!("<freed code {thing:#x} +3>"));
     }
 }

@@ -146,7 +146,10 @@ fn location_table_line(table: &[u8], first_line: i32, byte_offset: u64) -> Optio
     let mut address = 0u64;
     let mut at = 0;
     while let Some(&first) = table.get(at) {
-        let entry_end = table[at + 1..].iter().position(|byte| byte & 0x80 != 0).map_or(table.len(), |next| at + 1 + next);
+        let entry_end = table[at + 1..]
+            .iter()
+            .position(|byte| byte & 0x80 != 0)
+            .map_or(table.len(), |next| at + 1 + next);
         let body = &table[at + 1..entry_end];
         let code = (first >> 3) & 15;
         let line_delta = match code {
@@ -203,7 +206,10 @@ mod tests {
         // +0 then +3) and a line delta split in two at the same address
         // (+127 then +1), as CPython writes deltas too big for a byte.
         let table = [6, 1, 4, 0xfe, 255, 0, 5, 3, 0, 127, 0, 1];
-        let got: Vec<_> = [0, 4, 6, 8, 10, 14, 264, 268, 270, 272].iter().map(|&byte| lnotab_line(&table, 10, byte)).collect();
+        let got: Vec<_> = [0, 4, 6, 8, 10, 14, 264, 268, 270, 272]
+            .iter()
+            .map(|&byte| lnotab_line(&table, 10, byte))
+            .collect();
         let after_split = 9 + 3 + 127 + 1;
         assert_eq!(got, [10, 10, 11, 11, 9, 9, 9, 9, after_split, after_split].map(Some));
         // An empty table: every instruction is on the first line.
@@ -316,7 +322,8 @@ mod tests {
                     state.to_le_bytes()[0]
                 })
                 .collect();
-            for format in [LineTableFormat::Lnotab, LineTableFormat::Linetable310, LineTableFormat::Locations] {
+            for format in [LineTableFormat::Lnotab, LineTableFormat::Linetable310, LineTableFormat::Locations]
+            {
                 for offset in (0..300).step_by(2) {
                     let _ = format.line_at(&table, i32::MAX - 1, offset);
                     let _ = format.line_at(&table, i32::MIN + 1, offset);

@@ -8,6 +8,6 @@
 #![allow(dead_code, reason = "wired into the tracer in the next step of issue 23")]
 
 pub mod code;
-pub mod line_table;
 #[cfg(test)]
 mod interpreter_tests;
+pub mod line_table;
