@@ -22,6 +22,7 @@ mod model;
 mod offline;
 mod output;
 mod process;
+mod python;
 mod report;
 mod report_loop;
 mod serve;

@@ -200,6 +200,29 @@ pub fn build_with_debug_file(
     builder.finish(path)
 }
 
+/// The code ranges of the FDEs of the object's `.eh_frame`, sorted, in
+/// the object's own addresses: each a function, or a part of one that the
+/// compiler moved away (GCC's `.cold` parts), which no symbol may name.
+pub fn fde_ranges<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Vec<Range<u64>>, TableError> {
+    let object = parse_x86_64_elf(path, data)?;
+    let Some(section) = section_bytes(path, &object, ".eh_frame")? else { return Ok(Vec::new()) };
+    let mut eh_frame = EhFrame::new(&section.bytes, LittleEndian);
+    eh_frame.set_address_size(8);
+    let bases = eh_frame_bases(&object, section.address);
+    let mut entries = eh_frame.entries(&bases);
+    let mut ranges = Vec::new();
+    // An unreadable entry ends the walk: what came before still stands.
+    while let Ok(Some(entry)) = entries.next() {
+        if let CieOrFde::Fde(partial) = entry {
+            if let Ok(fde) = partial.parse(EhFrame::cie_from_offset) {
+                ranges.push(fde.initial_address()..fde.end_address());
+            }
+        }
+    }
+    ranges.sort_by_key(|range| (range.start, range.end));
+    Ok(ranges)
+}
+
 type Elf<'data, R = &'data [u8]> = ElfFile64<'data, Endianness, R>;
 type Reader<'data> = EndianSlice<'data, LittleEndian>;
 
@@ -279,7 +302,7 @@ fn inflate(compressed: &CompressedData<'_>) -> std::io::Result<Vec<u8>> {
 
 /// The bases of the pointer encodings `.eh_frame` may use: relative to
 /// itself, to `.eh_frame_hdr`, to `.text` or to `.got`.
-fn eh_frame_bases(object: &Elf<'_>, eh_frame: u64) -> BaseAddresses {
+fn eh_frame_bases<'data, R: ReadRef<'data>>(object: &Elf<'data, R>, eh_frame: u64) -> BaseAddresses {
     let address = |name| object.section_by_name(name).map(|section| section.address());
     let mut bases = BaseAddresses::default().set_eh_frame(eh_frame);
     if let Some(eh_frame_hdr) = address(".eh_frame_hdr") {

@@ -1,0 +1,193 @@
+//! From a thread to its `PyThreadState`, as the BPF walk will do it: the
+//! thread's fsbase, libc's thread-specific data at it, and CPython's TSS
+//! key's slot there; then a self-test of exactly that on every thread the
+//! interpreter knows, read through `/proc/PID/mem`.
+
+use super::{
+    memory::ProcessMemory,
+    offsets::{GroupEnd, Offsets},
+};
+
+/// Where libc keeps a thread's `pthread_getspecific` values, from its
+/// `struct pthread` (at fsbase on x86-64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LibcLayout {
+    /// `specific_1stblock[key].data` for keys below 32, `specific[key /
+    /// 32][key % 32].data` above; slots of 16 bytes whose data is at +8.
+    /// The same in glibc 2.27 to 2.38 (Pyroscope's table) and 2.36 here.
+    Glibc { first_block: u32, second_level: u32 },
+    /// `self->tsd[key]`: a pointer at `tsd` to an array of 8-byte values.
+    Musl { tsd: u32 },
+}
+
+pub const GLIBC: LibcLayout = LibcLayout::Glibc { first_block: 0x310, second_level: 0x510 };
+
+/// glibc's `header.self` in `struct pthread`: the thread's own address.
+const GLIBC_HEADER_SELF: u64 = 0x10;
+
+/// musl's `struct pthread.tsd`, which moved between musl releases
+/// (Pyroscope's table has both); the self-test decides which one holds.
+pub const MUSL_TSD_OFFSETS: [u32; 2] = [136, 152];
+
+/// The layout of the libc whose file name is among `names`, if memleak
+/// knows it: glibc's `libc.so.6`, or musl's `ld-musl-*.so.1` (also its
+/// libc, linked as `libc.musl-*`).
+pub fn libc_of<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<Vec<LibcLayout>> {
+    names.find_map(|name| {
+        if name == "libc.so.6" || name.starts_with("libc-2.") {
+            Some(vec![GLIBC])
+        } else if name.starts_with("ld-musl-") || name.starts_with("libc.musl-") {
+            Some(MUSL_TSD_OFFSETS.iter().map(|&tsd| LibcLayout::Musl { tsd }).collect())
+        } else {
+            None
+        }
+    })
+}
+
+/// CPython's `autoTSSkey`, read from `_PyRuntime`: `Ok(None)` while it is
+/// not initialised yet (an interpreter still starting).
+pub fn tss_key(memory: &ProcessMemory, runtime: u64, offsets: &Offsets) -> std::io::Result<Option<u32>> {
+    let initialised = memory.u32(runtime + offsets.thread.auto_tss_key)?;
+    let key = memory.u32(runtime + offsets.thread.auto_tss_key + 4)?;
+    Ok((initialised == 1).then_some(key))
+}
+
+/// The `PyThreadState*` that the thread whose fsbase is `fsbase` has in
+/// its slot for `key`, read as the BPF walk will.
+pub fn tsd_value(memory: &ProcessMemory, layout: LibcLayout, fsbase: u64, key: u32) -> std::io::Result<u64> {
+    let key = u64::from(key);
+    match layout {
+        LibcLayout::Glibc { first_block, .. } if key < 32 => {
+            memory.u64(fsbase + u64::from(first_block) + 16 * key + 8)
+        }
+        LibcLayout::Glibc { second_level, .. } => {
+            let block = memory.u64(fsbase + u64::from(second_level) + 8 * (key >> 5))?;
+            if block == 0 {
+                return Ok(0);
+            }
+            memory.u64(block + 16 * (key & 31) + 8)
+        }
+        LibcLayout::Musl { tsd } => memory.u64(memory.u64(fsbase + u64::from(tsd))? + 8 * key),
+    }
+}
+
+/// What the self-test found on every thread of the interpreter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelfTest {
+    /// Thread states walked (all of them passed).
+    pub threads: usize,
+    /// Frames whose code object was checked, over all threads.
+    pub frames: usize,
+}
+
+/// The things the self-test needs besides the offsets.
+pub struct Subject<'a> {
+    pub memory: &'a ProcessMemory,
+    pub runtime: u64,
+    pub offsets: &'a Offsets,
+    pub key: u32,
+    pub pycode_type: u64,
+}
+
+/// Frames checked per thread: enough to catch wrong frame offsets.
+const FRAMES_CHECKED: usize = 8;
+/// More threads than any interpreter has: a cycle in a list being
+/// rewritten is cut short.
+const MAX_THREADS: usize = 100_000;
+
+/// Walks `interpreters.head`'s thread states and checks, for each, that
+/// the lookup the BPF walk does leads back to it, and that its first
+/// frames hold code objects. The first failure is the error, in a line.
+pub fn self_test(subject: &Subject<'_>, layout: LibcLayout) -> Result<SelfTest, String> {
+    let Subject { memory, runtime, offsets, key, .. } = *subject;
+    let read = |address: u64, what: &str| {
+        memory.u64(address).map_err(|error| format!("cannot read {what} at {address:#x}: {error}"))
+    };
+    let interpreter = read(runtime + offsets.thread.interpreters_head, "_PyRuntime.interpreters.head")?;
+    if interpreter == 0 {
+        return Err("the interpreter has no interpreter state".to_owned());
+    }
+    let mut tstate = read(interpreter + offsets.thread.threads_head, "the interpreter's threads.head")?;
+    let mut result = SelfTest { threads: 0, frames: 0 };
+    while tstate != 0 && result.threads < MAX_THREADS {
+        let fsbase = read(tstate + offsets.thread.thread_id, "a thread state's thread_id")?;
+        if matches!(layout, LibcLayout::Glibc { .. }) {
+            let own = read(fsbase + GLIBC_HEADER_SELF, "a thread's glibc header")?;
+            if own != fsbase {
+                return Err(format!(
+                    "thread state {tstate:#x}: thread_id {fsbase:#x} is not a glibc thread (header.self {own:#x})"
+                ));
+            }
+        }
+        let found = tsd_value(memory, layout, fsbase, key)
+            .map_err(|error| format!("cannot read the TSS slot of thread {fsbase:#x}: {error}"))?;
+        if found != tstate {
+            return Err(format!(
+                "thread {fsbase:#x}: its TSS key {key} slot holds {found:#x}, not its thread state {tstate:#x}"
+            ));
+        }
+        result.frames += check_frames(subject, tstate)?;
+        result.threads += 1;
+        tstate = read(tstate + offsets.thread.tstate_next, "a thread state's next")?;
+    }
+    if result.threads == 0 {
+        return Err("the interpreter has no thread state".to_owned());
+    }
+    Ok(result)
+}
+
+/// Checks that the first frames of thread state `tstate` run code objects
+/// (the 3.12+ shim frame, owned by the C stack, runs none), and returns how
+/// many were checked.
+fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, String> {
+    let Subject { memory, offsets, pycode_type, .. } = *subject;
+    let read = |address: u64, what: &str| {
+        memory.u64(address).map_err(|error| format!("cannot read {what} at {address:#x}: {error}"))
+    };
+    let mut frame = read(tstate + offsets.thread.tstate_frame, "a thread state's frame")?;
+    if let Some(current) = offsets.thread.cframe_current {
+        if frame != 0 {
+            frame = read(frame + current, "a cframe's current_frame")?;
+        }
+    }
+    let mut checked = 0;
+    for _ in 0..FRAMES_CHECKED {
+        if frame == 0 {
+            break;
+        }
+        let bytes = memory
+            .bytes(frame, usize::from(offsets.frame.read_size))
+            .map_err(|error| format!("cannot read the frame at {frame:#x}: {error}"))?;
+        let word = |offset: u8| {
+            let at = usize::from(offset);
+            u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes"))
+        };
+        let shim = matches!(offsets.frame.group_end, GroupEnd::OwnerShim { offset }
+            if bytes[usize::from(offset)] == memleak_common::python::PY_OWNED_BY_CSTACK);
+        if !shim {
+            let code = word(offsets.frame.code);
+            let code_type = read(code + 8, "a frame's code object")?;
+            if code_type != pycode_type {
+                return Err(format!(
+                    "the frame at {frame:#x} runs {code:#x}, whose type {code_type:#x} is not PyCode_Type"
+                ));
+            }
+            checked += 1;
+        }
+        frame = word(offsets.frame.back);
+    }
+    Ok(checked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_libc_is_told_by_its_file_name() {
+        assert_eq!(libc_of(["python3.11", "libc.so.6"].into_iter()), Some(vec![GLIBC]));
+        let musl = libc_of(["ld-musl-x86_64.so.1"].into_iter()).unwrap();
+        assert_eq!(musl, [LibcLayout::Musl { tsd: 136 }, LibcLayout::Musl { tsd: 152 }]);
+        assert_eq!(libc_of(["python3.11", "libm.so.6"].into_iter()), None);
+    }
+}
