@@ -71,6 +71,8 @@ pub struct PythonRuntime {
     pub runtime_address: u64,
     /// `PyCode_Type`, at runtime: what a code object's `ob_type` is.
     pub pycode_type: u64,
+    /// `PyUnicode_Type`, at runtime: what a `str`'s `ob_type` is.
+    pub pyunicode_type: u64,
     /// `_PyEval_EvalFrameDefault` and its `.cold` part, at runtime, the
     /// function first.
     pub eval_ranges: Vec<Range<u64>>,
@@ -192,7 +194,11 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Refusal> {
         key: tss_key,
         pycode_type,
     };
-    let (libc, self_test) = passing_layout(&subject, &found.libc_layouts)
+    // Checked after the interpreter is seen initialised: a process caught
+    // at exec maps no libc yet.
+    let layouts = thread_state::libc_of(found.mappings.file_names())
+        .ok_or("the process maps neither glibc nor musl, whose thread-specific data memleak reads")?;
+    let (libc, self_test) = passing_layout(&subject, &layouts)
         .map_err(|reason| format!("the thread-state lookup failed its self-test: {reason}"))?;
     Ok(PythonRuntime {
         version,
@@ -200,6 +206,7 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Refusal> {
         bias: found.bias,
         runtime_address,
         pycode_type,
+        pyunicode_type: found.pyunicode_type,
         eval_ranges: found.eval_ranges,
         offsets,
         offsets_source,
@@ -222,8 +229,7 @@ struct InterpreterFile {
     pycode_type: u64,
     pyunicode_type: u64,
     eval_ranges: Vec<Range<u64>>,
-    /// The candidate layouts of the libc the process maps.
-    libc_layouts: Vec<LibcLayout>,
+    mappings: runtime::Mappings,
 }
 
 /// The interpreter object of process `pid`, if a supported one: its
@@ -259,8 +265,6 @@ fn inspect_files(pid: u32) -> Result<InterpreterFile, Refusal> {
         .into_iter()
         .map(|range| at_runtime(range.start)..at_runtime(range.end))
         .collect();
-    let libc_layouts = thread_state::libc_of(mappings.file_names())
-        .ok_or("the process maps neither glibc nor musl, whose thread-specific data memleak reads")?;
     Ok(InterpreterFile {
         runtime_address: at_runtime(runtime::runtime_address(&parsed).ok_or("no _PyRuntime")?),
         pycode_type: type_address("PyCode_Type")?,
@@ -270,7 +274,7 @@ fn inspect_files(pid: u32) -> Result<InterpreterFile, Refusal> {
         version,
         table,
         eval_ranges,
-        libc_layouts,
+        mappings,
     })
 }
 

@@ -239,3 +239,179 @@ fn a_process_that_is_not_python_is_left_alone() {
     let running = Running::start(command);
     assert!(matches!(detect(running.pid()), Detection::NotPython));
 }
+
+/// The checks catch a wrong offset rather than walk with it: each one
+/// is given the live 3.12 interpreter and a table with one field wrong.
+#[test]
+fn a_wrong_offset_fails_the_checks() {
+    let running = Running::python("/root/.pyenv/versions/3.12.1/bin/python3");
+    let runtime = enabled(detect(running.pid()));
+    let memory = ProcessMemory::open(running.pid()).unwrap();
+    let version = runtime.version;
+    let cross_checked = |offsets: &Offsets| {
+        cross_check(&memory, runtime.pycode_type, runtime.pyunicode_type, version, offsets)
+    };
+    assert_eq!(cross_checked(&runtime.offsets), Ok(()));
+    let mut wrong = runtime.offsets;
+    wrong.code.firstlineno = 0x48;
+    assert_eq!(cross_checked(&wrong), Err("co_firstlineno is at 0x44, not 0x48".to_owned()));
+    let mut wrong = runtime.offsets;
+    wrong.code.basic_size = 0xb8;
+    assert_eq!(cross_checked(&wrong), Err("tp_basicsize is 0xc0, not 0xb8".to_owned()));
+    let mut wrong = runtime.offsets;
+    wrong.strings.compact_data = 0x48;
+    assert_eq!(cross_checked(&wrong), Err("PyUnicode_Type's tp_basicsize is 0x40, not 0x50".to_owned()));
+
+    let self_test = |offsets: &Offsets, key: u32| {
+        let subject = thread_state::Subject {
+            memory: &memory,
+            runtime: runtime.runtime_address,
+            offsets,
+            key,
+            pycode_type: runtime.pycode_type,
+        };
+        thread_state::self_test(&subject, thread_state::GLIBC)
+    };
+    assert_eq!(self_test(&runtime.offsets, 0), Ok(runtime.self_test));
+    let error = self_test(&runtime.offsets, 1).unwrap_err();
+    assert!(error.contains("its TSS key 1 slot holds 0x0, not its thread state"), "{error}");
+    let mut wrong = runtime.offsets;
+    wrong.thread.thread_id = 0x90; // native_thread_id: a tid, no pthread
+    let error = self_test(&wrong, 0).unwrap_err();
+    assert!(
+        error.contains("cannot read a thread's glibc header") || error.contains("is not a glibc thread"),
+        "{error}"
+    );
+    let mut wrong = runtime.offsets;
+    wrong.frame.code = 0x10; // f_builtins: a dict
+    let error = self_test(&wrong, 0).unwrap_err();
+    assert!(error.contains("is not PyCode_Type"), "{error}");
+}
+
+/// glibc keeps keys below 32 in the thread's own block, others in blocks
+/// it allocates: both read as the walk will, on this test's own thread.
+#[test]
+fn glibc_thread_specific_data_is_found_for_any_key() {
+    let mut fsbase = 0u64;
+    // SAFETY: ARCH_GET_FS writes the thread's fs base to the u64 given.
+    assert_eq!(unsafe { libc::syscall(libc::SYS_arch_prctl, 0x1003, &raw mut fsbase) }, 0);
+    let memory = ProcessMemory::open(std::process::id()).unwrap();
+    let mut keys = Vec::new();
+    // Past 32 keys in all, whatever the process created before.
+    while keys.last().is_none_or(|&key| key < 40) {
+        let mut key: libc::pthread_key_t = 0;
+        // SAFETY: a new key, no destructor.
+        assert_eq!(unsafe { libc::pthread_key_create(&raw mut key, None) }, 0);
+        keys.push(key);
+    }
+    for &key in &keys {
+        let value = 0x1000 + u64::from(key);
+        // SAFETY: the key is live; the value is never dereferenced.
+        assert_eq!(unsafe { libc::pthread_setspecific(key, value as *const libc::c_void) }, 0);
+        assert_eq!(
+            thread_state::tsd_value(&memory, thread_state::GLIBC, fsbase, key).unwrap(),
+            value,
+            "key {key}"
+        );
+    }
+    for key in keys {
+        // SAFETY: the key was created above and is deleted once.
+        unsafe { libc::pthread_key_delete(key) };
+    }
+}
+
+/// A process caught right after its exec: the interpreter is mapped, not
+/// initialised. Detection says to try again, and does not disable.
+#[test]
+fn an_interpreter_not_initialised_yet_is_tried_later() {
+    use std::os::unix::process::CommandExt as _;
+    let mut command = Command::new("/usr/bin/python3.11");
+    command.args(["-c", "pass"]);
+    // SAFETY: ptrace(PTRACE_TRACEME) is async-signal-safe; the child then
+    // stops at its execve with SIGTRAP.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    let mut status = 0;
+    // SAFETY: waits for this test's own child to stop.
+    let waited = unsafe { libc::waitpid(child.id() as libc::pid_t, &raw mut status, 0) };
+    assert_eq!(waited, child.id() as libc::pid_t);
+    assert!(libc::WIFSTOPPED(status), "stopped at exec: {status:#x}");
+    let detection = detect(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    match detection {
+        Detection::TryLater(reason) => {
+            assert_eq!(reason, "the interpreter has not initialised its thread-state key yet");
+        }
+        other => panic!("expected TryLater, got {other:?}"),
+    }
+}
+
+/// A container made as a runtime would (own mount and pid namespaces,
+/// `pivot_root`), whose interpreter is at /app/bin/python3.11, a path the
+/// host does not have: the file is opened through `/proc/PID/map_files`.
+#[test]
+fn an_interpreter_inside_a_container() {
+    let root = std::env::temp_dir().join(format!("memleak-python-root-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let copy = |from: &Path, to: &str| {
+        let to = root.join(to.trim_start_matches('/'));
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(from, &to).unwrap_or_else(|error| panic!("copy {}: {error}", from.display()));
+    };
+    copy(Path::new("/usr/bin/python3.11"), "/app/bin/python3.11");
+    let listing =
+        Command::new("/lib64/ld-linux-x86-64.so.2").args(["--list", "/usr/bin/python3.11"]).output().unwrap();
+    for line in String::from_utf8_lossy(&listing.stdout).lines() {
+        if let Some(path) = line.split_whitespace().rfind(|word| word.starts_with('/')) {
+            copy(Path::new(path), path);
+        }
+    }
+    // What the interpreter imports at startup with -S -I.
+    for entry in std::fs::read_dir("/usr/lib/python3.11/encodings").unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|extension| extension == "py") {
+            copy(
+                &path,
+                &format!("/usr/lib/python3.11/encodings/{}", path.file_name().unwrap().to_string_lossy()),
+            );
+        }
+    }
+    // The landmarks of its prefix and exec prefix, or it says on stderr
+    // that it cannot find them.
+    copy(Path::new("/usr/lib/python3.11/os.py"), "/usr/lib/python3.11/os.py");
+    std::fs::create_dir_all(root.join("usr/lib/python3.11/lib-dynload")).unwrap();
+    std::fs::create_dir_all(root.join("proc")).unwrap();
+    let script = "import sys\ndef main():\n    sys.stdout.write('ready\\n')\n    sys.stdout.flush()\n    sys.stdin.readline()\nmain()\n";
+    let enter = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/enter-container.sh");
+    let mut command = Command::new("unshare");
+    command.args(["--mount", "--pid", "--fork", "--kill-child", "sh"]).arg(enter).arg(&root).args([
+        "/app/bin/python3.11",
+        "-S",
+        "-I",
+        "-c",
+        script,
+    ]);
+    let running = Running::start(command);
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", running.pid())).unwrap();
+    let pid: u32 = children.split_whitespace().next().expect("unshare's child").parse().unwrap();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(maps.contains(" /app/bin/python3.11\n"), "the process sees its interpreter at /app/bin: {maps}");
+    assert!(!Path::new("/app/bin/python3.11").exists(), "and the host does not");
+    let runtime = enabled(detect(pid));
+    drop(running);
+    std::fs::remove_dir_all(&root).unwrap();
+    assert_eq!(runtime.path, "/app/bin/python3.11");
+    assert_eq!(runtime.version.to_string(), "3.11.2");
+    assert_eq!(runtime.eval_ranges, [0x52_b0f0..0x53_8a4c, 0x43_0f05..0x43_455e]);
+    // One thread, in main and <module>.
+    assert_eq!(runtime.self_test, SelfTest { threads: 1, frames: 2 });
+}
