@@ -196,9 +196,8 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Refusal> {
     };
     // Checked after the interpreter is seen initialised: a process caught
     // at exec maps no libc yet.
-    let layouts = thread_state::libc_of(found.mappings.file_names())
-        .ok_or("the process maps neither glibc nor musl, whose thread-specific data memleak reads")?;
-    let (libc, self_test) = passing_layout(&subject, &layouts)
+    let layout = libc_layout(pid, &found.mappings)?;
+    let self_test = self_test_twice(&subject, layout)
         .map_err(|reason| format!("the thread-state lookup failed its self-test: {reason}"))?;
     Ok(PythonRuntime {
         version,
@@ -211,10 +210,10 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Refusal> {
         offsets,
         offsets_source,
         tss_key,
-        libc,
+        libc: layout,
         fsbase_offset: fsbase_offset()?,
         self_test,
-        config: config(&offsets, tss_key, libc)?,
+        config: config(&offsets, tss_key, layout)?,
     })
 }
 
@@ -278,25 +277,26 @@ fn inspect_files(pid: u32) -> Result<InterpreterFile, Refusal> {
     })
 }
 
-/// The first of `layouts` whose self-test passes. Threads that start or
-/// end while their list is read can fail one walk: a failure is tried
-/// once more before it counts.
-fn passing_layout(
-    subject: &thread_state::Subject<'_>,
-    layouts: &[LibcLayout],
-) -> Result<(LibcLayout, SelfTest), String> {
-    let mut first_error = None;
-    for _attempt in 0..2 {
-        for &layout in layouts {
-            match thread_state::self_test(subject, layout) {
-                Ok(result) => return Ok((layout, result)),
-                Err(error) => {
-                    first_error.get_or_insert(error);
-                }
-            }
+/// Where the libc process `pid` runs on keeps thread-specific data.
+fn libc_layout(pid: u32, mappings: &runtime::Mappings) -> Result<LibcLayout, String> {
+    match thread_state::libc_of(mappings.paths()) {
+        Some(thread_state::Libc::Glibc) => Ok(thread_state::GLIBC),
+        Some(thread_state::Libc::Musl { path }) => {
+            let file = mappings.open(pid, path).ok_or_else(|| format!("cannot open musl's {path}"))?;
+            thread_state::musl_layout(&file)
+                .map_err(|reason| format!("cannot read musl's layout in {path}: {reason}"))
+        }
+        None => {
+            Err("the process maps neither glibc nor musl, whose thread-specific data memleak reads"
+                .to_owned())
         }
     }
-    Err(first_error.unwrap_or_default())
+}
+
+/// The self-test; threads that start or end while their list is read can
+/// fail one walk, so a failure is tried once more before it counts.
+fn self_test_twice(subject: &thread_state::Subject<'_>, layout: LibcLayout) -> Result<SelfTest, String> {
+    thread_state::self_test(subject, layout).or_else(|_| thread_state::self_test(subject, layout))
 }
 
 /// `offsetof(task_struct, thread.fsbase)`, read once from the kernel's

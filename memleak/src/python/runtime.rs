@@ -97,12 +97,15 @@ impl Mappings {
         Self { objects, executable_path }
     }
 
-    /// The file names (last path component) of every mapped object.
-    pub fn file_names(&self) -> impl Iterator<Item = &str> {
-        self.objects
-            .iter()
-            .filter_map(|(first, _)| first.file())
-            .map(|path| path.rsplit('/').next().unwrap_or(path))
+    /// The paths of every mapped object, as the process names them.
+    pub fn paths(&self) -> impl Iterator<Item = &str> {
+        self.objects.iter().filter_map(|(first, _)| first.file())
+    }
+
+    /// The object mapped from `path`, opened as `files::open_mapped` does.
+    pub fn open(&self, pid: u32, path: &str) -> Option<File> {
+        let (_, code) = self.objects.iter().find(|(first, _)| first.file() == Some(path))?;
+        files::open_mapped(pid, code)
     }
 }
 
@@ -110,7 +113,7 @@ impl Mappings {
 pub type Parsed<'a> = object::File<'a, &'a ReadCache<&'a File>>;
 
 /// The file offset of `address` of `file`, if the file holds its bytes.
-fn file_offset(file: &Parsed<'_>, address: u64) -> Option<u64> {
+pub fn file_offset(file: &Parsed<'_>, address: u64) -> Option<u64> {
     file.segments().find_map(|segment| {
         let (offset, size) = segment.file_range();
         let start = segment.address();
@@ -335,6 +338,7 @@ mod tests {
         let mappings = Mappings::parse(maps, None);
         assert_eq!(mappings.objects.len(), 2, "one per file, anonymous memory left out");
         assert_eq!(mappings.objects[0].1.offset, 0x1000, "the file is opened through its code");
-        assert_eq!(mappings.file_names().collect::<Vec<_>>(), ["libpython3.12.so.1.0", "python3.11"]);
+        let paths: Vec<&str> = mappings.paths().collect();
+        assert_eq!(paths, ["/usr/lib/libpython3.12.so.1.0", "/usr/bin/python3.11"]);
     }
 }

@@ -25,23 +25,70 @@ pub const GLIBC: LibcLayout = LibcLayout::Glibc { first_block: 0x310, second_lev
 /// glibc's `header.self` in `struct pthread`: the thread's own address.
 const GLIBC_HEADER_SELF: u64 = 0x10;
 
-/// musl's `struct pthread.tsd`, which moved between musl releases
-/// (Pyroscope's table has both); the self-test decides which one holds.
-pub const MUSL_TSD_OFFSETS: [u32; 2] = [136, 152];
+/// Which libc a process runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Libc<'a> {
+    Glibc,
+    /// musl, whose object is mapped from `path`.
+    Musl {
+        path: &'a str,
+    },
+}
 
-/// The layout of the libc whose file name is among `names`, if memleak
-/// knows it: glibc's `libc.so.6`, or musl's `ld-musl-*.so.1` (also its
-/// libc, linked as `libc.musl-*`).
-pub fn libc_of<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<Vec<LibcLayout>> {
-    names.find_map(|name| {
-        if name == "libc.so.6" || name.starts_with("libc-2.") {
-            Some(vec![GLIBC])
-        } else if name.starts_with("ld-musl-") || name.starts_with("libc.musl-") {
-            Some(MUSL_TSD_OFFSETS.iter().map(|&tsd| LibcLayout::Musl { tsd }).collect())
+/// The libc among the mapped files `paths`, if memleak knows it: glibc's
+/// `libc.so.6`, or musl's `ld-musl-*.so.1` (Alpine; its libc is also
+/// linked as `libc.musl-*`), which Debian's musl keeps as
+/// `x86_64-linux-musl/libc.so`.
+pub fn libc_of<'a>(mut paths: impl Iterator<Item = &'a str>) -> Option<Libc<'a>> {
+    paths.find_map(|path| {
+        let name = path.rsplit('/').next().unwrap_or(path);
+        let musl = name.starts_with("ld-musl-")
+            || name.starts_with("libc.musl-")
+            || (name == "libc.so" && path.contains("-linux-musl/"));
+        if name == "libc.so.6" {
+            Some(Libc::Glibc)
+        } else if musl {
+            Some(Libc::Musl { path })
         } else {
             None
         }
     })
+}
+
+/// musl's layout, from its own `pthread_getspecific`: `mov %fs:0,%rax;
+/// mov TSD(%rax),%rax; mov (%rax,%rdi,8),%rax`. `struct pthread` changed
+/// between musl releases (1.2.3 has `tsd` at 0x80; Pyroscope's table
+/// has 136 and 152 for others), so the code, not a table, says where.
+pub fn musl_layout(file: &std::fs::File) -> Result<LibcLayout, String> {
+    use iced_x86::{Decoder, DecoderOptions, Register};
+    use object::{read::ReadCache, ReadRef as _};
+    let cache = ReadCache::new(file);
+    let parsed = object::File::parse(&cache).map_err(|error| error.to_string())?;
+    let (address, _) =
+        super::runtime::symbol(&parsed, "pthread_getspecific").ok_or("no symbol pthread_getspecific")?;
+    let offset =
+        super::runtime::file_offset(&parsed, address).ok_or("pthread_getspecific is not in the file")?;
+    let code = cache.read_bytes_at(offset, 32).map_err(|()| "cannot read pthread_getspecific")?;
+    let mut thread = None;
+    for instruction in Decoder::with_ip(64, code, address, DecoderOptions::NONE).into_iter().take(8) {
+        let register = instruction.op0_register();
+        match thread {
+            None if instruction.segment_prefix() == Register::FS
+                && instruction.memory_displacement64() == 0 =>
+            {
+                thread = Some(register);
+            }
+            Some(base)
+                if instruction.memory_base() == base && instruction.memory_index() == Register::None =>
+            {
+                let tsd = u32::try_from(instruction.memory_displacement64())
+                    .map_err(|_| "a negative tsd offset".to_owned())?;
+                return Ok(LibcLayout::Musl { tsd });
+            }
+            _ => {}
+        }
+    }
+    Err("its pthread_getspecific is not musl's fs:0, then self->tsd".to_owned())
 }
 
 /// CPython's `autoTSSkey`, read from `_PyRuntime`: `Ok(None)` while it is
@@ -185,9 +232,61 @@ mod tests {
 
     #[test]
     fn the_libc_is_told_by_its_file_name() {
-        assert_eq!(libc_of(["python3.11", "libc.so.6"].into_iter()), Some(vec![GLIBC]));
-        let musl = libc_of(["ld-musl-x86_64.so.1"].into_iter()).unwrap();
-        assert_eq!(musl, [LibcLayout::Musl { tsd: 136 }, LibcLayout::Musl { tsd: 152 }]);
-        assert_eq!(libc_of(["python3.11", "libm.so.6"].into_iter()), None);
+        let glibc = ["/usr/bin/python3.11", "/usr/lib/x86_64-linux-gnu/libc.so.6"];
+        assert_eq!(libc_of(glibc.into_iter()), Some(Libc::Glibc));
+        let alpine = "/lib/ld-musl-x86_64.so.1";
+        assert_eq!(libc_of([alpine].into_iter()), Some(Libc::Musl { path: alpine }));
+        let debian = "/usr/lib/x86_64-linux-musl/libc.so";
+        assert_eq!(libc_of([debian].into_iter()), Some(Libc::Musl { path: debian }));
+        assert_eq!(libc_of(["/usr/bin/python3.11", "/usr/lib/libm.so.6", "/opt/libc.so"].into_iter()), None);
+    }
+
+    /// musl's layout, on a program built with Debian's musl (musl-tools):
+    /// its keys' values read back through one of the candidate offsets.
+    #[test]
+    fn musl_thread_specific_data_is_found() {
+        use std::io::BufRead as _;
+        let dir = std::env::temp_dir().join(format!("memleak-musl-tsd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = dir.join("keys.c");
+        std::fs::write(
+            &source,
+            "#include <pthread.h>\n#include <stdio.h>\nint main(void) {\n\
+             pthread_key_t keys[3];\n\
+             for (int i = 0; i < 3; i++) { pthread_key_create(&keys[i], 0); \
+             pthread_setspecific(keys[i], (void *)(0x1000L + keys[i])); }\n\
+             printf(\"%lx %u %u %u\\n\", (unsigned long)pthread_self(), keys[0], keys[1], keys[2]);\n\
+             fflush(stdout);\n getchar();\n return 0;\n}\n",
+        )
+        .unwrap();
+        let program = dir.join("keys");
+        let built = std::process::Command::new("musl-gcc").arg("-o").arg(&program).arg(&source).status();
+        assert!(built.is_ok_and(|status| status.success()), "musl-gcc (Debian's musl-tools) builds it");
+        let mut child = std::process::Command::new(&program)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.id())).unwrap();
+        let memory = ProcessMemory::open(child.id()).unwrap();
+        let mut words = line.split_whitespace();
+        let thread = u64::from_str_radix(words.next().unwrap(), 16).unwrap();
+        let keys: Vec<u32> = words.map(|key| key.parse().unwrap()).collect();
+        let paths: Vec<&str> = maps.lines().filter_map(|line| line.split_whitespace().nth(5)).collect();
+        let Some(Libc::Musl { path }) = libc_of(paths.iter().copied()) else {
+            panic!("musl is recognised: {maps}")
+        };
+        let layout = musl_layout(&std::fs::File::open(path).unwrap()).unwrap();
+        assert_eq!(layout, LibcLayout::Musl { tsd: 0x80 }, "Debian 12's musl 1.2.3");
+        // pthread_self() is the thread pointer, fsbase, in musl too.
+        let values: Vec<u64> =
+            keys.iter().map(|&key| tsd_value(&memory, layout, thread, key).unwrap()).collect();
+        let _ = child.kill();
+        let _ = child.wait();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let expected: Vec<u64> = keys.iter().map(|&key| 0x1000 + u64::from(key)).collect();
+        assert_eq!(values, expected, "keys {keys:?}");
     }
 }
