@@ -248,9 +248,9 @@ fn rodata_version(rodata: &[u8], major: Option<u32>, minor: Option<u32>) -> Opti
 
 /// The code of `_PyEval_EvalFrameDefault` in the object's own addresses:
 /// the function's symbol, then each FDE of `.eh_frame` that its jumps lead
-/// into, outside the function and outside any other named function: the
-/// part GCC moved away as `.cold`, which Debian's stripped binary does
-/// not name.
+/// into, outside the function, that is no other function (entered by a
+/// call, or named): the part GCC moved away as `.cold`, which Debian's
+/// stripped binary does not name.
 pub fn eval_ranges<'a>(
     path: &Path,
     parsed: &Parsed<'a>,
@@ -283,7 +283,7 @@ pub fn eval_ranges<'a>(
             }
         }
     }
-    let fdes = eh_frame::fde_ranges(path, cache).map_err(|error| error.to_string())?;
+    let fdes = eh_frame::fde_spans(path, cache).map_err(|error| error.to_string())?;
     let named: HashMap<u64, String> = parsed
         .dynamic_symbols()
         .chain(parsed.symbols())
@@ -292,12 +292,15 @@ pub fn eval_ranges<'a>(
         .collect();
     let mut ranges = vec![function];
     for target in targets {
-        let index = fdes.partition_point(|fde| fde.start <= target);
+        let index = fdes.partition_point(|fde| fde.code.start <= target);
         let Some(fde) = index.checked_sub(1).map(|index| &fdes[index]) else { continue };
-        let cold_part =
-            named.get(&fde.start).is_none_or(|name| name.starts_with("_PyEval_EvalFrameDefault.cold"));
-        if fde.contains(&target) && cold_part && !ranges.contains(fde) {
-            ranges.push(fde.clone());
+        // Not another function: one entered by a call, or named otherwise
+        // (a tail call, or a trap shared by several functions).
+        let named_otherwise =
+            named.get(&fde.code.start).is_some_and(|name| !name.starts_with("_PyEval_EvalFrameDefault.cold"));
+        let cold_part = fde.code.contains(&target) && !fde.entered_by_call && !named_otherwise;
+        if cold_part && !ranges.contains(&fde.code) {
+            ranges.push(fde.code.clone());
         }
     }
     ranges[1..].sort_by_key(|range| range.start);
@@ -324,6 +327,20 @@ mod tests {
         assert_eq!(
             rodata_version(merged, Some(3), Some(8)).map(|version| version.to_string()).as_deref(),
             Some("3.8.18")
+        );
+    }
+
+    /// Debian's python3.11: the eval loop is entered by calls, its cold
+    /// part, jumped to from its body, is not.
+    #[test]
+    fn a_cold_part_is_told_from_a_function_by_its_first_unwind_row() {
+        let file = File::open("/usr/bin/python3.11").unwrap();
+        let spans = eh_frame::fde_spans(Path::new("python3.11"), &ReadCache::new(&file)).unwrap();
+        let span = |start| spans.iter().find(|span| span.code.start == start).unwrap();
+        assert_eq!(span(0x52_b0f0), &eh_frame::FdeSpan { code: 0x52_b0f0..0x53_8a4c, entered_by_call: true });
+        assert_eq!(
+            span(0x43_0f05),
+            &eh_frame::FdeSpan { code: 0x43_0f05..0x43_455e, entered_by_call: false }
         );
     }
 
