@@ -132,35 +132,26 @@ impl std::fmt::Display for PythonRuntime {
 
 /// Detects CPython in process `pid` (see the module's documentation).
 pub fn detect(pid: u32) -> Detection {
-    match detect_or_refuse(pid) {
-        Ok(runtime) => Detection::Enabled(Box::new(runtime)),
-        Err(Refusal::NotPython) => Detection::NotPython,
-        Err(Refusal::TryLater(reason)) => Detection::TryLater(reason),
-        Err(Refusal::Disabled(reason)) => Detection::Disabled(reason),
-    }
+    detect_or_refuse(pid).map_or_else(|refusal| refusal, |runtime| Detection::Enabled(Box::new(runtime)))
 }
 
-enum Refusal {
-    NotPython,
-    TryLater(String),
-    Disabled(String),
-}
-
-impl From<String> for Refusal {
+/// A refusal is a reason to disable, unless said otherwise.
+impl From<String> for Detection {
     fn from(reason: String) -> Self {
-        Refusal::Disabled(reason)
+        Detection::Disabled(reason)
     }
 }
 
-impl From<&str> for Refusal {
+impl From<&str> for Detection {
     fn from(reason: &str) -> Self {
-        Refusal::Disabled(reason.to_owned())
+        Detection::Disabled(reason.to_owned())
     }
 }
 
 const SUPPORTED_MINORS: std::ops::RangeInclusive<u32> = 8..=13;
 
-fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Refusal> {
+/// The runtime, or the [`Detection`] that is not `Enabled`.
+fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
     let found = inspect_files(pid)?;
     let memory = ProcessMemory::open(pid).map_err(|error| {
         format!("cannot read /proc/{pid}/mem: {error}: reading Python frames needs root or CAP_SYS_PTRACE")
@@ -179,13 +170,13 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Refusal> {
     let tss_key = thread_state::tss_key(&memory, runtime_address, &offsets)
         .map_err(|error| format!("cannot read _PyRuntime's TSS key: {error}"))?
         .ok_or_else(|| {
-            Refusal::TryLater("the interpreter has not initialised its thread-state key yet".to_owned())
+            Detection::TryLater("the interpreter has not initialised its thread-state key yet".to_owned())
         })?;
     let interpreters = memory
         .u64(runtime_address + offsets.thread.interpreters_head)
         .map_err(|error| format!("cannot read _PyRuntime's interpreters: {error}"))?;
     if interpreters == 0 {
-        return Err(Refusal::TryLater("the interpreter has no interpreter state yet".to_owned()));
+        return Err(Detection::TryLater("the interpreter has no interpreter state yet".to_owned()));
     }
     let subject = thread_state::Subject {
         memory: &memory,
@@ -233,10 +224,10 @@ struct InterpreterFile {
 
 /// The interpreter object of process `pid`, if a supported one: its
 /// version, and its addresses at runtime.
-fn inspect_files(pid: u32) -> Result<InterpreterFile, Refusal> {
+fn inspect_files(pid: u32) -> Result<InterpreterFile, Detection> {
     let mappings =
         runtime::Mappings::read(pid).map_err(|error| format!("cannot read /proc/{pid}/maps: {error}"))?;
-    let object = runtime::find_interpreter(pid, &mappings).ok_or(Refusal::NotPython)?;
+    let object = runtime::find_interpreter(pid, &mappings).ok_or(Detection::NotPython)?;
     let path = object.path.clone();
     let cache = ReadCache::new(&object.file);
     let parsed =

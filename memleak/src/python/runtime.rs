@@ -141,8 +141,11 @@ pub fn runtime_address(file: &Parsed<'_>) -> Option<u64> {
 /// The object of process `pid` that holds a CPython interpreter, if one
 /// does. Each object mapped executable is opened through
 /// `/proc/PID/map_files` (a container's files need not exist on the
-/// host), and the one defining `_PyRuntime` is taken: `libpython3.X.so`
-/// when the executable links it, since then the executable only imports it.
+/// host), and the first, in address order, that defines `_PyRuntime` is
+/// taken: the executable, mapped lowest, when libpython is linked into it
+/// (Debian's); else the `libpython3.X.so` it links (pyenv's, the official
+/// images'), the executable then only importing the symbol. Without any,
+/// an object defining `Py_Initialize` is a Python older than 3.7.
 pub fn find_interpreter(pid: u32, mappings: &Mappings) -> Option<InterpreterObject> {
     let mut legacy = None;
     for (first, code) in &mappings.objects {
@@ -171,10 +174,9 @@ pub fn find_interpreter(pid: u32, mappings: &Mappings) -> Option<InterpreterObje
 fn load_bias(file: &File, first: &MapsEntry) -> Option<u64> {
     const PAGE: u64 = 4096;
     let segments = elf::load_segments(file);
-    let (offset, _, vaddr) = segments.into_iter().find(|&(offset, size, _)| {
-        offset / PAGE * PAGE <= first.offset
-            && first.offset < (offset + size).max(offset / PAGE * PAGE + PAGE)
-    })?;
+    let (offset, _, vaddr) = segments
+        .into_iter()
+        .find(|&(offset, size, _)| offset / PAGE * PAGE <= first.offset && first.offset < offset + size)?;
     // The mapping starts `offset - first.offset` before the segment's data.
     Some(first.start.wrapping_add(offset).wrapping_sub(first.offset).wrapping_sub(vaddr))
 }

@@ -14,23 +14,24 @@ use object::{Object as _, ObjectSymbol as _};
 use super::*;
 
 /// Three threads asleep in `sleeper`, the main thread blocked reading
-/// stdin in `main`; "ready" once every thread is in `sleeper`. Python 2
-/// runs it too.
+/// stdin in `main`; "ready" once every sleeper runs nothing but `sleeper`
+/// (a thread just started may still be in `threading`'s own code, which
+/// would add frames). Python 2 runs it too.
 const THREE_SLEEPERS: &str = r"
 import sys, threading, time
-def sleeper(started):
-    started.set()
+def sleeper():
     time.sleep(3600)
 def main():
-    events = [threading.Event() for _ in range(3)]
-    for started in events:
-        threading.Thread(target=sleeper, args=(started,)).daemon = True
-    threads = [threading.Thread(target=sleeper, args=(started,)) for started in events]
-    for thread in threads:
+    for _ in range(3):
+        thread = threading.Thread(target=sleeper)
         thread.daemon = True
         thread.start()
-    for started in events:
-        started.wait()
+    me = threading.current_thread().ident
+    def asleep():
+        frames = sys._current_frames().items()
+        return sum(1 for ident, frame in frames if ident != me and frame.f_code.co_name == 'sleeper')
+    while asleep() < 3:
+        time.sleep(0.01)
     sys.stdout.write('ready\n')
     sys.stdout.flush()
     sys.stdin.readline()
