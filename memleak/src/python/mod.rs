@@ -188,7 +188,7 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
     // Checked after the interpreter is seen initialised: a process caught
     // at exec maps no libc yet.
     let layout = libc_layout(pid, &found.mappings)?;
-    let self_test = self_test_twice(&subject, layout)
+    let self_test = self_test_settled(&subject, layout)
         .map_err(|reason| format!("the thread-state lookup failed its self-test: {reason}"))?;
     Ok(PythonRuntime {
         version,
@@ -284,10 +284,21 @@ fn libc_layout(pid: u32, mappings: &runtime::Mappings) -> Result<LibcLayout, Str
     }
 }
 
-/// The self-test; threads that start or end while their list is read can
-/// fail one walk, so a failure is tried once more before it counts.
-fn self_test_twice(subject: &thread_state::Subject<'_>, layout: LibcLayout) -> Result<SelfTest, String> {
-    thread_state::self_test(subject, layout).or_else(|_| thread_state::self_test(subject, layout))
+/// The self-test. A thread starting while the list is read has a thread
+/// state its own lookup does not find yet (before 3.12 its `thread_id`
+/// is its creator's until it runs), and one ending may be freed under the
+/// walk: a failure is tried again a little later before it counts.
+fn self_test_settled(subject: &thread_state::Subject<'_>, layout: LibcLayout) -> Result<SelfTest, String> {
+    const ATTEMPTS: usize = 3;
+    let mut outcome = thread_state::self_test(subject, layout);
+    for _ in 1..ATTEMPTS {
+        if outcome.is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        outcome = thread_state::self_test(subject, layout);
+    }
+    outcome
 }
 
 /// `offsetof(task_struct, thread.fsbase)`, read once from the kernel's

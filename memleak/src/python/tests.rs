@@ -130,7 +130,7 @@ fn check_pyenv(version: &str, tss_key: u32, source: OffsetsSource) {
     assert_eq!(runtime.offsets_source, source);
     // 3 sleepers of 4 frames (sleeper, Thread.run, _bootstrap_inner,
     // _bootstrap) and the main thread's 2 (main, <module>).
-    assert_eq!(runtime.self_test, SelfTest { threads: 4, frames: 14 });
+    assert_eq!(runtime.self_test, SelfTest { threads: 4, frames: 14, in_transit: 0 });
     let (eval, size) = symbol_in(&library_path, "_PyEval_EvalFrameDefault").unwrap();
     assert_eq!(runtime.eval_ranges[0], runtime.bias + eval..runtime.bias + eval + size);
     // No jump leaves pyenv's eval loop (objdump -d): its `.cold` symbols
@@ -181,7 +181,7 @@ fn debians_static_stripped_python3_11() {
     assert_eq!(runtime.eval_ranges, [0x52_b0f0..0x53_8a4c, 0x43_0f05..0x43_455e]);
     assert_eq!(runtime.tss_key, 0);
     assert_eq!(runtime.fsbase_offset, btf_fsbase_offset());
-    assert_eq!(runtime.self_test, SelfTest { threads: 4, frames: 14 });
+    assert_eq!(runtime.self_test, SelfTest { threads: 4, frames: 14, in_transit: 0 });
     assert_eq!(
         runtime.config,
         PyProcConfig {
@@ -275,7 +275,7 @@ fn a_wrong_offset_fails_the_checks() {
     };
     assert_eq!(self_test(&runtime.offsets, 0), Ok(runtime.self_test));
     let error = self_test(&runtime.offsets, 1).unwrap_err();
-    assert!(error.contains("its TSS key 1 slot holds 0x0, not its thread state"), "{error}");
+    assert_eq!(error, "no thread's TSS key 1 slot holds its thread state");
     let mut wrong = runtime.offsets;
     wrong.thread.thread_id = 0x90; // native_thread_id: a tid, no pthread
     let error = self_test(&wrong, 0).unwrap_err();
@@ -414,5 +414,47 @@ fn an_interpreter_inside_a_container() {
     assert_eq!(runtime.version.to_string(), "3.11.2");
     assert_eq!(runtime.eval_ranges, [0x52_b0f0..0x53_8a4c, 0x43_0f05..0x43_455e]);
     // One thread, in main and <module>.
-    assert_eq!(runtime.self_test, SelfTest { threads: 1, frames: 2 });
+    assert_eq!(runtime.self_test, SelfTest { threads: 1, frames: 2, in_transit: 0 });
+}
+
+/// Threads that start and end all the time: a thread state in the list
+/// whose thread is not running yet, or is gone, does not disable Python
+/// frames for the whole process.
+#[test]
+fn threads_coming_and_going_do_not_fail_the_self_test() {
+    const CHURN: &str = r"
+import sys, threading
+def nothing():
+    pass
+def churn():
+    while True:
+        thread = threading.Thread(target=nothing)
+        thread.start()
+        thread.join()
+def main():
+    for _ in range(2):
+        thread = threading.Thread(target=churn)
+        thread.daemon = True
+        thread.start()
+    sys.stdout.write('ready\n')
+    sys.stdout.flush()
+    sys.stdin.readline()
+main()
+";
+    // Debian's 3.11: a thread state is filled in by the thread creating
+    // it, with the creator's thread_id, until the new thread runs.
+    let mut command = Command::new("/usr/bin/python3.11");
+    command.args(["-c", CHURN]);
+    let running = Running::start(command);
+    let mut seen_in_transit = 0;
+    // About every other detection meets a thread starting or ending.
+    for _ in 0..100 {
+        let runtime = enabled(detect(running.pid()));
+        assert!(runtime.self_test.threads >= 3, "the main and churning threads: {:?}", runtime.self_test);
+        seen_in_transit += usize::from(runtime.self_test.in_transit > 0);
+        if seen_in_transit == 3 {
+            break;
+        }
+    }
+    assert_eq!(seen_in_transit, 3, "threads in transit were met");
 }

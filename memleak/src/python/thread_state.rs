@@ -121,10 +121,14 @@ pub fn tsd_value(memory: &ProcessMemory, layout: LibcLayout, fsbase: u64, key: u
 /// What the self-test found on every thread of the interpreter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SelfTest {
-    /// Thread states walked (all of them passed).
+    /// Threads whose lookup found their own thread state.
     pub threads: usize,
-    /// Frames whose code object was checked, over all threads.
+    /// Frames whose code object was checked, over those threads.
     pub frames: usize,
+    /// Thread states of threads starting or ending, whose slot held none,
+    /// or whose `thread_id` was still that of a thread that passed (the
+    /// thread that creates another fills in the new state, before 3.12).
+    pub in_transit: usize,
 }
 
 /// The things the self-test needs besides the offsets.
@@ -155,9 +159,20 @@ pub fn self_test(subject: &Subject<'_>, layout: LibcLayout) -> Result<SelfTest, 
         return Err("the interpreter has no interpreter state".to_owned());
     }
     let mut tstate = read(interpreter + offsets.thread.threads_head, "the interpreter's threads.head")?;
-    let mut result = SelfTest { threads: 0, frames: 0 };
-    while tstate != 0 && result.threads < MAX_THREADS {
+    let mut result = SelfTest { threads: 0, frames: 0, in_transit: 0 };
+    let mut passed = Vec::new();
+    let mut others = Vec::new();
+    let mut walked = 0;
+    while tstate != 0 && walked < MAX_THREADS {
+        walked += 1;
         let fsbase = read(tstate + offsets.thread.thread_id, "a thread state's thread_id")?;
+        let next = read(tstate + offsets.thread.tstate_next, "a thread state's next")?;
+        if fsbase == 0 {
+            // Created for a thread that has not started yet (3.12+ binds a
+            // thread state in the thread itself): no thread looks it up.
+            tstate = next;
+            continue;
+        }
         if matches!(layout, LibcLayout::Glibc { .. }) {
             let own = read(fsbase + GLIBC_HEADER_SELF, "a thread's glibc header")?;
             if own != fsbase {
@@ -168,17 +183,32 @@ pub fn self_test(subject: &Subject<'_>, layout: LibcLayout) -> Result<SelfTest, 
         }
         let found = tsd_value(memory, layout, fsbase, key)
             .map_err(|error| format!("cannot read the TSS slot of thread {fsbase:#x}: {error}"))?;
-        if found != tstate {
+        if found == tstate {
+            result.frames += check_frames(subject, tstate)?;
+            result.threads += 1;
+            passed.push(fsbase);
+        } else if found == 0 {
+            result.in_transit += 1;
+        } else {
+            others.push((tstate, fsbase, found));
+        }
+        tstate = next;
+    }
+    if result.threads == 0 {
+        return Err(match others.first() {
+            Some(&(tstate, fsbase, found)) => {
+                format!("thread {fsbase:#x}: its TSS key {key} slot holds {found:#x}, not its thread state {tstate:#x}")
+            }
+            None => format!("no thread's TSS key {key} slot holds its thread state"),
+        });
+    }
+    for (tstate, fsbase, found) in others {
+        if !passed.contains(&fsbase) {
             return Err(format!(
                 "thread {fsbase:#x}: its TSS key {key} slot holds {found:#x}, not its thread state {tstate:#x}"
             ));
         }
-        result.frames += check_frames(subject, tstate)?;
-        result.threads += 1;
-        tstate = read(tstate + offsets.thread.tstate_next, "a thread state's next")?;
-    }
-    if result.threads == 0 {
-        return Err("the interpreter has no thread state".to_owned());
+        result.in_transit += 1;
     }
     Ok(result)
 }
