@@ -38,6 +38,7 @@ pub const PY_GROUP_END: u64 = 1 << 62;
 /// Bits 61..18 of a Python frame word: the code object's address >> 3
 /// (below 2^47, and 8-aligned as every object is).
 pub const PY_CODE_SHIFT: u32 = 18;
+/// How many bits of the word the code object's address >> 3 takes.
 pub const PY_CODE_BITS: u32 = 44;
 /// Bits 17..0: the instruction index + 1, in 2-byte code units, clamped;
 /// 0 is a frame that has not started (its line is `co_firstlineno`).
@@ -84,4 +85,49 @@ pub struct PyProcConfig {
     /// Python frames walked at most.
     pub max_frames: u16,
     pub _pad2: u16,
+}
+
+/// The stack word of a Python frame running `code` at instruction `lasti`
+/// (2-byte code units; -1 before the first), ending its group or not.
+/// An index past what 18 bits hold is clamped: such a frame's line is
+/// then that of its last instruction that fits.
+pub const fn py_frame_word(code: u64, lasti: i64, group_end: bool) -> u64 {
+    let code_bits = (code >> 3) & ((1 << PY_CODE_BITS) - 1);
+    let after = lasti.saturating_add(1);
+    let index = if after < 0 {
+        0
+    } else if after as u64 > PY_LASTI_MASK {
+        PY_LASTI_MASK
+    } else {
+        after as u64
+    };
+    PY_FRAME | if group_end { PY_GROUP_END } else { 0 } | code_bits << PY_CODE_SHIFT | index
+}
+
+/// A Python frame's stack word read back: `(code, lasti, group_end)`,
+/// `lasti` being -1 for a frame that has not started.
+pub const fn py_frame_parts(word: u64) -> (u64, i64, bool) {
+    let code = ((word >> PY_CODE_SHIFT) & ((1 << PY_CODE_BITS) - 1)) << 3;
+    let lasti = (word & PY_LASTI_MASK) as i64 - 1;
+    (code, lasti, word & PY_GROUP_END != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_word_reads_back() {
+        let code = 0x7f12_3456_7890;
+        for (lasti, end) in [(-1, false), (0, true), (20, false), (0x3fffe, true)] {
+            let word = py_frame_word(code, lasti, end);
+            assert_eq!(py_frame_parts(word), (code, lasti, end), "{word:#x}");
+            assert!(word & PY_FRAME != 0, "marked as a Python frame");
+        }
+        assert_eq!(py_frame_parts(py_frame_word(code, 1 << 20, false)).1, 0x3fffe, "clamped");
+        assert_eq!(py_frame_parts(py_frame_word(code, -5, false)).1, -1, "not started");
+        // The highest user-space object address still fits.
+        let top = (1 << 47) - 16;
+        assert_eq!(py_frame_parts(py_frame_word(top, 3, false)).0, top);
+    }
 }

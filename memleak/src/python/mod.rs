@@ -12,7 +12,7 @@
 //! would show wrong frames, which is worse than none.
 #![allow(dead_code, reason = "wired into the tracer in the next step of issue 23")]
 
-mod memory;
+pub mod memory;
 pub mod offsets;
 pub mod runtime;
 #[cfg(test)]
