@@ -130,6 +130,13 @@ pub fn symbol(file: &Parsed<'_>, name: &str) -> Option<(u64, u64)> {
         .map(|symbol| (symbol.address(), symbol.size()))
 }
 
+/// Whether `.dynsym` defines `name`.
+fn dynamic_symbol(file: &Parsed<'_>, name: &str) -> Option<u64> {
+    file.dynamic_symbols()
+        .find(|symbol| !symbol.is_undefined() && symbol.address() != 0 && symbol.name() == Ok(name))
+        .map(|symbol| symbol.address())
+}
+
 /// The address of `_PyRuntime`: its symbol, or the `.PyRuntime` section
 /// CPython 3.11+ puts it in (found in a binary stripped of both tables).
 pub fn runtime_address(file: &Parsed<'_>) -> Option<u64> {
@@ -153,7 +160,11 @@ pub fn find_interpreter(pid: u32, mappings: &Mappings) -> Option<InterpreterObje
         let (has_runtime, initializes) = {
             let cache = ReadCache::new(&file);
             let Ok(parsed) = object::File::parse(&cache) else { continue };
-            (runtime_address(&parsed).is_some(), symbol(&parsed, "Py_Initialize").is_some())
+            // Both are exported, for extension modules to link to: the
+            // dynamic symbols say, without reading a large `.symtab`.
+            let exports = |name| dynamic_symbol(&parsed, name).is_some();
+            let has_runtime = exports("_PyRuntime") || parsed.section_by_name(".PyRuntime").is_some();
+            (has_runtime, exports("Py_Initialize"))
         };
         if !has_runtime && (legacy.is_some() || !initializes) {
             continue;
@@ -227,7 +238,15 @@ fn name_version(name: &str) -> Option<((u32, u32), bool)> {
 /// alike: pyenv's "3.8.18" is the tail of "/root/.pyenv/versions/3.8.18",
 /// so a string of its own is preferred, then a string's tail.
 fn rodata_version(rodata: &[u8], major: Option<u32>, minor: Option<u32>) -> Option<PythonVersion> {
-    let pattern = regex::bytes::Regex::new(r"(?-u)([23])\.([0-9]{1,2})\.([0-9]{1,3})\x00").ok()?;
+    // A literal prefix when the version is known keeps the search fast.
+    let number_or =
+        |known: Option<u32>, digits: &str| known.map_or_else(|| digits.to_owned(), |known| known.to_string());
+    let pattern = format!(
+        r"(?-u)({})\.({})\.([0-9]{{1,3}})\x00",
+        number_or(major, "[23]"),
+        number_or(minor, "[0-9]{1,2}")
+    );
+    let pattern = regex::bytes::Regex::new(&pattern).ok()?;
     let number = |bytes: &[u8]| std::str::from_utf8(bytes).ok()?.parse().ok();
     let mut found = pattern.captures_iter(rodata).filter_map(|captures| {
         let start = captures.get(0)?.start();
@@ -284,6 +303,9 @@ pub fn eval_ranges<'a>(
                 targets.push(target);
             }
         }
+    }
+    if targets.is_empty() {
+        return Ok(vec![function]);
     }
     let fdes = eh_frame::fde_spans(path, cache).map_err(|error| error.to_string())?;
     let named: HashMap<u64, String> = parsed
