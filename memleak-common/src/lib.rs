@@ -15,6 +15,7 @@
 pub mod events;
 pub mod functions;
 pub mod names;
+pub mod python;
 pub mod records;
 pub mod unwind;
 
@@ -29,6 +30,7 @@ pub use names::{
     PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
     USER_STACK_RECORDER_MAP,
 };
+pub use python::PyProcConfig;
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, AllocatorCode, CallKind, Counter,
     PendingCall, PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals,
@@ -64,6 +66,8 @@ mod pod {
     unsafe impl aya::Pod for super::ProcessMappings {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::AllocatorCode {}
+    // SAFETY: as above, of u32, u16 and u8 fields, explicitly padded.
+    unsafe impl aya::Pod for super::PyProcConfig {}
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
@@ -83,6 +87,7 @@ const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<MappingEvent>() == 72);
 const _: () = assert!(core::mem::size_of::<PendingMapping>() == 40);
 const _: () = assert!(core::mem::size_of::<StackFrames>() == 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<PyProcConfig>() == 32);
 
 #[cfg(test)]
 mod tests {

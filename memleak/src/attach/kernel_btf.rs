@@ -28,6 +28,22 @@ pub fn member_offset(path: &Path, structure: &str, member: &str) -> Result<u32, 
         .ok_or_else(|| BtfError::NoMember { structure: structure.to_owned(), member: member.to_owned() })
 }
 
+/// Byte offset of a field reached through nested structs, from the BTF
+/// at `path` read once: `[("task_struct", "thread"), ("thread_struct",
+/// "fsbase")]` is where `task->thread.fsbase` lies in a task.
+pub fn nested_member_offset(path: &Path, fields: &[(&str, &str)]) -> Result<u32, BtfError> {
+    let data =
+        std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
+    let mut total = 0;
+    for &(structure, member) in fields {
+        total += find_member_offset(&data, structure, member)?.ok_or_else(|| BtfError::NoMember {
+            structure: structure.to_owned(),
+            member: member.to_owned(),
+        })?;
+    }
+    Ok(total)
+}
+
 const KIND_STRUCT: u32 = 4;
 
 fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Option<u32>, BtfError> {
@@ -119,6 +135,15 @@ mod tests {
         assert_eq!(offset, 8);
         let missing = member_offset(Path::new(VMLINUX_BTF), "list_head", "nonexistent");
         assert!(matches!(missing, Err(BtfError::NoMember { .. })));
+    }
+
+    #[test]
+    fn a_nested_field_adds_up_the_offsets() {
+        let path = Path::new(VMLINUX_BTF);
+        let thread = member_offset(path, "task_struct", "thread").unwrap();
+        let fsbase = member_offset(path, "thread_struct", "fsbase").unwrap();
+        let nested = [("task_struct", "thread"), ("thread_struct", "fsbase")];
+        assert_eq!(nested_member_offset(path, &nested).unwrap(), thread + fsbase);
     }
 
     #[test]

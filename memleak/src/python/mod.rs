@@ -1,13 +1,442 @@
-//! Python frames in allocation stacks (issue 23): what a frame record of
-//! the interpreter (code object address, instruction) says, read from the
-//! live process: `code` reads code objects and caches them per process,
-//! `line_table` turns an instruction into its line.
-
-// Wired into the tracer in the next step of issue 23; until then nothing
-// in the binary calls it.
+//! Python frames in allocation stacks: finding a CPython 3.8 to 3.13
+//! interpreter in a traced process, and all that the BPF walk of its
+//! frames and the merge into native stacks need
+//! (`shared/docs/python-frames.md` §6.2).
+//!
+//! [`detect`] finds the object that holds the interpreter, its version,
+//! the offsets of that version (3.13: CPython's own `_Py_DebugOffsets`),
+//! checks them against `PyCode_Type`'s own member table, reads the TSS
+//! key, and self-tests the thread-state lookup on every thread the
+//! interpreter has, through `/proc/PID/mem`. Any disagreement disables
+//! Python frames for the process with a one-line reason: a wrong offset
+//! would show wrong frames, which is worse than none.
+//!
+//! A frame record of the interpreter (code object address, instruction)
+//! is resolved from the live process: `code` reads code objects and
+//! caches them per process, `line_table` turns an instruction into its
+//! line.
 #![allow(dead_code, reason = "wired into the tracer in the next step of issue 23")]
 
 pub mod code;
 #[cfg(test)]
 mod interpreter_tests;
 pub mod line_table;
+pub mod memory;
+pub mod offsets;
+pub mod runtime;
+#[cfg(test)]
+mod tests;
+pub mod thread_state;
+
+use std::{collections::HashMap, ops::Range, path::Path, sync::OnceLock};
+
+use memleak_common::python::{
+    PyProcConfig, PY_CFRAME, PY_DEFAULT_MAX_FRAMES, PY_ENTRY_FLAG, PY_FRAMEOBJ, PY_LASTI_BYTES, PY_MUSL,
+    PY_OWNER_SHIM,
+};
+use object::read::ReadCache;
+
+use self::{
+    memory::ProcessMemory,
+    offsets::{CodeOffsets, GroupEnd, LastInstruction, Offsets, StringLayout},
+    runtime::PythonVersion,
+    thread_state::{LibcLayout, SelfTest},
+};
+use crate::attach::kernel_btf;
+
+/// What [`detect`] concluded about one process.
+#[derive(Debug)]
+pub enum Detection {
+    /// A supported interpreter that passed every check.
+    Enabled(Box<PythonRuntime>),
+    /// No CPython in the process.
+    NotPython,
+    /// CPython, not initialised yet (a process caught at exec): detect
+    /// again at the next refresh of its mappings.
+    TryLater(String),
+    /// CPython whose frames memleak will not read, and why, in a line.
+    Disabled(String),
+}
+
+/// Where the offsets in use came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffsetsSource {
+    /// memleak's table for the minor version.
+    Table,
+    /// CPython's `_Py_DebugOffsets` (3.13+), over the table.
+    DebugOffsets,
+}
+
+/// A CPython interpreter found in a process, checked: what the BPF walk
+/// ([`Self::config`]) and the user-space resolution and merge need.
+#[derive(Clone, Debug)]
+pub struct PythonRuntime {
+    pub version: PythonVersion,
+    /// The object holding the interpreter, as the process names it.
+    pub path: String,
+    /// Its load bias: runtime address minus its own addresses.
+    pub bias: u64,
+    /// `_PyRuntime`, at runtime.
+    pub runtime_address: u64,
+    /// `PyCode_Type`, at runtime: what a code object's `ob_type` is.
+    pub pycode_type: u64,
+    /// `PyUnicode_Type`, at runtime: what a `str`'s `ob_type` is.
+    pub pyunicode_type: u64,
+    /// `_PyEval_EvalFrameDefault` and its `.cold` part, at runtime, the
+    /// function first.
+    pub eval_ranges: Vec<Range<u64>>,
+    pub offsets: Offsets,
+    pub offsets_source: OffsetsSource,
+    pub tss_key: u32,
+    pub libc: LibcLayout,
+    /// `offsetof(task_struct, thread.fsbase)` of the running kernel.
+    pub fsbase_offset: u32,
+    pub self_test: SelfTest,
+    /// What the BPF walk is given, with [`PY_DEFAULT_MAX_FRAMES`].
+    pub config: PyProcConfig,
+}
+
+impl PythonRuntime {
+    /// The code-object fields resolving a frame reads.
+    pub fn code_offsets(&self) -> CodeOffsets {
+        self.offsets.code
+    }
+
+    /// Where strings and bytes keep their data.
+    pub fn string_layout(&self) -> StringLayout {
+        self.offsets.strings
+    }
+
+    /// Whether `address` (a return address minus one) is inside the eval
+    /// loop, where the merge puts Python frames.
+    pub fn in_eval(&self, address: u64) -> bool {
+        self.eval_ranges.iter().any(|range| range.contains(&address))
+    }
+
+    /// [`Self::config`] walking at most `max_frames` Python frames.
+    pub fn config_with_max_frames(&self, max_frames: u16) -> PyProcConfig {
+        PyProcConfig { max_frames, ..self.config }
+    }
+}
+
+impl std::fmt::Display for PythonRuntime {
+    /// The line said at attach.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let source = match self.offsets_source {
+            OffsetsSource::Table => "memleak's table",
+            OffsetsSource::DebugOffsets => "CPython's debug offsets",
+        };
+        write!(
+            f,
+            "python {} ({}): _PyRuntime {:#x}, TSS key {} ok on {}/{} threads, offsets from {source} checked via PyCode_Type",
+            self.version,
+            self.path,
+            self.runtime_address,
+            self.tss_key,
+            self.self_test.threads,
+            self.self_test.threads
+        )
+    }
+}
+
+/// Detects CPython in process `pid` (see the module's documentation).
+pub fn detect(pid: u32) -> Detection {
+    detect_or_refuse(pid).map_or_else(|refusal| refusal, |runtime| Detection::Enabled(Box::new(runtime)))
+}
+
+/// A refusal is a reason to disable, unless said otherwise.
+impl From<String> for Detection {
+    fn from(reason: String) -> Self {
+        Detection::Disabled(reason)
+    }
+}
+
+impl From<&str> for Detection {
+    fn from(reason: &str) -> Self {
+        Detection::Disabled(reason.to_owned())
+    }
+}
+
+const SUPPORTED_MINORS: std::ops::RangeInclusive<u32> = 8..=13;
+
+/// The runtime, or the [`Detection`] that is not `Enabled`.
+fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
+    let found = inspect_files(pid)?;
+    let memory = ProcessMemory::open(pid).map_err(|error| {
+        format!("cannot read /proc/{pid}/mem: {error}: reading Python frames needs root or CAP_SYS_PTRACE")
+    })?;
+    let InterpreterFile { version, runtime_address, pycode_type, .. } = found;
+    let (offsets, offsets_source) = if version.minor >= 13 {
+        let raw = memory
+            .bytes(runtime_address, offsets::DEBUG_OFFSETS_SIZE)
+            .map_err(|error| format!("cannot read _PyRuntime at {runtime_address:#x}: {error}"))?;
+        (offsets::apply_debug_offsets(&found.table, &raw, version.hex_minor())?, OffsetsSource::DebugOffsets)
+    } else {
+        (found.table, OffsetsSource::Table)
+    };
+    cross_check(&memory, pycode_type, found.pyunicode_type, version, &offsets)
+        .map_err(|reason| format!("CPython {version}'s offsets do not match its PyCode_Type: {reason}"))?;
+    let tss_key = thread_state::tss_key(&memory, runtime_address, &offsets)
+        .map_err(|error| format!("cannot read _PyRuntime's TSS key: {error}"))?
+        .ok_or_else(|| {
+            Detection::TryLater("the interpreter has not initialised its thread-state key yet".to_owned())
+        })?;
+    let interpreters = memory
+        .u64(runtime_address + offsets.thread.interpreters_head)
+        .map_err(|error| format!("cannot read _PyRuntime's interpreters: {error}"))?;
+    if interpreters == 0 {
+        return Err(Detection::TryLater("the interpreter has no interpreter state yet".to_owned()));
+    }
+    let subject = thread_state::Subject {
+        memory: &memory,
+        runtime: runtime_address,
+        offsets: &offsets,
+        key: tss_key,
+        pycode_type,
+    };
+    // Checked after the interpreter is seen initialised: a process caught
+    // at exec maps no libc yet.
+    let layout = libc_layout(pid, &found.mappings)?;
+    let self_test = self_test_settled(&subject, layout)
+        .map_err(|reason| format!("the thread-state lookup failed its self-test: {reason}"))?;
+    Ok(PythonRuntime {
+        version,
+        path: found.path,
+        bias: found.bias,
+        runtime_address,
+        pycode_type,
+        pyunicode_type: found.pyunicode_type,
+        eval_ranges: found.eval_ranges,
+        offsets,
+        offsets_source,
+        tss_key,
+        libc: layout,
+        fsbase_offset: fsbase_offset()?,
+        self_test,
+        config: config(&offsets, tss_key, layout)?,
+    })
+}
+
+/// What the files a process maps say of its interpreter.
+struct InterpreterFile {
+    path: String,
+    bias: u64,
+    version: PythonVersion,
+    /// The table for the version, before anything is checked.
+    table: Offsets,
+    runtime_address: u64,
+    pycode_type: u64,
+    pyunicode_type: u64,
+    eval_ranges: Vec<Range<u64>>,
+    mappings: runtime::Mappings,
+}
+
+/// The interpreter object of process `pid`, if a supported one: its
+/// version, and its addresses at runtime.
+fn inspect_files(pid: u32) -> Result<InterpreterFile, Detection> {
+    let mappings =
+        runtime::Mappings::read(pid).map_err(|error| format!("cannot read /proc/{pid}/maps: {error}"))?;
+    let object = runtime::find_interpreter(pid, &mappings).ok_or(Detection::NotPython)?;
+    let path = object.path.clone();
+    let cache = ReadCache::new(&object.file);
+    let parsed =
+        object::File::parse(&cache).map_err(|error| format!("{path} is not a readable ELF file: {error}"))?;
+    let (version, free_threaded) = runtime::version(&object, &parsed, &cache)
+        .ok_or_else(|| format!("cannot tell which version of CPython {path} is"))?;
+    if version.major != 3 || !SUPPORTED_MINORS.contains(&version.minor) || !object.has_runtime {
+        return Err(format!(
+            "CPython {version} ({path}) is not supported: Python frames need CPython 3.8 to 3.13"
+        )
+        .into());
+    }
+    if free_threaded {
+        return Err(format!("free-threaded CPython {version} ({path}) is not supported").into());
+    }
+    let table = offsets::for_minor(version.minor).ok_or("no offsets for this version")?;
+    let at_runtime = |address: u64| object.bias.wrapping_add(address);
+    let type_address = |name: &str| {
+        runtime::symbol(&parsed, name)
+            .map(|(address, _)| at_runtime(address))
+            .ok_or_else(|| format!("{path} has no symbol {name}"))
+    };
+    let eval_ranges = runtime::eval_ranges(Path::new(&path), &parsed, &cache)
+        .map_err(|reason| format!("cannot find the eval loop of {path}: {reason}"))?
+        .into_iter()
+        .map(|range| at_runtime(range.start)..at_runtime(range.end))
+        .collect();
+    Ok(InterpreterFile {
+        runtime_address: at_runtime(runtime::runtime_address(&parsed).ok_or("no _PyRuntime")?),
+        pycode_type: type_address("PyCode_Type")?,
+        pyunicode_type: type_address("PyUnicode_Type")?,
+        path,
+        bias: object.bias,
+        version,
+        table,
+        eval_ranges,
+        mappings,
+    })
+}
+
+/// Where the libc process `pid` runs on keeps thread-specific data.
+fn libc_layout(pid: u32, mappings: &runtime::Mappings) -> Result<LibcLayout, String> {
+    match thread_state::libc_of(mappings.paths()) {
+        Some(thread_state::Libc::Glibc) => Ok(thread_state::GLIBC),
+        Some(thread_state::Libc::Musl { path }) => {
+            let file = mappings.open(pid, path).ok_or_else(|| format!("cannot open musl's {path}"))?;
+            thread_state::musl_layout(&file)
+                .map_err(|reason| format!("cannot read musl's layout in {path}: {reason}"))
+        }
+        None => {
+            Err("the process maps neither glibc nor musl, whose thread-specific data memleak reads"
+                .to_owned())
+        }
+    }
+}
+
+/// The self-test. A thread starting while the list is read has a thread
+/// state its own lookup does not find yet (before 3.12 its `thread_id`
+/// is its creator's until it runs), and one ending may be freed under the
+/// walk: a failure is tried again a little later before it counts.
+fn self_test_settled(subject: &thread_state::Subject<'_>, layout: LibcLayout) -> Result<SelfTest, String> {
+    const ATTEMPTS: usize = 3;
+    let mut outcome = thread_state::self_test(subject, layout);
+    for _ in 1..ATTEMPTS {
+        if outcome.is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        outcome = thread_state::self_test(subject, layout);
+    }
+    outcome
+}
+
+/// `offsetof(task_struct, thread.fsbase)`, read once from the kernel's
+/// BTF: where BPF finds the current thread's fsbase.
+fn fsbase_offset() -> Result<u32, String> {
+    static OFFSET: OnceLock<Result<u32, String>> = OnceLock::new();
+    OFFSET
+        .get_or_init(|| {
+            let fields = [("task_struct", "thread"), ("thread_struct", "fsbase")];
+            kernel_btf::nested_member_offset(Path::new(kernel_btf::VMLINUX_BTF), &fields)
+                .map_err(|error| format!("cannot find a thread's fsbase in the kernel: {error}"))
+        })
+        .clone()
+}
+
+/// `PyTypeObject.tp_basicsize` and `tp_members`, the same from 3.8 to
+/// 3.13; `PyMemberDef` is `{name, type, offset, flags, doc}`, 40 bytes.
+const TP_BASICSIZE: u64 = 32;
+const TP_MEMBERS: u64 = 240;
+const MEMBER_DEF_SIZE: u64 = 40;
+const MEMBER_DEF_OFFSET: u64 = 16;
+/// More members than `PyCode_Type` has (about 20): a table without its
+/// terminating entry is cut short.
+const MAX_MEMBERS: u64 = 64;
+
+/// Checks the code-object offsets against `PyCode_Type`'s member table
+/// and size, and the string layout against `PyUnicode_Type`'s size, as
+/// the running interpreter has them.
+fn cross_check(
+    memory: &ProcessMemory,
+    pycode_type: u64,
+    pyunicode_type: u64,
+    version: PythonVersion,
+    offsets: &Offsets,
+) -> Result<(), String> {
+    let read =
+        |address: u64| memory.u64(address).map_err(|error| format!("cannot read {address:#x}: {error}"));
+    let basic_size = read(pycode_type + TP_BASICSIZE)?;
+    if basic_size != offsets.code.basic_size {
+        return Err(format!("tp_basicsize is {basic_size:#x}, not {:#x}", offsets.code.basic_size));
+    }
+    let table = read(pycode_type + TP_MEMBERS)?;
+    let mut members = HashMap::new();
+    for index in 0..MAX_MEMBERS {
+        let entry = table + index * MEMBER_DEF_SIZE;
+        let name = read(entry)?;
+        if name == 0 {
+            break;
+        }
+        let name =
+            memory.c_string(name, 64).map_err(|error| format!("cannot read a member's name: {error}"))?;
+        members.insert(String::from_utf8_lossy(&name).into_owned(), read(entry + MEMBER_DEF_OFFSET)?);
+    }
+    let line_table = if version.minor <= 9 { "co_lnotab" } else { "co_linetable" };
+    let code = &offsets.code;
+    let expected = [
+        Some(("co_filename", code.filename)),
+        Some(("co_name", code.name)),
+        code.qualname.map(|qualname| ("co_qualname", qualname)),
+        Some(("co_firstlineno", code.firstlineno)),
+        Some((line_table, code.line_table)),
+    ];
+    for (member, offset) in expected.into_iter().flatten() {
+        match members.get(member) {
+            Some(&found) if found == offset => {}
+            Some(&found) => return Err(format!("{member} is at {found:#x}, not {offset:#x}")),
+            None => return Err(format!("it has no member {member}")),
+        }
+    }
+    // `PyUnicodeObject` is the compact header and a pointer to the data.
+    let unicode_size = read(pyunicode_type + TP_BASICSIZE)?;
+    if unicode_size != offsets.strings.compact_data + 8 {
+        return Err(format!(
+            "PyUnicode_Type's tp_basicsize is {unicode_size:#x}, not {:#x}",
+            offsets.strings.compact_data + 8
+        ));
+    }
+    Ok(())
+}
+
+/// What the BPF walk is given for these offsets, TSS key and libc.
+fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcConfig, String> {
+    let mut flags = 0;
+    match offsets.frame.last_instruction {
+        LastInstruction::FrameObjectBytes => flags |= PY_FRAMEOBJ | PY_LASTI_BYTES,
+        LastInstruction::FrameObjectUnits => flags |= PY_FRAMEOBJ,
+        LastInstruction::Pointer => {}
+    }
+    if offsets.thread.cframe_current.is_some() {
+        flags |= PY_CFRAME;
+    }
+    let (f_entry, f_owner) = match offsets.frame.group_end {
+        GroupEnd::EveryFrame => (0, 0),
+        GroupEnd::EntryFlag { offset } => {
+            flags |= PY_ENTRY_FLAG;
+            (offset, 0)
+        }
+        GroupEnd::OwnerShim { offset } => {
+            flags |= PY_OWNER_SHIM;
+            (0, offset)
+        }
+    };
+    let (tsd_off, tsd_l2_off) = match libc {
+        LibcLayout::Glibc { first_block, second_level } => (first_block, second_level),
+        LibcLayout::Musl { tsd } => {
+            flags |= PY_MUSL;
+            (tsd, 0)
+        }
+    };
+    let too_far = |what: &str, offset: u64| format!("{what} at {offset:#x} is farther than the walk reads");
+    Ok(PyProcConfig {
+        flags,
+        tss_key,
+        tsd_off,
+        tsd_l2_off,
+        ts_frame: u16::try_from(offsets.thread.tstate_frame)
+            .map_err(|_| too_far("the thread state's frame", offsets.thread.tstate_frame))?,
+        cframe_cur: u8::try_from(offsets.thread.cframe_current.unwrap_or(0))
+            .map_err(|_| too_far("the cframe's current frame", offsets.thread.cframe_current.unwrap_or(0)))?,
+        f_code: offsets.frame.code,
+        f_back: offsets.frame.back,
+        f_instr: offsets.frame.instruction,
+        f_entry,
+        f_owner,
+        read_size: offsets.frame.read_size,
+        _pad: 0,
+        co_code: u16::try_from(offsets.code.code_adaptive.unwrap_or(0))
+            .map_err(|_| too_far("co_code_adaptive", offsets.code.code_adaptive.unwrap_or(0)))?,
+        max_frames: PY_DEFAULT_MAX_FRAMES,
+        _pad2: 0,
+    })
+}

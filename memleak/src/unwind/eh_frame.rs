@@ -200,6 +200,45 @@ pub fn build_with_debug_file(
     builder.finish(path)
 }
 
+/// One FDE of an object's `.eh_frame`: the code it covers, in the
+/// object's own addresses, and whether that code is entered by a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FdeSpan {
+    pub code: Range<u64>,
+    /// Its first row puts the CFA at rsp + 8, just past a return address:
+    /// a function's entry. A part the compiler moved out of a function
+    /// (GCC's `.cold`) is jumped to from its body, with the body's frame
+    /// on the stack, and starts with that frame's rule instead.
+    pub entered_by_call: bool,
+}
+
+/// The FDEs of the object's `.eh_frame`, sorted by address: functions,
+/// and parts of functions that no symbol may name.
+pub fn fde_spans<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Vec<FdeSpan>, TableError> {
+    let object = parse_x86_64_elf(path, data)?;
+    let Some(section) = section_bytes(path, &object, ".eh_frame")? else { return Ok(Vec::new()) };
+    let mut eh_frame = EhFrame::new(&section.bytes, LittleEndian);
+    eh_frame.set_address_size(8);
+    let bases = eh_frame_bases(&object, section.address);
+    let mut context = UnwindContext::new();
+    let mut entries = eh_frame.entries(&bases);
+    let mut spans = Vec::new();
+    // An unreadable entry ends the walk: what came before still stands.
+    while let Ok(Some(entry)) = entries.next() {
+        let CieOrFde::Fde(partial) = entry else { continue };
+        let Ok(fde) = partial.parse(EhFrame::cie_from_offset) else { continue };
+        let first_cfa = fde
+            .rows(&eh_frame, &bases, &mut context)
+            .ok()
+            .and_then(|mut rows| rows.next_row().ok().flatten().map(|row| row.cfa().clone()));
+        let entered_by_call =
+            first_cfa == Some(CfaRule::RegisterAndOffset { register: X86_64::RSP, offset: 8 });
+        spans.push(FdeSpan { code: fde.initial_address()..fde.end_address(), entered_by_call });
+    }
+    spans.sort_by_key(|span| (span.code.start, span.code.end));
+    Ok(spans)
+}
+
 type Elf<'data, R = &'data [u8]> = ElfFile64<'data, Endianness, R>;
 type Reader<'data> = EndianSlice<'data, LittleEndian>;
 
@@ -279,7 +318,7 @@ fn inflate(compressed: &CompressedData<'_>) -> std::io::Result<Vec<u8>> {
 
 /// The bases of the pointer encodings `.eh_frame` may use: relative to
 /// itself, to `.eh_frame_hdr`, to `.text` or to `.got`.
-fn eh_frame_bases(object: &Elf<'_>, eh_frame: u64) -> BaseAddresses {
+fn eh_frame_bases<'data, R: ReadRef<'data>>(object: &Elf<'data, R>, eh_frame: u64) -> BaseAddresses {
     let address = |name| object.section_by_name(name).map(|section| section.address());
     let mut bases = BaseAddresses::default().set_eh_frame(eh_frame);
     if let Some(eh_frame_hdr) = address(".eh_frame_hdr") {
