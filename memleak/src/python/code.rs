@@ -11,17 +11,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt as _;
 use std::sync::Arc;
 
-use super::line_table::{Instruction, LineTableFormat};
+pub use super::memory::{Memory, ProcessMemory};
+use super::{
+    line_table::{Instruction, LineTableFormat},
+    offsets,
+};
 
 /// Where the fields a resolution reads lie in CPython 3.`minor`'s objects
 /// (x86-64, release build with the GIL), and the address of `PyCode_Type`
-/// in the process. Interpreter detection fills it; [`Self::for_version`]
-/// holds the offsets measured for each version.
+/// in the process: [`Self::from_offsets`] takes them from the offsets
+/// detection checked in the process (`offsets`, the one table of them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CodeLayout {
     pub minor: u8,
@@ -43,28 +45,28 @@ pub struct CodeLayout {
 }
 
 impl CodeLayout {
-    /// The layout of CPython 3.`minor` (design note §5.2, compiled from
-    /// each version's headers and checked on live processes); `None`
-    /// outside 3.8–3.13.
+    /// The layout of CPython 3.`minor` as `offsets`' table has it, before
+    /// any check; `None` outside 3.8–3.13.
     pub fn for_version(minor: u8, code_type: u64) -> Option<Self> {
-        let (co_name, co_qualname, co_filename, co_firstlineno, co_lines, ascii_size, compact_size) =
-            match minor {
-                8..=10 => (0x70, None, 0x68, 0x28, 0x78, 0x30, 0x48),
-                11 => (0x78, Some(0x80), 0x70, 0x48, 0x88, 0x30, 0x48),
-                12 | 13 => (0x78, Some(0x80), 0x70, 0x44, 0x88, 0x28, 0x38),
-                _ => return None,
-            };
-        Some(Self {
+        Some(Self::from_offsets(minor, code_type, &offsets::for_minor(u32::from(minor))?))
+    }
+
+    /// The layout given by `offsets`, as detection checked them in the
+    /// process (3.13: from CPython's own debug offsets).
+    pub fn from_offsets(minor: u8, code_type: u64, offsets: &offsets::Offsets) -> Self {
+        let at = |offset: u64| usize::try_from(offset).unwrap_or(usize::MAX);
+        let code = &offsets.code;
+        Self {
             minor,
             code_type,
-            co_name,
-            co_qualname,
-            co_filename,
-            co_firstlineno,
-            co_lines,
-            ascii_size,
-            compact_size,
-        })
+            co_name: at(code.name),
+            co_qualname: code.qualname.map(at),
+            co_filename: at(code.filename),
+            co_firstlineno: at(code.firstlineno),
+            co_lines: at(code.line_table),
+            ascii_size: at(offsets.strings.ascii_data),
+            compact_size: at(offsets.strings.compact_data),
+        }
     }
 
     fn line_table_format(&self) -> Option<LineTableFormat> {
@@ -96,27 +98,6 @@ const MAX_STRING_CHARS: usize = 16 * 1024;
 const MAX_LINE_TABLE: usize = 1 << 20;
 /// Code objects kept per process; past it, the least recently used goes.
 pub const CODE_CACHE_CAPACITY: usize = 64 * 1024;
-
-/// A place to read another process's memory from.
-pub trait Memory {
-    /// Fills `buffer` from `address`, all of it or an error.
-    fn read_exact_at(&self, address: u64, buffer: &mut [u8]) -> io::Result<()>;
-}
-
-/// The memory of a live process, through `/proc/PID/mem`.
-pub struct ProcessMemory(File);
-
-impl ProcessMemory {
-    pub fn open(pid: u32) -> io::Result<Self> {
-        File::open(format!("/proc/{pid}/mem")).map(Self)
-    }
-}
-
-impl Memory for ProcessMemory {
-    fn read_exact_at(&self, address: u64, buffer: &mut [u8]) -> io::Result<()> {
-        self.0.read_exact_at(buffer, address)
-    }
-}
 
 /// What a frame shows of its code object.
 #[derive(Debug)]

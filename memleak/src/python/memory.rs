@@ -4,6 +4,19 @@
 
 use std::{fs::File, os::unix::fs::FileExt as _};
 
+/// A place to read another process's memory from: a live process, or a
+/// test's made-up memory.
+pub trait Memory {
+    /// Fills `buffer` from `address`, all of it or an error.
+    fn read_exact_at(&self, address: u64, buffer: &mut [u8]) -> std::io::Result<()>;
+}
+
+impl Memory for ProcessMemory {
+    fn read_exact_at(&self, address: u64, buffer: &mut [u8]) -> std::io::Result<()> {
+        self.read_exact(address, buffer)
+    }
+}
+
 pub struct ProcessMemory {
     mem: File,
 }
