@@ -41,6 +41,9 @@ pub const ALLOCATOR_CODE_MAP: &str = "ALLOCATOR_CODE";
 /// the last rescan that met code in no known mapping: user space rescans
 /// that process's mappings and deletes the entry.
 pub const UNWIND_RESCANS_MAP: &str = "UNWIND_RESCANS";
+/// Process id (u32) -> [`PyProcConfig`](crate::PyProcConfig): the CPython
+/// processes whose stacks get their Python frames.
+pub const PY_PROCS_MAP: &str = "PY_PROCS";
 
 /// Load-time tunables: read-only globals in the BPF object, set by the
 /// loader (libbpf-tools' `const volatile` pattern).
@@ -65,6 +68,10 @@ pub mod tunables {
     /// u32: offset of `tgid` in the kernel's struct `task_struct`, to tell
     /// a new process from a new thread.
     pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
+    /// u32: offset of `thread.fsbase` in the kernel's struct
+    /// `task_struct`, where a thread's libc data is found; 0 walks no
+    /// Python frames.
+    pub const PY_FSBASE_OFFSET: &str = "PY_FSBASE_OFFSET";
     /// u32: 1 to report each execve of a process memleak does not trace
     /// as a [`crate::MappingChange::Launched`] event, so that a process
     /// `memleak serve` follows by name or cgroup is found at its start.

@@ -23,7 +23,10 @@ pub struct StackKey {
     /// How the walk ended, a [`WalkEnd`](crate::WalkEnd) as u32. Not part
     /// of the stack's identity: one call path walks the same way.
     pub end: u32,
-    pub _padding: u32,
+    /// Python frames after the native ones in `frames`, each a word of
+    /// [`py_frame_word`](crate::python::py_frame_word); part of the
+    /// stack's identity, so each Python line has its own stack.
+    pub python_depth: u32,
     pub frames: StackFrames,
 }
 
@@ -31,6 +34,13 @@ impl StackKey {
     /// The recorded return addresses.
     pub fn addresses(&self) -> &[u64] {
         &self.frames[..(self.depth as usize).min(MAX_STACK_DEPTH)]
+    }
+
+    /// The Python frames' words, innermost first.
+    pub fn python_words(&self) -> &[u64] {
+        let start = (self.depth as usize).min(MAX_STACK_DEPTH);
+        let end = start.saturating_add(self.python_depth as usize).min(MAX_STACK_DEPTH);
+        &self.frames[start..end]
     }
 }
 

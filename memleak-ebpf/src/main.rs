@@ -7,7 +7,7 @@
 //! - `probes`: the entry points, thin, one file per kind of function;
 //! - `calls`: allocator calls in flight between entry and return;
 //! - `record`: recording and forgetting allocations, with `totals`;
-//! - `unwind`: the stack walkers; `stack`: storing a walked stack once;
+//! - `unwind`: the stack walkers; `python`: the Python frames; `stack`: storing a walked stack once;
 //!   `deferred`: handing work that needs the stack to the one program
 //!   that walks it;
 //! - `maps`, `tunables`, `counters`, `events`: state and plumbing.
@@ -32,6 +32,7 @@ mod deferred;
 mod events;
 mod maps;
 mod probes;
+mod python;
 mod record;
 mod stack;
 mod totals;

@@ -9,7 +9,8 @@ use aya_ebpf::{
 };
 use memleak_common::{
     Allocation, AllocationKey, AllocatorCode, MappingEvent, PendingCall, PendingMapping, ProcessCounters,
-    ProcessMappings, RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow, RULE_CACHE_ENTRIES,
+    ProcessMappings, PyProcConfig, RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow,
+    RULE_CACHE_ENTRIES,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -52,6 +53,15 @@ pub static FOLLOWED: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
 /// `memleak_common::CGROUP_FILTER_MAP`.
 #[map(name = "CGROUP_FILTER")]
 pub static CGROUP_FILTER: Array<u64> = Array::with_max_entries(1, 0);
+
+/// Process id -> how to walk its Python frames; see
+/// `memleak_common::PY_PROCS_MAP`. Sized at load from --max-processes.
+#[map(name = "PY_PROCS")]
+pub static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(1024, 0);
+
+/// The Python frames of the stack being walked, before they join it.
+#[map(name = "PY_SCRATCH")]
+pub static PY_SCRATCH: PerCpuArray<crate::python::PyScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]

@@ -25,6 +25,7 @@ use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNE
 use crate::{
     counters,
     maps::{LastStack, LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
+    python, tunables,
     unwind::{self, Walked},
 };
 
@@ -60,8 +61,17 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // program runs; the maps copy it before returning.
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
+    // Python first, leaving at least one native frame: see `python`.
+    let python = if user { python::walk(tgid, tunables::stack_depth() - 1) } else { 0 };
+    // SAFETY: a field of the scratch key. Through memory, like the depth
+    // below: the walk's many ways to end would each have the native walk
+    // checked again, past the verifier's budget.
+    let python = unsafe {
+        core::ptr::write_volatile(&raw mut key.python_depth, python);
+        core::ptr::read_volatile(&raw const key.python_depth)
+    };
     let walked = if user {
-        unwind::user_stack(ctx, tgid, key)
+        unwind::user_stack(ctx, tgid, key, python)
     } else {
         Walked { depth: unwind::kernel_stack(ctx, &mut key.frames)?, end: WalkEnd::Root as u32 }
     };
@@ -72,6 +82,9 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // otherwise it checks all that follows once per way the walk can end,
     // which made loading take seconds.
     unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
+    let python = python::append(key, depth_of(key) as u32, python);
+    // SAFETY: as above.
+    unsafe { core::ptr::write_volatile(&raw mut key.python_depth, python) };
     let last = LAST_STACK.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, like the scratch key.
     let last: &mut LastStack = unsafe { &mut *last };
@@ -115,12 +128,12 @@ fn find_or_insert(key: &StackKey) -> Option<u64> {
 
 /// Makes `key`, stored as `id`, this CPU's last stack.
 fn remember(last: &mut LastStack, key: &StackKey, id: u64) {
-    let depth = depth_of(key);
     last.key.tgid = key.tgid;
-    last.key.depth = depth as u32;
+    last.key.depth = depth_of(key) as u32;
+    last.key.python_depth = python_depth_of(key) as u32;
     last.key.end = key.end;
     let mut pass = FramePass::new(key, &raw mut last.key);
-    pass.run(depth, copy_step);
+    pass.run(frames_of(key), copy_step);
     last.id = id;
     last.known = 1;
 }
@@ -162,7 +175,7 @@ fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
 fn hash_of(key: &StackKey) -> u64 {
     let mut pass = FramePass::new(key, core::ptr::null_mut());
     pass.hash = (0xcbf2_9ce4_8422_2325 ^ u64::from(key.tgid)).wrapping_mul(FNV_PRIME);
-    pass.run(depth_of(key), hash_step);
+    pass.run(frames_of(key), hash_step);
     pass.hash
 }
 
@@ -174,13 +187,23 @@ fn depth_of(key: &StackKey) -> usize {
     unsafe { core::ptr::read_volatile(&raw const key.depth) as usize }
 }
 
+/// `key.python_depth`, read from memory like `depth_of`.
+fn python_depth_of(key: &StackKey) -> usize {
+    // SAFETY: a field of a live key.
+    unsafe { core::ptr::read_volatile(&raw const key.python_depth) as usize }
+}
+
+/// The frames in use, native then Python.
+fn frames_of(key: &StackKey) -> usize {
+    depth_of(key) + python_depth_of(key)
+}
+
 fn same_stack(a: &StackKey, b: &StackKey) -> bool {
-    let depth = depth_of(a);
-    if a.tgid != b.tgid || depth != depth_of(b) {
+    if a.tgid != b.tgid || depth_of(a) != depth_of(b) || python_depth_of(a) != python_depth_of(b) {
         return false;
     }
     let mut pass = FramePass::new(a, core::ptr::from_ref(b).cast_mut());
-    pass.run(depth, compare_step);
+    pass.run(frames_of(a), compare_step);
     pass.differs == 0
 }
 

@@ -19,6 +19,8 @@ static CACHE_SIZE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
+static PY_FSBASE_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
 static NEWCOMER_EXECS: u32 = 0;
 #[unsafe(no_mangle)]
 static CGROUP_LEVEL: u32 = CGROUP_LEVEL_UNKNOWN;
@@ -85,6 +87,13 @@ pub fn cache_size_offset() -> u32 {
 pub fn task_tgid_offset() -> u32 {
     // SAFETY: as above.
     unsafe { core::ptr::read_volatile(&raw const TASK_TGID_OFFSET) }
+}
+
+/// Offset of `thread.fsbase` in the kernel's struct `task_struct`, from
+/// its BTF; 0 when Python frames are off.
+pub fn py_fsbase_offset() -> u32 {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&raw const PY_FSBASE_OFFSET) }
 }
 
 /// Whether a kernel allocation made from `call_site` is left out: the BPF

@@ -189,6 +189,11 @@ pub struct Probing {
     /// memory for allocations whose stack could not be stored.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
     pub max_processes: u32,
+
+    /// Walk the Python frames of CPython processes (3.8 to 3.13) into each
+    /// stack, after its native frames. Not shown in reports yet.
+    #[arg(long, hide = true)]
+    pub python_frames: bool,
 }
 
 /// How reports are shown and where they go; for tracing and for the

@@ -253,6 +253,7 @@ fn tracer_settings(probing: &Probing, trace_events: bool) -> TracerSettings {
             Unwind::Fp => Unwinding::FramePointers,
         },
         max_unwind_rows: probing.max_unwind_rows,
+        python_frames: probing.python_frames,
     }
 }
 

@@ -8,19 +8,18 @@
 use aya_ebpf::{bindings::pt_regs, helpers::bpf_probe_read_user, EbpfContext};
 use memleak_common::{StackFrames, MAX_STACK_DEPTH};
 
-use crate::tunables;
-
 /// The caller's return address, then each saved return address along the
 /// frame-pointer chain, as `bpf_get_stack` would give them. Stops at a
 /// frame pointer that is null, misaligned or does not move up the stack,
 /// or that cannot be read. Returns the number of frames. Only for return
 /// probes: there the registers are the caller's, so its frame is the first.
-pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames) -> u32 {
+/// Keeps at most `limit` frames.
+pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames, limit: u32) -> u32 {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
     let (ip, mut frame_pointer) = unsafe { ((*regs).rip, (*regs).rbp) };
     frames[0] = ip;
-    let depth_limit = tunables::stack_depth() as usize;
+    let depth_limit = limit as usize;
     let mut depth = 1;
     #[allow(
         clippy::needless_range_loop,

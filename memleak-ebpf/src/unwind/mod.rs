@@ -27,12 +27,14 @@ pub struct Walked {
 /// rows, or with none under `--unwind fp`: then every step follows the
 /// frame pointer, and is kept only if it lands in code), else through
 /// frame pointers alone.
-pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, key: &mut StackKey) -> Walked {
-    let limit = tunables::stack_depth();
+/// Leaves the last `reserved` frames of the depth limit to the Python
+/// frames walked before.
+pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, key: &mut StackKey, reserved: u32) -> Walked {
+    let limit = tunables::stack_depth().saturating_sub(reserved).max(1);
     if let Some(mappings) = PROCESS_MAPPINGS.get_ptr(tgid) {
         return tables::walk(ctx, tgid, mappings, key, limit);
     }
     // No table yet: the process has just been found, or just started.
-    let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames);
+    let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames, limit);
     Walked { depth, end: WalkEnd::FramePointers as u32 }
 }

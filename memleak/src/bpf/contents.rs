@@ -85,28 +85,41 @@ struct StoredStack {
     /// How the walk ended, a `WalkEnd` as u32.
     end: u32,
     addresses: Box<[u64]>,
+    /// The Python frames' words (`memleak_common::python::py_frame_word`),
+    /// innermost first.
+    python: Box<[u64]>,
 }
 
 impl StackCatalog {
-    /// Makes sure every stack of `stack_ids` is known, if it is stored.
+    /// Makes sure every stack of `stack_ids` is known, if it is stored;
+    /// returns the ids of the stacks new to the catalog.
     pub fn ensure(
         &mut self,
         tracer: &Tracer,
         stack_ids: impl IntoIterator<Item = u64>,
-    ) -> Result<(), TracerError> {
+    ) -> Result<Vec<u64>, TracerError> {
         let mut ids = stack_ids.into_iter().filter(|id| lost_stack_owner(*id).is_none());
         if ids.any(|id| !self.stacks.contains_key(&id)) {
             let mut new = Vec::new();
             tracer.stacks(
                 |id, key| {
                     let addresses = key.addresses().into();
-                    new.push((id, StoredStack { tgid: key.tgid, end: key.end, addresses }));
+                    let python = key.python_words().into();
+                    new.push((id, StoredStack { tgid: key.tgid, end: key.end, addresses, python }));
                 },
                 |id| self.stacks.contains_key(&id),
             )?;
+            let ids = new.iter().map(|(id, _)| *id).collect();
             self.stacks.extend(new);
+            return Ok(ids);
         }
-        Ok(())
+        Ok(Vec::new())
+    }
+
+    /// The Python frames' words of a stack, innermost first; none if
+    /// unknown or walked without them.
+    pub fn python_words(&self, stack_id: u64) -> &[u64] {
+        self.stacks.get(&stack_id).map_or(&[], |stack| &stack.python)
     }
 
     /// Stacks known: the stack map's entries when it was last read, which

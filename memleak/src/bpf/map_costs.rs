@@ -5,9 +5,9 @@
 use std::mem::size_of;
 
 use memleak_common::{
-    Allocation, AllocationKey, AllocatorCode, ProcessMappings, StackKey, StackSlot, StackTotals, UnwindRow,
-    ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
-    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    Allocation, AllocationKey, AllocatorCode, ProcessMappings, PyProcConfig, StackKey, StackSlot,
+    StackTotals, UnwindRow, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, PROCESS_MAPPINGS_MAP, PY_PROCS_MAP,
+    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
 };
 
 use super::TracerSettings;
@@ -70,6 +70,11 @@ pub fn cost_of(name: &str, settings: &TracerSettings) -> Option<MapCost> {
             "--max-processes",
             Layout::HashPreallocated { key: size_of::<u32>(), value: size_of::<AllocatorCode>() },
         ),
+        PY_PROCS_MAP => (
+            settings.max_processes,
+            "--max-processes",
+            Layout::HashPreallocated { key: size_of::<u32>(), value: size_of::<PyProcConfig>() },
+        ),
         _ => return None,
     };
     let entries = u64::from(entries);
@@ -125,6 +130,7 @@ mod tests {
             trace_events: false,
             unwinding: Unwinding::Dwarf,
             max_unwind_rows: 1 << 20,
+            python_frames: false,
         }
     }
 

@@ -14,10 +14,11 @@ use aya::{
 };
 use memleak_common::{
     lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, Counter, PendingCall,
-    ProcessCounters, ProcessMappings, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP,
-    ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
-    MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, STACKS_MAP,
-    STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
+    ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP,
+    ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP,
+    MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP,
+    PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    USER_STACK_RECORDER_MAP,
 };
 
 use super::{
@@ -96,6 +97,9 @@ pub struct TracerSettings {
     /// Unwind rows the BPF array holds, for every object of every process
     /// (--max-unwind-rows).
     pub max_unwind_rows: u32,
+    /// Walk the Python frames of the processes given a `PyProcConfig`
+    /// (--python-frames).
+    pub python_frames: bool,
 }
 
 impl TracerSettings {
@@ -118,6 +122,9 @@ pub struct TracerConfig {
     /// Offset of `tgid` in the kernel's struct `task_struct` (following
     /// forks).
     pub task_tgid_offset: u32,
+    /// Offset of `thread.fsbase` in the kernel's struct `task_struct`
+    /// (--python-frames); 0 walks no Python frames.
+    pub py_fsbase_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
     /// With --cgroup, the only cgroup whose tasks (and those of its
@@ -140,6 +147,7 @@ impl TracerConfig {
             settings,
             cache_size_offset: 0,
             task_tgid_offset: 0,
+            py_fsbase_offset: 0,
             ignored_callers: 0..0,
             cgroup_id: 0,
             newcomer_execs: false,
@@ -188,6 +196,9 @@ pub struct Tracer {
     /// Where the links of processes that exited go to be closed, by one
     /// thread started the first time (see `detach_exited`).
     closer: Option<std::sync::mpsc::Sender<Links>>,
+    /// Whether the BPF side walks Python frames: loaded with the kernel's
+    /// fsbase offset.
+    python_frames: bool,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -285,6 +296,7 @@ impl Tracer {
             .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
             .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
             .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
+            .override_global(tunables::PY_FSBASE_OFFSET, &config.py_fsbase_offset, true)
             .override_global(tunables::NEWCOMER_EXECS, &u32::from(config.newcomer_execs), true)
             .override_global(
                 tunables::CGROUP_LEVEL,
@@ -301,21 +313,14 @@ impl Tracer {
             .map_max_entries(UNWIND_ROWS_MAP, settings.unwind_rows())
             .map_max_entries(PROCESS_MAPPINGS_MAP, settings.max_processes)
             .map_max_entries(ALLOCATOR_CODE_MAP, settings.max_processes)
+            .map_max_entries(PY_PROCS_MAP, settings.max_processes)
             .map_max_entries(UNWIND_RESCANS_MAP, settings.max_processes)
             // Room for processes that are counted but not traced: a
             // cgroup's beyond --max-processes, children not followed yet.
             .map_max_entries(PROCESS_COUNTERS_MAP, settings.max_processes.saturating_mul(2))
             .map_max_entries(FOLLOWED_MAP, settings.max_processes.saturating_mul(2))
             .load(BPF_OBJECT)
-            .map_err(
-                |error| {
-                    if caused_by_eperm(&error) {
-                        not_permitted()
-                    } else {
-                        map_refused(error, settings)
-                    }
-                },
-            )?;
+            .map_err(|error| load_refused(error, settings))?;
         // Once the maps are made: a map the kernel refuses must fail the
         // start with that reason, not with what parsing took.
         let btf_parsing = Some(std::thread::spawn(kernel_btf));
@@ -337,6 +342,7 @@ impl Tracer {
             btf_parsing,
             first_attached: None,
             closer: None,
+            python_frames: config.py_fsbase_offset != 0,
         })
     }
 
@@ -461,6 +467,19 @@ impl Tracer {
         map.insert(pid, code, 0).map_err(|source| TracerError::WriteMap { map: ALLOCATOR_CODE_MAP, source })
     }
 
+    /// Whether processes given to `set_python_process` get their Python
+    /// frames walked (--python-frames).
+    pub fn walks_python_frames(&self) -> bool {
+        self.python_frames
+    }
+
+    /// Walks the Python frames of process `pid` as `config` says, from now
+    /// on (`memleak_common::PY_PROCS_MAP`).
+    pub fn set_python_process(&mut self, pid: u32, config: PyProcConfig) -> Result<(), TracerError> {
+        let mut map: HashMap<&mut MapData, u32, PyProcConfig> = self.map_mut(PY_PROCS_MAP)?;
+        map.insert(pid, config, 0).map_err(|source| TracerError::WriteMap { map: PY_PROCS_MAP, source })
+    }
+
     /// `forget_process` for each of `gone`, in one pass over each map.
     pub fn forget_processes(&mut self, gone: &HashSet<u32>) -> Result<(), TracerError> {
         self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| gone.contains(&key.tgid))?;
@@ -478,6 +497,7 @@ impl Tracer {
         self.remove_entries::<u32, ProcessMappings>(PROCESS_MAPPINGS_MAP, |pid, _| by_pid(pid))?;
         self.remove_entries::<u32, AllocatorCode>(ALLOCATOR_CODE_MAP, |pid, _| by_pid(pid))?;
         self.remove_entries::<u32, u64>(UNWIND_RESCANS_MAP, |pid, _| by_pid(pid))?;
+        self.remove_entries::<u32, PyProcConfig>(PY_PROCS_MAP, |pid, _| by_pid(pid))?;
         let mut counters: PerCpuHashMap<&mut MapData, u32, ProcessCounters> =
             self.map_mut(PROCESS_COUNTERS_MAP)?;
         let counted: Vec<u32> = counters.keys().filter_map(Result::ok).filter(|pid| by_pid(pid)).collect();
@@ -710,6 +730,15 @@ fn btf_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut 
     ebpf.program_mut(name)
         .and_then(|program| <&mut BtfTracePoint>::try_from(program).ok())
         .ok_or(TracerError::Missing(name))
+}
+
+/// Why the kernel refused to load the object: privileges, or a map.
+fn load_refused(error: EbpfError, settings: &TracerSettings) -> TracerError {
+    if caused_by_eperm(&error) {
+        not_permitted()
+    } else {
+        map_refused(error, settings)
+    }
 }
 
 /// Whether `error` comes down to EPERM from the kernel: memleak lacks the

@@ -12,6 +12,7 @@ use std::{collections::HashSet, io, path::Path, sync::Arc};
 use memleak_common::{MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
+use targets::PythonFrames;
 pub use targets::{ReportRequest, Selector, Target, TargetSpec};
 
 use crate::{
@@ -28,6 +29,12 @@ use crate::{
         identity::{HeldProcess, ProcessKey},
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
+    },
+    python::{
+        self,
+        code::{CodeCache, CodeLayout},
+        line_table::Instruction,
+        Detection,
     },
     report::{culprit::SkipRules, Report},
     unwind::tables::{UnwindStats, UnwindTables},
@@ -536,6 +543,9 @@ impl Session {
             update_unwind_table(tables, &mut self.tracer, target)?;
         }
         update_allocator_code(&mut self.tracer, target)?;
+        if self.tracer.walks_python_frames() {
+            update_python_frames(&mut self.tracer, target)?;
+        }
         Ok(())
     }
 
@@ -552,11 +562,20 @@ impl Session {
     /// unwind table if they changed.
     fn refresh_target(&mut self, index: usize) -> Result<(), SessionError> {
         let Some(target) = self.targets.get_mut(index) else { return Ok(()) };
-        if target.refresh() {
+        let changed = target.refresh();
+        if changed {
             if let Some(tables) = self.unwind.as_mut() {
                 update_unwind_table(tables, &mut self.tracer, target)?;
             }
             update_allocator_code(&mut self.tracer, target)?;
+            if matches!(target.python, PythonFrames::NotPython) {
+                target.python = PythonFrames::Unknown;
+            }
+        }
+        if self.tracer.walks_python_frames() {
+            // Also unchanged: an interpreter not ready at the last look
+            // may be now.
+            update_python_frames(&mut self.tracer, target)?;
         }
         Ok(())
     }
@@ -762,7 +781,10 @@ impl Session {
         let region_stacks =
             self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
         let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
-        self.stacks.ensure(&self.tracer, ids)?;
+        let new_stacks = self.stacks.ensure(&self.tracer, ids)?;
+        if self.tracer.walks_python_frames() && log::log_enabled!(log::Level::Debug) {
+            self.say_python_stacks(&new_stacks);
+        }
         self.map_fill.allocations = maps.recorded_allocations();
         self.map_fill.stacks = self.stacks.len() as u64;
         let sample_rate = self.sample_rate;
@@ -772,6 +794,35 @@ impl Session {
             .filter(|target| pid.is_none_or(|pid| pid == target.pid))
             .map(|target| target.report(&maps, &self.stacks, request, sample_rate, &self.skips))
             .collect())
+    }
+
+    /// Says, at debug level, the Python frames of each of `stack_ids`
+    /// that has any: until the reports show them, the one place they are
+    /// seen resolved.
+    fn say_python_stacks(&mut self, stack_ids: &[u64]) {
+        for &id in stack_ids {
+            let words = self.stacks.python_words(id);
+            let Some(owner) = self.stacks.owner(id) else { continue };
+            if words.is_empty() {
+                continue;
+            }
+            let Some(target) = self.targets.iter_mut().find(|target| target.pid == owner) else { continue };
+            let PythonFrames::Walked { runtime, codes } = &mut target.python else { continue };
+            let frames: Vec<String> = words
+                .iter()
+                .map(|&word| {
+                    let (code, lasti, group_end) = memleak_common::python::py_frame_parts(word);
+                    let frame = codes.resolve(code, Instruction::from_units(lasti));
+                    if group_end {
+                        format!("{frame} |")
+                    } else {
+                        frame.to_string()
+                    }
+                })
+                .collect();
+            let version = &runtime.version;
+            log::debug!("pid {owner}: stack {id:#x}: python {version} frames: {}", frames.join(" <- "));
+        }
     }
 
     /// How full the allocation and stack maps were at the last
@@ -908,6 +959,44 @@ fn update_unwind_table(
     Ok(())
 }
 
+/// Looks for CPython in `target`, unless looked for already, and has the
+/// BPF side walk its Python frames if it is found and passes every check.
+/// Says the interpreter found, or once why its frames are not read.
+fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), TracerError> {
+    if target.is_kernel() || !matches!(target.python, PythonFrames::Unknown) {
+        return Ok(());
+    }
+    let pid = target.pid;
+    target.python = match python::detect(pid) {
+        Detection::Enabled(runtime) => {
+            // Detection enables 3.8 to 3.13 only.
+            let minor = u8::try_from(runtime.version.minor).unwrap_or(u8::MAX);
+            let layout = CodeLayout::from_offsets(minor, runtime.pycode_type, &runtime.offsets);
+            match CodeCache::open(pid, layout) {
+                Ok(codes) => {
+                    tracer.set_python_process(pid, runtime.config)?;
+                    log::info!("pid {pid}: {runtime}");
+                    PythonFrames::Walked { runtime, codes: Box::new(codes) }
+                }
+                Err(error) => {
+                    log::info!("pid {pid}: no Python frames: its memory cannot be read: {error}");
+                    PythonFrames::Off
+                }
+            }
+        }
+        Detection::NotPython => PythonFrames::NotPython,
+        Detection::TryLater(why) => {
+            log::debug!("pid {pid}: Python frames later: {why}");
+            PythonFrames::Unknown
+        }
+        Detection::Disabled(why) => {
+            log::info!("pid {pid}: no Python frames: {why}");
+            PythonFrames::Off
+        }
+    };
+    Ok(())
+}
+
 /// Tells the free probe where `target`'s allocator code lies, once the
 /// process maps it (a newcomer probed at its execve maps it later).
 fn update_allocator_code(tracer: &mut Tracer, target: &Target) -> Result<(), TracerError> {
@@ -959,6 +1048,11 @@ fn process_tracer_config(config: &SessionConfig) -> Result<TracerConfig, Session
     if config.follow_forks {
         let btf = Path::new(kernel_btf::VMLINUX_BTF);
         tracer_config.task_tgid_offset = kernel_btf::member_offset(btf, "task_struct", "tgid")?;
+    }
+    if config.tracer.python_frames {
+        let btf = Path::new(kernel_btf::VMLINUX_BTF);
+        tracer_config.py_fsbase_offset =
+            kernel_btf::nested_member_offset(btf, &[("task_struct", "thread"), ("thread_struct", "fsbase")])?;
     }
     Ok(tracer_config)
 }

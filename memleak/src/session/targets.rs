@@ -12,6 +12,7 @@ use crate::{
     collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
     model::{Frame, ModuleMapping, Truncation, Unwinding},
     process::{container, identity::ProcessKey, lifecycle, AddressSpace},
+    python::{code::CodeCache, PythonRuntime},
     report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
     symbolize::{
         self,
@@ -109,6 +110,24 @@ pub struct Target {
     /// run of its program, before its loader mapped the allocator; the
     /// session checks the plan once it has.
     pub planned_before_loading: bool,
+    /// Where its Python frames stand (--python-frames).
+    pub(super) python: PythonFrames,
+}
+
+/// Where a target's Python frames stand (--python-frames).
+#[derive(Default)]
+pub enum PythonFrames {
+    /// Not looked for yet, or to look for again: the interpreter was not
+    /// ready.
+    #[default]
+    Unknown,
+    /// No CPython was mapped when looked for: looked for again once the
+    /// mappings change (a program's libraries map after its exec).
+    NotPython,
+    /// The BPF side walks them; `codes` resolves their words.
+    Walked { runtime: Box<PythonRuntime>, codes: Box<CodeCache> },
+    /// CPython whose frames memleak does not read, said once.
+    Off,
 }
 
 impl Target {
@@ -137,6 +156,7 @@ impl Target {
             container: container::container_of(pid),
             found_at_exec: false,
             planned_before_loading: false,
+            python: PythonFrames::Unknown,
         }
     }
 
@@ -172,6 +192,7 @@ impl Target {
             container: None,
             found_at_exec: false,
             planned_before_loading: false,
+            python: PythonFrames::Unknown,
         }
     }
 

@@ -1,0 +1,241 @@
+//! The Python frames of the current thread, for processes user space put
+//! in `PY_PROCS`: one word per frame (`py_frame_word`), innermost first,
+//! which join the stack after its native frames.
+//!
+//! Walked before the native frames, so that a deep native stack cannot
+//! squeeze them all out. Only the current thread's frames are read, and
+//! it sits in the probe, so nothing moves under the walk. A failed read
+//! ends the walk with the frames found so far; the allocation is recorded
+//! anyway.
+
+use core::ffi::c_void;
+
+use aya_ebpf::helpers::{
+    bpf_probe_read_kernel, bpf_probe_read_user,
+    generated::{bpf_get_current_task, bpf_loop, bpf_probe_read_user as read_user_into},
+};
+use memleak_common::{
+    python::{
+        py_frame_word, PY_CFRAME, PY_ENTRY_FLAG, PY_FRAMEOBJ, PY_GROUP_END, PY_LASTI_BYTES, PY_MUSL,
+        PY_OWNED_BY_CSTACK, PY_OWNER_SHIM,
+    },
+    StackKey, MAX_STACK_DEPTH,
+};
+
+use crate::{
+    maps::{PY_PROCS, PY_SCRATCH},
+    tunables,
+};
+
+/// Bytes of one frame the scratch holds: more than any `read_size`
+/// (0x70 at most), and a power of two, so that masking bounds a read.
+const FRAME_BYTES: usize = 128;
+
+/// The value of `PY_SCRATCH`: too big for the 512-byte BPF stack.
+#[repr(C)]
+pub struct PyScratch {
+    /// The words of the frames walked.
+    pub words: [u64; MAX_STACK_DEPTH],
+    /// The frame being read.
+    pub frame: Frame,
+}
+
+/// One frame's bytes, as words: every field read is aligned in it.
+type Frame = [u64; FRAME_BYTES / 8];
+
+/// Walks the current thread's Python frames into `PY_SCRATCH`, at most
+/// `limit`, and returns how many it found: 0 for a process not in
+/// `PY_PROCS` or a thread that never ran Python.
+pub fn walk(tgid: u32, limit: u32) -> u32 {
+    let fsbase_offset = tunables::py_fsbase_offset();
+    if fsbase_offset == 0 {
+        return 0;
+    }
+    // SAFETY: the value of a live entry, copied at once.
+    let Some(config) = (unsafe { PY_PROCS.get(tgid) }).copied() else { return 0 };
+    let Some(scratch) = PY_SCRATCH.get_ptr_mut(0) else { return 0 };
+    let Some(frame) = current_frame(&config, fsbase_offset) else { return 0 };
+    let limit = limit.min(u32::from(config.max_frames)).min(MAX_STACK_DEPTH as u32);
+    let mut walk = PyWalk {
+        scratch,
+        frame,
+        count: 0,
+        last: 0,
+        limit,
+        flags: config.flags,
+        read_size: u32::from(config.read_size),
+        f_code: u32::from(config.f_code),
+        f_back: u32::from(config.f_back),
+        f_instr: u32::from(config.f_instr),
+        f_entry: u32::from(config.f_entry),
+        f_owner: u32::from(config.f_owner),
+        co_code: u64::from(config.co_code),
+    };
+    // Twice the frames: 3.12's shims take an iteration and give no word.
+    // SAFETY: the helper calls `step` with a pointer to `walk`, which
+    // outlives the call.
+    unsafe { bpf_loop(limit * 2, step as *mut c_void, (&raw mut walk).cast(), 0) };
+    walk.count
+}
+
+/// The thread's innermost Python frame (null for none): its
+/// `PyThreadState`, found in the libc thread-specific data at CPython's
+/// TSS key, and the frame it runs.
+fn current_frame(config: &memleak_common::PyProcConfig, fsbase_offset: u32) -> Option<u64> {
+    // SAFETY: a helper without arguments.
+    let task = unsafe { bpf_get_current_task() };
+    // SAFETY: a kernel read at the offset user space found in the
+    // kernel's BTF, which fails cleanly on a bad address.
+    let fsbase: u64 =
+        unsafe { bpf_probe_read_kernel((task + u64::from(fsbase_offset)) as *const u64) }.ok()?;
+    let key = u64::from(config.tss_key);
+    let slot = if config.flags & PY_MUSL != 0 {
+        read_user(fsbase + u64::from(config.tsd_off))? + 8 * key
+    } else if key < 32 {
+        // glibc's `specific_1stblock`: 16-byte slots, the data at +8.
+        fsbase + u64::from(config.tsd_off) + 16 * key + 8
+    } else {
+        read_user(fsbase + u64::from(config.tsd_l2_off) + 8 * (key >> 5))? + 16 * (key & 31) + 8
+    };
+    let thread_state = read_user(slot)?;
+    if thread_state == 0 {
+        return None;
+    }
+    let frame = read_user(thread_state + u64::from(config.ts_frame))?;
+    if config.flags & PY_CFRAME != 0 && frame != 0 {
+        return read_user(frame + u64::from(config.cframe_cur));
+    }
+    Some(frame)
+}
+
+fn read_user(address: u64) -> Option<u64> {
+    // SAFETY: a user read that fails cleanly on a bad address.
+    unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+}
+
+/// A walk in progress, the context of `step`. The config's fields are
+/// copied in as plain numbers: the callback then needs no map pointer.
+#[repr(C)]
+struct PyWalk {
+    scratch: *mut PyScratch,
+    /// The next frame to read, 0 at the end.
+    frame: u64,
+    count: u32,
+    /// The index of the last word, kept apart from `count`: an index
+    /// computed as `count - 1` loses its bounds for the verifier.
+    last: u32,
+    limit: u32,
+    flags: u32,
+    read_size: u32,
+    f_code: u32,
+    f_back: u32,
+    f_instr: u32,
+    f_entry: u32,
+    f_owner: u32,
+    co_code: u64,
+}
+
+/// One iteration: one frame read, and its word kept unless it is a shim.
+extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `walk` passed this pointer to its own `PyWalk`.
+    let walk = unsafe { &mut *ctx.cast::<PyWalk>() };
+    if walk.frame == 0 || walk.count >= walk.limit {
+        return 1;
+    }
+    // SAFETY: this CPU's scratch, which nothing else uses while this
+    // program runs.
+    let scratch = unsafe { &mut *walk.scratch };
+    // Exactly the frame's size: a 3.11+ frame may end its page.
+    let size = walk.read_size & (FRAME_BYTES as u32 - 1);
+    // SAFETY: at most FRAME_BYTES bytes into the scratch's frame buffer.
+    let failed =
+        unsafe { read_user_into(scratch.frame.as_mut_ptr().cast(), size, walk.frame as *const c_void) } != 0;
+    if failed {
+        return 1;
+    }
+    let code = word_at(&scratch.frame, walk.f_code);
+    let back = word_at(&scratch.frame, walk.f_back);
+    walk.frame = back;
+    if walk.flags & PY_OWNER_SHIM != 0 && byte_at(&scratch.frame, walk.f_owner) == PY_OWNED_BY_CSTACK {
+        // The C stack's shim: the frame before it ends its group.
+        if walk.count > 0 {
+            if let Some(word) = scratch.words.get_mut(walk.last as usize) {
+                *word |= PY_GROUP_END;
+            }
+        }
+        return 0;
+    }
+    let lasti = if walk.flags & PY_FRAMEOBJ != 0 {
+        let lasti = i64::from(int_at(&scratch.frame, walk.f_instr));
+        if walk.flags & PY_LASTI_BYTES != 0 {
+            lasti >> 1
+        } else {
+            lasti
+        }
+    } else {
+        // `prev_instr`, one code unit before the code at the start.
+        let instruction = word_at(&scratch.frame, walk.f_instr);
+        (instruction.wrapping_sub(code).wrapping_sub(walk.co_code) as i64) >> 1
+    };
+    let group_end = walk.flags & PY_FRAMEOBJ != 0
+        || (walk.flags & PY_ENTRY_FLAG != 0 && byte_at(&scratch.frame, walk.f_entry) != 0);
+    let Some(word) = scratch.words.get_mut(walk.count as usize) else { return 1 };
+    *word = py_frame_word(code, lasti, group_end);
+    walk.last = walk.count;
+    walk.count += 1;
+    0
+}
+
+// The offsets come from user space, which checked each against the read
+// size; masked here for the verifier, and aligned as the fields are.
+
+fn word_at(frame: &Frame, offset: u32) -> u64 {
+    frame[(offset as usize & (FRAME_BYTES - 8)) / 8]
+}
+
+fn int_at(frame: &Frame, offset: u32) -> i32 {
+    let index = (offset as usize & (FRAME_BYTES - 4)) / 4;
+    // SAFETY: 4 bytes within the buffer, 4-aligned.
+    unsafe { *frame.as_ptr().cast::<i32>().add(index) }
+}
+
+fn byte_at(frame: &Frame, offset: u32) -> u8 {
+    // SAFETY: a byte within the buffer.
+    unsafe { *frame.as_ptr().cast::<u8>().add(offset as usize & (FRAME_BYTES - 1)) }
+}
+
+/// Copies `count` words from `PY_SCRATCH` into `key.frames` after its
+/// first `start` frames; returns how many fit.
+pub fn append(key: &mut StackKey, start: u32, count: u32) -> u32 {
+    if count == 0 {
+        return 0;
+    }
+    let Some(scratch) = PY_SCRATCH.get_ptr_mut(0) else { return 0 };
+    let mut copy = Copy { scratch, key, start, copied: 0 };
+    // SAFETY: as in `walk`.
+    unsafe {
+        bpf_loop(count.min(MAX_STACK_DEPTH as u32), copy_step as *mut c_void, (&raw mut copy).cast(), 0)
+    };
+    copy.copied
+}
+
+#[repr(C)]
+struct Copy {
+    scratch: *mut PyScratch,
+    key: *mut StackKey,
+    start: u32,
+    copied: u32,
+}
+
+extern "C" fn copy_step(index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `append` passed this pointer to its own `Copy`, whose
+    // pointers are to this CPU's scratch maps.
+    let copy = unsafe { &mut *ctx.cast::<Copy>() };
+    // SAFETY: as above.
+    let (scratch, key) = unsafe { (&*copy.scratch, &mut *copy.key) };
+    let Some(&word) = scratch.words.get(index as usize) else { return 1 };
+    let Some(slot) = key.frames.get_mut(copy.start as usize + index as usize) else { return 1 };
+    *slot = word;
+    copy.copied += 1;
+    0
+}
