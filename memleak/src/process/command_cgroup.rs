@@ -105,10 +105,7 @@ impl CommandCgroup {
     fn create() -> io::Result<Self> {
         let root = super::container::cgroup2_mount()
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no cgroup v2 file system is mounted"))?;
-        let own = fs::read_to_string("/proc/self/cgroup")?;
-        let own = own
-            .lines()
-            .find_map(|line| line.strip_prefix("0::"))
+        let own = super::container::cgroup2_path("self")
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "memleak is in no cgroup v2"))?;
         let path =
             root.join(own.trim_start_matches('/')).join(format!("memleak-command-{}", std::process::id()));

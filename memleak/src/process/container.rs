@@ -80,9 +80,14 @@ pub fn id_in_cgroup_path(path: &str) -> Option<String> {
 
 /// The container process `pid` runs in, if its cgroup v2 path names one.
 pub fn container_of(pid: u32) -> Option<String> {
-    let cgroups = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    let unified = cgroups.lines().find_map(|line| line.strip_prefix("0::"))?;
-    id_in_cgroup_path(unified)
+    id_in_cgroup_path(&cgroup2_path(pid)?)
+}
+
+/// The cgroup v2 path of `process` (a pid, or `self`), as /proc gives it:
+/// from the hierarchy's root, which `cgroup2_mount` says where to find.
+pub fn cgroup2_path(process: impl std::fmt::Display) -> Option<String> {
+    let cgroups = fs::read_to_string(format!("/proc/{process}/cgroup")).ok()?;
+    cgroups.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_owned)
 }
 
 /// Where the cgroup v2 hierarchy is mounted: /sys/fs/cgroup on a pure v2

@@ -12,6 +12,7 @@ use std::{
 use super::{nonzero, plan_process, CgroupCensus, Session, Target, UProbeScope};
 use crate::process::{
     cgroup::{Cgroup, CgroupProcess},
+    container,
     identity::ProcessKey,
     lifecycle,
 };
@@ -308,8 +309,7 @@ impl Session {
     /// one, for a cgroup whose level is unknown).
     fn in_followed_cgroup(&self, pid: u32) -> bool {
         let Some(root) = &self.cgroup2_root else { return false };
-        let Ok(cgroups) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return false };
-        let Some(path) = cgroups.lines().find_map(|line| line.strip_prefix("0::")) else { return false };
+        let Some(path) = container::cgroup2_path(pid) else { return false };
         let directory = root.join(path.trim_start_matches('/'));
         self.cgroups.iter().any(|cgroup| {
             if cgroup.level.is_some() {
