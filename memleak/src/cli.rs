@@ -9,6 +9,7 @@
 use std::{net::IpAddr, num::NonZeroU64, path::PathBuf, time::Duration};
 
 use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
+use memleak_common::python::PY_DEFAULT_MAX_FRAMES;
 
 use crate::report::options::{Choice, Format, SortKey, Weight};
 
@@ -190,10 +191,18 @@ pub struct Probing {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PROCESSES, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCESSES))]
     pub max_processes: u32,
 
-    /// Walk the Python frames of CPython processes (3.8 to 3.13) into each
-    /// stack, after its native frames. Not shown in reports yet.
-    #[arg(long, hide = true)]
-    pub python_frames: bool,
+    /// Python frames in the stacks of CPython 3.8 to 3.13 processes: with
+    /// `auto`, each call of the interpreter's eval loop is shown as the
+    /// Python functions it ran, with file and line, in every process whose
+    /// interpreter passes memleak's checks (said at attach); `off` leaves
+    /// stacks native.
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = PythonFrames::Auto)]
+    pub python: PythonFrames,
+
+    /// Python frames kept per stack at most (1 to 126); the native frames
+    /// get what --max-stack-depth leaves.
+    #[arg(long, value_name = "N", default_value_t = PY_DEFAULT_MAX_FRAMES, value_parser = clap::value_parser!(u16).range(1..=126))]
+    pub max_python_depth: u16,
 }
 
 /// How reports are shown and where they go; for tracing and for the
@@ -368,6 +377,15 @@ pub struct DiffArgs {
 
     #[command(flatten)]
     pub culprits: Culprits,
+}
+
+/// Whether Python frames are walked (--python).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PythonFrames {
+    /// In every CPython process that passes memleak's checks.
+    Auto,
+    /// Never.
+    Off,
 }
 
 /// How user stacks are walked.

@@ -9,7 +9,8 @@ use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
     cli::{
-        Action, Args, Culprits, DiffArgs, Probing, Rendering as RenderingArgs, ReportArgs, ServeArgs, Unwind,
+        Action, Args, Culprits, DiffArgs, Probing, PythonFrames, Rendering as RenderingArgs, ReportArgs, ServeArgs,
+        Unwind,
     },
     collect::CollectOptions,
     model::Unwinding,
@@ -253,7 +254,7 @@ fn tracer_settings(probing: &Probing, trace_events: bool) -> TracerSettings {
             Unwind::Fp => Unwinding::FramePointers,
         },
         max_unwind_rows: probing.max_unwind_rows,
-        python_frames: probing.python_frames,
+        python_max_frames: (probing.python == PythonFrames::Auto).then_some(probing.max_python_depth),
     }
 }
 

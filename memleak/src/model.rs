@@ -195,9 +195,36 @@ pub struct Frame {
     /// counts from the start of that part.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cold_part: bool,
+    /// Native code, or a Python function that an interpreter ran there.
+    #[serde(default, skip_serializing_if = "FrameKind::is_native")]
+    pub kind: FrameKind,
+}
+
+/// What ran in a frame.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FrameKind {
+    /// Machine code at `address`.
+    #[default]
+    Native,
+    /// A Python function run by the CPython eval loop the stack went
+    /// through: `function` is its qualified name, `file` and `line` what
+    /// the interpreter was running. It has no address, module or offset.
+    Python,
+}
+
+impl FrameKind {
+    #[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if hands over a reference")]
+    pub fn is_native(&self) -> bool {
+        *self == Self::Native
+    }
 }
 
 impl Frame {
+    pub fn is_python(&self) -> bool {
+        self.kind == FrameKind::Python
+    }
+
     /// Where a frame of a file lies, as a report names a frame without a
     /// function: the file's name and the offset in it, `memcached+0x1a2b3`.
     pub fn file_location(&self) -> Option<String> {

@@ -8,12 +8,19 @@ use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use memleak_common::{MappingChange, MappingEvent};
 
 use super::mmap::send;
-use crate::{calls, maps::PROCESS_MAPPINGS, tunables};
+use crate::{
+    calls,
+    maps::{PROCESS_MAPPINGS, PY_PROCS},
+    tunables,
+};
 
 /// `sched_process_exec`: fires in the process, its new program mapped.
 #[btf_tracepoint(function = "sched_process_exec")]
 pub fn sched_process_exec(_ctx: BtfTracePointContext) -> i32 {
     let tgid = calls::process_id();
+    // The new program's memory is no longer the interpreter that user
+    // space checked: its Python frames wait until user space checks again.
+    let _ = PY_PROCS.remove(tgid);
     // Every process memleak traces has a table of its mappings; the old
     // one describes the old program, and must not walk the new one's
     // stacks.

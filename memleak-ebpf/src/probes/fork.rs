@@ -6,7 +6,11 @@ use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::btf_tracepoint, programs:
 use memleak_common::{MappingChange, MappingEvent};
 
 use super::mmap::send;
-use crate::{calls, maps::FOLLOWED, tunables};
+use crate::{
+    calls,
+    maps::{FOLLOWED, PY_PROCS},
+    tunables,
+};
 
 /// `sched_process_fork(parent, child)`: fires in the parent, for new
 /// threads as well as new processes.
@@ -27,6 +31,13 @@ pub fn sched_process_fork(ctx: BtfTracePointContext) -> i32 {
         return 0;
     }
     let _ = FOLLOWED.insert(child_tgid, 1, 0);
+    // A forked interpreter is a copy of its parent's, at the same
+    // addresses: its Python frames are walked from its first allocation,
+    // before user space has looked at it (a gunicorn worker's).
+    // SAFETY: the value of a live entry, copied at once.
+    if let Some(config) = unsafe { PY_PROCS.get(parent) }.copied() {
+        let _ = PY_PROCS.insert(child_tgid, config, 0);
+    }
     send(MappingEvent {
         tgid: child_tgid,
         address: u64::from(parent),

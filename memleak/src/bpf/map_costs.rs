@@ -130,7 +130,7 @@ mod tests {
             trace_events: false,
             unwinding: Unwinding::Dwarf,
             max_unwind_rows: 1 << 20,
-            python_frames: false,
+            python_max_frames: None,
         }
     }
 

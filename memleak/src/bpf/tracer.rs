@@ -97,9 +97,10 @@ pub struct TracerSettings {
     /// Unwind rows the BPF array holds, for every object of every process
     /// (--max-unwind-rows).
     pub max_unwind_rows: u32,
-    /// Walk the Python frames of the processes given a `PyProcConfig`
-    /// (--python-frames).
-    pub python_frames: bool,
+    /// Walk at most this many Python frames per stack of the processes
+    /// given a `PyProcConfig` (--max-python-depth); `None` with --python
+    /// off.
+    pub python_max_frames: Option<u16>,
 }
 
 impl TracerSettings {
@@ -123,7 +124,7 @@ pub struct TracerConfig {
     /// forks).
     pub task_tgid_offset: u32,
     /// Offset of `thread.fsbase` in the kernel's struct `task_struct`
-    /// (--python-frames); 0 walks no Python frames.
+    /// (--python); 0 walks no Python frames.
     pub py_fsbase_offset: u32,
     /// Kernel code whose allocations are left out (kernel mode).
     pub ignored_callers: std::ops::Range<u64>,
@@ -196,9 +197,9 @@ pub struct Tracer {
     /// Where the links of processes that exited go to be closed, by one
     /// thread started the first time (see `detach_exited`).
     closer: Option<std::sync::mpsc::Sender<Links>>,
-    /// Whether the BPF side walks Python frames: loaded with the kernel's
-    /// fsbase offset.
-    python_frames: bool,
+    /// How many Python frames the BPF side walks per stack, if it does:
+    /// loaded with the kernel's fsbase offset.
+    python_max_frames: Option<u16>,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -342,7 +343,7 @@ impl Tracer {
             btf_parsing,
             first_attached: None,
             closer: None,
-            python_frames: config.py_fsbase_offset != 0,
+            python_max_frames: config.settings.python_max_frames.filter(|_| config.py_fsbase_offset != 0),
         })
     }
 
@@ -468,14 +469,17 @@ impl Tracer {
     }
 
     /// Whether processes given to `set_python_process` get their Python
-    /// frames walked (--python-frames).
+    /// frames walked (--python).
     pub fn walks_python_frames(&self) -> bool {
-        self.python_frames
+        self.python_max_frames.is_some()
     }
 
     /// Walks the Python frames of process `pid` as `config` says, from now
-    /// on (`memleak_common::PY_PROCS_MAP`).
+    /// on (`memleak_common::PY_PROCS_MAP`), as many as --max-python-depth
+    /// allows.
     pub fn set_python_process(&mut self, pid: u32, config: PyProcConfig) -> Result<(), TracerError> {
+        let Some(max_frames) = self.python_max_frames else { return Ok(()) };
+        let config = PyProcConfig { max_frames, ..config };
         let mut map: HashMap<&mut MapData, u32, PyProcConfig> = self.map_mut(PY_PROCS_MAP)?;
         map.insert(pid, config, 0).map_err(|source| TracerError::WriteMap { map: PY_PROCS_MAP, source })
     }

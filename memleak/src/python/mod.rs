@@ -18,6 +18,7 @@
 #![allow(dead_code, reason = "wired into the tracer in the next step of issue 23")]
 
 pub mod code;
+pub mod frames;
 #[cfg(test)]
 mod interpreter_tests;
 pub mod line_table;

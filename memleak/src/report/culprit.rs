@@ -4,6 +4,10 @@
 //! text report's first line under it, `culprit` in JSON, the `frame`
 //! label of `/metrics`): `make_session(int)`, not `operator new`;
 //! `setKey`, not redis's `zmalloc`.
+//!
+//! In a stack that holds Python frames, the program's own code is Python:
+//! the culprit is its first Python frame not passed over, never the
+//! interpreter's C code between it and the allocator.
 
 use std::sync::Arc;
 
@@ -50,7 +54,10 @@ impl SkipRules {
         allocator: &str,
         program: &str,
     ) -> Option<&'f Arc<Frame>> {
-        frames.iter().find(|frame| !self.passes_over(frame, allocator, program))
+        let python_only = holds_python(frames);
+        frames.iter().find(|frame| {
+            (frame.is_python() || !python_only) && !self.passes_over(frame, allocator, program)
+        })
     }
 
     /// `culprit` for many stacks of one report: each frame is looked at
@@ -83,12 +90,18 @@ pub struct Culprits<'r> {
 impl Culprits<'_> {
     pub fn of<'f>(&mut self, frames: &'f [Arc<Frame>]) -> Option<&'f Arc<Frame>> {
         let Self { rules, allocator, program, passed_over } = self;
+        let python_only = holds_python(frames);
         frames.iter().find(|frame| {
-            !*passed_over
+            (frame.is_python() || !python_only)
+                && !*passed_over
                 .entry(Arc::as_ptr(frame))
                 .or_insert_with(|| rules.passes_over(frame, allocator, program))
         })
     }
+}
+
+fn holds_python(frames: &[Arc<Frame>]) -> bool {
+    frames.iter().any(|frame| frame.is_python())
 }
 
 /// A function's name without its parameter list, and for a C++ template

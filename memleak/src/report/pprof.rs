@@ -167,9 +167,11 @@ impl Encoder<'_> {
     /// A Sample message: its locations, innermost first, and its values.
     fn sample<F: Borrow<Frame>>(&mut self, frames: &[F], values: &[i64]) -> Vec<u8> {
         // Frames of one address are consecutive: the inlined ones, then
-        // the function that holds them.
+        // the function that holds them. A recursive call returns to the
+        // same address twice, and Python frames have none: each is a
+        // location of its own.
         let location_ids: Vec<u64> = frames
-            .chunk_by(|a, b| a.borrow().address == b.borrow().address)
+            .chunk_by(|a, b| a.borrow().inlined && a.borrow().address == b.borrow().address)
             .map(|at_address| self.location_id(at_address))
             .collect();
         let mut sample = Vec::new();

@@ -293,7 +293,8 @@ fn describe_trend(trend: &Trend) -> String {
 }
 
 /// `function+0xoff (file:line) [module]`, with `[inlined]` for frames
-/// inlined into the next one. Names are escaped (`printable`).
+/// inlined into the next one, and `function (file:line) [python]` for a
+/// Python function. Names are escaped (`printable`).
 pub(super) fn describe(frame: &Frame) -> String {
     let mut text = frame_name(frame);
     if let Some(offset) = frame.offset.filter(|_| frame.function.is_some()) {
@@ -305,7 +306,9 @@ pub(super) fn describe(frame: &Frame) -> String {
             None => write!(text, " ({file})"),
         };
     }
-    if frame.inlined {
+    if frame.is_python() {
+        text.push_str(" [python]");
+    } else if frame.inlined {
         text.push_str(" [inlined]");
     } else if let Some(module) = frame.module.as_deref().map(printable) {
         let _ = write!(text, " [{module}]");

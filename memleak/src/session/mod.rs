@@ -33,7 +33,7 @@ use crate::{
     python::{
         self,
         code::{CodeCache, CodeLayout},
-        line_table::Instruction,
+        frames::PythonStacks,
         Detection,
     },
     report::{culprit::SkipRules, Report},
@@ -782,8 +782,8 @@ impl Session {
             self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
         let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
         let new_stacks = self.stacks.ensure(&self.tracer, ids)?;
-        if self.tracer.walks_python_frames() && log::log_enabled!(log::Level::Debug) {
-            self.say_python_stacks(&new_stacks);
+        if self.tracer.walks_python_frames() {
+            self.resolve_python_stacks(&new_stacks);
         }
         self.map_fill.allocations = maps.recorded_allocations();
         self.map_fill.stacks = self.stacks.len() as u64;
@@ -796,32 +796,19 @@ impl Session {
             .collect())
     }
 
-    /// Says, at debug level, the Python frames of each of `stack_ids`
-    /// that has any: until the reports show them, the one place they are
-    /// seen resolved.
-    fn say_python_stacks(&mut self, stack_ids: &[u64]) {
+    /// Resolves the Python frames of each of `stack_ids` that has any,
+    /// while the code objects they ran are alive.
+    fn resolve_python_stacks(&mut self, stack_ids: &[u64]) {
         for &id in stack_ids {
             let words = self.stacks.python_words(id);
-            let Some(owner) = self.stacks.owner(id) else { continue };
             if words.is_empty() {
                 continue;
             }
+            let Some(owner) = self.stacks.owner(id) else { continue };
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == owner) else { continue };
-            let PythonFrames::Walked { runtime, codes } = &mut target.python else { continue };
-            let frames: Vec<String> = words
-                .iter()
-                .map(|&word| {
-                    let (code, lasti, group_end) = memleak_common::python::py_frame_parts(word);
-                    let frame = codes.resolve(code, Instruction::from_units(lasti));
-                    if group_end {
-                        format!("{frame} |")
-                    } else {
-                        frame.to_string()
-                    }
-                })
-                .collect();
-            let version = &runtime.version;
-            log::debug!("pid {owner}: stack {id:#x}: python {version} frames: {}", frames.join(" <- "));
+            if let PythonFrames::Walked { codes, stacks, .. } = &mut target.python {
+                stacks.resolve(id, words, codes);
+            }
         }
     }
 
@@ -975,11 +962,15 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
             match CodeCache::open(pid, layout) {
                 Ok(codes) => {
                     tracer.set_python_process(pid, runtime.config)?;
+                    crate::status::say(&format!(
+                        "pid {pid} runs python {} ({}): its stacks show Python frames",
+                        runtime.version, runtime.path
+                    ));
                     log::info!("pid {pid}: {runtime}");
-                    PythonFrames::Walked { runtime, codes: Box::new(codes) }
+                    PythonFrames::Walked { runtime, codes: Box::new(codes), stacks: PythonStacks::default() }
                 }
                 Err(error) => {
-                    log::info!("pid {pid}: no Python frames: its memory cannot be read: {error}");
+                    log::warn!("pid {pid}: no Python frames: its memory cannot be read: {error}");
                     PythonFrames::Off
                 }
             }
@@ -990,7 +981,7 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
             PythonFrames::Unknown
         }
         Detection::Disabled(why) => {
-            log::info!("pid {pid}: no Python frames: {why}");
+            log::warn!("pid {pid}: no Python frames: {why}");
             PythonFrames::Off
         }
     };
@@ -1049,7 +1040,7 @@ fn process_tracer_config(config: &SessionConfig) -> Result<TracerConfig, Session
         let btf = Path::new(kernel_btf::VMLINUX_BTF);
         tracer_config.task_tgid_offset = kernel_btf::member_offset(btf, "task_struct", "tgid")?;
     }
-    if config.tracer.python_frames {
+    if config.tracer.python_max_frames.is_some() {
         let btf = Path::new(kernel_btf::VMLINUX_BTF);
         tracer_config.py_fsbase_offset =
             kernel_btf::nested_member_offset(btf, &[("task_struct", "thread"), ("thread_struct", "fsbase")])?;

@@ -12,7 +12,7 @@ use crate::{
     collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
     model::{Frame, ModuleMapping, Truncation, Unwinding},
     process::{container, identity::ProcessKey, lifecycle, AddressSpace},
-    python::{code::CodeCache, PythonRuntime},
+    python::{code::CodeCache, frames::PythonStacks, PythonRuntime},
     report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
     symbolize::{
         self,
@@ -110,11 +110,11 @@ pub struct Target {
     /// run of its program, before its loader mapped the allocator; the
     /// session checks the plan once it has.
     pub planned_before_loading: bool,
-    /// Where its Python frames stand (--python-frames).
+    /// Where its Python frames stand (--python).
     pub(super) python: PythonFrames,
 }
 
-/// Where a target's Python frames stand (--python-frames).
+/// Where a target's Python frames stand (--python).
 #[derive(Default)]
 pub enum PythonFrames {
     /// Not looked for yet, or to look for again: the interpreter was not
@@ -124,8 +124,9 @@ pub enum PythonFrames {
     /// No CPython was mapped when looked for: looked for again once the
     /// mappings change (a program's libraries map after its exec).
     NotPython,
-    /// The BPF side walks them; `codes` resolves their words.
-    Walked { runtime: Box<PythonRuntime>, codes: Box<CodeCache> },
+    /// The BPF side walks them; `codes` resolves their words into
+    /// `stacks`.
+    Walked { runtime: Box<PythonRuntime>, codes: Box<CodeCache>, stacks: PythonStacks },
     /// CPython whose frames memleak does not read, said once.
     Off,
 }
@@ -260,7 +261,8 @@ impl Target {
         }
         let options = &options;
         let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
-        let Self { space, symbolizer, regions, trends, plan, call_paths, unwinding, .. } = self;
+        let Self { space, symbolizer, regions, trends, plan, call_paths, unwinding, python, .. } = self;
+        let mut python = python.merger();
         // A return address is one past its call: the call is what lies in
         // the function.
         let in_allocator = |address: u64| {
@@ -270,11 +272,11 @@ impl Target {
             })
         };
         collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |region| {
-            let frames = frames_of(symbolizer, space, stacks, region.stack_id);
+            let frames = frames_of(symbolizer, space, stacks, &mut python, region.stack_id);
             collect::regions::classify(region, &frames, in_allocator)
         });
         call_paths.merge(&mut snapshot, |stack_id| {
-            let frames = frames_of(symbolizer, space, stacks, stack_id);
+            let frames = frames_of(symbolizer, space, stacks, &mut python, stack_id);
             Met { truncation: truncation_of(stacks, stack_id, *unwinding, &frames), frames }
         });
         let unrecorded_frees = trends.unrecorded_frees_since(&snapshot);
@@ -296,6 +298,7 @@ impl Target {
             stacks,
             unwinding: self.unwinding,
             call_paths: &self.call_paths,
+            python: self.python.merger(),
         };
         let mut report = Report::build(snapshot, &context, &trends, source);
         report.delta_unrecorded_frees = unrecorded_frees;
@@ -321,11 +324,13 @@ struct TargetStacks<'a> {
     stacks: &'a StackCatalog,
     unwinding: Option<Unwinding>,
     call_paths: &'a CallPaths,
+    python: Option<PythonMerger<'a>>,
 }
 
 impl StackSource for TargetStacks<'_> {
     fn frames(&mut self, stack_id: u64) -> Arc<[Arc<Frame>]> {
-        frames_of(self.symbolizer, self.space, self.stacks, self.call_paths.shown(stack_id))
+        let shown = self.call_paths.shown(stack_id);
+        frames_of(self.symbolizer, self.space, self.stacks, &mut self.python, shown)
     }
 
     fn truncation(&self, stack_id: u64) -> Option<Truncation> {
@@ -361,18 +366,38 @@ fn truncation_of(
     }
 }
 
-/// The symbolized frames of a stack, symbolized once.
+/// The symbolized frames of a stack, symbolized once, with its Python
+/// frames merged in if `python` has any.
 fn frames_of(
     symbolizer: &mut StackSymbolizer,
     space: &AddressSpace,
     stacks: &StackCatalog,
+    python: &mut Option<PythonMerger<'_>>,
     stack_id: u64,
 ) -> Arc<[Arc<Frame>]> {
-    if let Some(frames) = symbolizer.cached(stack_id) {
-        return frames;
+    let native = symbolizer.cached(stack_id).unwrap_or_else(|| {
+        let addresses = space.code_prefix(stacks.addresses(stack_id));
+        symbolizer.symbolize(stack_id, addresses, space)
+    });
+    match python {
+        Some(PythonMerger { runtime, stacks }) => stacks.merged(stack_id, native, runtime),
+        None => native,
     }
-    let addresses = space.code_prefix(stacks.addresses(stack_id));
-    symbolizer.symbolize(stack_id, addresses, space)
+}
+
+/// What merges a walked CPython process's Python frames into its stacks.
+struct PythonMerger<'a> {
+    runtime: &'a PythonRuntime,
+    stacks: &'a mut PythonStacks,
+}
+
+impl PythonFrames {
+    fn merger(&mut self) -> Option<PythonMerger<'_>> {
+        match self {
+            Self::Walked { runtime, stacks, .. } => Some(PythonMerger { runtime, stacks }),
+            _ => None,
+        }
+    }
 }
 
 /// The program's code and the file mappings the report's frames fall in,

@@ -24,6 +24,8 @@ use crate::model::Frame;
 /// Frames of no file (JIT code a perf map names, kernel code) are hashed
 /// by their names and offsets, which for them do not depend on debug
 /// symbols; code in anonymous memory that nothing names adds only that.
+/// A Python frame, which has no address, is hashed by its function, file
+/// and line.
 pub fn stable_id(frames: &[Arc<Frame>]) -> String {
     StableIds::default().of(frames)
 }
@@ -49,7 +51,13 @@ impl StableIds {
 /// Where a frame's code lies, hashed.
 fn location_hash(frame: &Frame) -> u64 {
     let mut hash = Fnv1a::default();
-    if let Some(file_offset) = frame.file_offset {
+    if frame.is_python() {
+        hash.write(b"p");
+        hash.write(frame.function.as_deref().unwrap_or("?").as_bytes());
+        hash.write(b"\0");
+        hash.write(frame.file.as_deref().unwrap_or("?").as_bytes());
+        hash.write(&frame.line.unwrap_or(0).to_le_bytes());
+    } else if let Some(file_offset) = frame.file_offset {
         hash.write(b"f");
         hash.write(object_identity(frame).as_bytes());
         hash.write(&file_offset.to_le_bytes());

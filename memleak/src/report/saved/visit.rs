@@ -111,8 +111,9 @@ impl Hash for FrameKey {
             file_offset,
             build_id,
             cold_part,
+            kind,
         } = &*self.0;
-        (address, function, offset, file, line, inlined, module, file_offset, build_id, cold_part)
+        (address, function, offset, file, line, inlined, module, file_offset, build_id, cold_part, kind)
             .hash(state);
     }
 }
