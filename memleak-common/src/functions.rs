@@ -24,6 +24,10 @@ pub struct AllocatorFunction {
     /// its name (after an allocator's prefix, if it has one); the mangled
     /// forms of a C++ operator, which no prefix changes.
     pub forms: &'static [CxxForm],
+    /// CPython's small-object allocator (`PyObject_Malloc` & co.), probed
+    /// in the interpreter's object with --python-allocator, never looked
+    /// for in the allocator's.
+    pub python: bool,
 }
 
 /// One form of a C++ operator: its symbol, mangled as the Itanium C++ ABI
@@ -36,11 +40,16 @@ pub struct CxxForm {
 
 impl AllocatorFunction {
     const fn allocates(name: &'static str, entry_program: &'static str) -> Self {
-        Self { name, entry_program, releases: false, forms: &[] }
+        Self { name, entry_program, releases: false, forms: &[], python: false }
     }
 
     const fn releases(name: &'static str) -> Self {
-        Self { name, entry_program: programs::FREE_ENTER, releases: true, forms: &[] }
+        Self { name, entry_program: programs::FREE_ENTER, releases: true, forms: &[], python: false }
+    }
+
+    /// `function` marked as CPython's.
+    const fn python(function: Self) -> Self {
+        Self { python: true, ..function }
     }
 
     /// The program at its return: the one shared return probe of every
@@ -112,7 +121,11 @@ pub const OPERATOR_DELETE_FORMS: [CxxForm; 12] = [
 /// unseen while their frees are counted. The C++ runtime's own operators
 /// (libstdc++'s, libc++'s) only call `malloc` and `free` and are not
 /// probed.
-pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 18] = [
+///
+/// CPython's `PyObject_Malloc` & co. come last: they have the C functions'
+/// arguments and meaning, and are probed only in the interpreter's object,
+/// only with --python-allocator.
+pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 22] = [
     AllocatorFunction::allocates("malloc", programs::MALLOC_ENTER),
     AllocatorFunction::allocates("calloc", programs::CALLOC_ENTER),
     AllocatorFunction::allocates("realloc", programs::REALLOC_ENTER),
@@ -136,7 +149,15 @@ pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 18] = [
         ..AllocatorFunction::allocates(OPERATOR_NEW, programs::MALLOC_ENTER)
     },
     AllocatorFunction { forms: &OPERATOR_DELETE_FORMS, ..AllocatorFunction::releases(OPERATOR_DELETE) },
+    AllocatorFunction::python(AllocatorFunction::allocates("PyObject_Malloc", programs::MALLOC_ENTER)),
+    AllocatorFunction::python(AllocatorFunction::allocates("PyObject_Calloc", programs::CALLOC_ENTER)),
+    AllocatorFunction::python(AllocatorFunction::allocates("PyObject_Realloc", programs::REALLOC_ENTER)),
+    AllocatorFunction::python(AllocatorFunction::releases(PY_OBJECT_FREE)),
 ];
+
+/// The name of CPython's `PyObject_Free` entry: it hands blocks over 512
+/// bytes on to `free`.
+pub const PY_OBJECT_FREE: &str = "PyObject_Free";
 
 /// The name of C++'s `operator new` entry in [`ALLOCATOR_FUNCTIONS`]:
 /// `new` and `new[]` in every form.
@@ -198,6 +219,18 @@ impl FunctionSet {
     /// form that is not also another release function (as tcmalloc's
     /// `operator delete(void*)` is its `free`), so it may call one.
     pub const OPERATOR_DELETE: Self = Self::of_name(OPERATOR_DELETE);
+
+    /// CPython's `PyObject_Free`, which calls `free` for the blocks it did
+    /// not serve from its arenas.
+    pub const PY_OBJECT_FREE: Self = Self::of_name(PY_OBJECT_FREE);
+
+    /// Whether a probe with this cookie is on a release function that may
+    /// call another one with the same block (`operator delete` and
+    /// `PyObject_Free` call `free`): that inner release is not the
+    /// program's, and is not counted again.
+    pub const fn releases_through_another(self) -> bool {
+        self.0 == Self::OPERATOR_DELETE.0 || self.0 == Self::PY_OBJECT_FREE.0
+    }
 
     /// Every function that gives memory back.
     pub const RELEASING: Self = {

@@ -22,7 +22,7 @@ pub mod unwind;
 pub use events::{MappingChange, MappingEvent, TraceEvent};
 pub use functions::{
     AllocatorFunction, CxxForm, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
-    OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS,
+    OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS, PY_OBJECT_FREE,
 };
 pub use names::{
     programs, tunables, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, CGROUP_FILTER_MAP, CGROUP_LEVEL_UNKNOWN,
@@ -118,13 +118,26 @@ mod tests {
 
     #[test]
     fn the_releasing_set_is_the_free_like_functions() {
-        let names: [&str; 6] =
+        let names: [&str; 7] =
             core::array::from_fn(|i| FunctionSet::RELEASING.functions().nth(i).unwrap().name);
         assert_eq!(
             names,
-            ["free", "dallocx", "sdallocx", "free_sized", "free_aligned_sized", "operator delete"]
+            [
+                "free",
+                "dallocx",
+                "sdallocx",
+                "free_sized",
+                "free_aligned_sized",
+                "operator delete",
+                "PyObject_Free"
+            ]
         );
-        assert_eq!(FunctionSet::RELEASING.functions().count(), 6);
+        assert_eq!(FunctionSet::RELEASING.functions().count(), 7);
+        assert!(FunctionSet::PY_OBJECT_FREE.releases_through_another());
+        assert!(!FunctionSet::named("free")
+            .unwrap()
+            .union(FunctionSet::OPERATOR_DELETE)
+            .releases_through_another());
         assert_eq!(FunctionSet::named("memalign"), Some(FunctionSet::of(6)));
         assert!(FunctionSet::RELEASING.intersects(FunctionSet::named("sdallocx").unwrap()));
         assert!(!FunctionSet::RELEASING.intersects(FunctionSet::named("realloc").unwrap()));

@@ -97,7 +97,8 @@ pub fn inside_allocator() -> bool {
 pub enum Release {
     /// In the program's own call: it counts.
     Outer,
-    /// Inside an `operator delete` of the same block, which counted it.
+    /// Inside an `operator delete` or a `PyObject_Free` of the same block,
+    /// which counted it.
     InsideDelete,
     /// Inside a realloc of the same block, whose return releases it
     /// (glibc's realloc(p, 0) calls free(p)).
@@ -106,11 +107,12 @@ pub enum Release {
 
 /// Starts the release of `address` by the function probed with cookie
 /// `function` on this thread, and says where it is made. An `operator
-/// delete` that is only that (not an alias of `free`) is remembered as
-/// releasing `address`, for the `free` it may call: releases have no
-/// return probe, so its calls cannot be counted as allocations' are.
+/// delete` that is only that (not an alias of `free`), or a
+/// `PyObject_Free`, is remembered as releasing `address`, for the `free`
+/// it may call: releases have no return probe, so its calls cannot be
+/// counted as allocations' are.
 pub fn begin_release(address: u64, function: u32) -> Release {
-    let delete = function == FunctionSet::OPERATOR_DELETE.0;
+    let delete = FunctionSet(function).releases_through_another();
     let Some(call) = PENDING.get_ptr_mut(thread_id()) else {
         if delete {
             let call = PendingCall { tgid: process_id(), releasing: address, ..PendingCall::default() };

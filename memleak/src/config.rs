@@ -9,8 +9,8 @@ use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
     cli::{
-        Action, Args, Culprits, DiffArgs, Probing, PythonFrames, Rendering as RenderingArgs, ReportArgs, ServeArgs,
-        Unwind,
+        Action, Args, Culprits, DiffArgs, Probing, PythonFrames, Rendering as RenderingArgs, ReportArgs,
+        ServeArgs, Unwind,
     },
     collect::CollectOptions,
     model::Unwinding,
@@ -259,7 +259,11 @@ fn tracer_settings(probing: &Probing, trace_events: bool) -> TracerSettings {
 }
 
 fn allocator_choice(probing: &Probing) -> AllocatorChoice {
-    AllocatorChoice { object: probing.object.clone(), prefix: probing.symbols_prefix.clone() }
+    AllocatorChoice {
+        object: probing.object.clone(),
+        prefix: probing.symbols_prefix.clone(),
+        python_allocator: probing.python_allocator,
+    }
 }
 
 /// Where reports go and in which format: --format, else what the --output

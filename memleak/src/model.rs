@@ -89,6 +89,9 @@ pub enum MappingKind {
     /// Address space reserved with `PROT_NONE`: no memory until made
     /// usable (Go's heap arenas, JIT code spaces).
     Reservation,
+    /// An arena of CPython's small-object allocator, whose objects are not
+    /// tracked (they are with --python-allocator).
+    PythonArena,
 }
 
 /// Bytes of the mmap regions a report does not show by default.
@@ -99,6 +102,9 @@ pub struct HiddenMappings {
     pub thread_stack_bytes: u64,
     #[serde(default)]
     pub reserved_bytes: u64,
+    /// CPython's arenas, whose objects are not tracked.
+    #[serde(default)]
+    pub python_arena_bytes: u64,
 }
 
 /// The outstanding allocations made from one call stack.
@@ -214,7 +220,10 @@ pub enum FrameKind {
 }
 
 impl FrameKind {
-    #[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if hands over a reference")]
+    #[allow(
+        clippy::trivially_copy_pass_by_ref,
+        reason = "serde's skip_serializing_if hands over a reference"
+    )]
     pub fn is_native(&self) -> bool {
         *self == Self::Native
     }

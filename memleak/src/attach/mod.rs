@@ -7,6 +7,7 @@
 //! - `operators`: C++'s `operator new` and `delete`, where a program's
 //!   calls land and which forms need a probe;
 //! - `placement`: where on a function its entry probe goes;
+//! - `python_allocator`: CPython's `PyObject_Malloc` & co. and its arenas;
 //! - `kernel_btf`: what kernel tracing needs to know of the kernel.
 
 pub mod kernel_btf;
@@ -14,5 +15,6 @@ pub mod link_order;
 pub mod operators;
 pub mod placement;
 pub mod plan;
+pub mod python_allocator;
 
 pub use plan::{AllocatorChoice, AttachPlan, PlanError};

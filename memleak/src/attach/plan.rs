@@ -16,6 +16,7 @@ use super::{
     link_order,
     operators::{self, Form, Landing},
     placement,
+    python_allocator::{self, Interpreter, Probing},
 };
 use crate::{
     elf,
@@ -52,6 +53,9 @@ pub struct AllocatorChoice {
     /// Functions are named with this prefix (--symbols-prefix); `None`
     /// tries the plain names, then the prefixes of `AUTO_PREFIXES`.
     pub prefix: Option<String>,
+    /// Also probe CPython's `PyObject_Malloc` & co. in the interpreter's
+    /// object (--python-allocator).
+    pub python_allocator: bool,
 }
 
 /// A function of the allocator and where it starts in its file.
@@ -104,6 +108,12 @@ pub struct AttachPlan {
     /// The forms of `operator new` and `delete` the program's calls land
     /// in that are not probed, and why.
     pub not_probed: Vec<NotProbed>,
+    /// The CPython interpreter the process runs, if it runs one: its
+    /// arenas are its own mappings.
+    pub interpreter: Option<Interpreter>,
+    /// With --python-allocator, its object: only the sites of
+    /// `PyObject_Malloc` & co.
+    pub interpreter_object: Option<Box<AttachPlan>>,
 }
 
 /// A form of C++'s `operator new` or `delete` that calls land in, not
@@ -122,7 +132,11 @@ impl AttachPlan {
     /// A plan of `sites` in `object`, which it holds open and probes
     /// through memleak's descriptor of it.
     fn holding(object: File, display_path: &str, sites: Vec<ProbeSite>) -> Self {
-        let object = Arc::new(object);
+        Self::holding_shared(Arc::new(object), display_path, sites)
+    }
+
+    /// As `holding`, for an object held elsewhere too.
+    fn holding_shared(object: Arc<File>, display_path: &str, sites: Vec<ProbeSite>) -> Self {
         Self {
             path: PathBuf::from(format!("/proc/self/fd/{}", object.as_raw_fd())),
             display_path: display_path.to_owned(),
@@ -131,7 +145,18 @@ impl AttachPlan {
             mapping_object: None,
             operator_objects: Vec::new(),
             not_probed: Vec::new(),
+            interpreter: None,
+            interpreter_object: None,
         }
+    }
+
+    /// The objects besides this one whose sites are probed with it.
+    pub fn other_objects(&self) -> impl Iterator<Item = &AttachPlan> {
+        self.mapping_object
+            .iter()
+            .map(Box::as_ref)
+            .chain(&self.operator_objects)
+            .chain(self.interpreter_object.as_deref())
     }
 
     /// What was probed, for people: "libc.so.6 (13 functions probed)".
@@ -145,10 +170,57 @@ impl AttachPlan {
                 operators.sites.len()
             );
         }
+        if let Some(interpreter) = &self.interpreter_object {
+            let _ = write!(own, ", with PyObject_Malloc & co. in {}", interpreter.display_path);
+        }
         match &self.mapping_object {
             Some(mapping) => format!("{own}, with mmap & co. in {}", mapping.display_path),
             None => own,
         }
+    }
+
+    /// Notes the CPython interpreter among `candidates` (link-map order),
+    /// if there is one, and with `python_allocator` plans its
+    /// `PyObject_Malloc` & co., when they see every small object (see
+    /// `python_allocator`). Says why they are not probed when asked to be.
+    fn with_interpreter(mut self, candidates: &[(PathBuf, String)], python_allocator: bool) -> Self {
+        let Some((object, data, display)) = python_allocator::find(candidates) else {
+            if python_allocator {
+                log::warn!(
+                    "--python-allocator: no CPython in {}: only the C allocator is probed",
+                    candidates.first().map_or("the process", |(_, display)| display.as_str())
+                );
+            }
+            return self;
+        };
+        let probing = if python_allocator { python_allocator::probing(&data) } else { Probing::Sound };
+        let objects_tracked = python_allocator && probing == Probing::Sound;
+        if let Probing::Inlined { copies } = probing {
+            log::warn!(
+                "--python-allocator: {display} has its small-object allocator inlined into {copies} places (a build with link-time optimisation), which PyObject_Malloc & co.'s probes would not see: not probed; its arenas are reported as its own"
+            );
+        }
+        let object = Arc::new(object);
+        let interpreter = Interpreter {
+            file: Arc::clone(&object),
+            arena_size: python_allocator::arena_size(&display),
+            objects_tracked,
+        };
+        if objects_tracked {
+            if let Ok(file) = object::File::parse(&*data) {
+                let sites = python_sites(&file, &data, &display);
+                let mut plan = AttachPlan::holding_shared(object, &display, sites);
+                plan.interpreter = None;
+                self.interpreter_object = Some(Box::new(plan));
+            }
+        }
+        self.interpreter = Some(interpreter);
+        self
+    }
+
+    /// Whether `mapped` is the interpreter's object.
+    pub fn is_interpreter(&self, mapped: &File) -> bool {
+        self.interpreter.as_ref().is_some_and(|interpreter| same_file(&interpreter.file, mapped))
     }
 
     /// Adds the mapping functions of the first of `candidates` (link-map
@@ -166,17 +238,38 @@ impl AttachPlan {
     /// entry points: code that runs only during a call into the allocator.
     pub fn in_allocator_call(&self, mapped: &File, file_offset: u64) -> bool {
         let Some(object) = &self.object else { return false };
-        let same_file = |a: &File, b: &File| match (a.metadata(), b.metadata()) {
-            (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-            _ => false,
-        };
         let inside = self.sites.iter().any(|site| {
             site.functions != FunctionSet::default()
                 && (site.file_offset..site.file_offset + site.code_length).contains(&file_offset)
         }) && same_file(object, mapped);
         inside
             || self.operator_objects.iter().any(|operators| operators.in_allocator_call(mapped, file_offset))
+            || self
+                .interpreter_object
+                .as_ref()
+                .is_some_and(|python| python.in_allocator_call(mapped, file_offset))
     }
+}
+
+/// Whether `a` and `b` are the same file.
+fn same_file(a: &File, b: &File) -> bool {
+    match (a.metadata(), b.metadata()) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// The sites of `PyObject_Malloc` & co. in the interpreter's object.
+fn python_sites(file: &object::File, data: &[u8], display_path: &str) -> Vec<ProbeSite> {
+    let names: Vec<&str> = python_allocator::functions().map(|(_, name)| name).collect();
+    let symbols = elf::function_symbols(file, "", &names);
+    let mut sites = Vec::new();
+    for (index, name) in python_allocator::functions() {
+        let Some(symbol) = symbols.get(name) else { continue };
+        let Some(file_offset) = elf::file_offset(file, symbol.address) else { continue };
+        FunctionSite { index, name, file_offset, symbol }.add_to(&mut sites, data, display_path);
+    }
+    sites
 }
 
 /// Symbol prefixes tried when the user names none: plain names, then
@@ -201,9 +294,11 @@ pub fn plan_for_process(space: &AddressSpace, choice: &AllocatorChoice) -> Resul
         };
         let file = files::open_in_root(pid, object)
             .map_err(|source| PlanError::Read { path: PathBuf::from(&display), source })?;
-        return Ok(plan_for_file(file, &display, prefix.unwrap_or(""))?.with_mapping_functions(&candidates));
+        return Ok(plan_for_file(file, &display, prefix.unwrap_or(""))?
+            .with_mapping_functions(&candidates)
+            .with_interpreter(&candidates, choice.python_allocator));
     }
-    first_allocator(&candidates, prefix)
+    Ok(first_allocator(&candidates, prefix)?.with_interpreter(&candidates, choice.python_allocator))
 }
 
 /// The objects process `space` maps, in link-map order, each as memleak's
@@ -248,9 +343,12 @@ pub fn plan_for_program(program: &Path, choice: &AllocatorChoice) -> Result<Atta
     if let Some(object) = &choice.object {
         let plan =
             plan_for_object(object, &object.display().to_string(), choice.prefix.as_deref().unwrap_or(""))?;
-        return Ok(plan.with_mapping_functions(&candidates));
+        return Ok(plan
+            .with_mapping_functions(&candidates)
+            .with_interpreter(&candidates, choice.python_allocator));
     }
-    first_allocator(&candidates, choice.prefix.as_deref())
+    Ok(first_allocator(&candidates, choice.prefix.as_deref())?
+        .with_interpreter(&candidates, choice.python_allocator))
 }
 
 /// The libraries `program` will load, in load order, as its dynamic loader
@@ -643,8 +741,10 @@ fn allocator_sites(
     let symbols = elf::function_symbols(file, prefix, &names);
     let mut sites: Vec<ProbeSite> = Vec::new();
     let mut missing = Vec::new();
-    let c_functions =
-        ALLOCATOR_FUNCTIONS.iter().enumerate().filter(|(_, function)| function.forms.is_empty());
+    let c_functions = ALLOCATOR_FUNCTIONS
+        .iter()
+        .enumerate()
+        .filter(|(_, function)| function.forms.is_empty() && !function.python);
     for (index, function) in c_functions {
         let symbol = symbols.get(function.name);
         let Some((file_offset, symbol)) =

@@ -400,7 +400,7 @@ impl Tracer {
                 links.links.push((return_program, link));
             }
         }
-        for other in plan.mapping_object.iter().map(Box::as_ref).chain(&plan.operator_objects) {
+        for other in plan.other_objects() {
             let mut more = self.attach_perf_events(other, scope)?;
             links.links.append(&mut more.links);
         }
@@ -827,7 +827,7 @@ fn attach_multi(
             })?;
         links.multi.push(link);
     }
-    for other in plan.mapping_object.iter().map(Box::as_ref).chain(&plan.operator_objects) {
+    for other in plan.other_objects() {
         let mut more = attach_multi(programs, other, scope)?;
         links.multi.append(&mut more.multi);
     }

@@ -145,14 +145,15 @@ pub fn aggregate(
 }
 
 /// Adds the process's live mmap regions to `snapshot`, one entry per stack
-/// and kind. Allocator-internal regions and thread stacks are counted in
-/// `hidden` instead, unless `options.all_mmaps`.
+/// and kind (`kind_of` a region, given its start). Allocator-internal
+/// regions, CPython's arenas and thread stacks are counted in `hidden`
+/// instead, unless `options.all_mmaps`.
 pub fn add_regions(
     snapshot: &mut Snapshot,
     regions: &Regions,
     now_ns: u64,
     options: &CollectOptions,
-    mut kind_of: impl FnMut(&Region) -> MappingKind,
+    mut kind_of: impl FnMut(u64, &Region) -> MappingKind,
 ) {
     let mut by_stack = ByStack::new(options);
     for (start, region) in regions.iter() {
@@ -161,10 +162,11 @@ pub fn add_regions(
         }
         let age_ns = now_ns.saturating_sub(region.timestamp_ns);
         let size = region.end - start;
-        match kind_of(region) {
+        match kind_of(start, region) {
             MappingKind::AllocatorMmap if !options.all_mmaps => snapshot.hidden.allocator_bytes += size,
             MappingKind::ThreadStack if !options.all_mmaps => snapshot.hidden.thread_stack_bytes += size,
             MappingKind::Reservation if !options.all_mmaps => snapshot.hidden.reserved_bytes += size,
+            MappingKind::PythonArena if !options.all_mmaps => snapshot.hidden.python_arena_bytes += size,
             kind => by_stack.add(region.stack_id, Some(kind), start, size, age_ns),
         }
     }

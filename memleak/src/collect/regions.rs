@@ -173,6 +173,21 @@ pub fn classify(region: &Region, frames: &[Arc<Frame>], in_allocator: impl Fn(u6
     }
 }
 
+/// Whether a region of `length` bytes that `frames` mapped is an arena of
+/// CPython's small-object allocator: as long as one (`arena_size`), and
+/// mapped by a call in the interpreter's code (`in_interpreter`, given the
+/// return address of the mmap call). obmalloc's `new_arena` maps them so,
+/// and nothing else in the interpreter maps that size: its other mappings
+/// (3.11's frame stacks) are smaller.
+pub fn is_python_arena(
+    length: u64,
+    frames: &[Arc<Frame>],
+    arena_size: u64,
+    in_interpreter: impl Fn(u64) -> bool,
+) -> bool {
+    length == arena_size && frames.first().is_some_and(|frame| in_interpreter(frame.address))
+}
+
 fn round_up_to_page(length: u64) -> u64 {
     length.div_ceil(PAGE_SIZE).saturating_mul(PAGE_SIZE)
 }

@@ -177,6 +177,10 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         (hidden.allocator_bytes, "the allocator mapped for itself"),
         (hidden.thread_stack_bytes, "of thread stacks"),
         (hidden.reserved_bytes, "of address space reserved with PROT_NONE, not memory"),
+        (
+            hidden.python_arena_bytes,
+            "of CPython's small-object arenas, whose objects only --python-allocator tracks",
+        ),
     ]
     .iter()
     .filter(|(bytes, _)| *bytes > 0)
@@ -273,6 +277,7 @@ fn source(mapping: Option<MappingKind>) -> &'static str {
         Some(MappingKind::AllocatorMmap) => "allocator mmap regions",
         Some(MappingKind::ThreadStack) => "thread stacks",
         Some(MappingKind::Reservation) => "PROT_NONE reservations",
+        Some(MappingKind::PythonArena) => "CPython arenas",
     }
 }
 

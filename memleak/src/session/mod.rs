@@ -288,6 +288,8 @@ impl Session {
             mapping_object: None,
             operator_objects: Vec::new(),
             not_probed: Vec::new(),
+            interpreter: None,
+            interpreter_object: None,
         };
         session.targets.push(Target::kernel(plan));
         Ok(session)

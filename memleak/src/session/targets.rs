@@ -9,8 +9,13 @@ use tokio::task::AbortHandle;
 use crate::{
     attach::AttachPlan,
     bpf::{Links, MapContents, StackCatalog},
-    collect::{self, regions::Regions, trend::TrendTracker, CollectOptions},
-    model::{Frame, ModuleMapping, Truncation, Unwinding},
+    collect::{
+        self,
+        regions::{Region, Regions},
+        trend::TrendTracker,
+        CollectOptions,
+    },
+    model::{Frame, MappingKind, ModuleMapping, Truncation, Unwinding},
     process::{container, identity::ProcessKey, lifecycle, AddressSpace},
     python::{code::CodeCache, frames::PythonStacks, PythonRuntime},
     report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
@@ -263,17 +268,9 @@ impl Target {
         let mut snapshot = collect::snapshot(self.pid, maps, |id| stacks.owner(id), options);
         let Self { space, symbolizer, regions, trends, plan, call_paths, unwinding, python, .. } = self;
         let mut python = python.merger();
-        // A return address is one past its call: the call is what lies in
-        // the function.
-        let in_allocator = |address: u64| {
-            let call = address.saturating_sub(1);
-            space.find(call).is_some_and(|mapping| {
-                plan.in_allocator_call(mapping.object.file(), mapping.file_offset(call))
-            })
-        };
-        collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |region| {
+        collect::add_regions(&mut snapshot, regions, maps.now_ns, options, |start, region| {
             let frames = frames_of(symbolizer, space, stacks, &mut python, region.stack_id);
-            collect::regions::classify(region, &frames, in_allocator)
+            region_kind(plan, space, start, region, &frames)
         });
         call_paths.merge(&mut snapshot, |stack_id| {
             let frames = frames_of(symbolizer, space, stacks, &mut python, stack_id);
@@ -364,6 +361,46 @@ fn truncation_of(
             (unwinding == Some(Unwinding::Dwarf)).then_some(Truncation::FramePointers)
         }
     }
+}
+
+/// What the region at `start` that `frames` mapped is. A return address
+/// is one past its call: the call is what lies in the function.
+fn region_kind(
+    plan: &AttachPlan,
+    space: &AddressSpace,
+    start: u64,
+    region: &Region,
+    frames: &[Arc<Frame>],
+) -> MappingKind {
+    let object_of_call = |address: u64| {
+        let call = address.saturating_sub(1);
+        space.find(call).map(|mapping| (mapping, call))
+    };
+    let in_interpreter = |address: u64| {
+        object_of_call(address).is_some_and(|(mapping, _)| plan.is_interpreter(mapping.object.file()))
+    };
+    if let Some(interpreter) = &plan.interpreter {
+        if collect::regions::is_python_arena(
+            region.end - start,
+            frames,
+            interpreter.arena_size,
+            in_interpreter,
+        ) {
+            // Its objects tracked, an arena is the allocator's own, as
+            // glibc's are; not tracked, the interpreter's.
+            return if interpreter.objects_tracked {
+                MappingKind::AllocatorMmap
+            } else {
+                MappingKind::PythonArena
+            };
+        }
+    }
+    let in_allocator = |address: u64| {
+        object_of_call(address).is_some_and(|(mapping, call)| {
+            plan.in_allocator_call(mapping.object.file(), mapping.file_offset(call))
+        })
+    };
+    collect::regions::classify(region, frames, in_allocator)
 }
 
 /// The symbolized frames of a stack, symbolized once, with its Python
