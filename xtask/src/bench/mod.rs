@@ -34,6 +34,7 @@ mod latency;
 mod map_memory;
 mod overhead;
 mod process;
+mod python_allocator;
 mod redis;
 mod saving;
 mod serve;
@@ -180,12 +181,13 @@ fn install_packages() -> Result<bool> {
 }
 
 /// The probe-cost issue's measures beyond glibc: every allocator, start
-/// and exit, and a bystander's speed.
+/// and exit, a bystander's speed; and --python-allocator's cost.
 fn probe_costs(workload: &Workload, runs: usize, heaptrack_installed: bool) -> Result<()> {
     let musl_build = crate::build_fixture_with_compiler("musl-gcc", "workload", "workload-musl", &["-O2"])?;
     allocators::print(&allocators::measure_all(workload, &musl_build, runs, heaptrack_installed));
     attachment::print_lifecycle(&attachment::measure_lifecycle(&workload.memleak, runs)?);
     attachment::print_bystander(&attachment::measure_bystander(workload, runs)?);
+    python_allocator::print(&python_allocator::measure(workload, runs, heaptrack_installed));
     Ok(())
 }
 
