@@ -24,9 +24,10 @@ pub struct AllocatorFunction {
     /// its name (after an allocator's prefix, if it has one); the mangled
     /// forms of a C++ operator, which no prefix changes.
     pub forms: &'static [CxxForm],
-    /// CPython's small-object allocator (`PyObject_Malloc` & co.), probed
-    /// in the interpreter's object with --python-allocator, never looked
-    /// for in the allocator's.
+    /// CPython's small-object allocator (`PyObject_Malloc` & co., and
+    /// `PyMem_Malloc` & co., which share it), probed in the interpreter's
+    /// object with --python-allocator, never looked for in the
+    /// allocator's.
     pub python: bool,
 }
 
@@ -122,10 +123,10 @@ pub const OPERATOR_DELETE_FORMS: [CxxForm; 12] = [
 /// (libstdc++'s, libc++'s) only call `malloc` and `free` and are not
 /// probed.
 ///
-/// CPython's `PyObject_Malloc` & co. come last: they have the C functions'
-/// arguments and meaning, and are probed only in the interpreter's object,
-/// only with --python-allocator.
-pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 22] = [
+/// CPython's `PyObject_Malloc` & co. and `PyMem_Malloc` & co. come last:
+/// they have the C functions' arguments and meaning, and are probed only
+/// in the interpreter's object, only with --python-allocator.
+pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 26] = [
     AllocatorFunction::allocates("malloc", programs::MALLOC_ENTER),
     AllocatorFunction::allocates("calloc", programs::CALLOC_ENTER),
     AllocatorFunction::allocates("realloc", programs::REALLOC_ENTER),
@@ -153,11 +154,18 @@ pub const ALLOCATOR_FUNCTIONS: [AllocatorFunction; 22] = [
     AllocatorFunction::python(AllocatorFunction::allocates("PyObject_Calloc", programs::CALLOC_ENTER)),
     AllocatorFunction::python(AllocatorFunction::allocates("PyObject_Realloc", programs::REALLOC_ENTER)),
     AllocatorFunction::python(AllocatorFunction::releases(PY_OBJECT_FREE)),
+    // The same allocator, for the interpreter's own buffers (a list's items).
+    AllocatorFunction::python(AllocatorFunction::allocates("PyMem_Malloc", programs::MALLOC_ENTER)),
+    AllocatorFunction::python(AllocatorFunction::allocates("PyMem_Calloc", programs::CALLOC_ENTER)),
+    AllocatorFunction::python(AllocatorFunction::allocates("PyMem_Realloc", programs::REALLOC_ENTER)),
+    AllocatorFunction::python(AllocatorFunction::releases(PY_MEM_FREE)),
 ];
 
 /// The name of CPython's `PyObject_Free` entry: it hands blocks over 512
 /// bytes on to `free`.
 pub const PY_OBJECT_FREE: &str = "PyObject_Free";
+/// The name of CPython's `PyMem_Free` entry, which does the same.
+pub const PY_MEM_FREE: &str = "PyMem_Free";
 
 /// The name of C++'s `operator new` entry in [`ALLOCATOR_FUNCTIONS`]:
 /// `new` and `new[]` in every form.
@@ -224,12 +232,15 @@ impl FunctionSet {
     /// not serve from its arenas.
     pub const PY_OBJECT_FREE: Self = Self::of_name(PY_OBJECT_FREE);
 
+    /// CPython's `PyMem_Free`, likewise.
+    pub const PY_MEM_FREE: Self = Self::of_name(PY_MEM_FREE);
+
     /// Whether a probe with this cookie is on a release function that may
     /// call another one with the same block (`operator delete` and
-    /// `PyObject_Free` call `free`): that inner release is not the
-    /// program's, and is not counted again.
+    /// `PyObject_Free` and `PyMem_Free` call `free`): that inner release
+    /// is not the program's, and is not counted again.
     pub const fn releases_through_another(self) -> bool {
-        self.0 == Self::OPERATOR_DELETE.0 || self.0 == Self::PY_OBJECT_FREE.0
+        self.0 == Self::OPERATOR_DELETE.0 || self.0 == Self::PY_OBJECT_FREE.0 || self.0 == Self::PY_MEM_FREE.0
     }
 
     /// Every function that gives memory back.

@@ -22,7 +22,7 @@ pub mod unwind;
 pub use events::{MappingChange, MappingEvent, TraceEvent};
 pub use functions::{
     AllocatorFunction, CxxForm, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
-    OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS, PY_OBJECT_FREE,
+    OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS, PY_MEM_FREE, PY_OBJECT_FREE,
 };
 pub use names::{
     programs, tunables, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, CGROUP_FILTER_MAP, CGROUP_LEVEL_UNKNOWN,
@@ -118,7 +118,7 @@ mod tests {
 
     #[test]
     fn the_releasing_set_is_the_free_like_functions() {
-        let names: [&str; 7] =
+        let names: [&str; 8] =
             core::array::from_fn(|i| FunctionSet::RELEASING.functions().nth(i).unwrap().name);
         assert_eq!(
             names,
@@ -129,10 +129,11 @@ mod tests {
                 "free_sized",
                 "free_aligned_sized",
                 "operator delete",
-                "PyObject_Free"
+                "PyObject_Free",
+                "PyMem_Free"
             ]
         );
-        assert_eq!(FunctionSet::RELEASING.functions().count(), 7);
+        assert_eq!(FunctionSet::RELEASING.functions().count(), 8);
         assert!(FunctionSet::PY_OBJECT_FREE.releases_through_another());
         assert!(!FunctionSet::named("free")
             .unwrap()

@@ -204,12 +204,12 @@ pub struct Probing {
     #[arg(long, value_name = "N", default_value_t = PY_DEFAULT_MAX_FRAMES, value_parser = clap::value_parser!(u16).range(1..=126))]
     pub max_python_depth: u16,
 
-    /// Also probe CPython's small-object allocator (PyObject_Malloc & co.,
-    /// objects of 512 bytes and less), so that each small object is
-    /// tracked with its Python line, and the arenas they live in are not
-    /// shown. Costs a probe per object made and freed. Refused, said once,
-    /// where the interpreter has that allocator inlined into its callers
-    /// (Debian's python3).
+    /// Also probe CPython's small-object allocator (PyObject_Malloc and
+    /// PyMem_Malloc & co., blocks of 512 bytes and less), so that each
+    /// small object is tracked with its Python line, and the arenas they
+    /// live in are not shown. Costs a probe per object made and freed.
+    /// Refused, said once, where the interpreter has that allocator
+    /// inlined into its callers (Debian's python3).
     #[arg(long)]
     pub python_allocator: bool,
 }

@@ -6,6 +6,9 @@
 //! With --python-allocator they are probed in the interpreter's object
 //! (the `python3.X` executable or `libpython3.X.so`), with the C
 //! functions' programs: they take the same arguments and mean the same.
+//! So are `PyMem_Malloc` & co., which share the allocator and its arenas
+//! (a list's items live there): probing only the objects' functions
+//! would hide those blocks with the arenas.
 //! A large request is seen twice, as `PyObject_Malloc` and as the `malloc`
 //! it calls; only the outer call counts (see memleak-ebpf's `calls`): it
 //! has the size the program asked for and the stack of the Python line
@@ -51,8 +54,8 @@ pub enum Probing {
     Inlined { copies: usize },
 }
 
-/// The names of the four functions, in `ALLOCATOR_FUNCTIONS` order, with
-/// their places there.
+/// The names of the functions probed, in `ALLOCATOR_FUNCTIONS` order,
+/// with their places there.
 pub fn functions() -> impl Iterator<Item = (usize, &'static str)> {
     ALLOCATOR_FUNCTIONS.iter().enumerate().filter(|(_, function)| function.python).map(|(i, f)| (i, f.name))
 }
@@ -104,7 +107,7 @@ pub fn probing(data: &[u8]) -> Probing {
             symbols.get(name).map(|symbol| (symbol.address, symbol.size))
         })
         .collect();
-    let copies = ["PyObject_Malloc", "PyObject_Free"]
+    let copies = ["PyObject_Malloc", "PyObject_Free", "PyMem_Malloc", "PyMem_Free"]
         .iter()
         .map(|name| inlined_copies(&file, name, &exported))
         .max()
