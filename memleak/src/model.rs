@@ -102,9 +102,15 @@ pub struct HiddenMappings {
     pub thread_stack_bytes: u64,
     #[serde(default)]
     pub reserved_bytes: u64,
-    /// CPython's arenas, whose objects are not tracked.
-    #[serde(default)]
+    /// CPython's arenas, whose objects are not tracked. Left out of
+    /// JSON when 0, as it is for every process that is not Python.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub python_arena_bytes: u64,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if passes a reference")]
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 /// The outstanding allocations made from one call stack.

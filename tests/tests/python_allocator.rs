@@ -11,10 +11,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use memleak_tests::{fixture, workspace_root, Memleak};
+use memleak_tests::{fixture, frame_functions, workspace_root, Memleak};
 use serde_json::Value;
 
-/// Strings the fixture keeps, from one line.
+/// Strings the fixture keeps, from one line, and lists, from another.
 const COUNT: u64 = 10_000;
 /// obmalloc's `ARENA_SIZE` from 3.10 on (64-bit).
 const ARENA_SIZE: u64 = 1 << 20;
@@ -38,29 +38,32 @@ fn line_of(marker: &str) -> u64 {
 }
 
 /// What a run of the fixture showed: the report taken once it had made
-/// every string, what memleak said on stderr (the fixture's lines among
-/// them), each string's size as the fixture measured it, and the arenas
-/// it had in use.
+/// every string and list, what memleak said on stderr (the fixture's
+/// lines among them), the sizes the fixture measured (each string's, each
+/// list's item array's), and the arenas it had in use.
 struct Run {
     report: Value,
     stderr: Vec<String>,
     string_size: u64,
+    items_size: u64,
     arenas: u64,
 }
 
 /// Runs the fixture under `python` with memleak -c (a JSON report every
-/// second, the top stack only, `extra` arguments), once memleak has found
+/// second, the top 20 stacks, `extra` arguments), once memleak has found
 /// the interpreter; takes the first report, after the fixture has made
 /// its strings, for which `complete` holds given the run's numbers; lets
 /// the fixture exit.
 fn trace(python: &Path, extra: &[&str], complete: fn(&Value, &Run) -> bool) -> Run {
     assert!(python.exists(), "{} is part of the test machine", python.display());
     let command = format!("{} {}", python.display(), script().display());
-    let mut args = vec!["-c", &command, "--format", "json", "-T", "1", "1"];
+    let mut args = vec!["-c", &command, "--format", "json", "-T", "20", "1"];
     args.extend_from_slice(extra);
     let mut memleak = Memleak::start(&args);
     let size = memleak.stderr.wait_for("the fixture's string size", |line| line.starts_with("size "));
     let string_size = size["size ".len()..].parse().unwrap();
+    let items = memleak.stderr.wait_for("the fixture's item array size", |line| line.starts_with("items "));
+    let items_size = items["items ".len()..].parse().unwrap();
     memleak.stderr.wait_for("the fixture to start", |line| line == "ready");
     // Python frames are read once memleak has found the interpreter
     // initialised, said before "ready" or after.
@@ -77,7 +80,7 @@ fn trace(python: &Path, extra: &[&str], complete: fn(&Value, &Run) -> bool) -> R
         .wait_for("the fixture's arenas", |line| line.starts_with("# arenas allocated current "));
     let arenas = arenas.rsplit(' ').next().unwrap().parse().unwrap();
     memleak.stderr.wait_for("the fixture to finish", |line| line == "done");
-    let mut run = Run { report: Value::Null, stderr: Vec::new(), string_size, arenas };
+    let mut run = Run { report: Value::Null, stderr: Vec::new(), string_size, items_size, arenas };
     let report = memleak.stdout.wait_for("a report holding every string", |line| {
         serde_json::from_str::<Value>(line).is_ok_and(|report| complete(&report, &run))
     });
@@ -89,10 +92,19 @@ fn trace(python: &Path, extra: &[&str], complete: fn(&Value, &Run) -> bool) -> R
     run
 }
 
-/// Whether the report's top stack holds every string.
-fn top_holds_every_string(report: &Value, run: &Run) -> bool {
+/// Whether the report's top stack holds every string, and another every
+/// list's item array.
+fn holds_every_string_and_list(report: &Value, run: &Run) -> bool {
     let top = &report["stacks"][0];
-    top["allocations"] == COUNT && top["bytes"] == COUNT * run.string_size
+    top["allocations"] == COUNT
+        && top["bytes"] == COUNT * run.string_size
+        && item_arrays(report, run).is_some()
+}
+
+/// The stack that holds every list's item array, if one does.
+fn item_arrays<'a>(report: &'a Value, run: &Run) -> Option<&'a Value> {
+    let stacks = report["stacks"].as_array().unwrap();
+    stacks.iter().find(|stack| stack["allocations"] == COUNT && stack["bytes"] == COUNT * run.items_size)
 }
 
 /// Whether the report counts the arenas the fixture has in use as the
@@ -126,7 +138,7 @@ fn said_about_the_flag(stderr: &[String]) -> Vec<&String> {
 fn small_strings_are_attributed_to_their_python_line(version: &str, header: u64) {
     let minor = &version[..version.rfind('.').unwrap()];
     let python = PathBuf::from(format!("{PYENV}/{version}/bin/python{minor}"));
-    let run = trace(&python, &["--python-allocator"], top_holds_every_string);
+    let run = trace(&python, &["--python-allocator"], holds_every_string_and_list);
     // `letter * 20` asks PyObject_Malloc for one compact ASCII str: the
     // header (sizeof(PyASCIIObject)), 20 characters and a NUL. The fixture
     // measured it with sys.getsizeof, exact for an object the garbage
@@ -143,13 +155,24 @@ fn small_strings_are_attributed_to_their_python_line(version: &str, header: u64)
         ],
         "{top:#}"
     );
+    // A list's items are an array of pointers, from PyMem_Malloc, which
+    // shares the allocator: 3 of them, 24 bytes.
+    assert_eq!(run.items_size, 3 * 8);
+    let items = item_arrays(&run.report, &run).unwrap();
+    assert_eq!(
+        python_frames(items)[0],
+        format!("keep_lists ({file}:{})", line_of("keep_lists")),
+        "{items:#}"
+    );
+    // Made by the one function that calls PyMem_Malloc for a new list.
+    assert_eq!(frame_functions(items)[0], "list_new_prealloc", "{items:#}");
     assert_eq!(
         (top["allocations"].as_u64(), top["bytes"].as_u64()),
         (Some(COUNT), Some(COUNT * run.string_size))
     );
     let hidden = &run.report["hidden_mappings"];
     // Each object counted where it is, its arenas not again.
-    assert_eq!(hidden["python_arena_bytes"], 0, "{hidden:#}");
+    assert_eq!(hidden.get("python_arena_bytes"), None, "{hidden:#}");
     assert!(
         hidden["allocator_bytes"].as_u64().unwrap() >= run.arenas * ARENA_SIZE,
         "{hidden:#} {}",
