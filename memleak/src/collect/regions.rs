@@ -178,7 +178,9 @@ pub fn classify(region: &Region, frames: &[Arc<Frame>], in_allocator: impl Fn(u6
 /// mapped by a call in the interpreter's code (`in_interpreter`, given the
 /// return address of the mmap call). obmalloc's `new_arena` maps them so,
 /// and nothing else in the interpreter maps that size: its other mappings
-/// (3.11's frame stacks) are smaller.
+/// (3.11's frame stacks) are smaller, and Python code's own `mmap.mmap`
+/// calls from the `mmap` module, an extension object of its own in
+/// Debian's and pyenv's builds.
 pub fn is_python_arena(
     length: u64,
     frames: &[Arc<Frame>],
@@ -267,6 +269,19 @@ mod tests {
         let static_glibc = [frame(0x300, "__pthread_create_2_1"), frame(0x100, "main")];
         assert_eq!(classify(&plain, &static_glibc, free), MappingKind::ThreadStack);
         assert_eq!(classify(&region(0, PROT_NONE, 0), &program, free), MappingKind::Reservation);
+    }
+
+    #[test]
+    fn an_arena_is_its_size_mapped_from_the_interpreter() {
+        let frame = |address: u64| Arc::new(Frame { address, ..Frame::default() });
+        let interpreter = |address: u64| (0x1000..0x2000).contains(&address);
+        let from_interpreter = [frame(0x1500), frame(0x9000)];
+        assert!(is_python_arena(1 << 20, &from_interpreter, 1 << 20, interpreter));
+        assert!(!is_python_arena(16 << 10, &from_interpreter, 1 << 20, interpreter), "3.11's frame stacks");
+        // Python's own mmap.mmap(-1, 1 MiB): called from the mmap module.
+        let from_elsewhere = [frame(0x9000), frame(0x1500)];
+        assert!(!is_python_arena(1 << 20, &from_elsewhere, 1 << 20, interpreter));
+        assert!(!is_python_arena(1 << 20, &[], 1 << 20, interpreter));
     }
 
     fn spans(regions: &Regions) -> Vec<(u64, u64)> {

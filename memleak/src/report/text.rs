@@ -422,4 +422,19 @@ mod tests {
         render_diff(&crate::report::diff::tests::sample_diff(10), &mut out).unwrap();
         assert_eq!(String::from_utf8(out).unwrap(), include_str!("../../tests/data/diff.txt"));
     }
+
+    /// CPython's arenas are counted apart, with how to see inside them.
+    #[test]
+    fn python_arenas_are_counted_apart_with_how_to_see_inside() {
+        let mut report = sample_report(1);
+        report.hidden_mappings.python_arena_bytes = 2 << 20;
+        let mut out = Vec::new();
+        render(&report, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let line = text.lines().find(|line| line.starts_with("Not shown: ")).unwrap();
+        assert_eq!(
+            line,
+            "Not shown: 2097152 bytes of CPython's small-object arenas, whose objects only --python-allocator tracks (--all-mmaps)"
+        );
+    }
 }
