@@ -184,7 +184,9 @@ impl AttachPlan {
     /// `PyObject_Malloc` & co., when they see every small object (see
     /// `python_allocator`). Says why they are not probed when asked to be.
     fn with_interpreter(mut self, candidates: &[(PathBuf, String)], python_allocator: bool) -> Self {
-        let Some((object, data, display)) = python_allocator::find(candidates) else {
+        let Some(python_allocator::Found { object, data, display_path: display, arena_size }) =
+            python_allocator::find(candidates)
+        else {
             if python_allocator {
                 log::warn!(
                     "--python-allocator: no CPython in {}: only the C allocator is probed",
@@ -201,17 +203,11 @@ impl AttachPlan {
             );
         }
         let object = Arc::new(object);
-        let interpreter = Interpreter {
-            file: Arc::clone(&object),
-            arena_size: python_allocator::arena_size(&display),
-            objects_tracked,
-        };
+        let interpreter = Interpreter { file: Arc::clone(&object), arena_size, objects_tracked };
         if objects_tracked {
             if let Ok(file) = object::File::parse(&*data) {
                 let sites = python_sites(&file, &data, &display);
-                let mut plan = AttachPlan::holding_shared(object, &display, sites);
-                plan.interpreter = None;
-                self.interpreter_object = Some(Box::new(plan));
+                self.interpreter_object = Some(Box::new(AttachPlan::holding_shared(object, &display, sites)));
             }
         }
         self.interpreter = Some(interpreter);

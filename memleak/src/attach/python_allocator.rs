@@ -24,7 +24,10 @@
 //! recognised by its code (see [`inlined_copies`]) and its functions are
 //! not probed; the report then labels its arenas as the interpreter's own.
 
-use std::{fs::File, path::Path};
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+};
 
 use iced_x86::{Decoder, DecoderOptions, Instruction, OpKind};
 use memleak_common::ALLOCATOR_FUNCTIONS;
@@ -60,30 +63,62 @@ pub fn functions() -> impl Iterator<Item = (usize, &'static str)> {
     ALLOCATOR_FUNCTIONS.iter().enumerate().filter(|(_, function)| function.python).map(|(i, f)| (i, f.name))
 }
 
+/// The interpreter's object, found among a process's objects.
+pub struct Found {
+    pub object: File,
+    /// Its contents.
+    pub data: Vec<u8>,
+    /// As the process names it.
+    pub display_path: String,
+    /// `ARENA_SIZE` of its version.
+    pub arena_size: u64,
+}
+
 /// The first of `candidates` (link-map order: whose definition the
-/// program's calls bind to) that defines `PyObject_Malloc` and
-/// `PyObject_Free`, opened, read, with its display path.
-pub fn find(candidates: &[(std::path::PathBuf, String)]) -> Option<(File, Vec<u8>, String)> {
+/// program's calls bind to; memleak's path and the process's name of
+/// each) named like an interpreter (`python3.X`, `libpython3.X.so`, or a
+/// link to one) that defines `PyObject_Malloc` and `PyObject_Free`. Only
+/// those are read: this runs for every process planned.
+pub fn find(candidates: &[(PathBuf, String)]) -> Option<Found> {
     candidates.iter().find_map(|(path, display)| {
+        // A link (python3 -> python3.11, or /proc/PID/map_files' entries)
+        // names the file it leads to.
+        let target = std::fs::read_link(path).ok();
+        let names: Vec<&str> = [Some(display.as_str()), target.as_deref().and_then(Path::to_str)]
+            .into_iter()
+            .flatten()
+            .filter(|name| file_name(name).starts_with("python") || file_name(name).starts_with("libpython"))
+            .collect();
+        if names.is_empty() {
+            return None;
+        }
         let object = files::open_regular(path).ok()?;
         let data = files::read_limited(&object, files::READ_LIMIT).ok()?;
         let file = object::File::parse(&*data).ok()?;
         let defines = |name| elf::dynamic_symbol(&file, name).is_some();
-        (defines("PyObject_Malloc") && defines("PyObject_Free")).then(|| (object, data, display.clone()))
+        if !(defines("PyObject_Malloc") && defines("PyObject_Free")) {
+            return None;
+        }
+        let minor = names.iter().find_map(|name| minor_version(name));
+        Some(Found { object, data, display_path: display.clone(), arena_size: arena_size(minor) })
     })
 }
 
-/// `ARENA_SIZE` of the interpreter at `display_path`: 256 KiB up to 3.9,
-/// 1 MiB from 3.10 on, where 64-bit builds use "large arenas"
-/// (Objects/obmalloc.c, `USE_LARGE_ARENAS`). The version is the file's
-/// name's (`python3.9`, `libpython3.11.so.1.0`); an unknown one is taken
-/// as recent.
-pub fn arena_size(display_path: &str) -> u64 {
-    let name = Path::new(display_path).file_name().and_then(|name| name.to_str()).unwrap_or("");
-    let minor = name
-        .split_once("python3.")
-        .map(|(_, rest)| rest.chars().take_while(char::is_ascii_digit).collect::<String>())
-        .and_then(|digits| digits.parse::<u32>().ok());
+fn file_name(path: &str) -> &str {
+    Path::new(path).file_name().and_then(|name| name.to_str()).unwrap_or("")
+}
+
+/// The minor version a file's name says: 11 for `python3.11` and
+/// `libpython3.11.so.1.0`.
+fn minor_version(path: &str) -> Option<u32> {
+    let (_, rest) = file_name(path).split_once("python3.")?;
+    rest.chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
+}
+
+/// `ARENA_SIZE` of CPython 3.`minor`: 256 KiB up to 3.9, 1 MiB from 3.10
+/// on, where 64-bit builds use "large arenas" (Objects/obmalloc.c,
+/// `USE_LARGE_ARENAS`). An unknown version is taken as recent.
+fn arena_size(minor: Option<u32>) -> u64 {
     match minor {
         Some(minor) if minor < 10 => 256 << 10,
         _ => 1 << 20,
@@ -228,9 +263,26 @@ mod tests {
 
     #[test]
     fn arenas_are_a_mebibyte_from_3_10() {
-        assert_eq!(arena_size("/usr/bin/python3.11"), 1 << 20);
-        assert_eq!(arena_size("/opt/lib/libpython3.9.so.1.0"), 256 << 10);
-        assert_eq!(arena_size("/opt/lib/libpython3.8.so.1.0"), 256 << 10);
-        assert_eq!(arena_size("/usr/local/bin/python3.13"), 1 << 20);
+        let size = |path: &str| arena_size(minor_version(path));
+        assert_eq!(size("/usr/bin/python3.11"), 1 << 20);
+        assert_eq!(size("/opt/lib/libpython3.9.so.1.0"), 256 << 10);
+        assert_eq!(size("/opt/lib/libpython3.8.so.1.0"), 256 << 10);
+        assert_eq!(size("/usr/local/bin/python3.13"), 1 << 20);
+        assert_eq!(size("/usr/bin/python3"), 1 << 20);
+    }
+
+    #[test]
+    fn only_objects_named_like_an_interpreter_are_read() {
+        let candidates = |program: &str| {
+            vec![
+                (PathBuf::from(program), program.to_owned()),
+                (PathBuf::from("/lib/x86_64-linux-gnu/libc.so.6"), "libc.so.6".to_owned()),
+            ]
+        };
+        let found = find(&candidates("/usr/bin/python3")).expect("Debian's python3 links to python3.11");
+        assert_eq!((found.display_path.as_str(), found.arena_size), ("/usr/bin/python3", 1 << 20));
+        let found = find(&candidates("/root/.pyenv/versions/3.9.18/lib/libpython3.9.so.1.0")).unwrap();
+        assert_eq!(found.arena_size, 256 << 10);
+        assert!(find(&candidates("/bin/bash")).is_none());
     }
 }
