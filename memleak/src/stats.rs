@@ -137,8 +137,10 @@ impl Stats {
     /// Where the probes for process `pid` went.
     pub fn probes(&mut self, pid: u32, plan: &AttachPlan) -> Result<(), StatsError> {
         let mut probes = probes_of(plan, false);
-        for operators in &plan.operator_objects {
-            probes.extend(probes_of(operators, true));
+        // C++'s operators and CPython's allocator, probed in objects of
+        // their own.
+        for other in plan.operator_objects.iter().chain(plan.interpreter_object.as_deref()) {
+            probes.extend(probes_of(other, true));
         }
         let not_probed = plan
             .not_probed
