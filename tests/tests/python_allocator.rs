@@ -74,12 +74,13 @@ fn trace(python: &Path, extra: &[&str], complete: fn(&Value, &Run) -> bool) -> R
     let stdin = memleak.stdin.as_mut().unwrap();
     stdin.write_all(b"go\n").unwrap();
     stdin.flush().unwrap();
-    // sys._debugmallocstats, on the fixture's stderr.
+    memleak.stderr.wait_for("the fixture to finish", |line| line == "done");
+    // sys._debugmallocstats, on the fixture's stderr, once it allocates no
+    // more.
     let arenas = memleak
         .stderr
         .wait_for("the fixture's arenas", |line| line.starts_with("# arenas allocated current "));
     let arenas = arenas.rsplit(' ').next().unwrap().parse().unwrap();
-    memleak.stderr.wait_for("the fixture to finish", |line| line == "done");
     let mut run = Run { report: Value::Null, stderr: Vec::new(), string_size, items_size, arenas };
     let report = memleak.stdout.wait_for("a report holding every string", |line| {
         serde_json::from_str::<Value>(line).is_ok_and(|report| complete(&report, &run))
