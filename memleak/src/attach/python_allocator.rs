@@ -9,12 +9,14 @@
 //! So are `PyMem_Malloc` & co., which share the allocator and its arenas
 //! (a list's items live there): probing only the objects' functions
 //! would hide those blocks with the arenas.
+//!
 //! A large request is seen twice, as `PyObject_Malloc` and as the `malloc`
 //! it calls; only the outer call counts (see memleak-ebpf's `calls`): it
 //! has the size the program asked for and the stack of the Python line
 //! that asked, and counting it alone is right whether or not the block
 //! falls through to `malloc`. `PyObject_Free` likewise counts for the
-//! `free` it calls.
+//! `free` it calls. (Skipping the outer call instead would leave the
+//! small objects, which call no `malloc`, uncounted.)
 //!
 //! An interpreter built with link-time optimisation (Debian's and
 //! Ubuntu's are) has copies of the allocator's fast path inlined into
@@ -129,7 +131,7 @@ fn arena_size(minor: Option<u32>) -> u64 {
 /// build without link-time optimisation has a few places besides the
 /// exported functions that name the internal allocator (the code that
 /// installs it, `PYTHONMALLOC`'s report of it); one with it has copies in
-/// every caller the compiler chose (190 in Debian's python3.11).
+/// every caller the compiler chose (193 in Debian's python3.11).
 const MOST_PLACES_WITHOUT_INLINING: usize = 8;
 
 /// Whether the allocator's functions in ELF file `data` are entered by
