@@ -9,8 +9,8 @@ use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
     cli::{
-        Action, Args, Culprits, DiffArgs, Probing, PythonFrames, Rendering as RenderingArgs, ReportArgs, ServeArgs,
-        Unwind,
+        Action, Args, Culprits, DiffArgs, Probing, PythonFrames, Rendering as RenderingArgs, ReportArgs,
+        ServeArgs, Unwind,
     },
     collect::CollectOptions,
     model::Unwinding,

@@ -214,7 +214,10 @@ pub enum FrameKind {
 }
 
 impl FrameKind {
-    #[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if hands over a reference")]
+    #[allow(
+        clippy::trivially_copy_pass_by_ref,
+        reason = "serde's skip_serializing_if hands over a reference"
+    )]
     pub fn is_native(&self) -> bool {
         *self == Self::Native
     }
