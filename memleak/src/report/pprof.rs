@@ -195,7 +195,7 @@ impl Encoder<'_> {
             .filter_map(|frame| Some((frame, frame.function.as_deref()?)))
             .map(|(frame, name)| {
                 let file = frame.file.as_deref().or(frame.module.as_deref()).unwrap_or_default();
-                (self.function_id(name, file), i64::from(frame.line.unwrap_or(0)))
+                (self.function_id(name, file, frame.is_python()), i64::from(frame.line.unwrap_or(0)))
             })
             .collect();
         if let Some(&id) = self.locations.get(&(address, lines.clone())) {
@@ -222,7 +222,7 @@ impl Encoder<'_> {
 
     /// The id of function `name` in `file`, numbered the first time it is
     /// met.
-    fn function_id(&mut self, name: &str, file: &str) -> u64 {
+    fn function_id(&mut self, name: &str, file: &str, python: bool) -> u64 {
         if let Some(&id) = self.functions.get(&(name.to_owned(), file.to_owned())) {
             return id;
         }
@@ -230,7 +230,12 @@ impl Encoder<'_> {
         let mut function = Vec::new();
         field_varint(&mut function, 1, id);
         field_varint(&mut function, 2, self.strings.index(name));
-        field_varint(&mut function, 3, self.strings.index(name));
+        // pprof takes a name equal to its system name for one still to
+        // demangle, and strips what looks like C++ template arguments
+        // from it: `<module>` would be left empty. A Python function's
+        // system name is its file and qualified name.
+        let system_name = if python { format!("{file}:{name}") } else { name.to_owned() };
+        field_varint(&mut function, 3, self.strings.index(&system_name));
         field_varint(&mut function, 4, self.strings.index(file));
         self.function_messages.push(function);
         self.functions.insert((name.to_owned(), file.to_owned()), id);
