@@ -20,11 +20,15 @@ use aya_ebpf::{
     helpers::generated::{bpf_get_smp_processor_id, bpf_loop},
     EbpfContext,
 };
-use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNEL_TGID, MAX_STACK_DEPTH};
+use memleak_common::{
+    lost_stack_id, Counter, MappingChange, MappingEvent, StackKey, StackSlot, WalkEnd, KERNEL_TGID,
+    MAX_STACK_DEPTH,
+};
 
 use crate::{
     counters,
     maps::{LastStack, LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
+    process_events::send,
     python, tunables,
     unwind::{self, Walked},
 };
@@ -159,6 +163,9 @@ fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
         return Inserted::Full;
     }
     if STACK_IDS.insert(slot, id, u64::from(BPF_NOEXIST)).is_ok() {
+        if python_depth_of(key) != 0 {
+            announce_python_stack(key.tgid, id);
+        }
         return Inserted::Stored(id);
     }
     let _ = STACKS.remove(id);
@@ -169,6 +176,17 @@ fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
     } else {
         Inserted::Full
     }
+}
+
+/// Tells user space of a new stack with Python frames: the code objects
+/// they ran may be freed before the next report reads the stacks.
+fn announce_python_stack(tgid: u32, id: u64) {
+    send(MappingEvent {
+        tgid,
+        stack_id: id,
+        change: MappingChange::PythonStack as u32,
+        ..MappingEvent::default()
+    });
 }
 
 /// FNV-1a over the process and the frames in use.

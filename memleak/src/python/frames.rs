@@ -38,11 +38,12 @@ pub struct PythonStacks {
 
 impl PythonStacks {
     /// Resolves the Python frames of stack `stack_id`, whose words BPF
-    /// stored as `words`, unless done already. Done as soon as the stack
-    /// is seen: a code object freed later would lose its name.
-    pub fn resolve(&mut self, stack_id: u64, words: &[u64], codes: &mut CodeCache) {
+    /// stored as `words`, unless done already; returns its innermost
+    /// frame if it does. Done as soon as the stack is seen: a code object
+    /// freed later would lose its name.
+    pub fn resolve(&mut self, stack_id: u64, words: &[u64], codes: &mut CodeCache) -> Option<Arc<Frame>> {
         if words.is_empty() || self.resolved.contains_key(&stack_id) {
-            return;
+            return None;
         }
         let mut groups: Vec<Vec<Arc<Frame>>> = vec![Vec::new()];
         for &word in words {
@@ -54,7 +55,9 @@ impl PythonStacks {
             }
         }
         groups.retain(|group| !group.is_empty());
+        let innermost = groups.first().and_then(|group| group.first()).cloned();
         self.resolved.insert(stack_id, groups.into());
+        innermost
     }
 
     /// Stack `stack_id`'s frames: its `native` frames with its Python

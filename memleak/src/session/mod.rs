@@ -148,6 +148,9 @@ pub struct Session {
     /// Processes that called execve untraced, to check against what is
     /// followed.
     launched: std::collections::VecDeque<u32>,
+    /// Stacks with Python frames BPF announced, to resolve at the next
+    /// look.
+    new_python_stacks: Vec<u64>,
     /// Processes left untraced because --max-processes was reached: how
     /// many in all, and those still running (each counted once).
     not_followed: u64,
@@ -227,6 +230,7 @@ impl Session {
             cgroup2_root: None,
             named: HashSet::new(),
             launched: std::collections::VecDeque::new(),
+            new_python_stacks: Vec::new(),
             not_followed: 0,
             refused: HashSet::new(),
             unplannable: std::collections::HashMap::new(),
@@ -637,6 +641,7 @@ impl Session {
         // tracepoint has put in the ring by then: taken from there first,
         // it is known to be found at its exec.
         self.take_mapping_events();
+        self.resolve_new_python_stacks()?;
         while self.take_launched().is_some() {}
         let launched = self.targets.len() - before;
         self.refused.retain(|key| ProcessKey::of(key.pid) == Some(*key));
@@ -732,6 +737,10 @@ impl Session {
                 self.launched.push_back(event.tgid);
                 continue;
             }
+            if change == Ok(MappingChange::PythonStack) {
+                self.new_python_stacks.push(event.stack_id);
+                continue;
+            }
             if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
                 // The BPF side follows only the children of followed processes.
                 #[allow(clippy::cast_possible_truncation, reason = "the parent's tgid, sent as a u64")]
@@ -796,6 +805,19 @@ impl Session {
             .collect())
     }
 
+    /// Resolves the Python frames of the stacks BPF announced since the
+    /// last look, before their code objects can be freed, rather than at
+    /// the next report.
+    fn resolve_new_python_stacks(&mut self) -> Result<(), SessionError> {
+        if self.new_python_stacks.is_empty() {
+            return Ok(());
+        }
+        let ids = std::mem::take(&mut self.new_python_stacks);
+        self.stacks.ensure(&self.tracer, ids.iter().copied())?;
+        self.resolve_python_stacks(&ids);
+        Ok(())
+    }
+
     /// Resolves the Python frames of each of `stack_ids` that has any,
     /// while the code objects they ran are alive.
     fn resolve_python_stacks(&mut self, stack_ids: &[u64]) {
@@ -807,7 +829,10 @@ impl Session {
             let Some(owner) = self.stacks.owner(id) else { continue };
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == owner) else { continue };
             if let PythonFrames::Walked { codes, stacks, .. } = &mut target.python {
-                stacks.resolve(id, words, codes);
+                if let Some(innermost) = stacks.resolve(id, words, codes) {
+                    let shown = crate::report::text::describe(&innermost);
+                    log::debug!("pid {owner}: stack {id:#x}: Python frames resolved, the innermost {shown}");
+                }
             }
         }
     }

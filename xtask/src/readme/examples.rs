@@ -368,7 +368,7 @@ fn culprit(workshop: &mut Workshop) -> Result<Made> {
     Ok(Made::text(&transcript))
 }
 
-/// tests/fixtures/cache_service.py under Debian's python3.11, a stripped
+/// `tests/fixtures/cache_service.py` under Debian's python3.11, a stripped
 /// build: its response cache keeps 200 bytearrays of 4000 bytes.
 fn python(workshop: &mut Workshop) -> Result<Made> {
     let python = Path::new("/usr/bin/python3.11");
