@@ -198,7 +198,8 @@ pub struct Tracer {
     /// thread started the first time (see `detach_exited`).
     closer: Option<std::sync::mpsc::Sender<Links>>,
     /// How many Python frames the BPF side walks per stack, if it does:
-    /// loaded with the kernel's fsbase offset.
+    /// loaded with the kernel's fsbase offset. At most one less than a
+    /// stack's frames, as the walk leaves one for the native frames.
     python_max_frames: Option<u16>,
 }
 
@@ -343,7 +344,14 @@ impl Tracer {
             btf_parsing,
             first_attached: None,
             closer: None,
-            python_max_frames: config.settings.python_max_frames.filter(|_| config.py_fsbase_offset != 0),
+            python_max_frames: config
+                .settings
+                .python_max_frames
+                .filter(|_| config.py_fsbase_offset != 0)
+                .map(|max_frames| {
+                    let below_stack_depth = config.settings.stack_depth.saturating_sub(1);
+                    max_frames.min(u16::try_from(below_stack_depth).unwrap_or(u16::MAX))
+                }),
         })
     }
 
@@ -472,6 +480,11 @@ impl Tracer {
     /// frames walked (--python).
     pub fn walks_python_frames(&self) -> bool {
         self.python_max_frames.is_some()
+    }
+
+    /// How many Python frames a stack holds at most, if they are walked.
+    pub fn python_frame_limit(&self) -> Option<u16> {
+        self.python_max_frames
     }
 
     /// Walks the Python frames of process `pid` as `config` says, from now

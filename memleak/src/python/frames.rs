@@ -27,8 +27,9 @@ use crate::{
 
 /// What a target that is a walked CPython process knows of its stacks'
 /// Python frames.
-#[derive(Default)]
 pub struct PythonStacks {
+    /// Python frames BPF walks per stack at most.
+    limit: usize,
     /// Each stack's Python frames, resolved when the stack was first
     /// seen, in the groups one native eval call ran, innermost first.
     resolved: WordMap<u64, Arc<[Vec<Arc<Frame>>]>>,
@@ -37,6 +38,19 @@ pub struct PythonStacks {
 }
 
 impl PythonStacks {
+    /// For a process whose stacks hold at most `limit` Python frames.
+    pub fn new(limit: u16) -> Self {
+        Self { limit: usize::from(limit), resolved: WordMap::default(), merged: WordMap::default() }
+    }
+
+    /// Whether stack `stack_id` has as many Python frames as the walk
+    /// takes: the outer ones may be missing.
+    pub fn reached_limit(&self, stack_id: u64) -> bool {
+        self.resolved
+            .get(&stack_id)
+            .is_some_and(|groups| groups.iter().map(Vec::len).sum::<usize>() >= self.limit)
+    }
+
     /// Resolves the Python frames of stack `stack_id`, whose words BPF
     /// stored as `words`, unless done already; returns its innermost
     /// frame if it does. Done as soon as the stack is seen: a code object

@@ -9,7 +9,7 @@ mod targets;
 
 use std::{collections::HashSet, io, path::Path, sync::Arc};
 
-use memleak_common::{MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
+use memleak_common::{python::PY_DEFAULT_MAX_FRAMES, MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use targets::PythonFrames;
@@ -992,7 +992,13 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
                         runtime.version, runtime.path
                     ));
                     log::info!("pid {pid}: {runtime}");
-                    PythonFrames::Walked { runtime, codes: Box::new(codes), stacks: PythonStacks::default() }
+                    PythonFrames::Walked {
+                        runtime,
+                        codes: Box::new(codes),
+                        stacks: PythonStacks::new(
+                            tracer.python_frame_limit().unwrap_or(PY_DEFAULT_MAX_FRAMES),
+                        ),
+                    }
                 }
                 Err(error) => {
                     log::warn!("pid {pid}: no Python frames: its memory cannot be read: {error}");

@@ -277,7 +277,7 @@ impl Target {
         });
         call_paths.merge(&mut snapshot, |stack_id| {
             let frames = frames_of(symbolizer, space, stacks, &mut python, stack_id);
-            Met { truncation: truncation_of(stacks, stack_id, *unwinding, &frames), frames }
+            Met { truncation: truncation_of(stacks, stack_id, *unwinding, &frames, python.as_ref()), frames }
         });
         let unrecorded_frees = trends.unrecorded_frees_since(&snapshot);
         let trends = if request.in_series { trends.observe(&snapshot) } else { trends.peek(&snapshot) };
@@ -336,13 +336,29 @@ impl StackSource for TargetStacks<'_> {
     fn truncation(&self, stack_id: u64) -> Option<Truncation> {
         let shown = self.call_paths.shown(stack_id);
         let frames = self.symbolizer.cached(shown).unwrap_or_default();
-        truncation_of(self.stacks, shown, self.unwinding, &frames)
+        truncation_of(self.stacks, shown, self.unwinding, &frames, self.python.as_ref())
     }
 }
 
 /// Why the walk of a stack stopped short of its root, if it did, as its
 /// symbolized `frames` end or its walk ended.
 fn truncation_of(
+    stacks: &StackCatalog,
+    stack_id: u64,
+    unwinding: Option<Unwinding>,
+    frames: &[Arc<Frame>],
+    python: Option<&PythonMerger<'_>>,
+) -> Option<Truncation> {
+    let native = native_truncation(stacks, stack_id, unwinding, frames);
+    // The native walk's end says more: it comes after the Python frames.
+    if native.is_none() && python.is_some_and(|python| python.stacks.reached_limit(stack_id)) {
+        return Some(Truncation::PythonDepthLimit);
+    }
+    native
+}
+
+/// Why the native walk of a stack stopped short of its root, if it did.
+fn native_truncation(
     stacks: &StackCatalog,
     stack_id: u64,
     unwinding: Option<Unwinding>,
