@@ -1,6 +1,8 @@
-//! A stack's Python frames are resolved as soon as BPF stores the stack,
-//! not at the next report: a function that allocated and was then freed
-//! keeps its name.
+//! Python frames over a process's life: a stack's frames are resolved as
+//! soon as BPF stores the stack, not at the next report, so that a
+//! function that allocated and was then freed keeps its name; a process
+//! that starts a sub-interpreter is walked no more, said once, and keeps
+//! the frames of its stacks from before.
 
 use std::process::Command;
 
@@ -46,4 +48,72 @@ fn a_freed_functions_frames_keep_their_name() {
     assert_eq!(python_frames[0], ("transient", &Value::from(2)), "{stack:#}");
     assert_eq!(python_frames[1].0, "<module>", "{stack:#}");
     python.exit();
+}
+
+/// The Python functions of a stack, innermost first.
+fn python_functions(stack: &Value) -> Vec<&str> {
+    stack["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|frame| frame["kind"] == "python")
+        .map(|frame| frame["function"].as_str().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_process_that_starts_a_sub_interpreter_is_walked_no_more() {
+    let python = "/root/.pyenv/versions/3.12.1/bin/python3.12";
+    let mut program = Command::new(python);
+    program.arg(workspace_root().join("tests/fixtures/python_subinterpreter.py"));
+    let mut subject = Leaker::start_command(program);
+    let pid = subject.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    subject.send("keep", "kept");
+    subject.send("sub", "created");
+    memleak.stderr.wait_for("the sub-interpreter seen", |line| {
+        line == format!("memleak: warn: pid {pid}: no more Python frames: it runs sub-interpreters, whose threads' current frames the thread-state key does not give")
+    });
+    subject.send("keep", "kept");
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    let report = reports.last().expect("a final report");
+    let kept: Vec<&Value> =
+        report["stacks"].as_array().unwrap().iter().filter(|stack| stack["bytes"] == 40_001).collect();
+    assert_eq!(kept.len(), 2, "one stack before the sub-interpreter, one after: {report:#}");
+    let mut functions: Vec<Vec<&str>> = kept.iter().map(|stack| python_functions(stack)).collect();
+    functions.sort();
+    assert_eq!(functions, [vec![], vec!["keep", "<module>"]], "{report:#}");
+}
+
+#[test]
+fn a_process_running_sub_interpreters_is_traced_without_python_frames() {
+    let python = "/root/.pyenv/versions/3.12.1/bin/python3.12";
+    let mut program = Command::new(python);
+    program.arg(workspace_root().join("tests/fixtures/python_subinterpreter.py"));
+    let mut subject = Leaker::start_command(program);
+    subject.send("sub", "created");
+    let pid = subject.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    subject.send("keep", "kept");
+    memleak.signal(libc::SIGINT);
+    // Every line, those seen while waiting for the attach included.
+    let stderr = memleak.stderr.rest();
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    let refusal = format!(
+        "memleak: warn: pid {pid}: no Python frames: it runs sub-interpreters, whose threads' current frames the thread-state key does not give"
+    );
+    assert_eq!(stderr.iter().filter(|line| **line == refusal).count(), 1, "{stderr:#?}");
+    let report = reports.last().expect("a final report");
+    let kept = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|stack| stack["bytes"] == 40_001)
+        .expect("the bytearray");
+    assert!(python_functions(kept).is_empty(), "{kept:#}");
 }

@@ -497,6 +497,14 @@ impl Tracer {
         map.insert(pid, config, 0).map_err(|source| TracerError::WriteMap { map: PY_PROCS_MAP, source })
     }
 
+    /// Stops walking the Python frames of process `pid`.
+    pub fn forget_python_process(&mut self, pid: u32) -> Result<(), TracerError> {
+        let mut map: HashMap<&mut MapData, u32, PyProcConfig> = self.map_mut(PY_PROCS_MAP)?;
+        // Gone already if the process has exec'd since: nothing to do.
+        let _ = map.remove(&pid);
+        Ok(())
+    }
+
     /// `forget_process` for each of `gone`, in one pass over each map.
     pub fn forget_processes(&mut self, gone: &HashSet<u32>) -> Result<(), TracerError> {
         self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| gone.contains(&key.tgid))?;

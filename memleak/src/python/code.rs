@@ -392,6 +392,11 @@ impl<M: Memory> CodeCache<M> {
         }
     }
 
+    /// The memory of the process the code objects are read from.
+    pub fn memory(&self) -> &M {
+        &self.memory
+    }
+
     /// How many code objects are cached.
     pub fn len(&self) -> usize {
         self.slots.len()

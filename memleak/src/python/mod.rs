@@ -29,7 +29,7 @@ pub mod runtime;
 mod tests;
 pub mod thread_state;
 
-use std::{collections::HashMap, ops::Range, path::Path, sync::OnceLock};
+use std::{collections::HashMap, io, ops::Range, path::Path, sync::OnceLock};
 
 use memleak_common::python::{
     PyProcConfig, PY_CFRAME, PY_DEFAULT_MAX_FRAMES, PY_ENTRY_FLAG, PY_FRAMEOBJ, PY_LASTI_BYTES, PY_MUSL,
@@ -140,6 +140,25 @@ impl std::fmt::Display for PythonRuntime {
     }
 }
 
+/// Why a process that runs sub-interpreters has no Python frames.
+pub const SUBINTERPRETERS: &str =
+    "it runs sub-interpreters, whose threads' current frames the thread-state key does not give";
+
+/// Whether the interpreter whose `_PyRuntime` is at `runtime_address` has
+/// started a sub-interpreter: a second interpreter in the runtime's list.
+/// From 3.12 a thread of a sub-interpreter keeps its current thread state
+/// in a thread-local variable, and the TSS key may still give its main
+/// interpreter's: its frames would be another thread state's.
+pub fn runs_subinterpreters(
+    memory: &ProcessMemory,
+    runtime_address: u64,
+    offsets: &Offsets,
+) -> io::Result<bool> {
+    // The newest interpreter heads the list.
+    let newest = memory.u64(runtime_address + offsets.thread.interpreters_head)?;
+    Ok(newest != 0 && memory.u64(newest + offsets.thread.interpreter_next)? != 0)
+}
+
 /// Detects CPython in process `pid` (see the module's documentation).
 pub fn detect(pid: u32) -> Detection {
     detect_or_refuse(pid).map_or_else(|refusal| refusal, |runtime| Detection::Enabled(Box::new(runtime)))
@@ -187,6 +206,11 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
         .map_err(|error| format!("cannot read _PyRuntime's interpreters: {error}"))?;
     if interpreters == 0 {
         return Err(Detection::TryLater("the interpreter has no interpreter state yet".to_owned()));
+    }
+    if runs_subinterpreters(&memory, runtime_address, &offsets)
+        .map_err(|error| format!("cannot read the interpreters' list: {error}"))?
+    {
+        return Err(SUBINTERPRETERS.into());
     }
     let subject = thread_state::Subject {
         memory: &memory,

@@ -828,7 +828,10 @@ impl Session {
             }
             let Some(owner) = self.stacks.owner(id) else { continue };
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == owner) else { continue };
-            if let PythonFrames::Walked { codes, stacks, .. } = &mut target.python {
+            // Stopped: stacks walked before are still resolved.
+            if let PythonFrames::Walked { codes, stacks, .. } | PythonFrames::Stopped { codes, stacks, .. } =
+                &mut target.python
+            {
                 if let Some(innermost) = stacks.resolve(id, words, codes) {
                     let shown = crate::report::text::describe(&innermost);
                     log::debug!("pid {owner}: stack {id:#x}: Python frames resolved, the innermost {shown}");
@@ -975,10 +978,23 @@ fn update_unwind_table(
 /// BPF side walk its Python frames if it is found and passes every check.
 /// Says the interpreter found, or once why its frames are not read.
 fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), TracerError> {
+    let pid = target.pid;
+    if let PythonFrames::Walked { runtime, codes, .. } = &target.python {
+        // One read or two: whether a sub-interpreter started since.
+        if python::runs_subinterpreters(codes.memory(), runtime.runtime_address, &runtime.offsets)
+            .unwrap_or(false)
+        {
+            tracer.forget_python_process(pid)?;
+            log::warn!("pid {pid}: no more Python frames: {}", python::SUBINTERPRETERS);
+            if let PythonFrames::Walked { runtime, codes, stacks } = std::mem::take(&mut target.python) {
+                target.python = PythonFrames::Stopped { runtime, codes, stacks };
+            }
+        }
+        return Ok(());
+    }
     if target.is_kernel() || !matches!(target.python, PythonFrames::Unknown) {
         return Ok(());
     }
-    let pid = target.pid;
     target.python = match python::detect(pid) {
         Detection::Enabled(runtime) => {
             // Detection enables 3.8 to 3.13 only.

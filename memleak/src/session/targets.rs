@@ -127,6 +127,9 @@ pub enum PythonFrames {
     /// The BPF side walks them; `codes` resolves their words into
     /// `stacks`.
     Walked { runtime: Box<PythonRuntime>, codes: Box<CodeCache>, stacks: PythonStacks },
+    /// Walked until the process started a sub-interpreter: its stacks
+    /// from before keep their Python frames, new ones have none.
+    Stopped { runtime: Box<PythonRuntime>, codes: Box<CodeCache>, stacks: PythonStacks },
     /// CPython whose frames memleak does not read, said once.
     Off,
 }
@@ -410,7 +413,9 @@ struct PythonMerger<'a> {
 impl PythonFrames {
     fn merger(&mut self) -> Option<PythonMerger<'_>> {
         match self {
-            Self::Walked { runtime, stacks, .. } => Some(PythonMerger { runtime, stacks }),
+            Self::Walked { runtime, stacks, .. } | Self::Stopped { runtime, stacks, .. } => {
+                Some(PythonMerger { runtime, stacks })
+            }
             _ => None,
         }
     }
