@@ -332,6 +332,7 @@ mod tests {
             (debug_field::VERSION, 0x30d_00f0),
             (debug_field::INTERPRETERS_HEAD, 0x278),
             (debug_field::THREADS_HEAD, 0x1cb0),
+            (debug_field::INTERPRETER_NEXT, 0x1c60),
             (debug_field::TSTATE_NEXT, 0x8),
             (debug_field::CURRENT_FRAME, 0x48),
             (debug_field::THREAD_ID, 0x98),
