@@ -91,13 +91,12 @@ struct StoredStack {
 }
 
 impl StackCatalog {
-    /// Makes sure every stack of `stack_ids` is known, if it is stored;
-    /// returns the ids of the stacks new to the catalog.
+    /// Makes sure every stack of `stack_ids` is known, if it is stored.
     pub fn ensure(
         &mut self,
         tracer: &Tracer,
         stack_ids: impl IntoIterator<Item = u64>,
-    ) -> Result<Vec<u64>, TracerError> {
+    ) -> Result<(), TracerError> {
         let mut ids = stack_ids.into_iter().filter(|id| lost_stack_owner(*id).is_none());
         if ids.any(|id| !self.stacks.contains_key(&id)) {
             let mut new = Vec::new();
@@ -109,11 +108,9 @@ impl StackCatalog {
                 },
                 |id| self.stacks.contains_key(&id),
             )?;
-            let ids = new.iter().map(|(id, _)| *id).collect();
             self.stacks.extend(new);
-            return Ok(ids);
         }
-        Ok(Vec::new())
+        Ok(())
     }
 
     /// The Python frames' words of a stack, innermost first; none if

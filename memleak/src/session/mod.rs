@@ -790,9 +790,11 @@ impl Session {
         let region_stacks =
             self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
         let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
-        let new_stacks = self.stacks.ensure(&self.tracer, ids)?;
+        self.stacks.ensure(&self.tracer, ids.iter().copied())?;
         if self.tracer.walks_python_frames() {
-            self.resolve_python_stacks(&new_stacks);
+            // Not only the new stacks: a forked child's first stacks may
+            // have come before memleak had looked at its interpreter.
+            self.resolve_python_stacks(&ids);
         }
         self.map_fill.allocations = maps.recorded_allocations();
         self.map_fill.stacks = self.stacks.len() as u64;
