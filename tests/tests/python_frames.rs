@@ -477,3 +477,39 @@ fn pprof_profiles_hold_python_functions_with_file_and_line() {
         assert!(traces.contains(&shown), "{shown} in {traces}");
     }
 }
+
+/// CPython 3.13 runs a class's `__init__`, once the call is specialised,
+/// under a frame of its own (`_Py_InitCleanup`, named `__init__`, with no
+/// line) that tracebacks leave out: so do reports.
+#[test]
+fn python_3_13_specialised_init_calls_show_no_frame_of_cpython() {
+    let run = run_attached(
+        Path::new("/root/.pyenv/versions/3.13.0/bin/python3.13"),
+        "python_init",
+        &[],
+        Said::Runs("3.13.0"),
+        "json",
+        &[],
+    );
+    let report = run.report();
+    let expected = [
+        PyFrame::at("Entry.__init__", "python_init", "init"),
+        PyFrame::at("fill", "python_init", "fill calls init"),
+        PyFrame::at("<module>", "python_init", "module calls fill"),
+    ];
+    let through_init: Vec<&Value> = stacks(&report)
+        .iter()
+        .filter(|stack| {
+            frames(stack).iter().any(|frame| is_python(frame) && frame["function"] == "Entry.__init__")
+        })
+        .collect();
+    // Unspecialised (the first) and specialised calls run through
+    // different native frames: one stack each, the same Python frames.
+    assert_eq!(through_init.len(), 2, "{report:#}");
+    let mut total = (0, 0);
+    for stack in &through_init {
+        assert_eq!(python_frames(stack), expected, "{stack:#}");
+        total = (total.0 + usage(stack).0, total.1 + usage(stack).1);
+    }
+    assert_eq!(total, (20 * (60_013 + 1), 20), "{report:#}");
+}
