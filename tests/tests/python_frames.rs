@@ -163,6 +163,13 @@ fn run_with_command(
     let mut memleak = Memleak::start(&memleak_args);
     memleak.stderr.wait_for("the script to start", |line| line == "ready");
     wait_said(&mut memleak, said);
+    if matches!(said, Said::NoPythonFrames) {
+        // Two reports more, each of which would say it again if memleak
+        // looked for Python again at each.
+        for _ in 0..2 {
+            memleak.stdout.wait_for("a report", |line| line.starts_with('{'));
+        }
+    }
     go(memleak.stdin.as_mut().unwrap());
     memleak.stderr.wait_for("the script to finish", |line| line == "done");
     stop(memleak)
@@ -183,6 +190,11 @@ fn run_attached(python: &Path, name: &str, args: &[&str], said: Said, format: &s
     let mut memleak = Memleak::start(&memleak_args);
     memleak.wait_attached();
     wait_said(&mut memleak, said);
+    if matches!(said, Said::Runs(_)) {
+        let about_the_script = format!("memleak: pid {pid} runs python ");
+        let seen = &memleak.stderr.seen;
+        assert!(seen.iter().any(|line| line.starts_with(&about_the_script)), "{about_the_script}: {seen:#?}");
+    }
     service.go();
     let run = stop(memleak);
     service.exit();
@@ -287,8 +299,10 @@ mod two_lines {
 /// Runs `python_frames.py` under `python` (CPython `version`) with -c: each
 /// function's line is a stack of its own, with that function's blocks
 /// exactly, and Python frames merged into the native stack.
-fn each_python_line_is_a_stack_of_its_own(python: &str, version: &str, grouped: bool) {
+fn each_python_line_is_a_stack_of_its_own(python: &str, version: &str, interpreter: &str, grouped: bool) {
     let run = run_with_command(Path::new(python), "python_frames", &[], Said::Runs(version), "json", &[]);
+    let said = run.stderr.iter().find(|line| Said::Runs(version).holds(line)).unwrap();
+    assert!(said.contains(&format!(" ({interpreter}): ")), "the interpreter is {interpreter}: {said}");
     let report = run.report();
     for (function, malloc) in [("small", two_lines::SMALL_MALLOC), ("large", two_lines::LARGE_MALLOC)] {
         let expected = [
@@ -304,10 +318,24 @@ fn each_python_line_is_a_stack_of_its_own(python: &str, version: &str, grouped: 
     }
 }
 
+/// As `each_python_line_is_a_stack_of_its_own` for pyenv's CPython
+/// `version`, whose interpreter is in libpython3.X.so.1.0.
+fn pyenv_lines_are_stacks_of_their_own(version: &str, grouped: bool) {
+    let minor = &version[..version.rfind('.').unwrap()];
+    let root = format!("/root/.pyenv/versions/{version}");
+    let interpreter = format!("{root}/lib/libpython{minor}.so.1.0");
+    each_python_line_is_a_stack_of_its_own(
+        &format!("{root}/bin/python{minor}"),
+        version,
+        &interpreter,
+        grouped,
+    );
+}
+
 #[test]
 fn debian_python_3_11_lines_are_stacks_of_their_own() {
     // Static: the interpreter is in the executable, not PIE.
-    each_python_line_is_a_stack_of_its_own(DEBIAN_PYTHON, "3.11.2", true);
+    each_python_line_is_a_stack_of_its_own(DEBIAN_PYTHON, "3.11.2", DEBIAN_PYTHON, true);
 }
 
 // pyenv's builds link a shared libpython3.X.so, mapped after the exec.
@@ -315,32 +343,32 @@ fn debian_python_3_11_lines_are_stacks_of_their_own() {
 #[test]
 fn pyenv_python_3_8_lines_are_stacks_of_their_own() {
     // Up to 3.10 each Python frame has a native eval call of its own.
-    each_python_line_is_a_stack_of_its_own("/root/.pyenv/versions/3.8.18/bin/python3.8", "3.8.18", false);
+    pyenv_lines_are_stacks_of_their_own("3.8.18", false);
 }
 
 #[test]
 fn pyenv_python_3_9_lines_are_stacks_of_their_own() {
-    each_python_line_is_a_stack_of_its_own("/root/.pyenv/versions/3.9.18/bin/python3.9", "3.9.18", false);
+    pyenv_lines_are_stacks_of_their_own("3.9.18", false);
 }
 
 #[test]
 fn pyenv_python_3_10_lines_are_stacks_of_their_own() {
-    each_python_line_is_a_stack_of_its_own("/root/.pyenv/versions/3.10.13/bin/python3.10", "3.10.13", false);
+    pyenv_lines_are_stacks_of_their_own("3.10.13", false);
 }
 
 #[test]
 fn pyenv_python_3_11_lines_are_stacks_of_their_own() {
-    each_python_line_is_a_stack_of_its_own("/root/.pyenv/versions/3.11.7/bin/python3.11", "3.11.7", true);
+    pyenv_lines_are_stacks_of_their_own("3.11.7", true);
 }
 
 #[test]
 fn pyenv_python_3_12_lines_are_stacks_of_their_own() {
-    each_python_line_is_a_stack_of_its_own("/root/.pyenv/versions/3.12.1/bin/python3.12", "3.12.1", true);
+    pyenv_lines_are_stacks_of_their_own("3.12.1", true);
 }
 
 #[test]
 fn pyenv_python_3_13_lines_are_stacks_of_their_own() {
-    each_python_line_is_a_stack_of_its_own("/root/.pyenv/versions/3.13.0/bin/python3.13", "3.13.0", true);
+    pyenv_lines_are_stacks_of_their_own("3.13.0", true);
 }
 
 /// No stack of `report` has a Python frame.
