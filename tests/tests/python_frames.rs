@@ -541,3 +541,50 @@ fn python_3_13_specialised_init_calls_show_no_frame_of_cpython() {
     }
     assert_eq!(total, (20 * (60_013 + 1), 20), "{report:#}");
 }
+
+/// Runs `memleak ARGS` to its end and returns its stdout.
+fn memleak_output(args: &[&str]) -> String {
+    let output = Command::new(memleak_tests::memleak_binary()).args(args).output().expect("run memleak");
+    assert!(output.status.success(), "memleak {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).expect("UTF-8")
+}
+
+/// A snapshot saved with --save keeps the Python frames: rendered later,
+/// as JSON it holds the live report's, as text each is a line of its own
+/// marked `[python]`, and a flame graph names them.
+#[test]
+fn saved_snapshots_render_python_frames_in_every_format() {
+    let dir = memleak_tests::tempdir::TempDir::new("memleak-python-save");
+    let save = dir.path().join("heap.snap");
+    let run = run_attached(
+        Path::new(DEBIAN_PYTHON),
+        "python_service",
+        &[],
+        Said::Runs("3.11.2"),
+        "json",
+        &["--save", save.to_str().unwrap()],
+    );
+    let snapshots: Vec<PathBuf> =
+        std::fs::read_dir(dir.path()).unwrap().map(|entry| entry.unwrap().path()).collect();
+    assert_eq!(snapshots.len(), 1, "one report: {snapshots:?}");
+    let snapshot = snapshots[0].to_str().unwrap();
+    let json = memleak_output(&["report", snapshot, "--format", "json"]);
+    let saved: Value = serde_json::from_str(json.trim_end()).unwrap();
+    assert_service_stack(&saved, 5);
+    assert_eq!(stacks(&saved)[0]["frames"], stacks(&run.report())[0]["frames"]);
+    let text = memleak_output(&["report", snapshot, "--format", "text"]);
+    let shown: Vec<String> = service::frames()
+        .iter()
+        .map(|frame| format!("\t\t{} ({}:{}) [python]", frame.function, frame.file, frame.line))
+        .collect();
+    assert!(text.contains(&shown.join("\n")), "{shown:#?} in {text}");
+    assert!(text.contains(&format!("\t\tculprit: {}\n", &shown[0][2..])), "{text}");
+    let svg = memleak_output(&["report", snapshot, "--format", "svg"]);
+    // Well-formed; each frame named in a title of its own. Read raw:
+    // svg_titles splits a title at an entity (`&lt;module&gt;`).
+    memleak_tests::svg_titles(&svg);
+    for frame in service::frames() {
+        let title = format!("<title>{} (", frame.function.replace('<', "&lt;").replace('>', "&gt;"));
+        assert!(svg.contains(&title), "{title} in {svg}");
+    }
+}
