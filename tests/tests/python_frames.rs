@@ -310,8 +310,12 @@ fn each_python_line_is_a_stack_of_its_own(python: &str, version: &str, interpret
             PyFrame::at("allocate", "python_frames", &format!("calls {function}")),
             PyFrame::at("<module>", "python_frames", "calls allocate"),
         ];
-        let at: Vec<&Value> =
-            stacks(&report).iter().filter(|stack| python_frames(stack) == expected).collect();
+        // Blocks from malloc: not an arena CPython's allocator might map
+        // for its small objects meanwhile, under the same Python frames.
+        let at: Vec<&Value> = stacks(&report)
+            .iter()
+            .filter(|stack| python_frames(stack) == expected && stack["mapping"].is_null())
+            .collect();
         assert_eq!(at.len(), 1, "one stack for {function}'s line: {report:#}");
         assert_eq!(usage(at[0]), (two_lines::COUNT * malloc, two_lines::COUNT), "{function}: {:#}", at[0]);
         assert_merged(at[0], &expected, grouped);
@@ -460,26 +464,27 @@ fn a_native_thread_that_never_ran_python_has_no_python_frames() {
     let report = run.report();
     // The process is walked: its Python thread's blocks have their frames.
     assert_service_stack(&report, 5);
-    let native: Vec<&Value> =
-        stacks(&report).iter().filter(|stack| frame_functions(stack)[0] == "keep_blocks").collect();
-    assert_eq!(native.len(), 1, "{report:#}");
-    let stack = native[0];
+    // One stack, unless the compiler unrolled the loop into several calls.
+    let mut native = (0, 0);
+    for stack in stacks(&report).iter().filter(|stack| frame_functions(stack)[0] == "keep_blocks") {
+        assert!(!frames(stack).iter().any(is_python), "{stack:#}");
+        assert!(frame_functions(stack).contains(&"start_thread"), "{stack:#}");
+        native = (native.0 + usage(stack).0, native.1 + usage(stack).1);
+    }
     // NATIVE_BLOCKS blocks of NATIVE_BLOCK_SIZE bytes in native_thread.c.
-    assert_eq!(usage(stack), (6 * 40_009, 6), "{stack:#}");
-    assert!(!frames(stack).iter().any(is_python), "{stack:#}");
-    assert!(frame_functions(stack).contains(&"start_thread"), "{stack:#}");
+    assert_eq!(native, (6 * 40_009, 6), "{report:#}");
 }
 
 #[test]
 fn folded_stacks_name_the_python_functions() {
     let run =
         run_attached(Path::new(DEBIAN_PYTHON), "python_service", &[], Said::Runs("3.11.2"), "folded", &[]);
-    let bytes = format!(" {}", service::COUNT * service::MALLOC);
-    let kept: Vec<&String> = run.stdout.iter().filter(|line| line.contains("Cache.remember")).collect();
-    assert_eq!(kept.len(), 1, "{:#?}", run.stdout);
-    // Root first.
+    // Root first, and the bytes last.
     let python = ";<module>;main;serve;Service.handle;Cache.remember;";
-    assert!(kept[0].contains(python) && kept[0].ends_with(&bytes), "{python} and{bytes} in {}", kept[0]);
+    let bytes = format!(" {}", service::COUNT * service::MALLOC);
+    let kept: Vec<&String> =
+        run.stdout.iter().filter(|line| line.contains(python) && line.ends_with(&bytes)).collect();
+    assert_eq!(kept.len(), 1, "{python} and{bytes} in one line: {:#?}", run.stdout);
     assert!(kept[0].contains(";Py_BytesMain;"), "{}", kept[0]);
 }
 
