@@ -62,8 +62,10 @@ impl PythonStacks {
         let mut groups: Vec<Vec<Arc<Frame>>> = vec![Vec::new()];
         for &word in words {
             let (code, lasti, group_end) = py_frame_parts(word);
-            let frame = python_frame(codes.resolve(code, Instruction::from_units(lasti)));
-            groups.last_mut().expect("one group at least").push(Arc::new(frame));
+            let frame = codes.resolve(code, Instruction::from_units(lasti));
+            if !is_init_cleanup(&frame) {
+                groups.last_mut().expect("one group at least").push(Arc::new(python_frame(frame)));
+            }
             if group_end {
                 groups.push(Vec::new());
             }
@@ -89,6 +91,17 @@ impl PythonStacks {
                 .or_insert_with(|| merge(&native, groups, |address| runtime.in_eval(address)).into()),
         )
     }
+}
+
+/// Whether `frame` runs CPython 3.13's `_Py_InitCleanup`: the frame a
+/// specialised call of a class pushes under its `__init__`, to check that
+/// `__init__` returned None. It is not the program's: CPython leaves it
+/// out of tracebacks (it is never "complete"), and so do reports. Its
+/// code object is static, named `__init__` with `__init__` for a file,
+/// and has no line table, so no line.
+fn is_init_cleanup(frame: &PyFrame) -> bool {
+    matches!(frame, PyFrame::Code { function, file, line: None }
+        if &**function == "__init__" && &**file == "__init__")
 }
 
 /// A resolved Python frame as a report's frame.
@@ -214,6 +227,20 @@ mod tests {
                 "start_thread",
             ]
         );
+    }
+
+    /// 3.13's `_Py_InitCleanup` frame is CPython's, not the program's; a
+    /// function named `__init__` in a real file is the program's.
+    #[test]
+    fn the_init_cleanup_frame_is_left_out() {
+        let code = |function: &str, file: &str, line| PyFrame::Code {
+            function: function.into(),
+            file: file.into(),
+            line,
+        };
+        assert!(is_init_cleanup(&code("__init__", "__init__", None)));
+        assert!(!is_init_cleanup(&code("__init__", "/app/svc.py", None)));
+        assert!(!is_init_cleanup(&code("Entry.__init__", "/app/svc.py", Some(3))));
     }
 
     /// Up to 3.10 every Python frame is its own eval call.
