@@ -66,6 +66,8 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
     // Python first, leaving at least one native frame: see `python`.
+    // Each Python frame takes two slots: its word, and its code object's
+    // check if the stack is new.
     let python = if user { python::walk(tgid, tunables::stack_depth() - 1) } else { 0 };
     // SAFETY: a field of the scratch key. Through memory, like the depth
     // below: the walk's many ways to end would each have the native walk
@@ -75,7 +77,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
         core::ptr::read_volatile(&raw const key.python_depth)
     };
     let walked = if user {
-        unwind::user_stack(ctx, tgid, key, python)
+        unwind::user_stack(ctx, tgid, key, 2 * python)
     } else {
         Walked { depth: unwind::kernel_stack(ctx, &mut key.frames)?, end: WalkEnd::Root as u32 }
     };
@@ -101,7 +103,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
 }
 
 /// The id of stack `key`, stored under a new id if it is new.
-fn find_or_insert(key: &StackKey) -> Option<u64> {
+fn find_or_insert(key: &mut StackKey) -> Option<u64> {
     let (tgid, hash) = (key.tgid, hash_of(key));
     for slot in 0..PROBE_SLOTS {
         let slot = StackSlot { tgid, _padding: 0, hash: hash.wrapping_add(slot) };
@@ -157,9 +159,12 @@ enum Inserted {
 }
 
 /// Stores `key` under a fresh id, then publishes the id in `slot`.
-fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
+fn insert(slot: &StackSlot, key: &mut StackKey) -> Inserted {
     let Some(id) = new_stack_id() else { return Inserted::Full };
-    if STACKS.insert(id, key, u64::from(BPF_NOEXIST)).is_err() {
+    python::check_frames(key, depth_of(key) as u32, python_depth_of(key) as u32);
+    // By reference: a copy would not fit the BPF stack.
+    let stored: &StackKey = key;
+    if STACKS.insert(id, stored, u64::from(BPF_NOEXIST)).is_err() {
         return Inserted::Full;
     }
     if STACK_IDS.insert(slot, id, u64::from(BPF_NOEXIST)).is_ok() {

@@ -1,6 +1,7 @@
 //! Python frames over a process's life: a stack's frames are resolved as
 //! soon as BPF stores the stack, not at the next report, so that a
-//! function that allocated and was then freed keeps its name; a process
+//! function that allocated and was then freed keeps its name; code freed
+//! and replaced by other code before that is never named as the other; a process
 //! that starts a sub-interpreter is walked no more, said once, and keeps
 //! the frames of its stacks from before.
 
@@ -116,4 +117,38 @@ fn a_process_running_sub_interpreters_is_traced_without_python_frames() {
         .find(|stack| stack["bytes"] == 40_001)
         .expect("the bytearray");
     assert!(python_functions(kept).is_empty(), "{kept:#}");
+}
+
+/// CPython reuses a freed code object's memory for the next code object
+/// of its size: without BPF's check of each frame's code object, the
+/// module body that allocated showed as one compiled after it, from
+/// another file.
+#[test]
+fn code_replaced_before_it_is_read_is_never_named_as_the_other() {
+    let mut program = Command::new("/root/.pyenv/versions/3.12.1/bin/python3.12");
+    program.arg(workspace_root().join("tests/fixtures/python_reused_code.py"));
+    let mut python = Leaker::start_command(program);
+    let pid = python.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1000", "3600"]);
+    memleak.wait_attached();
+    python.send("allocate", "done");
+    memleak.signal(libc::SIGINT);
+    let (status, reports) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
+    let report = reports.last().expect("a final report");
+    let stack = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|stack| stack["bytes"] == 60_001)
+        .unwrap_or_else(|| panic!("the bytearray kept: {report:#}"));
+    let innermost =
+        stack["frames"].as_array().unwrap().iter().find(|frame| frame["kind"] == "python").unwrap();
+    let function = innermost["function"].as_str().unwrap();
+    assert!(
+        (function == "<module>" && innermost["file"] == "<generated module>")
+            || function.starts_with("<freed code 0x"),
+        "the module body, or code said to be gone, never another file's: {innermost:#}"
+    );
+    python.exit();
 }

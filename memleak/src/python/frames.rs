@@ -55,14 +55,23 @@ impl PythonStacks {
     /// stored as `words`, unless done already; returns its innermost
     /// frame if it does. Done as soon as the stack is seen: a code object
     /// freed later would lose its name.
-    pub fn resolve(&mut self, stack_id: u64, words: &[u64], codes: &mut CodeCache) -> Option<Arc<Frame>> {
+    /// Each word's code object is checked against `checks`, BPF's check of
+    /// it when the stack was stored (0 or missing: unchecked).
+    pub fn resolve(
+        &mut self,
+        stack_id: u64,
+        words: &[u64],
+        checks: &[u64],
+        codes: &mut CodeCache,
+    ) -> Option<Arc<Frame>> {
         if words.is_empty() || self.resolved.contains_key(&stack_id) {
             return None;
         }
         let mut groups: Vec<Vec<Arc<Frame>>> = vec![Vec::new()];
-        for &word in words {
+        for (index, &word) in words.iter().enumerate() {
             let (code, lasti, group_end) = py_frame_parts(word);
-            let frame = codes.resolve(code, Instruction::from_units(lasti));
+            let check = checks.get(index).copied().unwrap_or(0);
+            let frame = codes.resolve_checked(code, Instruction::from_units(lasti), check);
             if !is_init_cleanup(&frame) {
                 groups.last_mut().expect("one group at least").push(Arc::new(python_frame(frame)));
             }

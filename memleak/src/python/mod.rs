@@ -443,6 +443,7 @@ fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcCon
         }
     };
     let too_far = |what: &str, offset: u64| format!("{what} at {offset:#x} is farther than the walk reads");
+    let check = CodeCheckSpan::of(&offsets.code)?;
     Ok(PyProcConfig {
         flags,
         tss_key,
@@ -462,6 +463,47 @@ fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcCon
         co_code: u16::try_from(offsets.code.code_adaptive.unwrap_or(0))
             .map_err(|_| too_far("co_code_adaptive", offsets.code.code_adaptive.unwrap_or(0)))?,
         max_frames: PY_DEFAULT_MAX_FRAMES,
-        _pad2: 0,
+        co_check: check.start,
+        co_check_size: check.size,
+        co_check_name: check.name,
+        co_check_file: check.file,
+        co_check_line: check.line,
+        _pad2: [0; 5],
     })
+}
+
+/// The part of a code object BPF reads to check it: from the lowest of
+/// its name, file and first line to the end of the highest, one read.
+struct CodeCheckSpan {
+    start: u8,
+    size: u8,
+    /// Within the span.
+    name: u8,
+    file: u8,
+    line: u8,
+}
+
+impl CodeCheckSpan {
+    fn of(code: &CodeOffsets) -> Result<Self, String> {
+        let name = code.qualname.unwrap_or(code.name);
+        let fields = [(name, 8), (code.filename, 8), (code.firstlineno, 4)];
+        // Aligned down to a word, as the pointers are.
+        let start = fields.iter().map(|&(offset, _)| offset).min().unwrap_or(0) & !7;
+        let end = fields.iter().map(|&(offset, size)| offset + size).max().unwrap_or(0);
+        let byte = |value: u64| {
+            u8::try_from(value)
+                .map_err(|_| format!("a code object's name, file and first line span {value:#x} bytes"))
+        };
+        let size = byte(end - start)?;
+        if size > 120 {
+            return Err(format!("a code object's name, file and first line span {size} bytes"));
+        }
+        Ok(Self {
+            start: byte(start)?,
+            size,
+            name: byte(name - start)?,
+            file: byte(code.filename - start)?,
+            line: byte(code.firstlineno - start)?,
+        })
+    }
 }

@@ -200,7 +200,14 @@ fn debians_static_stripped_python3_11() {
             _pad: 0,
             co_code: 0xb8,
             max_frames: 64,
-            _pad2: 0,
+            // co_firstlineno at 0x48, co_filename at 0x70, co_qualname
+            // at 0x80.
+            co_check: 0x48,
+            co_check_size: 0x40,
+            co_check_name: 0x38,
+            co_check_file: 0x28,
+            co_check_line: 0,
+            _pad2: [0; 5],
         }
     );
     assert_eq!(

@@ -834,7 +834,8 @@ impl Session {
             if let PythonFrames::Walked { codes, stacks, .. } | PythonFrames::Stopped { codes, stacks, .. } =
                 &mut target.python
             {
-                if let Some(innermost) = stacks.resolve(id, words, codes) {
+                let checks = self.stacks.python_checks(id);
+                if let Some(innermost) = stacks.resolve(id, words, checks, codes) {
                     let shown = crate::report::text::describe(&innermost);
                     log::debug!("pid {owner}: stack {id:#x}: Python frames resolved, the innermost {shown}");
                 }
