@@ -28,7 +28,7 @@ pub const PY_MUSL: u32 = 1 << 5;
 pub const PY_OWNED_BY_CSTACK: u8 = 3;
 
 /// Python frames walked per stack unless told otherwise.
-pub const PY_DEFAULT_MAX_FRAMES: u16 = 64;
+pub const PY_DEFAULT_MAX_FRAMES: u16 = 63;
 
 /// A stack word that is a Python frame, not a return address: user-space
 /// return addresses are below 2^47 on x86-64.

@@ -198,8 +198,8 @@ pub struct Tracer {
     /// thread started the first time (see `detach_exited`).
     closer: Option<std::sync::mpsc::Sender<Links>>,
     /// How many Python frames the BPF side walks per stack, if it does:
-    /// loaded with the kernel's fsbase offset. At most one less than a
-    /// stack's frames, as the walk leaves one for the native frames.
+    /// loaded with the kernel's fsbase offset. Each takes two of a stack's
+    /// frames, and the walk leaves one for the native frames.
     python_max_frames: Option<u16>,
 }
 
@@ -349,8 +349,9 @@ impl Tracer {
                 .python_max_frames
                 .filter(|_| config.py_fsbase_offset != 0)
                 .map(|max_frames| {
-                    let below_stack_depth = config.settings.stack_depth.saturating_sub(1);
-                    max_frames.min(u16::try_from(below_stack_depth).unwrap_or(u16::MAX))
+                    // Two slots a frame, and one native frame at least.
+                    let room = config.settings.stack_depth.saturating_sub(1) / 2;
+                    max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
                 }),
         })
     }

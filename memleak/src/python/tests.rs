@@ -199,7 +199,7 @@ fn debians_static_stripped_python3_11() {
             read_size: 0x48,
             _pad: 0,
             co_code: 0xb8,
-            max_frames: 64,
+            max_frames: 63,
             // co_firstlineno at 0x48, co_filename at 0x70, co_qualname
             // at 0x80.
             co_check: 0x48,
