@@ -458,3 +458,45 @@ main()
     }
     assert_eq!(seen_in_transit, 3, "threads in transit were met");
 }
+
+/// A process looked at while its loader has mapped the interpreter and
+/// not yet libc, and checked once the interpreter has initialised (it
+/// runs on while its files are read): its libc is found, not missed for
+/// good.
+#[test]
+fn an_interpreter_read_before_libc_is_mapped_is_checked_with_its_libc() {
+    use std::os::unix::process::CommandExt as _;
+    let mut command = Command::new("/usr/bin/python3.11");
+    command.args(["-c", "import sys; print('ready', flush=True); sys.stdin.readline()"]);
+    command.stdin(Stdio::piped()).stdout(Stdio::piped());
+    // SAFETY: ptrace(PTRACE_TRACEME) is async-signal-safe; the child then
+    // stops at its execve with SIGTRAP.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    let pid = child.id();
+    let mut status = 0;
+    // SAFETY: waits for this test's own child to stop.
+    let waited = unsafe { libc::waitpid(pid as libc::pid_t, &raw mut status, 0) };
+    assert_eq!(waited, pid as libc::pid_t);
+    assert!(libc::WIFSTOPPED(status), "stopped at exec: {status:#x}");
+    let Ok(found) = inspect_files(pid) else { panic!("the interpreter is mapped at exec") };
+    // SAFETY: lets this test's own stopped child run on.
+    assert_eq!(unsafe { libc::ptrace(libc::PTRACE_DETACH, pid as libc::pid_t, 0, 0) }, 0);
+    let mut ready = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut ready).unwrap();
+    assert_eq!(ready, "ready\n");
+    let checked = check_interpreter(pid, found);
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    if let Err(refused) = checked {
+        panic!("expected the interpreter enabled, got {refused:?}");
+    }
+}
