@@ -273,7 +273,12 @@ const KNOWN_INTERPRETERS: usize = 64;
 fn inspect_files(pid: u32) -> Result<InterpreterFile, Detection> {
     let mappings =
         runtime::Mappings::read(pid).map_err(|error| format!("cannot read /proc/{pid}/maps: {error}"))?;
-    let object = runtime::find_interpreter(pid, &mappings).ok_or(Detection::NotPython)?;
+    let Some(object) = runtime::find_interpreter(pid, &mappings) else {
+        if runtime::links_interpreter(pid, &mappings) {
+            return Err(Detection::TryLater("its libpython is not loaded yet".to_owned()));
+        }
+        return Err(Detection::NotPython);
+    };
     let facts = {
         let mut known = INTERPRETERS.lock().unwrap_or_else(PoisonError::into_inner);
         let known = known.get_or_insert_with(HashMap::new);

@@ -170,9 +170,17 @@ impl FileIdentity {
     }
 }
 
-/// What an object's dynamic symbols say of it: (defines `_PyRuntime`,
-/// defines `Py_Initialize`).
-type ObjectKind = (bool, bool);
+/// What an object's dynamic symbols say of it.
+#[derive(Clone, Copy)]
+struct ObjectKind {
+    /// It defines `_PyRuntime` (3.7+).
+    has_runtime: bool,
+    /// It defines `Py_Initialize`.
+    initializes: bool,
+    /// It calls an interpreter it does not define (`Py_BytesMain`, say):
+    /// an executable linked with a `libpython` its loader maps later.
+    links_interpreter: bool,
+}
 
 /// The kinds of the objects looked at, by file: a process caught at its
 /// exec is looked at every few milliseconds until its interpreter has
@@ -182,8 +190,7 @@ static OBJECT_KINDS: std::sync::Mutex<Option<HashMap<FileIdentity, ObjectKind>>>
     std::sync::Mutex::new(None);
 const KNOWN_OBJECTS: usize = 4096;
 
-/// Whether `file` defines `_PyRuntime` and `Py_Initialize`, parsed once
-/// per file.
+/// What `file`'s dynamic symbols say of it, parsed once per file.
 fn object_kind(file: &File) -> Option<ObjectKind> {
     let identity = FileIdentity::of(file);
     let mut known = OBJECT_KINDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -196,7 +203,12 @@ fn object_kind(file: &File) -> Option<ObjectKind> {
     // symbols say, without reading a large `.symtab`.
     let exports = |name| dynamic_symbol(&parsed, name).is_some();
     let has_runtime = exports("_PyRuntime") || parsed.section_by_name(".PyRuntime").is_some();
-    let kind = (has_runtime, exports("Py_Initialize"));
+    let initializes = exports("Py_Initialize");
+    let imports =
+        |name| parsed.dynamic_symbols().any(|symbol| symbol.is_undefined() && symbol.name() == Ok(name));
+    let links_interpreter =
+        !has_runtime && (imports("Py_BytesMain") || imports("Py_Main") || imports("Py_Initialize"));
+    let kind = ObjectKind { has_runtime, initializes, links_interpreter };
     if let Some(identity) = identity {
         let known = known.get_or_insert_with(HashMap::new);
         if known.len() >= KNOWN_OBJECTS {
@@ -219,7 +231,7 @@ pub fn find_interpreter(pid: u32, mappings: &Mappings) -> Option<InterpreterObje
     let mut legacy = None;
     for (first, code) in &mappings.objects {
         let Some(file) = files::open_mapped(pid, code) else { continue };
-        let Some((has_runtime, initializes)) = object_kind(&file) else { continue };
+        let Some(ObjectKind { has_runtime, initializes, .. }) = object_kind(&file) else { continue };
         if !has_runtime && (legacy.is_some() || !initializes) {
             continue;
         }
@@ -233,6 +245,17 @@ pub fn find_interpreter(pid: u32, mappings: &Mappings) -> Option<InterpreterObje
         legacy = Some(found);
     }
     legacy
+}
+
+/// Whether process `pid` runs an executable that calls an interpreter
+/// it does not define: looked at before its loader has mapped the
+/// `libpython` that does (at its execve), it is CPython not ready yet.
+pub fn links_interpreter(pid: u32, mappings: &Mappings) -> bool {
+    mappings.objects.iter().any(|(_, code)| {
+        files::open_mapped(pid, code)
+            .and_then(|file| object_kind(&file))
+            .is_some_and(|kind| kind.links_interpreter)
+    })
 }
 
 /// Where the object that `first` (its first mapping) maps is loaded:

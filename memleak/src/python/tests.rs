@@ -321,12 +321,10 @@ fn glibc_thread_specific_data_is_found_for_any_key() {
     }
 }
 
-/// A process caught right after its exec: the interpreter is mapped, not
-/// initialised. Detection says to try again, and does not disable.
-#[test]
-fn an_interpreter_not_initialised_yet_is_tried_later() {
+/// What detection says of `python -c pass` caught right after its exec.
+fn detect_at_exec(python: &str) -> Detection {
     use std::os::unix::process::CommandExt as _;
-    let mut command = Command::new("/usr/bin/python3.11");
+    let mut command = Command::new(python);
     command.args(["-c", "pass"]);
     // SAFETY: ptrace(PTRACE_TRACEME) is async-signal-safe; the child then
     // stops at its execve with SIGTRAP.
@@ -348,10 +346,28 @@ fn an_interpreter_not_initialised_yet_is_tried_later() {
     let detection = detect(child.id());
     let _ = child.kill();
     let _ = child.wait();
-    match detection {
+    detection
+}
+
+/// A process caught right after its exec: the interpreter is mapped, not
+/// initialised. Detection says to try again, and does not disable.
+#[test]
+fn an_interpreter_not_initialised_yet_is_tried_later() {
+    match detect_at_exec("/usr/bin/python3.11") {
         Detection::TryLater(reason) => {
             assert_eq!(reason, "the interpreter has not initialised its thread-state key yet");
         }
+        other => panic!("expected TryLater, got {other:?}"),
+    }
+}
+
+/// An executable linked with libpython, caught at its exec: only it and
+/// its loader are mapped, not yet the libpython that holds the
+/// interpreter. It is CPython to look for again, not a process without.
+#[test]
+fn an_interpreter_whose_libpython_is_not_loaded_yet_is_tried_later() {
+    match detect_at_exec("/root/.pyenv/versions/3.12.1/bin/python3.12") {
+        Detection::TryLater(reason) => assert_eq!(reason, "its libpython is not loaded yet"),
         other => panic!("expected TryLater, got {other:?}"),
     }
 }
