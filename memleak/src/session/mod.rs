@@ -584,6 +584,23 @@ impl Session {
         Ok(())
     }
 
+    /// Looks again for the interpreter of each target whose CPython had
+    /// not initialised when last looked for, for `PYTHON_PENDING_FOR`
+    /// after it was first seen: an interpreter starts running its script
+    /// some tens of milliseconds after it initialises, well before the
+    /// next refresh. Says whether any is still to be looked for.
+    pub fn detect_pending_python(&mut self) -> Result<bool, SessionError> {
+        let mut pending = false;
+        for target in &mut self.targets {
+            let PythonFrames::Pending { since } = target.python else { continue };
+            if since.elapsed() < PYTHON_PENDING_FOR {
+                update_python_frames(&mut self.tracer, target)?;
+                pending |= matches!(target.python, PythonFrames::Pending { .. });
+            }
+        }
+        Ok(pending)
+    }
+
     /// Rescans the processes whose walks met code they did not know.
     fn take_rescan_requests(&mut self) -> Result<(), SessionError> {
         if self.unwind.is_none() {
@@ -977,6 +994,12 @@ fn update_unwind_table(
     Ok(())
 }
 
+/// How long after memleak first sees a CPython that has not initialised
+/// it keeps looking again every few milliseconds: a process that maps an
+/// interpreter it never starts (a program embedding it for plugins) is
+/// then looked at only at each refresh.
+const PYTHON_PENDING_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Looks for CPython in `target`, unless looked for already, and has the
 /// BPF side walk its Python frames if it is found and passes every check.
 /// Says the interpreter found, or once why its frames are not read.
@@ -995,7 +1018,15 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
         }
         return Ok(());
     }
-    if target.is_kernel() || !matches!(target.python, PythonFrames::Unknown) {
+    let since = match target.python {
+        PythonFrames::Unknown => std::time::Instant::now(),
+        PythonFrames::Pending { since } => since,
+        PythonFrames::NotPython
+        | PythonFrames::Walked { .. }
+        | PythonFrames::Stopped { .. }
+        | PythonFrames::Off => return Ok(()),
+    };
+    if target.is_kernel() {
         return Ok(());
     }
     target.python = match python::detect(pid) {
@@ -1027,8 +1058,10 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
         }
         Detection::NotPython => PythonFrames::NotPython,
         Detection::TryLater(why) => {
-            log::debug!("pid {pid}: Python frames later: {why}");
-            PythonFrames::Unknown
+            if matches!(target.python, PythonFrames::Unknown) {
+                log::debug!("pid {pid}: Python frames later: {why}");
+            }
+            PythonFrames::Pending { since }
         }
         Detection::Disabled(why) => {
             log::warn!("pid {pid}: no Python frames: {why}");

@@ -117,10 +117,15 @@ pub struct Target {
 /// Where a target's Python frames stand (--python).
 #[derive(Default)]
 pub enum PythonFrames {
-    /// Not looked for yet, or to look for again: the interpreter was not
-    /// ready.
+    /// Not looked for yet, or to look for again once the mappings change.
     #[default]
     Unknown,
+    /// CPython that has not initialised yet (a process caught at its
+    /// exec), first seen so `since`: looked for again every few
+    /// milliseconds for a while (see `Session::detect_pending_python`), so
+    /// that its first lines of Python have their frames, then at each
+    /// refresh.
+    Pending { since: std::time::Instant },
     /// No CPython was mapped when looked for: looked for again once the
     /// mappings change (a program's libraries map after its exec).
     NotPython,
