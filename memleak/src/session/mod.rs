@@ -1000,23 +1000,31 @@ fn update_unwind_table(
 /// then looked at only at each refresh.
 const PYTHON_PENDING_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// Stops walking the Python frames of `target`, walked until now, if it
+/// has started a sub-interpreter since: one read or two.
+fn stop_at_subinterpreters(tracer: &mut Tracer, target: &mut Target) -> Result<(), TracerError> {
+    let PythonFrames::Walked { runtime, codes, .. } = &target.python else { return Ok(()) };
+    if !python::runs_subinterpreters(codes.memory(), runtime.runtime_address, &runtime.offsets)
+        .unwrap_or(false)
+    {
+        return Ok(());
+    }
+    let pid = target.pid;
+    tracer.forget_python_process(pid)?;
+    log::warn!("pid {pid}: no more Python frames: {}", python::SUBINTERPRETERS);
+    if let PythonFrames::Walked { runtime, codes, stacks } = std::mem::take(&mut target.python) {
+        target.python = PythonFrames::Stopped { runtime, codes, stacks };
+    }
+    Ok(())
+}
+
 /// Looks for CPython in `target`, unless looked for already, and has the
 /// BPF side walk its Python frames if it is found and passes every check.
 /// Says the interpreter found, or once why its frames are not read.
 fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), TracerError> {
     let pid = target.pid;
-    if let PythonFrames::Walked { runtime, codes, .. } = &target.python {
-        // One read or two: whether a sub-interpreter started since.
-        if python::runs_subinterpreters(codes.memory(), runtime.runtime_address, &runtime.offsets)
-            .unwrap_or(false)
-        {
-            tracer.forget_python_process(pid)?;
-            log::warn!("pid {pid}: no more Python frames: {}", python::SUBINTERPRETERS);
-            if let PythonFrames::Walked { runtime, codes, stacks } = std::mem::take(&mut target.python) {
-                target.python = PythonFrames::Stopped { runtime, codes, stacks };
-            }
-        }
-        return Ok(());
+    if matches!(target.python, PythonFrames::Walked { .. }) {
+        return stop_at_subinterpreters(tracer, target);
     }
     let since = match target.python {
         PythonFrames::Unknown => std::time::Instant::now(),
