@@ -13,7 +13,10 @@ use crate::{
     output::{BackgroundFiles, NumberedFiles, Output, OutputError},
     process::feedback,
     report::{saved, CgroupTotal, Report},
-    session::{CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec},
+    session::{
+        CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec,
+        PYTHON_PENDING_RETRY,
+    },
     stats::{Stats, StatsError},
     status,
 };
@@ -22,12 +25,6 @@ use crate::{
 /// later can be symbolized even if a target exits before the next report,
 /// and how soon a process that joins a cgroup is traced.
 const REFRESH: Duration = Duration::from_millis(250);
-
-/// How often a target whose CPython has not initialised yet is looked at
-/// again (`Session::detect_pending_python`): its script's first lines run
-/// tens of milliseconds after it initialises. A look is a read of its
-/// maps and of a few words of its memory; the files are read once.
-const PYTHON_PENDING_RETRY: Duration = Duration::from_millis(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {

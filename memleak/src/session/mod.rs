@@ -994,6 +994,12 @@ fn update_unwind_table(
     Ok(())
 }
 
+/// How often a target whose CPython has not initialised yet is looked at
+/// again (`Session::detect_pending_python`): its script's first lines run
+/// tens of milliseconds after it initialises. A look is a read of its
+/// maps and of a few words of its memory; the files are read once.
+pub const PYTHON_PENDING_RETRY: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// How long after memleak first sees a CPython that has not initialised
 /// it keeps looking again every few milliseconds: a process that maps an
 /// interpreter it never starts (a program embedding it for plugins) is
