@@ -28,7 +28,7 @@ pub const PY_MUSL: u32 = 1 << 5;
 pub const PY_OWNED_BY_CSTACK: u8 = 3;
 
 /// Python frames walked per stack unless told otherwise.
-pub const PY_DEFAULT_MAX_FRAMES: u16 = 64;
+pub const PY_DEFAULT_MAX_FRAMES: u16 = 63;
 
 /// A stack word that is a Python frame, not a return address: user-space
 /// return addresses are below 2^47 on x86-64.
@@ -84,7 +84,31 @@ pub struct PyProcConfig {
     pub co_code: u16,
     /// Python frames walked at most.
     pub max_frames: u16,
-    pub _pad2: u16,
+    /// Where a code object's identity lies ([`py_code_check`]): the span
+    /// of it read, from its start, and the identity's fields within the
+    /// span: `co_qualname` (`co_name` before 3.11), `co_filename`,
+    /// `co_firstlineno`.
+    pub co_check: u8,
+    pub co_check_size: u8,
+    pub co_check_name: u8,
+    pub co_check_file: u8,
+    pub co_check_line: u8,
+    pub _pad2: [u8; 5],
+}
+
+/// A code object's check: its name, file and first line, hashed. Taken
+/// by BPF when a stack is first stored, after its Python words (one per
+/// frame), and compared by user space with the code object it reads at
+/// the frame's address: one freed and replaced by another there since is
+/// told apart, not named as the other. Never 0, which is a frame whose
+/// code object could not be read.
+pub const fn py_code_check(name: u64, file: u64, first_line: i32) -> u64 {
+    const PRIME: u64 = 0x100_0000_01b3;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    hash = (hash ^ name).wrapping_mul(PRIME);
+    hash = (hash ^ file).wrapping_mul(PRIME);
+    hash = (hash ^ first_line as u32 as u64).wrapping_mul(PRIME);
+    hash | 1
 }
 
 /// The stack word of a Python frame running `code` at instruction `lasti`

@@ -25,7 +25,9 @@ pub struct StackKey {
     pub end: u32,
     /// Python frames after the native ones in `frames`, each a word of
     /// [`py_frame_word`](crate::python::py_frame_word); part of the
-    /// stack's identity, so each Python line has its own stack.
+    /// stack's identity, so each Python line has its own stack. As many
+    /// checks of their code objects follow them in `frames`, taken when
+    /// the stack was first stored, and not part of its identity.
     pub python_depth: u32,
     pub frames: StackFrames,
 }
@@ -39,6 +41,15 @@ impl StackKey {
     /// The Python frames' words, innermost first.
     pub fn python_words(&self) -> &[u64] {
         let start = (self.depth as usize).min(MAX_STACK_DEPTH);
+        let end = start.saturating_add(self.python_depth as usize).min(MAX_STACK_DEPTH);
+        &self.frames[start..end]
+    }
+
+    /// The checks of the Python frames' code objects
+    /// ([`py_code_check`](crate::python::py_code_check)), one per word,
+    /// stored after the words; 0 where none was taken.
+    pub fn python_checks(&self) -> &[u64] {
+        let start = (self.depth as usize).saturating_add(self.python_depth as usize).min(MAX_STACK_DEPTH);
         let end = start.saturating_add(self.python_depth as usize).min(MAX_STACK_DEPTH);
         &self.frames[start..end]
     }

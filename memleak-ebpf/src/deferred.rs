@@ -11,8 +11,7 @@ use memleak_common::{lost_stack_id, AllocationKey, Counter, MappingEvent};
 use crate::{
     counters,
     maps::{PendingRecord, PENDING_RECORD, USER_STACK_RECORDER},
-    probes::mmap,
-    record,
+    process_events, record,
 };
 
 /// What the slot asks for.
@@ -41,7 +40,7 @@ pub fn send_mapping(ctx: &RetProbeContext, event: MappingEvent) {
         pending.mapping = event;
     });
     counters::increment(event.tgid, Counter::StacksLost);
-    mmap::send(MappingEvent { stack_id: lost_stack_id(event.tgid), ..event });
+    process_events::send(MappingEvent { stack_id: lost_stack_id(event.tgid), ..event });
 }
 
 /// Fills this CPU's slot and tail-calls the recorder, which does not come

@@ -32,6 +32,7 @@ mod deferred;
 mod events;
 mod maps;
 mod probes;
+mod process_events;
 mod python;
 mod record;
 mod stack;

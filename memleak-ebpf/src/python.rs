@@ -7,6 +7,11 @@
 //! it sits in the probe, so nothing moves under the walk. A failed read
 //! ends the walk with the frames found so far; the allocation is recorded
 //! anyway.
+//!
+//! A stack stored for the first time also gets a check of each frame's
+//! code object (`check_frames`), for user space to tell it from another
+//! code object allocated at its address after it was freed. Only then:
+//! the walk that finds a stack already stored reads no code object.
 
 use core::ffi::c_void;
 
@@ -16,8 +21,8 @@ use aya_ebpf::helpers::{
 };
 use memleak_common::{
     python::{
-        py_frame_word, PY_CFRAME, PY_ENTRY_FLAG, PY_FRAMEOBJ, PY_GROUP_END, PY_LASTI_BYTES, PY_MUSL,
-        PY_OWNED_BY_CSTACK, PY_OWNER_SHIM,
+        py_code_check, py_frame_parts, py_frame_word, PY_CFRAME, PY_ENTRY_FLAG, PY_FRAMEOBJ, PY_GROUP_END,
+        PY_LASTI_BYTES, PY_MUSL, PY_OWNED_BY_CSTACK, PY_OWNER_SHIM,
     },
     StackKey, MAX_STACK_DEPTH,
 };
@@ -43,10 +48,12 @@ pub struct PyScratch {
 /// One frame's bytes, as words: every field read is aligned in it.
 type Frame = [u64; FRAME_BYTES / 8];
 
-/// Walks the current thread's Python frames into `PY_SCRATCH`, at most
-/// `limit`, and returns how many it found: 0 for a process not in
-/// `PY_PROCS` or a thread that never ran Python.
-pub fn walk(tgid: u32, limit: u32) -> u32 {
+/// Walks the current thread's Python frames into `PY_SCRATCH`, as many
+/// as `slots` frames of a stack hold with their checks (two each), and
+/// returns how many it found: 0 for a process not in `PY_PROCS` or a
+/// thread that never ran Python.
+pub fn walk(tgid: u32, slots: u32) -> u32 {
+    let limit = slots / 2;
     let fsbase_offset = tunables::py_fsbase_offset();
     if fsbase_offset == 0 {
         return 0;
@@ -202,6 +209,73 @@ fn int_at(frame: &Frame, offset: u32) -> i32 {
 fn byte_at(frame: &Frame, offset: u32) -> u8 {
     // SAFETY: a byte within the buffer.
     unsafe { *frame.as_ptr().cast::<u8>().add(offset as usize & (FRAME_BYTES - 1)) }
+}
+
+/// Writes, after the `count` Python words of a stack stored for the first
+/// time, the check of each word's code object (`py_code_check`), read
+/// now: 0 where it cannot be read. The walk left room for them.
+pub fn check_frames(key: &mut StackKey, start: u32, count: u32) {
+    if count == 0 {
+        return;
+    }
+    // SAFETY: the value of a live entry, copied at once.
+    let Some(config) = (unsafe { PY_PROCS.get(key.tgid) }).copied() else { return };
+    let Some(scratch) = PY_SCRATCH.get_ptr_mut(0) else { return };
+    let mut checks = Checks {
+        scratch,
+        key,
+        start,
+        count,
+        span_start: u64::from(config.co_check),
+        span_size: u32::from(config.co_check_size),
+        name: u32::from(config.co_check_name),
+        file: u32::from(config.co_check_file),
+        line: u32::from(config.co_check_line),
+    };
+    // SAFETY: as in `walk`.
+    unsafe {
+        bpf_loop(count.min(MAX_STACK_DEPTH as u32), check_step as *mut c_void, (&raw mut checks).cast(), 0)
+    };
+}
+
+#[repr(C)]
+struct Checks {
+    scratch: *mut PyScratch,
+    key: *mut StackKey,
+    start: u32,
+    count: u32,
+    span_start: u64,
+    span_size: u32,
+    name: u32,
+    file: u32,
+    line: u32,
+}
+
+extern "C" fn check_step(index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `check_frames` passed this pointer to its own `Checks`,
+    // whose pointers are to this CPU's scratch maps.
+    let checks = unsafe { &mut *ctx.cast::<Checks>() };
+    // SAFETY: as above.
+    let (scratch, key) = unsafe { (&mut *checks.scratch, &mut *checks.key) };
+    let at = checks.start as usize + index as usize;
+    let Some(&word) = key.frames.get(at) else { return 1 };
+    let (code, _, _) = py_frame_parts(word);
+    let size = checks.span_size & (FRAME_BYTES as u32 - 1);
+    // SAFETY: at most FRAME_BYTES bytes into the scratch's frame buffer,
+    // which the walk is done with.
+    let read = unsafe {
+        read_user_into(scratch.frame.as_mut_ptr().cast(), size, (code + checks.span_start) as *const c_void)
+    };
+    let check = if read == 0 {
+        let name = word_at(&scratch.frame, checks.name);
+        let file = word_at(&scratch.frame, checks.file);
+        py_code_check(name, file, int_at(&scratch.frame, checks.line))
+    } else {
+        0
+    };
+    let Some(slot) = key.frames.get_mut(at + checks.count as usize) else { return 1 };
+    *slot = check;
+    0
 }
 
 /// Copies `count` words from `PY_SCRATCH` into `key.frames` after its

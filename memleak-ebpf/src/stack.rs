@@ -20,11 +20,15 @@ use aya_ebpf::{
     helpers::generated::{bpf_get_smp_processor_id, bpf_loop},
     EbpfContext,
 };
-use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNEL_TGID, MAX_STACK_DEPTH};
+use memleak_common::{
+    lost_stack_id, Counter, MappingChange, MappingEvent, StackKey, StackSlot, WalkEnd, KERNEL_TGID,
+    MAX_STACK_DEPTH,
+};
 
 use crate::{
     counters,
     maps::{LastStack, LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
+    process_events::send,
     python, tunables,
     unwind::{self, Walked},
 };
@@ -62,6 +66,8 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
     // Python first, leaving at least one native frame: see `python`.
+    // Each Python frame takes two slots: its word, and its code object's
+    // check if the stack is new.
     let python = if user { python::walk(tgid, tunables::stack_depth() - 1) } else { 0 };
     // SAFETY: a field of the scratch key. Through memory, like the depth
     // below: the walk's many ways to end would each have the native walk
@@ -71,7 +77,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
         core::ptr::read_volatile(&raw const key.python_depth)
     };
     let walked = if user {
-        unwind::user_stack(ctx, tgid, key, python)
+        unwind::user_stack(ctx, tgid, key, 2 * python)
     } else {
         Walked { depth: unwind::kernel_stack(ctx, &mut key.frames)?, end: WalkEnd::Root as u32 }
     };
@@ -97,7 +103,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
 }
 
 /// The id of stack `key`, stored under a new id if it is new.
-fn find_or_insert(key: &StackKey) -> Option<u64> {
+fn find_or_insert(key: &mut StackKey) -> Option<u64> {
     let (tgid, hash) = (key.tgid, hash_of(key));
     for slot in 0..PROBE_SLOTS {
         let slot = StackSlot { tgid, _padding: 0, hash: hash.wrapping_add(slot) };
@@ -153,12 +159,18 @@ enum Inserted {
 }
 
 /// Stores `key` under a fresh id, then publishes the id in `slot`.
-fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
+fn insert(slot: &StackSlot, key: &mut StackKey) -> Inserted {
     let Some(id) = new_stack_id() else { return Inserted::Full };
-    if STACKS.insert(id, key, u64::from(BPF_NOEXIST)).is_err() {
+    python::check_frames(key, depth_of(key) as u32, python_depth_of(key) as u32);
+    // By reference: a copy would not fit the BPF stack.
+    let stored: &StackKey = key;
+    if STACKS.insert(id, stored, u64::from(BPF_NOEXIST)).is_err() {
         return Inserted::Full;
     }
     if STACK_IDS.insert(slot, id, u64::from(BPF_NOEXIST)).is_ok() {
+        if python_depth_of(key) != 0 {
+            announce_python_stack(key.tgid, id);
+        }
         return Inserted::Stored(id);
     }
     let _ = STACKS.remove(id);
@@ -169,6 +181,17 @@ fn insert(slot: &StackSlot, key: &StackKey) -> Inserted {
     } else {
         Inserted::Full
     }
+}
+
+/// Tells user space of a new stack with Python frames: the code objects
+/// they ran may be freed before the next report reads the stacks.
+fn announce_python_stack(tgid: u32, id: u64) {
+    send(MappingEvent {
+        tgid,
+        stack_id: id,
+        change: MappingChange::PythonStack as u32,
+        ..MappingEvent::default()
+    });
 }
 
 /// FNV-1a over the process and the frames in use.

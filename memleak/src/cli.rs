@@ -199,9 +199,10 @@ pub struct Probing {
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = PythonFrames::Auto)]
     pub python: PythonFrames,
 
-    /// Python frames kept per stack at most (1 to 126); the native frames
-    /// get what --max-stack-depth leaves.
-    #[arg(long, value_name = "N", default_value_t = PY_DEFAULT_MAX_FRAMES, value_parser = clap::value_parser!(u16).range(1..=126))]
+    /// Python frames kept per stack at most (1 to 63). Each takes two of
+    /// the --max-stack-depth frames (its code and instruction, and a check
+    /// of its code object); the native frames get what they leave.
+    #[arg(long, value_name = "N", default_value_t = PY_DEFAULT_MAX_FRAMES, value_parser = clap::value_parser!(u16).range(1..=63))]
     pub max_python_depth: u16,
 
     /// Also probe CPython's small-object allocator (PyObject_Malloc and

@@ -49,6 +49,9 @@ pub enum Truncation {
     /// At a switch to another stack that the walk cannot follow (Go's
     /// `runtime.asmcgocall`, where a cgo call leaves the goroutine's stack).
     StackSwitch,
+    /// Its innermost `--max-python-depth` Python frames were taken: the
+    /// callers past them may be missing.
+    PythonDepthLimit,
 }
 
 impl Truncation {
@@ -61,6 +64,7 @@ impl Truncation {
             Truncation::BadFrame => "at a frame that could not be read",
             Truncation::FramePointers => "walked with frame pointers",
             Truncation::StackSwitch => "at a switch to another stack",
+            Truncation::PythonDepthLimit => "at --max-python-depth",
         }
     }
 }

@@ -13,7 +13,10 @@ use crate::{
     output::{BackgroundFiles, NumberedFiles, Output, OutputError},
     process::feedback,
     report::{saved, CgroupTotal, Report},
-    session::{CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec},
+    session::{
+        CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec,
+        PYTHON_PENDING_RETRY,
+    },
     stats::{Stats, StatsError},
     status,
 };
@@ -174,9 +177,13 @@ async fn drive(
     sinks: &mut Sinks<'_>,
     stop: &mut StopSignals,
 ) -> Result<(), RunError> {
+    let mut python_retry = tokio::time::interval(PYTHON_PENDING_RETRY);
+    python_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut clocks = Clocks {
         interval: tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval),
         refresh: tokio::time::interval(REFRESH),
+        python_retry,
+        python_pending: true,
     };
     let mut printed = 0u64;
     loop {
@@ -220,10 +227,15 @@ async fn drive(
     }
 }
 
-/// The report loop's timers: reports, and re-reading the targets.
+/// The report loop's timers: reports, re-reading the targets, and looking
+/// again for interpreters not ready yet.
 struct Clocks {
     interval: tokio::time::Interval,
     refresh: tokio::time::Interval,
+    python_retry: tokio::time::Interval,
+    /// Whether a target may have an interpreter not ready yet: set
+    /// whenever targets may have come or changed, cleared once none has.
+    python_pending: bool,
 }
 
 /// Waits until reports are due, meanwhile picking up new processes and
@@ -234,9 +246,16 @@ async fn next_round(
     clocks: &mut Clocks,
     stop: &mut StopSignals,
 ) -> Result<Round, RunError> {
+    // A round may have restarted a target at its execve.
+    clocks.python_pending = true;
     loop {
         let round = tokio::select! {
+            _ = clocks.python_retry.tick(), if clocks.python_pending => {
+                clocks.python_pending = session.detect_pending_python()?;
+                continue;
+            }
             _ = clocks.refresh.tick() => {
+                clocks.python_pending = true;
                 let added = session.refresh()?;
                 let targets = session.targets();
                 for target in &targets[targets.len() - added..] {
@@ -256,11 +275,13 @@ async fn next_round(
                     Round::Exit { pid, ack }
                 }
                 SessionEvent::Followed { pid, parent } => {
+                    clocks.python_pending = true;
                     status::say(&format!("tracing pid {pid}, forked by pid {parent}"));
                     continue;
                 }
                 // Only `memleak serve` follows processes from their execve.
                 SessionEvent::Joined { pid } => {
+                    clocks.python_pending = true;
                     status::say(&format!("tracing pid {pid}, found at its execve"));
                     continue;
                 }

@@ -212,23 +212,70 @@ fn a_library_loaded_later_gets_its_tables() {
     assert_eq!(leak.get("truncated"), None);
 }
 
-#[test]
-fn debian_python_through_ctypes_and_libffi() {
+/// Debian's python3 leaking through ctypes: the stack of its 100 blocks
+/// of 1000 bytes, with memleak's `extra` flags.
+fn ctypes_leak(extra: &[&str]) -> Value {
     let script = memleak_tests::workspace_root().join("tests/fixtures/leak.py");
     let mut program = Command::new("/usr/bin/python3");
     program.arg(script);
-    let report = final_report(program, &[]);
+    let report = final_report(program, extra);
     let stacks = report["stacks"].as_array().unwrap();
-    let leak = stacks.iter().find(|stack| stack["bytes"] == 100_000).expect("100 blocks of 1000 bytes");
+    let leak =
+        stacks.iter().find(|stack| stack["bytes"] == 100_000).expect("100 blocks of 1000 bytes").clone();
     assert_eq!(leak["allocations"], 100);
     let modules: Vec<&str> =
         leak["frames"].as_array().unwrap().iter().filter_map(|f| f["module"].as_str()).collect();
     assert!(modules[0].contains("libffi"), "malloc is called by libffi: {leak:#}");
-    let names = functions(leak);
+    assert_eq!(leak.get("truncated"), None);
+    leak
+}
+
+#[test]
+fn debian_python_through_ctypes_and_libffi() {
+    // Native frames only: the walk crosses the stripped eval loop.
+    let leak = ctypes_leak(&["--python", "off"]);
+    let names = functions(&leak);
     let at = |name: &str| names.iter().position(|function| *function == name);
     let (eval_loop, root) = (at("_PyEval_EvalFrameDefault"), at("__libc_start_call_main"));
     assert!(eval_loop.is_some() && eval_loop < root, "through the eval loop to the root: {names:?}");
-    assert_eq!(leak.get("truncated"), None);
+}
+
+#[test]
+fn debian_python_through_ctypes_shows_the_python_lines_in_place_of_the_eval_loop() {
+    let leak = ctypes_leak(&[]);
+    let names = functions(&leak);
+    let script = memleak_tests::workspace_root().join("tests/fixtures/leak.py").display().to_string();
+    let python: Vec<(&str, &str, u64)> = leak["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|frame| frame["kind"] == "python")
+        .map(|frame| {
+            (
+                frame["function"].as_str().unwrap(),
+                frame["file"].as_str().unwrap(),
+                frame["line"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        python,
+        [
+            ("leak_buffers.<locals>.<listcomp>", script.as_str(), 13),
+            ("leak_buffers", script.as_str(), 13),
+            ("<module>", script.as_str(), 19)
+        ],
+        "{leak:#}"
+    );
+    assert_eq!(function_of(&leak["culprit"]), "leak_buffers.<locals>.<listcomp>");
+    let at = |name: &str| names.iter().position(|function| *function == name);
+    let (module, root) = (at("<module>"), at("__libc_start_call_main"));
+    assert!(module.is_some() && module < root, "the Python frames, then the native root: {names:?}");
+    assert_eq!(at("_PyEval_EvalFrameDefault"), None, "{names:?}");
+}
+
+fn function_of(frame: &Value) -> &str {
+    frame["function"].as_str().unwrap_or("?")
 }
 
 #[test]

@@ -7,10 +7,10 @@
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use memleak_common::{MappingChange, MappingEvent};
 
-use super::mmap::send;
 use crate::{
     calls,
     maps::{PROCESS_MAPPINGS, PY_PROCS},
+    process_events::send,
     tunables,
 };
 

@@ -5,10 +5,10 @@
 use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::btf_tracepoint, programs::BtfTracePointContext};
 use memleak_common::{MappingChange, MappingEvent};
 
-use super::mmap::send;
 use crate::{
     calls,
     maps::{FOLLOWED, PY_PROCS},
+    process_events::send,
     tunables,
 };
 

@@ -3,17 +3,12 @@
 //! cannot do).
 
 use aya_ebpf::{
-    helpers::generated::bpf_ktime_get_ns,
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
-use memleak_common::{Counter, MappingChange, MappingEvent, PendingMapping};
+use memleak_common::{MappingChange, MappingEvent, PendingMapping};
 
-use crate::{
-    calls, counters, deferred,
-    maps::{MAPPING_EVENTS, PENDING_MAPPINGS},
-    tunables,
-};
+use crate::{calls, deferred, maps::PENDING_MAPPINGS, process_events::send, tunables};
 
 /// mmap's and mremap's failure value.
 const MAP_FAILED: u64 = u64::MAX;
@@ -114,12 +109,4 @@ fn send_range_change(ctx: &ProbeContext, change: MappingChange, prot: u32) {
         change: change as u32,
         ..MappingEvent::default()
     });
-}
-
-pub(crate) fn send(mut event: MappingEvent) {
-    // SAFETY: a helper without arguments.
-    event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
-    if MAPPING_EVENTS.output::<MappingEvent>(&event, 0).is_err() {
-        counters::increment(event.tgid, Counter::EventsLost);
-    }
 }

@@ -3,11 +3,10 @@
 
 use aya_ebpf::{macros::uretprobe, programs::RetProbeContext};
 
-use super::mmap;
 use crate::{
     deferred::{ALLOCATION, MAPPING, NOTHING},
     maps::PENDING_RECORD,
-    record, stack,
+    process_events, record, stack,
 };
 
 #[uretprobe]
@@ -22,7 +21,7 @@ pub fn record_with_user_stack(ctx: RetProbeContext) -> u32 {
         ALLOCATION => record::store(pending.key, pending.size, stack_id),
         MAPPING => {
             pending.mapping.stack_id = stack_id;
-            mmap::send(pending.mapping);
+            process_events::send(pending.mapping);
         }
         _ => {}
     }

@@ -86,40 +86,47 @@ struct StoredStack {
     end: u32,
     addresses: Box<[u64]>,
     /// The Python frames' words (`memleak_common::python::py_frame_word`),
-    /// innermost first.
+    /// innermost first, then as many checks of their code objects.
     python: Box<[u64]>,
 }
 
 impl StackCatalog {
-    /// Makes sure every stack of `stack_ids` is known, if it is stored;
-    /// returns the ids of the stacks new to the catalog.
+    /// Makes sure every stack of `stack_ids` is known, if it is stored.
     pub fn ensure(
         &mut self,
         tracer: &Tracer,
         stack_ids: impl IntoIterator<Item = u64>,
-    ) -> Result<Vec<u64>, TracerError> {
+    ) -> Result<(), TracerError> {
         let mut ids = stack_ids.into_iter().filter(|id| lost_stack_owner(*id).is_none());
         if ids.any(|id| !self.stacks.contains_key(&id)) {
             let mut new = Vec::new();
             tracer.stacks(
                 |id, key| {
                     let addresses = key.addresses().into();
-                    let python = key.python_words().into();
+                    let python = [key.python_words(), key.python_checks()].concat().into();
                     new.push((id, StoredStack { tgid: key.tgid, end: key.end, addresses, python }));
                 },
                 |id| self.stacks.contains_key(&id),
             )?;
-            let ids = new.iter().map(|(id, _)| *id).collect();
             self.stacks.extend(new);
-            return Ok(ids);
         }
-        Ok(Vec::new())
+        Ok(())
     }
 
     /// The Python frames' words of a stack, innermost first; none if
     /// unknown or walked without them.
     pub fn python_words(&self, stack_id: u64) -> &[u64] {
-        self.stacks.get(&stack_id).map_or(&[], |stack| &stack.python)
+        self.python(stack_id).0
+    }
+
+    /// The checks of a stack's Python frames' code objects, one per word
+    /// (`memleak_common::python::py_code_check`); 0 for unchecked.
+    pub fn python_checks(&self, stack_id: u64) -> &[u64] {
+        self.python(stack_id).1
+    }
+
+    fn python(&self, stack_id: u64) -> (&[u64], &[u64]) {
+        self.stacks.get(&stack_id).map_or((&[], &[]), |stack| stack.python.split_at(stack.python.len() / 2))
     }
 
     /// Stacks known: the stack map's entries when it was last read, which

@@ -198,7 +198,8 @@ pub struct Tracer {
     /// thread started the first time (see `detach_exited`).
     closer: Option<std::sync::mpsc::Sender<Links>>,
     /// How many Python frames the BPF side walks per stack, if it does:
-    /// loaded with the kernel's fsbase offset.
+    /// loaded with the kernel's fsbase offset. Each takes two of a stack's
+    /// frames, and the walk leaves one for the native frames.
     python_max_frames: Option<u16>,
 }
 
@@ -343,7 +344,15 @@ impl Tracer {
             btf_parsing,
             first_attached: None,
             closer: None,
-            python_max_frames: config.settings.python_max_frames.filter(|_| config.py_fsbase_offset != 0),
+            python_max_frames: config
+                .settings
+                .python_max_frames
+                .filter(|_| config.py_fsbase_offset != 0)
+                .map(|max_frames| {
+                    // Two slots a frame, and one native frame at least.
+                    let room = config.settings.stack_depth.saturating_sub(1) / 2;
+                    max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
+                }),
         })
     }
 
@@ -474,6 +483,11 @@ impl Tracer {
         self.python_max_frames.is_some()
     }
 
+    /// How many Python frames a stack holds at most, if they are walked.
+    pub fn python_frame_limit(&self) -> Option<u16> {
+        self.python_max_frames
+    }
+
     /// Walks the Python frames of process `pid` as `config` says, from now
     /// on (`memleak_common::PY_PROCS_MAP`), as many as --max-python-depth
     /// allows.
@@ -482,6 +496,14 @@ impl Tracer {
         let config = PyProcConfig { max_frames, ..config };
         let mut map: HashMap<&mut MapData, u32, PyProcConfig> = self.map_mut(PY_PROCS_MAP)?;
         map.insert(pid, config, 0).map_err(|source| TracerError::WriteMap { map: PY_PROCS_MAP, source })
+    }
+
+    /// Stops walking the Python frames of process `pid`.
+    pub fn forget_python_process(&mut self, pid: u32) -> Result<(), TracerError> {
+        let mut map: HashMap<&mut MapData, u32, PyProcConfig> = self.map_mut(PY_PROCS_MAP)?;
+        // Gone already if the process has exec'd since: nothing to do.
+        let _ = map.remove(&pid);
+        Ok(())
     }
 
     /// `forget_process` for each of `gone`, in one pass over each map.

@@ -14,6 +14,8 @@ use std::fmt;
 use std::io;
 use std::sync::Arc;
 
+use memleak_common::python::py_code_check;
+
 pub use super::memory::{Memory, ProcessMemory};
 use super::{
     line_table::{Instruction, LineTableFormat},
@@ -107,6 +109,9 @@ pub struct CodeInfo {
     /// `co_filename`: the path as the process sees it.
     pub file: Arc<str>,
     pub first_line: i32,
+    /// What BPF's check of this code object reads as
+    /// (`memleak_common::python::py_code_check`).
+    pub check: u64,
     line_table: Box<[u8]>,
     format: LineTableFormat,
 }
@@ -189,7 +194,8 @@ fn read_code_info(
         return Err(CodeError::BadString { what: "name", code, why });
     }
     let line_table = read_bytes(memory, identity.line_table).map_err(|why| why.of_line_table(code))?;
-    Ok(CodeInfo { name, file, first_line: identity.first_line, line_table, format })
+    let check = py_code_check(identity.name, identity.file, identity.first_line);
+    Ok(CodeInfo { name, file, first_line: identity.first_line, check, line_table, format })
 }
 
 /// Why a str or bytes object was refused, before it is known whose it is.
@@ -379,7 +385,22 @@ impl<M: Memory> CodeCache<M> {
 
     /// The frame that runs `instruction` of the code object at `code`.
     pub fn resolve(&mut self, code: u64, instruction: Instruction) -> PyFrame {
+        self.resolve_checked(code, instruction, 0)
+    }
+
+    /// As `resolve`, for a frame whose code object BPF found to be `check`
+    /// when it stored the stack (0 for unchecked): the code object now at
+    /// `code`, if another, was made there after that one was freed, and
+    /// the frame is shown as unknown, never as the other.
+    pub fn resolve_checked(&mut self, code: u64, instruction: Instruction, check: u64) -> PyFrame {
         match self.code(code) {
+            Ok(info) if check != 0 && info.check != check => {
+                log::debug!(
+                    "python frame shown as unknown: {code:#x} holds {}, not the code object it ran",
+                    info.name
+                );
+                PyFrame::Unknown { code, instruction }
+            }
             Ok(info) => PyFrame::Code {
                 function: info.name.clone(),
                 file: info.file.clone(),
@@ -390,6 +411,11 @@ impl<M: Memory> CodeCache<M> {
                 PyFrame::Unknown { code, instruction }
             }
         }
+    }
+
+    /// The memory of the process the code objects are read from.
+    pub fn memory(&self) -> &M {
+        &self.memory
     }
 
     /// How many code objects are cached.

@@ -27,8 +27,9 @@ use crate::{
 
 /// What a target that is a walked CPython process knows of its stacks'
 /// Python frames.
-#[derive(Default)]
 pub struct PythonStacks {
+    /// Python frames BPF walks per stack at most.
+    limit: usize,
     /// Each stack's Python frames, resolved when the stack was first
     /// seen, in the groups one native eval call ran, innermost first.
     resolved: WordMap<u64, Arc<[Vec<Arc<Frame>>]>>,
@@ -37,24 +38,51 @@ pub struct PythonStacks {
 }
 
 impl PythonStacks {
+    /// For a process whose stacks hold at most `limit` Python frames.
+    pub fn new(limit: u16) -> Self {
+        Self { limit: usize::from(limit), resolved: WordMap::default(), merged: WordMap::default() }
+    }
+
+    /// Whether stack `stack_id` has as many Python frames as the walk
+    /// takes: the outer ones may be missing.
+    pub fn reached_limit(&self, stack_id: u64) -> bool {
+        self.resolved
+            .get(&stack_id)
+            .is_some_and(|groups| groups.iter().map(Vec::len).sum::<usize>() >= self.limit)
+    }
+
     /// Resolves the Python frames of stack `stack_id`, whose words BPF
-    /// stored as `words`, unless done already. Done as soon as the stack
-    /// is seen: a code object freed later would lose its name.
-    pub fn resolve(&mut self, stack_id: u64, words: &[u64], codes: &mut CodeCache) {
+    /// stored as `words`, unless done already; returns its innermost
+    /// frame if it does. Done as soon as the stack is seen: a code object
+    /// freed later would lose its name.
+    /// Each word's code object is checked against `checks`, BPF's check of
+    /// it when the stack was stored (0 or missing: unchecked).
+    pub fn resolve(
+        &mut self,
+        stack_id: u64,
+        words: &[u64],
+        checks: &[u64],
+        codes: &mut CodeCache,
+    ) -> Option<Arc<Frame>> {
         if words.is_empty() || self.resolved.contains_key(&stack_id) {
-            return;
+            return None;
         }
         let mut groups: Vec<Vec<Arc<Frame>>> = vec![Vec::new()];
-        for &word in words {
+        for (index, &word) in words.iter().enumerate() {
             let (code, lasti, group_end) = py_frame_parts(word);
-            let frame = python_frame(codes.resolve(code, Instruction::from_units(lasti)));
-            groups.last_mut().expect("one group at least").push(Arc::new(frame));
+            let check = checks.get(index).copied().unwrap_or(0);
+            let frame = codes.resolve_checked(code, Instruction::from_units(lasti), check);
+            if !is_init_cleanup(&frame) {
+                groups.last_mut().expect("one group at least").push(Arc::new(python_frame(frame)));
+            }
             if group_end {
                 groups.push(Vec::new());
             }
         }
         groups.retain(|group| !group.is_empty());
+        let innermost = groups.first().and_then(|group| group.first()).cloned();
         self.resolved.insert(stack_id, groups.into());
+        innermost
     }
 
     /// Stack `stack_id`'s frames: its `native` frames with its Python
@@ -72,6 +100,17 @@ impl PythonStacks {
                 .or_insert_with(|| merge(&native, groups, |address| runtime.in_eval(address)).into()),
         )
     }
+}
+
+/// Whether `frame` runs CPython 3.13's `_Py_InitCleanup`: the frame a
+/// specialised call of a class pushes under its `__init__`, to check that
+/// `__init__` returned None. It is not the program's: CPython leaves it
+/// out of tracebacks (it is never "complete"), and so do reports. Its
+/// code object is static, named `__init__` with `__init__` for a file,
+/// and has no line table, so no line.
+fn is_init_cleanup(frame: &PyFrame) -> bool {
+    matches!(frame, PyFrame::Code { function, file, line: None }
+        if &**function == "__init__" && &**file == "__init__")
 }
 
 /// A resolved Python frame as a report's frame.
@@ -197,6 +236,20 @@ mod tests {
                 "start_thread",
             ]
         );
+    }
+
+    /// 3.13's `_Py_InitCleanup` frame is CPython's, not the program's; a
+    /// function named `__init__` in a real file is the program's.
+    #[test]
+    fn the_init_cleanup_frame_is_left_out() {
+        let code = |function: &str, file: &str, line| PyFrame::Code {
+            function: function.into(),
+            file: file.into(),
+            line,
+        };
+        assert!(is_init_cleanup(&code("__init__", "__init__", None)));
+        assert!(!is_init_cleanup(&code("__init__", "/app/svc.py", None)));
+        assert!(!is_init_cleanup(&code("Entry.__init__", "/app/svc.py", Some(3))));
     }
 
     /// Up to 3.10 every Python frame is its own eval call.

@@ -29,7 +29,13 @@ pub mod runtime;
 mod tests;
 pub mod thread_state;
 
-use std::{collections::HashMap, ops::Range, path::Path, sync::OnceLock};
+use std::{
+    collections::HashMap,
+    io,
+    ops::Range,
+    path::Path,
+    sync::{Mutex, OnceLock, PoisonError},
+};
 
 use memleak_common::python::{
     PyProcConfig, PY_CFRAME, PY_DEFAULT_MAX_FRAMES, PY_ENTRY_FLAG, PY_FRAMEOBJ, PY_LASTI_BYTES, PY_MUSL,
@@ -40,7 +46,7 @@ use object::read::ReadCache;
 use self::{
     memory::ProcessMemory,
     offsets::{CodeOffsets, GroupEnd, LastInstruction, Offsets, StringLayout},
-    runtime::PythonVersion,
+    runtime::{FileIdentity, PythonVersion},
     thread_state::{LibcLayout, SelfTest},
 };
 use crate::attach::kernel_btf;
@@ -140,6 +146,25 @@ impl std::fmt::Display for PythonRuntime {
     }
 }
 
+/// Why a process that runs sub-interpreters has no Python frames.
+pub const SUBINTERPRETERS: &str =
+    "it runs sub-interpreters, whose threads' current frames the thread-state key does not give";
+
+/// Whether the interpreter whose `_PyRuntime` is at `runtime_address` has
+/// started a sub-interpreter: a second interpreter in the runtime's list.
+/// From 3.12 a thread of a sub-interpreter keeps its current thread state
+/// in a thread-local variable, and the TSS key may still give its main
+/// interpreter's: its frames would be another thread state's.
+pub fn runs_subinterpreters(
+    memory: &ProcessMemory,
+    runtime_address: u64,
+    offsets: &Offsets,
+) -> io::Result<bool> {
+    // The newest interpreter heads the list.
+    let newest = memory.u64(runtime_address + offsets.thread.interpreters_head)?;
+    Ok(newest != 0 && memory.u64(newest + offsets.thread.interpreter_next)? != 0)
+}
+
 /// Detects CPython in process `pid` (see the module's documentation).
 pub fn detect(pid: u32) -> Detection {
     detect_or_refuse(pid).map_or_else(|refusal| refusal, |runtime| Detection::Enabled(Box::new(runtime)))
@@ -162,7 +187,13 @@ const SUPPORTED_MINORS: std::ops::RangeInclusive<u32> = 8..=13;
 
 /// The runtime, or the [`Detection`] that is not `Enabled`.
 fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
-    let found = inspect_files(pid)?;
+    check_interpreter(pid, inspect_files(pid)?)
+}
+
+/// The checks of the interpreter `found` in process `pid`'s files against
+/// its memory, which may be read a while after its files: the process
+/// runs on meanwhile.
+fn check_interpreter(pid: u32, found: InterpreterFile) -> Result<PythonRuntime, Detection> {
     let memory = ProcessMemory::open(pid).map_err(|error| {
         format!("cannot read /proc/{pid}/mem: {error}: reading Python frames needs root or CAP_SYS_PTRACE")
     })?;
@@ -188,6 +219,11 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
     if interpreters == 0 {
         return Err(Detection::TryLater("the interpreter has no interpreter state yet".to_owned()));
     }
+    if runs_subinterpreters(&memory, runtime_address, &offsets)
+        .map_err(|error| format!("cannot read the interpreters' list: {error}"))?
+    {
+        return Err(SUBINTERPRETERS.into());
+    }
     let subject = thread_state::Subject {
         memory: &memory,
         runtime: runtime_address,
@@ -196,8 +232,12 @@ fn detect_or_refuse(pid: u32) -> Result<PythonRuntime, Detection> {
         pycode_type,
     };
     // Checked after the interpreter is seen initialised: a process caught
-    // at exec maps no libc yet.
-    let layout = libc_layout(pid, &found.mappings)?;
+    // at exec maps no libc yet. Its mappings are read again: those read
+    // before may be from before its loader mapped libc, as the process
+    // runs on meanwhile, and would disable it for good.
+    let mappings =
+        runtime::Mappings::read(pid).map_err(|error| format!("cannot read /proc/{pid}/maps: {error}"))?;
+    let layout = libc_layout(pid, &mappings)?;
     let self_test = self_test_settled(&subject, layout)
         .map_err(|reason| format!("the thread-state lookup failed its self-test: {reason}"))?;
     Ok(PythonRuntime {
@@ -229,52 +269,103 @@ struct InterpreterFile {
     pycode_type: u64,
     pyunicode_type: u64,
     eval_ranges: Vec<Range<u64>>,
-    mappings: runtime::Mappings,
 }
+
+/// What an interpreter's file says, in its own addresses: the same for
+/// every process that maps it.
+#[derive(Clone)]
+struct InterpreterFacts {
+    version: PythonVersion,
+    table: Offsets,
+    runtime_address: u64,
+    pycode_type: u64,
+    pyunicode_type: u64,
+    eval_ranges: Vec<Range<u64>>,
+}
+
+/// The facts of each interpreter file read so far. Reading them takes
+/// most of a detection (the eval loop's `.cold` part is found through
+/// `.eh_frame`); a process caught at its exec is looked at every few
+/// milliseconds until its interpreter has initialised, and forked
+/// workers and containers run the same files. Few files are interpreters:
+/// emptied when it reaches `KNOWN_INTERPRETERS`.
+static INTERPRETERS: Mutex<Option<HashMap<FileIdentity, Result<InterpreterFacts, String>>>> =
+    Mutex::new(None);
+const KNOWN_INTERPRETERS: usize = 64;
 
 /// The interpreter object of process `pid`, if a supported one: its
 /// version, and its addresses at runtime.
 fn inspect_files(pid: u32) -> Result<InterpreterFile, Detection> {
     let mappings =
         runtime::Mappings::read(pid).map_err(|error| format!("cannot read /proc/{pid}/maps: {error}"))?;
-    let object = runtime::find_interpreter(pid, &mappings).ok_or(Detection::NotPython)?;
-    let path = object.path.clone();
+    let Some(object) = runtime::find_interpreter(pid, &mappings) else {
+        if runtime::links_interpreter(pid, &mappings) {
+            return Err(Detection::TryLater("its libpython is not loaded yet".to_owned()));
+        }
+        return Err(Detection::NotPython);
+    };
+    let facts = {
+        let mut known = INTERPRETERS.lock().unwrap_or_else(PoisonError::into_inner);
+        let known = known.get_or_insert_with(HashMap::new);
+        if let Some(facts) = known.get(&object.identity) {
+            facts.clone()
+        } else {
+            let facts = read_facts(&object);
+            if known.len() >= KNOWN_INTERPRETERS {
+                known.clear();
+            }
+            known.insert(object.identity, facts.clone());
+            facts
+        }
+    }?;
+    let at_runtime = |address: u64| object.bias.wrapping_add(address);
+    Ok(InterpreterFile {
+        runtime_address: at_runtime(facts.runtime_address),
+        pycode_type: at_runtime(facts.pycode_type),
+        pyunicode_type: at_runtime(facts.pyunicode_type),
+        eval_ranges: facts
+            .eval_ranges
+            .iter()
+            .map(|range| at_runtime(range.start)..at_runtime(range.end))
+            .collect(),
+        path: object.path,
+        bias: object.bias,
+        version: facts.version,
+        table: facts.table,
+    })
+}
+
+/// Reads `object`'s [`InterpreterFacts`], or why it is not supported.
+fn read_facts(object: &runtime::InterpreterObject) -> Result<InterpreterFacts, String> {
+    let path = &object.path;
     let cache = ReadCache::new(&object.file);
     let parsed =
         object::File::parse(&cache).map_err(|error| format!("{path} is not a readable ELF file: {error}"))?;
-    let (version, free_threaded) = runtime::version(&object, &parsed, &cache)
+    let (version, free_threaded) = runtime::version(object, &parsed, &cache)
         .ok_or_else(|| format!("cannot tell which version of CPython {path} is"))?;
     if version.major != 3 || !SUPPORTED_MINORS.contains(&version.minor) || !object.has_runtime {
         return Err(format!(
             "CPython {version} ({path}) is not supported: Python frames need CPython 3.8 to 3.13"
-        )
-        .into());
+        ));
     }
     if free_threaded {
-        return Err(format!("free-threaded CPython {version} ({path}) is not supported").into());
+        return Err(format!("free-threaded CPython {version} ({path}) is not supported"));
     }
     let table = offsets::for_minor(version.minor).ok_or("no offsets for this version")?;
-    let at_runtime = |address: u64| object.bias.wrapping_add(address);
-    let type_address = |name: &str| {
+    let symbol = |name: &str| {
         runtime::symbol(&parsed, name)
-            .map(|(address, _)| at_runtime(address))
+            .map(|(address, _)| address)
             .ok_or_else(|| format!("{path} has no symbol {name}"))
     };
-    let eval_ranges = runtime::eval_ranges(Path::new(&path), &parsed, &cache)
-        .map_err(|reason| format!("cannot find the eval loop of {path}: {reason}"))?
-        .into_iter()
-        .map(|range| at_runtime(range.start)..at_runtime(range.end))
-        .collect();
-    Ok(InterpreterFile {
-        runtime_address: at_runtime(runtime::runtime_address(&parsed).ok_or("no _PyRuntime")?),
-        pycode_type: type_address("PyCode_Type")?,
-        pyunicode_type: type_address("PyUnicode_Type")?,
-        path,
-        bias: object.bias,
+    let eval_ranges = runtime::eval_ranges(Path::new(path), &parsed, &cache)
+        .map_err(|reason| format!("cannot find the eval loop of {path}: {reason}"))?;
+    Ok(InterpreterFacts {
+        runtime_address: runtime::runtime_address(&parsed).ok_or("no _PyRuntime")?,
+        pycode_type: symbol("PyCode_Type")?,
+        pyunicode_type: symbol("PyUnicode_Type")?,
         version,
         table,
         eval_ranges,
-        mappings,
     })
 }
 
@@ -419,6 +510,7 @@ fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcCon
         }
     };
     let too_far = |what: &str, offset: u64| format!("{what} at {offset:#x} is farther than the walk reads");
+    let check = CodeCheckSpan::of(&offsets.code)?;
     Ok(PyProcConfig {
         flags,
         tss_key,
@@ -438,6 +530,47 @@ fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcCon
         co_code: u16::try_from(offsets.code.code_adaptive.unwrap_or(0))
             .map_err(|_| too_far("co_code_adaptive", offsets.code.code_adaptive.unwrap_or(0)))?,
         max_frames: PY_DEFAULT_MAX_FRAMES,
-        _pad2: 0,
+        co_check: check.start,
+        co_check_size: check.size,
+        co_check_name: check.name,
+        co_check_file: check.file,
+        co_check_line: check.line,
+        _pad2: [0; 5],
     })
+}
+
+/// The part of a code object BPF reads to check it: from the lowest of
+/// its name, file and first line to the end of the highest, one read.
+struct CodeCheckSpan {
+    start: u8,
+    size: u8,
+    /// Within the span.
+    name: u8,
+    file: u8,
+    line: u8,
+}
+
+impl CodeCheckSpan {
+    fn of(code: &CodeOffsets) -> Result<Self, String> {
+        let name = code.qualname.unwrap_or(code.name);
+        let fields = [(name, 8), (code.filename, 8), (code.firstlineno, 4)];
+        // Aligned down to a word, as the pointers are.
+        let start = fields.iter().map(|&(offset, _)| offset).min().unwrap_or(0) & !7;
+        let end = fields.iter().map(|&(offset, size)| offset + size).max().unwrap_or(0);
+        let byte = |value: u64| {
+            u8::try_from(value)
+                .map_err(|_| format!("a code object's name, file and first line span {value:#x} bytes"))
+        };
+        let size = byte(end - start)?;
+        if size > 120 {
+            return Err(format!("a code object's name, file and first line span {size} bytes"));
+        }
+        Ok(Self {
+            start: byte(start)?,
+            size,
+            name: byte(name - start)?,
+            file: byte(code.filename - start)?,
+            line: byte(code.firstlineno - start)?,
+        })
+    }
 }

@@ -81,6 +81,8 @@ pub struct ThreadOffsets {
     pub auto_tss_key: u64,
     /// `_PyRuntime.interpreters.head`.
     pub interpreters_head: u64,
+    /// `PyInterpreterState.next`: the next interpreter, a sub-interpreter.
+    pub interpreter_next: u64,
     /// `PyInterpreterState.threads.head` (`tstate_head` before 3.11).
     pub threads_head: u64,
     pub tstate_next: u64,
@@ -118,6 +120,7 @@ pub fn for_minor(minor: u32) -> Option<Offsets> {
     let old_thread = |auto_tss_key| ThreadOffsets {
         auto_tss_key,
         interpreters_head: 0x20,
+        interpreter_next: 0,
         threads_head: 0x8,
         tstate_next: 0x8,
         tstate_frame: 0x18,
@@ -173,6 +176,7 @@ pub fn for_minor(minor: u32) -> Option<Offsets> {
             thread: ThreadOffsets {
                 auto_tss_key: 0x250,
                 interpreters_head: 0x28,
+                interpreter_next: 0,
                 threads_head: 0x10,
                 tstate_next: 0x8,
                 tstate_frame: 0x38,
@@ -187,6 +191,7 @@ pub fn for_minor(minor: u32) -> Option<Offsets> {
             thread: ThreadOffsets {
                 auto_tss_key: 0x608,
                 interpreters_head: 0x28,
+                interpreter_next: 0,
                 threads_head: 0x48,
                 tstate_next: 0x8,
                 tstate_frame: 0x38,
@@ -201,6 +206,7 @@ pub fn for_minor(minor: u32) -> Option<Offsets> {
             thread: ThreadOffsets {
                 auto_tss_key: 0x870,
                 interpreters_head: 0x278,
+                interpreter_next: 0x1c60,
                 threads_head: 0x1cb0,
                 tstate_next: 0x8,
                 tstate_frame: 0x48,
@@ -226,6 +232,7 @@ mod debug_field {
     pub const VERSION: usize = 0;
     pub const FREE_THREADED: usize = 1;
     pub const INTERPRETERS_HEAD: usize = 4;
+    pub const INTERPRETER_NEXT: usize = 7;
     pub const THREADS_HEAD: usize = 8;
     pub const TSTATE_NEXT: usize = 20;
     pub const CURRENT_FRAME: usize = 22;
@@ -273,6 +280,7 @@ pub fn apply_debug_offsets(table: &Offsets, raw: &[u8], version_hex: u32) -> Res
     let frame_size = field(debug_field::FRAME_SIZE);
     let mut offsets = *table;
     offsets.thread.interpreters_head = field(debug_field::INTERPRETERS_HEAD);
+    offsets.thread.interpreter_next = field(debug_field::INTERPRETER_NEXT);
     offsets.thread.threads_head = field(debug_field::THREADS_HEAD);
     offsets.thread.tstate_next = field(debug_field::TSTATE_NEXT);
     offsets.thread.tstate_frame = field(debug_field::CURRENT_FRAME);
@@ -324,6 +332,7 @@ mod tests {
             (debug_field::VERSION, 0x30d_00f0),
             (debug_field::INTERPRETERS_HEAD, 0x278),
             (debug_field::THREADS_HEAD, 0x1cb0),
+            (debug_field::INTERPRETER_NEXT, 0x1c60),
             (debug_field::TSTATE_NEXT, 0x8),
             (debug_field::CURRENT_FRAME, 0x48),
             (debug_field::THREAD_ID, 0x98),

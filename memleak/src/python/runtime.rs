@@ -50,6 +50,8 @@ pub struct InterpreterObject {
     /// The file as `/proc/PID/maps` names it (inside the process's root).
     pub path: String,
     pub file: File,
+    /// Which file it is, whatever its path and whoever maps it.
+    pub identity: FileIdentity,
     /// Runtime address minus the object's own addresses.
     pub bias: u64,
     /// Whether it defines `_PyRuntime` (3.7+); without it, older Pythons
@@ -145,6 +147,78 @@ pub fn runtime_address(file: &Parsed<'_>) -> Option<u64> {
         .or_else(|| file.section_by_name(".PyRuntime").map(|section| section.address()))
 }
 
+/// A file told apart from every other, and from its own earlier
+/// contents: device, inode, size and modification time (ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileIdentity {
+    device: u64,
+    inode: u64,
+    size: u64,
+    modified_ns: i128,
+}
+
+impl FileIdentity {
+    pub fn of(file: &File) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        let metadata = file.metadata().ok()?;
+        Some(Self {
+            device: metadata.dev(),
+            inode: metadata.ino(),
+            size: metadata.size(),
+            modified_ns: i128::from(metadata.mtime()) * 1_000_000_000 + i128::from(metadata.mtime_nsec()),
+        })
+    }
+}
+
+/// What an object's dynamic symbols say of it.
+#[derive(Clone, Copy)]
+struct ObjectKind {
+    /// It defines `_PyRuntime` (3.7+).
+    has_runtime: bool,
+    /// It defines `Py_Initialize`.
+    initializes: bool,
+    /// It calls an interpreter it does not define (`Py_BytesMain`, say):
+    /// an executable linked with a `libpython` its loader maps later.
+    links_interpreter: bool,
+}
+
+/// The kinds of the objects looked at, by file: a process caught at its
+/// exec is looked at every few milliseconds until its interpreter has
+/// initialised, and forked workers and containers map the same files, so
+/// each is parsed once. Emptied when it reaches `KNOWN_OBJECTS`.
+static OBJECT_KINDS: std::sync::Mutex<Option<HashMap<FileIdentity, ObjectKind>>> =
+    std::sync::Mutex::new(None);
+const KNOWN_OBJECTS: usize = 4096;
+
+/// What `file`'s dynamic symbols say of it, parsed once per file.
+fn object_kind(file: &File) -> Option<ObjectKind> {
+    let identity = FileIdentity::of(file);
+    let mut known = OBJECT_KINDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(kind) = identity.and_then(|identity| known.as_ref()?.get(&identity).copied()) {
+        return Some(kind);
+    }
+    let cache = ReadCache::new(file);
+    let parsed = object::File::parse(&cache).ok()?;
+    // Both are exported, for extension modules to link to: the dynamic
+    // symbols say, without reading a large `.symtab`.
+    let exports = |name| dynamic_symbol(&parsed, name).is_some();
+    let has_runtime = exports("_PyRuntime") || parsed.section_by_name(".PyRuntime").is_some();
+    let initializes = exports("Py_Initialize");
+    let imports =
+        |name| parsed.dynamic_symbols().any(|symbol| symbol.is_undefined() && symbol.name() == Ok(name));
+    let links_interpreter =
+        !has_runtime && (imports("Py_BytesMain") || imports("Py_Main") || imports("Py_Initialize"));
+    let kind = ObjectKind { has_runtime, initializes, links_interpreter };
+    if let Some(identity) = identity {
+        let known = known.get_or_insert_with(HashMap::new);
+        if known.len() >= KNOWN_OBJECTS {
+            known.clear();
+        }
+        known.insert(identity, kind);
+    }
+    Some(kind)
+}
+
 /// The object of process `pid` that holds a CPython interpreter, if one
 /// does. Each object mapped executable is opened through
 /// `/proc/PID/map_files` (a container's files need not exist on the
@@ -157,27 +231,31 @@ pub fn find_interpreter(pid: u32, mappings: &Mappings) -> Option<InterpreterObje
     let mut legacy = None;
     for (first, code) in &mappings.objects {
         let Some(file) = files::open_mapped(pid, code) else { continue };
-        let (has_runtime, initializes) = {
-            let cache = ReadCache::new(&file);
-            let Ok(parsed) = object::File::parse(&cache) else { continue };
-            // Both are exported, for extension modules to link to: the
-            // dynamic symbols say, without reading a large `.symtab`.
-            let exports = |name| dynamic_symbol(&parsed, name).is_some();
-            let has_runtime = exports("_PyRuntime") || parsed.section_by_name(".PyRuntime").is_some();
-            (has_runtime, exports("Py_Initialize"))
-        };
+        let Some(ObjectKind { has_runtime, initializes, .. }) = object_kind(&file) else { continue };
         if !has_runtime && (legacy.is_some() || !initializes) {
             continue;
         }
         let Some(bias) = load_bias(&file, first) else { continue };
+        let Some(identity) = FileIdentity::of(&file) else { continue };
         let path = first.file().unwrap_or_default().to_owned();
-        let found = InterpreterObject { path, file, bias, has_runtime };
+        let found = InterpreterObject { path, file, identity, bias, has_runtime };
         if has_runtime {
             return Some(found);
         }
         legacy = Some(found);
     }
     legacy
+}
+
+/// Whether process `pid` runs an executable that calls an interpreter
+/// it does not define: looked at before its loader has mapped the
+/// `libpython` that does (at its execve), it is CPython not ready yet.
+pub fn links_interpreter(pid: u32, mappings: &Mappings) -> bool {
+    mappings.objects.iter().any(|(_, code)| {
+        files::open_mapped(pid, code)
+            .and_then(|file| object_kind(&file))
+            .is_some_and(|kind| kind.links_interpreter)
+    })
 }
 
 /// Where the object that `first` (its first mapping) maps is loaded:

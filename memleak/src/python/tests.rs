@@ -199,8 +199,15 @@ fn debians_static_stripped_python3_11() {
             read_size: 0x48,
             _pad: 0,
             co_code: 0xb8,
-            max_frames: 64,
-            _pad2: 0,
+            max_frames: 63,
+            // co_firstlineno at 0x48, co_filename at 0x70, co_qualname
+            // at 0x80.
+            co_check: 0x48,
+            co_check_size: 0x40,
+            co_check_name: 0x38,
+            co_check_file: 0x28,
+            co_check_line: 0,
+            _pad2: [0; 5],
         }
     );
     assert_eq!(
@@ -321,12 +328,10 @@ fn glibc_thread_specific_data_is_found_for_any_key() {
     }
 }
 
-/// A process caught right after its exec: the interpreter is mapped, not
-/// initialised. Detection says to try again, and does not disable.
-#[test]
-fn an_interpreter_not_initialised_yet_is_tried_later() {
+/// What detection says of `python -c pass` caught right after its exec.
+fn detect_at_exec(python: &str) -> Detection {
     use std::os::unix::process::CommandExt as _;
-    let mut command = Command::new("/usr/bin/python3.11");
+    let mut command = Command::new(python);
     command.args(["-c", "pass"]);
     // SAFETY: ptrace(PTRACE_TRACEME) is async-signal-safe; the child then
     // stops at its execve with SIGTRAP.
@@ -348,10 +353,28 @@ fn an_interpreter_not_initialised_yet_is_tried_later() {
     let detection = detect(child.id());
     let _ = child.kill();
     let _ = child.wait();
-    match detection {
+    detection
+}
+
+/// A process caught right after its exec: the interpreter is mapped, not
+/// initialised. Detection says to try again, and does not disable.
+#[test]
+fn an_interpreter_not_initialised_yet_is_tried_later() {
+    match detect_at_exec("/usr/bin/python3.11") {
         Detection::TryLater(reason) => {
             assert_eq!(reason, "the interpreter has not initialised its thread-state key yet");
         }
+        other => panic!("expected TryLater, got {other:?}"),
+    }
+}
+
+/// An executable linked with libpython, caught at its exec: only it and
+/// its loader are mapped, not yet the libpython that holds the
+/// interpreter. It is CPython to look for again, not a process without.
+#[test]
+fn an_interpreter_whose_libpython_is_not_loaded_yet_is_tried_later() {
+    match detect_at_exec("/root/.pyenv/versions/3.12.1/bin/python3.12") {
+        Detection::TryLater(reason) => assert_eq!(reason, "its libpython is not loaded yet"),
         other => panic!("expected TryLater, got {other:?}"),
     }
 }
@@ -457,4 +480,46 @@ main()
         }
     }
     assert_eq!(seen_in_transit, 3, "threads in transit were met");
+}
+
+/// A process looked at while its loader has mapped the interpreter and
+/// not yet libc, and checked once the interpreter has initialised (it
+/// runs on while its files are read): its libc is found, not missed for
+/// good.
+#[test]
+fn an_interpreter_read_before_libc_is_mapped_is_checked_with_its_libc() {
+    use std::os::unix::process::CommandExt as _;
+    let mut command = Command::new("/usr/bin/python3.11");
+    command.args(["-c", "import sys; print('ready', flush=True); sys.stdin.readline()"]);
+    command.stdin(Stdio::piped()).stdout(Stdio::piped());
+    // SAFETY: ptrace(PTRACE_TRACEME) is async-signal-safe; the child then
+    // stops at its execve with SIGTRAP.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    let pid = child.id();
+    let mut status = 0;
+    // SAFETY: waits for this test's own child to stop.
+    let waited = unsafe { libc::waitpid(pid as libc::pid_t, &raw mut status, 0) };
+    assert_eq!(waited, pid as libc::pid_t);
+    assert!(libc::WIFSTOPPED(status), "stopped at exec: {status:#x}");
+    let Ok(found) = inspect_files(pid) else { panic!("the interpreter is mapped at exec") };
+    // SAFETY: lets this test's own stopped child run on.
+    assert_eq!(unsafe { libc::ptrace(libc::PTRACE_DETACH, pid as libc::pid_t, 0, 0) }, 0);
+    let mut ready = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut ready).unwrap();
+    assert_eq!(ready, "ready\n");
+    let checked = check_interpreter(pid, found);
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    if let Err(refused) = checked {
+        panic!("expected the interpreter enabled, got {refused:?}");
+    }
 }

@@ -55,9 +55,9 @@ impl SkipRules {
         program: &str,
     ) -> Option<&'f Arc<Frame>> {
         let python_only = holds_python(frames);
-        frames.iter().find(|frame| {
-            (frame.is_python() || !python_only) && !self.passes_over(frame, allocator, program)
-        })
+        frames
+            .iter()
+            .find(|frame| (frame.is_python() || !python_only) && !self.passes_over(frame, allocator, program))
     }
 
     /// `culprit` for many stacks of one report: each frame is looked at
@@ -94,8 +94,8 @@ impl Culprits<'_> {
         frames.iter().find(|frame| {
             (frame.is_python() || !python_only)
                 && !*passed_over
-                .entry(Arc::as_ptr(frame))
-                .or_insert_with(|| rules.passes_over(frame, allocator, program))
+                    .entry(Arc::as_ptr(frame))
+                    .or_insert_with(|| rules.passes_over(frame, allocator, program))
         })
     }
 }

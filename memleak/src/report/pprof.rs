@@ -18,7 +18,7 @@ use std::{
 use flate2::{write::GzEncoder, Compression};
 
 use super::{diff::Diff, Report};
-use crate::model::{Frame, ModuleMapping};
+use crate::model::{Frame, FrameKind, ModuleMapping};
 
 /// What a profile is made of, from a report (frames `Frame`) or from a
 /// diff (frames shared, `Arc<Frame>`).
@@ -147,8 +147,8 @@ struct Encoder<'a> {
     /// The mappings, main binary first; ids are their places, from 1.
     mappings: &'a [&'a ModuleMapping],
     strings: Strings,
-    /// Function ids by (name, file).
-    functions: HashMap<(String, String), u64>,
+    /// Function ids by (name, file, kind).
+    functions: HashMap<(String, String, FrameKind), u64>,
     /// Location ids by address and (function id, line) lines.
     locations: HashMap<(u64, Vec<(u64, i64)>), u64>,
     function_messages: Vec<Vec<u8>>,
@@ -195,7 +195,7 @@ impl Encoder<'_> {
             .filter_map(|frame| Some((frame, frame.function.as_deref()?)))
             .map(|(frame, name)| {
                 let file = frame.file.as_deref().or(frame.module.as_deref()).unwrap_or_default();
-                (self.function_id(name, file), i64::from(frame.line.unwrap_or(0)))
+                (self.function_id(name, file, frame.kind), i64::from(frame.line.unwrap_or(0)))
             })
             .collect();
         if let Some(&id) = self.locations.get(&(address, lines.clone())) {
@@ -222,18 +222,27 @@ impl Encoder<'_> {
 
     /// The id of function `name` in `file`, numbered the first time it is
     /// met.
-    fn function_id(&mut self, name: &str, file: &str) -> u64 {
-        if let Some(&id) = self.functions.get(&(name.to_owned(), file.to_owned())) {
+    ///
+    /// A Python function has no system name: pprof takes a function whose
+    /// system name is its name and holds `<`, `>`, `[`, `]` or `::` for
+    /// demangled C++, and simplifies it by dropping what lies between `<`
+    /// and `>`, which would leave `<module>`, `<lambda>` and `<listcomp>`
+    /// nameless.
+    fn function_id(&mut self, name: &str, file: &str, kind: FrameKind) -> u64 {
+        let key = (name.to_owned(), file.to_owned(), kind);
+        if let Some(&id) = self.functions.get(&key) {
             return id;
         }
         let id = self.functions.len() as u64 + 1;
         let mut function = Vec::new();
         field_varint(&mut function, 1, id);
         field_varint(&mut function, 2, self.strings.index(name));
-        field_varint(&mut function, 3, self.strings.index(name));
+        if kind == FrameKind::Native {
+            field_varint(&mut function, 3, self.strings.index(name));
+        }
         field_varint(&mut function, 4, self.strings.index(file));
         self.function_messages.push(function);
-        self.functions.insert((name.to_owned(), file.to_owned()), id);
+        self.functions.insert(key, id);
         id
     }
 
@@ -322,6 +331,36 @@ mod tests {
         let mut out = Vec::new();
         varint(&mut out, 300);
         assert_eq!(out, [0xac, 0x02]);
+    }
+
+    /// A message's fields as (number, varint value), for messages of
+    /// varints only.
+    fn varint_fields(message: &[u8]) -> Vec<(u64, u64)> {
+        let mut values = Vec::new();
+        let (mut value, mut shift) = (0, 0);
+        for &byte in message {
+            value |= u64::from(byte & 0x7f) << shift;
+            shift += 7;
+            if byte < 0x80 {
+                values.push(value);
+                (value, shift) = (0, 0);
+            }
+        }
+        values.chunks(2).map(|pair| (pair[0] >> 3, pair[1])).collect()
+    }
+
+    #[test]
+    fn python_functions_have_no_system_name_for_pprof_to_simplify() {
+        let mut encoder = Encoder::default();
+        encoder.function_id("<module>", "/app/svc.py", FrameKind::Python);
+        encoder.function_id("std::vector<int>::push_back", "/src/a.cpp", FrameKind::Native);
+        let fields: Vec<Vec<u64>> = encoder
+            .function_messages
+            .iter()
+            .map(|message| varint_fields(message).iter().map(|&(field, _)| field).collect())
+            .collect();
+        assert_eq!(fields, [vec![1, 2, 4], vec![1, 2, 3, 4]]);
+        assert_eq!(encoder.strings.table[1], "<module>");
     }
 
     #[test]

@@ -300,7 +300,7 @@ fn describe_trend(trend: &Trend) -> String {
 /// `function+0xoff (file:line) [module]`, with `[inlined]` for frames
 /// inlined into the next one, and `function (file:line) [python]` for a
 /// Python function. Names are escaped (`printable`).
-pub(super) fn describe(frame: &Frame) -> String {
+pub fn describe(frame: &Frame) -> String {
     let mut text = frame_name(frame);
     if let Some(offset) = frame.offset.filter(|_| frame.function.is_some()) {
         let _ = write!(text, "+{offset:#x}");

@@ -40,6 +40,7 @@ use crate::{
     report::options::SortKey,
     session::{
         ReportRequest, Selector, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec,
+        PYTHON_PENDING_RETRY,
     },
     status,
 };
@@ -209,8 +210,17 @@ impl Collector {
         let mut rounds = tokio::time::interval(interval);
         rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut refresh = tokio::time::interval(REFRESH);
+        let mut python_retry = tokio::time::interval(PYTHON_PENDING_RETRY);
+        python_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Whether a target may have an interpreter not initialised yet:
+        // set whenever targets may have come or changed.
+        let mut python_pending = true;
         loop {
             tokio::select! {
+                _ = python_retry.tick(), if python_pending => {
+                    python_pending = session.detect_pending_python()?;
+                    continue;
+                }
                 _ = rounds.tick() => self.round(session, board, None),
                 () = board.asked() => {
                     // A client asking again and again must not keep the
@@ -223,6 +233,7 @@ impl Collector {
                     }
                 }
                 _ = refresh.tick() => {
+                    python_pending = true;
                     let added = session.refresh()?;
                     let forgotten = self.forget_expired();
                     if added > 0 || forgotten {
@@ -230,7 +241,10 @@ impl Collector {
                         self.publish(board);
                     }
                 }
-                event = session.next_event() => self.take_event(session, board, event?)?,
+                event = session.next_event() => {
+                    python_pending = true;
+                    self.take_event(session, board, event?)?;
+                }
                 Some(query) = self.queries.recv() => answer(session, query),
             }
             // A process left out (by --max-processes) is found by a

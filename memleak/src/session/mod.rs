@@ -9,7 +9,7 @@ mod targets;
 
 use std::{collections::HashSet, io, path::Path, sync::Arc};
 
-use memleak_common::{MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
+use memleak_common::{python::PY_DEFAULT_MAX_FRAMES, MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use targets::PythonFrames;
@@ -148,6 +148,9 @@ pub struct Session {
     /// Processes that called execve untraced, to check against what is
     /// followed.
     launched: std::collections::VecDeque<u32>,
+    /// Stacks with Python frames BPF announced, to resolve at the next
+    /// look.
+    new_python_stacks: Vec<u64>,
     /// Processes left untraced because --max-processes was reached: how
     /// many in all, and those still running (each counted once).
     not_followed: u64,
@@ -227,6 +230,7 @@ impl Session {
             cgroup2_root: None,
             named: HashSet::new(),
             launched: std::collections::VecDeque::new(),
+            new_python_stacks: Vec::new(),
             not_followed: 0,
             refused: HashSet::new(),
             unplannable: std::collections::HashMap::new(),
@@ -582,6 +586,23 @@ impl Session {
         Ok(())
     }
 
+    /// Looks again for the interpreter of each target whose CPython had
+    /// not initialised when last looked for, for `PYTHON_PENDING_FOR`
+    /// after it was first seen: an interpreter starts running its script
+    /// some tens of milliseconds after it initialises, well before the
+    /// next refresh. Says whether any is still to be looked for.
+    pub fn detect_pending_python(&mut self) -> Result<bool, SessionError> {
+        let mut pending = false;
+        for target in &mut self.targets {
+            let PythonFrames::Pending { since } = target.python else { continue };
+            if since.elapsed() < PYTHON_PENDING_FOR {
+                update_python_frames(&mut self.tracer, target)?;
+                pending |= matches!(target.python, PythonFrames::Pending { .. });
+            }
+        }
+        Ok(pending)
+    }
+
     /// Rescans the processes whose walks met code they did not know.
     fn take_rescan_requests(&mut self) -> Result<(), SessionError> {
         if self.unwind.is_none() {
@@ -639,6 +660,7 @@ impl Session {
         // tracepoint has put in the ring by then: taken from there first,
         // it is known to be found at its exec.
         self.take_mapping_events();
+        self.resolve_new_python_stacks()?;
         while self.take_launched().is_some() {}
         let launched = self.targets.len() - before;
         self.refused.retain(|key| ProcessKey::of(key.pid) == Some(*key));
@@ -734,6 +756,10 @@ impl Session {
                 self.launched.push_back(event.tgid);
                 continue;
             }
+            if change == Ok(MappingChange::PythonStack) {
+                self.new_python_stacks.push(event.stack_id);
+                continue;
+            }
             if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
                 // The BPF side follows only the children of followed processes.
                 #[allow(clippy::cast_possible_truncation, reason = "the parent's tgid, sent as a u64")]
@@ -783,9 +809,11 @@ impl Session {
         let region_stacks =
             self.targets.iter().flat_map(|target| target.regions.iter().map(|(_, r)| r.stack_id));
         let ids: Vec<u64> = maps.stack_ids().chain(region_stacks).collect();
-        let new_stacks = self.stacks.ensure(&self.tracer, ids)?;
+        self.stacks.ensure(&self.tracer, ids.iter().copied())?;
         if self.tracer.walks_python_frames() {
-            self.resolve_python_stacks(&new_stacks);
+            // Not only the new stacks: a forked child's first stacks may
+            // have come before memleak had looked at its interpreter.
+            self.resolve_python_stacks(&ids);
         }
         self.map_fill.allocations = maps.recorded_allocations();
         self.map_fill.stacks = self.stacks.len() as u64;
@@ -798,6 +826,19 @@ impl Session {
             .collect())
     }
 
+    /// Resolves the Python frames of the stacks BPF announced since the
+    /// last look, before their code objects can be freed, rather than at
+    /// the next report.
+    fn resolve_new_python_stacks(&mut self) -> Result<(), SessionError> {
+        if self.new_python_stacks.is_empty() {
+            return Ok(());
+        }
+        let ids = std::mem::take(&mut self.new_python_stacks);
+        self.stacks.ensure(&self.tracer, ids.iter().copied())?;
+        self.resolve_python_stacks(&ids);
+        Ok(())
+    }
+
     /// Resolves the Python frames of each of `stack_ids` that has any,
     /// while the code objects they ran are alive.
     fn resolve_python_stacks(&mut self, stack_ids: &[u64]) {
@@ -808,8 +849,15 @@ impl Session {
             }
             let Some(owner) = self.stacks.owner(id) else { continue };
             let Some(target) = self.targets.iter_mut().find(|target| target.pid == owner) else { continue };
-            if let PythonFrames::Walked { codes, stacks, .. } = &mut target.python {
-                stacks.resolve(id, words, codes);
+            // Stopped: stacks walked before are still resolved.
+            if let PythonFrames::Walked { codes, stacks, .. } | PythonFrames::Stopped { codes, stacks, .. } =
+                &mut target.python
+            {
+                let checks = self.stacks.python_checks(id);
+                if let Some(innermost) = stacks.resolve(id, words, checks, codes) {
+                    let shown = crate::report::text::describe(&innermost);
+                    log::debug!("pid {owner}: stack {id:#x}: Python frames resolved, the innermost {shown}");
+                }
             }
         }
     }
@@ -948,14 +996,55 @@ fn update_unwind_table(
     Ok(())
 }
 
+/// How often a target whose CPython has not initialised yet is looked at
+/// again (`Session::detect_pending_python`): its script's first lines run
+/// tens of milliseconds after it initialises. A look is a read of its
+/// maps and of a few words of its memory; the files are read once.
+pub const PYTHON_PENDING_RETRY: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// How long after memleak first sees a CPython that has not initialised
+/// it keeps looking again every few milliseconds: a process that maps an
+/// interpreter it never starts (a program embedding it for plugins) is
+/// then looked at only at each refresh.
+const PYTHON_PENDING_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Stops walking the Python frames of `target`, walked until now, if it
+/// has started a sub-interpreter since: one read or two.
+fn stop_at_subinterpreters(tracer: &mut Tracer, target: &mut Target) -> Result<(), TracerError> {
+    let PythonFrames::Walked { runtime, codes, .. } = &target.python else { return Ok(()) };
+    if !python::runs_subinterpreters(codes.memory(), runtime.runtime_address, &runtime.offsets)
+        .unwrap_or(false)
+    {
+        return Ok(());
+    }
+    let pid = target.pid;
+    tracer.forget_python_process(pid)?;
+    log::warn!("pid {pid}: no more Python frames: {}", python::SUBINTERPRETERS);
+    if let PythonFrames::Walked { runtime, codes, stacks } = std::mem::take(&mut target.python) {
+        target.python = PythonFrames::Stopped { runtime, codes, stacks };
+    }
+    Ok(())
+}
+
 /// Looks for CPython in `target`, unless looked for already, and has the
 /// BPF side walk its Python frames if it is found and passes every check.
 /// Says the interpreter found, or once why its frames are not read.
 fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), TracerError> {
-    if target.is_kernel() || !matches!(target.python, PythonFrames::Unknown) {
+    let pid = target.pid;
+    if matches!(target.python, PythonFrames::Walked { .. }) {
+        return stop_at_subinterpreters(tracer, target);
+    }
+    let since = match target.python {
+        PythonFrames::Unknown => std::time::Instant::now(),
+        PythonFrames::Pending { since } => since,
+        PythonFrames::NotPython
+        | PythonFrames::Walked { .. }
+        | PythonFrames::Stopped { .. }
+        | PythonFrames::Off => return Ok(()),
+    };
+    if target.is_kernel() {
         return Ok(());
     }
-    let pid = target.pid;
     target.python = match python::detect(pid) {
         Detection::Enabled(runtime) => {
             // Detection enables 3.8 to 3.13 only.
@@ -969,7 +1058,13 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
                         runtime.version, runtime.path
                     ));
                     log::info!("pid {pid}: {runtime}");
-                    PythonFrames::Walked { runtime, codes: Box::new(codes), stacks: PythonStacks::default() }
+                    PythonFrames::Walked {
+                        runtime,
+                        codes: Box::new(codes),
+                        stacks: PythonStacks::new(
+                            tracer.python_frame_limit().unwrap_or(PY_DEFAULT_MAX_FRAMES),
+                        ),
+                    }
                 }
                 Err(error) => {
                     log::warn!("pid {pid}: no Python frames: its memory cannot be read: {error}");
@@ -979,8 +1074,10 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
         }
         Detection::NotPython => PythonFrames::NotPython,
         Detection::TryLater(why) => {
-            log::debug!("pid {pid}: Python frames later: {why}");
-            PythonFrames::Unknown
+            if matches!(target.python, PythonFrames::Unknown) {
+                log::debug!("pid {pid}: Python frames later: {why}");
+            }
+            PythonFrames::Pending { since }
         }
         Detection::Disabled(why) => {
             log::warn!("pid {pid}: no Python frames: {why}");

@@ -122,16 +122,24 @@ pub struct Target {
 /// Where a target's Python frames stand (--python).
 #[derive(Default)]
 pub enum PythonFrames {
-    /// Not looked for yet, or to look for again: the interpreter was not
-    /// ready.
+    /// Not looked for yet, or to look for again once the mappings change.
     #[default]
     Unknown,
+    /// CPython that has not initialised yet (a process caught at its
+    /// exec), first seen so `since`: looked for again every few
+    /// milliseconds for a while (see `Session::detect_pending_python`), so
+    /// that its first lines of Python have their frames, then at each
+    /// refresh.
+    Pending { since: std::time::Instant },
     /// No CPython was mapped when looked for: looked for again once the
     /// mappings change (a program's libraries map after its exec).
     NotPython,
     /// The BPF side walks them; `codes` resolves their words into
     /// `stacks`.
     Walked { runtime: Box<PythonRuntime>, codes: Box<CodeCache>, stacks: PythonStacks },
+    /// Walked until the process started a sub-interpreter: its stacks
+    /// from before keep their Python frames, new ones have none.
+    Stopped { runtime: Box<PythonRuntime>, codes: Box<CodeCache>, stacks: PythonStacks },
     /// CPython whose frames memleak does not read, said once.
     Off,
 }
@@ -274,7 +282,7 @@ impl Target {
         });
         call_paths.merge(&mut snapshot, |stack_id| {
             let frames = frames_of(symbolizer, space, stacks, &mut python, stack_id);
-            Met { truncation: truncation_of(stacks, stack_id, *unwinding, &frames), frames }
+            Met { truncation: truncation_of(stacks, stack_id, *unwinding, &frames, python.as_ref()), frames }
         });
         let unrecorded_frees = trends.unrecorded_frees_since(&snapshot);
         let trends = if request.in_series { trends.observe(&snapshot) } else { trends.peek(&snapshot) };
@@ -333,13 +341,29 @@ impl StackSource for TargetStacks<'_> {
     fn truncation(&self, stack_id: u64) -> Option<Truncation> {
         let shown = self.call_paths.shown(stack_id);
         let frames = self.symbolizer.cached(shown).unwrap_or_default();
-        truncation_of(self.stacks, shown, self.unwinding, &frames)
+        truncation_of(self.stacks, shown, self.unwinding, &frames, self.python.as_ref())
     }
 }
 
 /// Why the walk of a stack stopped short of its root, if it did, as its
 /// symbolized `frames` end or its walk ended.
 fn truncation_of(
+    stacks: &StackCatalog,
+    stack_id: u64,
+    unwinding: Option<Unwinding>,
+    frames: &[Arc<Frame>],
+    python: Option<&PythonMerger<'_>>,
+) -> Option<Truncation> {
+    let native = native_truncation(stacks, stack_id, unwinding, frames);
+    // The native walk's end says more: it comes after the Python frames.
+    if native.is_none() && python.is_some_and(|python| python.stacks.reached_limit(stack_id)) {
+        return Some(Truncation::PythonDepthLimit);
+    }
+    native
+}
+
+/// Why the native walk of a stack stopped short of its root, if it did.
+fn native_truncation(
     stacks: &StackCatalog,
     stack_id: u64,
     unwinding: Option<Unwinding>,
@@ -431,7 +455,9 @@ struct PythonMerger<'a> {
 impl PythonFrames {
     fn merger(&mut self) -> Option<PythonMerger<'_>> {
         match self {
-            Self::Walked { runtime, stacks, .. } => Some(PythonMerger { runtime, stacks }),
+            Self::Walked { runtime, stacks, .. } | Self::Stopped { runtime, stacks, .. } => {
+                Some(PythonMerger { runtime, stacks })
+            }
             _ => None,
         }
     }

@@ -39,6 +39,7 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "sessions", check: Check::Exact, make: sessions },
     Example { name: "sessions-fp", check: Check::Exact, make: sessions_fp },
     Example { name: "culprit", check: Check::Exact, make: culprit },
+    Example { name: "python", check: Check::Exact, make: python },
     Example { name: "operators", check: Check::Exact, make: operators },
     Example { name: "stripped", check: Check::Exact, make: stripped },
     Example { name: "jit", check: Check::Exact, make: jit },
@@ -364,6 +365,20 @@ fn sessions_fp(workshop: &mut Workshop) -> Result<Made> {
 fn culprit(workshop: &mut Workshop) -> Result<Made> {
     let service = workshop.optimized("service")?;
     let transcript = attached_until_done(workshop, &service, &["100", "--wait"], &["-T", "3"])?;
+    Ok(Made::text(&transcript))
+}
+
+/// `tests/fixtures/cache_service.py` under Debian's python3.11, a stripped
+/// build: its response cache keeps 200 bytearrays of 4000 bytes.
+fn python(workshop: &mut Workshop) -> Result<Made> {
+    let python = Path::new("/usr/bin/python3.11");
+    if !python.exists() {
+        return Err(Unavailable("Debian's python3.11 is not installed".to_owned()).into());
+    }
+    let script = "cache_service.py";
+    std::fs::copy(root().join("tests/fixtures").join(script), workshop.dir().join(script))
+        .with_context(|| format!("copying {script}"))?;
+    let transcript = attached_until_done(workshop, python, &[script], &["-T", "1"])?;
     Ok(Made::text(&transcript))
 }
 
