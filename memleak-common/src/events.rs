@@ -41,10 +41,6 @@ pub enum MappingChange {
     /// A process memleak does not trace called execve (reported only when
     /// user space asks for it): `tgid` may be one to follow.
     Launched = 6,
-    /// A stack with Python frames was stored for the first time, as
-    /// `stack_id`: user space reads the code objects it ran while they
-    /// are alive.
-    PythonStack = 7,
 }
 
 impl TryFrom<u32> for MappingChange {
@@ -59,7 +55,6 @@ impl TryFrom<u32> for MappingChange {
             4 => Ok(MappingChange::Protect),
             5 => Ok(MappingChange::Fork),
             6 => Ok(MappingChange::Launched),
-            7 => Ok(MappingChange::PythonStack),
             _ => Err(raw),
         }
     }

@@ -30,6 +30,11 @@ pub const CGROUP_FILTER_MAP: &str = "CGROUP_FILTER";
 pub const EVENTS_MAP: &str = "EVENTS";
 /// Ring buffer of [`MappingEvent`](crate::MappingEvent)s.
 pub const MAPPING_EVENTS_MAP: &str = "MAPPING_EVENTS";
+/// Ring buffer of the ids (u64) of stacks with Python frames, each sent
+/// when the stack is first stored: user space reads their code objects
+/// while they are alive. A full ring loses ids, which are then resolved
+/// at the next report.
+pub const PY_NEW_STACKS_MAP: &str = "PY_NEW_STACKS";
 /// Array of [`UnwindRow`](crate::UnwindRow)s, every object's table in a
 /// range of its own; memory-mapped by user space, which writes them.
 pub const UNWIND_ROWS_MAP: &str = "UNWIND_ROWS";

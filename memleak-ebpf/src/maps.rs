@@ -85,6 +85,12 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
 #[map(name = "MAPPING_EVENTS")]
 pub static MAPPING_EVENTS: RingBuf = RingBuf::with_byte_size(256 << 10, 0);
 
+/// Stacks with Python frames, as first stored (`PY_NEW_STACKS_MAP`): a
+/// ring of their own, so that a program's thousands of start-up stacks
+/// never crowd out the mapping events.
+#[map(name = "PY_NEW_STACKS")]
+pub static PY_NEW_STACKS: RingBuf = RingBuf::with_byte_size(64 << 10, 0);
+
 /// Thread id -> mmap or mremap in flight.
 #[map(name = "PENDING_MAPPINGS")]
 pub static PENDING_MAPPINGS: LruHashMap<u32, PendingMapping> = LruHashMap::with_max_entries(16_384, 0);

@@ -54,6 +54,12 @@ type Frame = [u64; FRAME_BYTES / 8];
 /// thread that never ran Python.
 pub fn walk(tgid: u32, slots: u32) -> u32 {
     let limit = slots / 2;
+    // With --max-stack-depth 2 there is no room, known at load: a loop
+    // of 0 iterations would leave its callback to the verifier as code
+    // that never runs, which 6.18 rejects ("No program to jit").
+    if limit == 0 {
+        return 0;
+    }
     let fsbase_offset = tunables::py_fsbase_offset();
     if fsbase_offset == 0 {
         return 0;

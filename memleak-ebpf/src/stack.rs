@@ -20,15 +20,11 @@ use aya_ebpf::{
     helpers::generated::{bpf_get_smp_processor_id, bpf_loop},
     EbpfContext,
 };
-use memleak_common::{
-    lost_stack_id, Counter, MappingChange, MappingEvent, StackKey, StackSlot, WalkEnd, KERNEL_TGID,
-    MAX_STACK_DEPTH,
-};
+use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNEL_TGID, MAX_STACK_DEPTH};
 
 use crate::{
     counters,
-    maps::{LastStack, LAST_STACK, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
-    process_events::send,
+    maps::{LastStack, LAST_STACK, PY_NEW_STACKS, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
     python, tunables,
     unwind::{self, Walked},
 };
@@ -169,7 +165,7 @@ fn insert(slot: &StackSlot, key: &mut StackKey) -> Inserted {
     }
     if STACK_IDS.insert(slot, id, u64::from(BPF_NOEXIST)).is_ok() {
         if python_depth_of(key) != 0 {
-            announce_python_stack(key.tgid, id);
+            announce_python_stack(id);
         }
         return Inserted::Stored(id);
     }
@@ -184,14 +180,10 @@ fn insert(slot: &StackSlot, key: &mut StackKey) -> Inserted {
 }
 
 /// Tells user space of a new stack with Python frames: the code objects
-/// they ran may be freed before the next report reads the stacks.
-fn announce_python_stack(tgid: u32, id: u64) {
-    send(MappingEvent {
-        tgid,
-        stack_id: id,
-        change: MappingChange::PythonStack as u32,
-        ..MappingEvent::default()
-    });
+/// they ran may be freed before the next report reads the stacks. An id
+/// the full ring loses is resolved at that report.
+fn announce_python_stack(id: u64) {
+    let _ = PY_NEW_STACKS.output::<u64>(&id, 0);
 }
 
 /// FNV-1a over the process and the frames in use.

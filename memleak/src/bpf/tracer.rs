@@ -17,8 +17,8 @@ use memleak_common::{
     ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP,
     ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP,
     MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP,
-    PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
-    USER_STACK_RECORDER_MAP,
+    PY_NEW_STACKS_MAP, PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP,
+    UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
 };
 
 use super::{
@@ -655,6 +655,11 @@ impl Tracer {
     /// The ring buffer of mmap, munmap and mremap events.
     pub fn take_mapping_events(&mut self) -> Result<RingBuf<MapData>, TracerError> {
         self.take_ring(MAPPING_EVENTS_MAP)
+    }
+
+    /// The ring buffer of new stacks with Python frames.
+    pub fn take_new_python_stacks(&mut self) -> Result<RingBuf<MapData>, TracerError> {
+        self.take_ring(PY_NEW_STACKS_MAP)
     }
 
     fn take_ring(&mut self, name: &'static str) -> Result<RingBuf<MapData>, TracerError> {

@@ -89,12 +89,7 @@ impl Regions {
             // The old program's regions stay for its final report; the
             // session then starts the process's books afresh. A fork is
             // another process's news.
-            Ok(
-                MappingChange::Exec
-                | MappingChange::Fork
-                | MappingChange::Launched
-                | MappingChange::PythonStack,
-            ) => {}
+            Ok(MappingChange::Exec | MappingChange::Fork | MappingChange::Launched) => {}
             Err(unknown) => log::debug!("unknown mapping change {unknown}: ignored"),
         }
     }

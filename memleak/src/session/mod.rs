@@ -148,9 +148,9 @@ pub struct Session {
     /// Processes that called execve untraced, to check against what is
     /// followed.
     launched: std::collections::VecDeque<u32>,
-    /// Stacks with Python frames BPF announced, to resolve at the next
-    /// look.
-    new_python_stacks: Vec<u64>,
+    /// The ring of stacks with Python frames BPF announces, to resolve
+    /// at each look (`PY_NEW_STACKS_MAP`).
+    new_python_stacks: Option<EventRing>,
     /// Processes left untraced because --max-processes was reached: how
     /// many in all, and those still running (each counted once).
     not_followed: u64,
@@ -230,7 +230,7 @@ impl Session {
             cgroup2_root: None,
             named: HashSet::new(),
             launched: std::collections::VecDeque::new(),
-            new_python_stacks: Vec::new(),
+            new_python_stacks: None,
             not_followed: 0,
             refused: HashSet::new(),
             unplannable: std::collections::HashMap::new(),
@@ -260,6 +260,10 @@ impl Session {
         }
         session.mapping_events =
             Some(EventRing::new(session.tracer.take_mapping_events()?).map_err(SessionError::Rings)?);
+        if session.tracer.walks_python_frames() {
+            session.new_python_stacks =
+                Some(EventRing::new(session.tracer.take_new_python_stacks()?).map_err(SessionError::Rings)?);
+        }
         Ok(session)
     }
 
@@ -756,10 +760,6 @@ impl Session {
                 self.launched.push_back(event.tgid);
                 continue;
             }
-            if change == Ok(MappingChange::PythonStack) {
-                self.new_python_stacks.push(event.stack_id);
-                continue;
-            }
             if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
                 // The BPF side follows only the children of followed processes.
                 #[allow(clippy::cast_possible_truncation, reason = "the parent's tgid, sent as a u64")]
@@ -830,10 +830,11 @@ impl Session {
     /// last look, before their code objects can be freed, rather than at
     /// the next report.
     fn resolve_new_python_stacks(&mut self) -> Result<(), SessionError> {
-        if self.new_python_stacks.is_empty() {
+        let Some(ring) = self.new_python_stacks.as_mut() else { return Ok(()) };
+        let ids: Vec<u64> = ring.drain();
+        if ids.is_empty() {
             return Ok(());
         }
-        let ids = std::mem::take(&mut self.new_python_stacks);
         self.stacks.ensure(&self.tracer, ids.iter().copied())?;
         self.resolve_python_stacks(&ids);
         Ok(())
