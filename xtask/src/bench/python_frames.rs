@@ -431,6 +431,21 @@ impl PythonFrames {
         )
     }
 
+    /// The median over rounds of what a walk costs whatever its depth
+    /// (finding the thread's frame): the BPF time `SHALLOW` frames add,
+    /// less `SHALLOW` steps at that round's slope.
+    fn bpf_ns_per_walk(&self) -> Option<f64> {
+        let [deep, shallow, without] =
+            [(DEEP, Mode::PythonFrames), (SHALLOW, Mode::PythonFrames), (SHALLOW, Mode::NativeOnly)]
+                .map(|(depth, mode)| self.bpf_per_allocation(depth, mode));
+        let steps = f64::from(SHALLOW);
+        let fixed = deep.iter().zip(&shallow).zip(&without).map(|((deep, shallow), without)| {
+            let slope = (deep - shallow) / f64::from(DEEP - SHALLOW);
+            shallow - without - steps * slope
+        });
+        median(fixed.collect())
+    }
+
     /// The median CPU (the workload's and memleak's) of `depth`'s runs in
     /// `mode`, over the untraced runs' at the slowdown's depth.
     fn cpu_over_untraced(&self, depth: u32, mode: Mode) -> Option<f64> {
@@ -471,7 +486,11 @@ fn print_table(measured: &PythonFrames) {
             continue;
         }
         let ns = |value: Option<f64>| value.map_or_else(String::new, |value| format!("{value:.0} ns"));
-        let frames = median_of(setup, |run| run.python_frames as f64).unwrap_or(0.0);
+        let frames = match setup.mode {
+            Mode::Untraced => "-".to_owned(),
+            _ => median_of(setup, |run| run.python_frames as f64)
+                .map_or_else(String::new, |frames| format!("{frames:.0}")),
+        };
         let wall = median_of(setup, |run| run.wall_ns as f64 / 1e6)
             .map_or_else(String::new, |ms| format!("{ms:.0} ms"));
         let bpf = match setup.mode {
@@ -487,10 +506,7 @@ fn print_table(measured: &PythonFrames) {
         let slowdown = measured
             .cpu_over_untraced(setup.depth, setup.mode)
             .map_or_else(String::new, |slowdown| format!("{slowdown:.2}x"));
-        println!(
-            "| {} | {frames:.0} | {wall} | {bpf} | {workload} | {memleak} | {slowdown} |",
-            setup.label()
-        );
+        println!("| {} | {frames} | {wall} | {bpf} | {workload} | {memleak} | {slowdown} |", setup.label());
     }
     println!();
     println!(
@@ -519,6 +535,10 @@ fn print_goals(measured: &PythonFrames) {
         slope.map(|ns| ns / GOAL_FRAME_NS),
         &format!("goal under {GOAL_FRAME_NS:.0} ns warm"),
     );
+    match measured.bpf_ns_per_walk() {
+        Some(ns) => println!("BPF time per walk besides its frames (the thread's frame found): {ns:.0} ns"),
+        None => println!("BPF time per walk besides its frames: not measured"),
+    }
     let with = measured.cpu_over_untraced(SLOWDOWN_DEPTH, Mode::PythonFrames);
     let without = measured.cpu_over_untraced(SLOWDOWN_DEPTH, Mode::NativeOnly);
     let ratio = with.zip(without).map(|(with, without)| with / without);
@@ -586,18 +606,21 @@ mod tests {
             allocations: 1000,
             rounds: 3,
             setups: vec![
-                // The second round ran on a slower machine: pairing keeps
-                // it from moving the difference.
+                // 300 ns a walk and 60 a frame, but 50 ns more at 5 frames
+                // in the third round; the second round ran on a slower
+                // machine, which pairing keeps from moving the difference.
                 setup(SHALLOW, Mode::NativeOnly, &[1_000_000, 2_000_000, 1_000_000]),
-                setup(SHALLOW, Mode::PythonFrames, &[1_250_000, 2_250_000, 1_300_000]),
+                setup(SHALLOW, Mode::PythonFrames, &[1_600_000, 2_600_000, 1_650_000]),
                 setup(DEEP, Mode::NativeOnly, &[1_000_000, 2_000_000, 1_000_000]),
-                setup(DEEP, Mode::PythonFrames, &[3_050_000, 4_050_000, 3_100_000]),
+                setup(DEEP, Mode::PythonFrames, &[3_400_000, 4_400_000, 3_400_000]),
             ],
         };
-        // 250 ns over 5 frames in two rounds of three, 300 in the other.
-        assert_eq!(measured.bpf_ns_per_frame(SHALLOW), Some(50.0));
-        // (3050 - 1250) / 30 = 60 in two rounds.
+        // 600 ns over 5 frames in two rounds of three.
+        assert_eq!(measured.bpf_ns_per_frame(SHALLOW), Some(120.0));
+        // (3400 - 1600) / 30 in two rounds.
         assert_eq!(measured.bpf_ns_per_frame_slope(), Some(60.0));
+        // 600 - 5 x 60 in two rounds.
+        assert_eq!(measured.bpf_ns_per_walk(), Some(300.0));
         assert_eq!(measured.bpf_ns_per_frame(SLOWDOWN_DEPTH), None);
     }
 }
