@@ -394,6 +394,24 @@ fn median(mut values: Vec<f64>) -> Option<f64> {
     values.get(values.len() / 2).copied()
 }
 
+/// A measure taken once a round: its median, and its lowest and highest,
+/// which show how much this machine's noise moved it.
+#[derive(Debug, PartialEq)]
+struct Spread {
+    median: f64,
+    low: f64,
+    high: f64,
+}
+
+impl Spread {
+    /// None for no rounds.
+    fn of(values: impl Iterator<Item = f64>) -> Option<Self> {
+        let mut values: Vec<f64> = values.collect();
+        values.sort_by(f64::total_cmp);
+        Some(Self { median: *values.get(values.len() / 2)?, low: *values.first()?, high: *values.last()? })
+    }
+}
+
 impl PythonFrames {
     fn setup(&self, depth: u32, mode: Mode) -> Option<&Setup> {
         self.setups.iter().find(|setup| setup.depth == depth && setup.mode == mode)
@@ -409,41 +427,51 @@ impl PythonFrames {
         setup.runs.iter().map(|run| self.per_allocation(run.bpf.ns)).collect()
     }
 
-    /// The median over rounds of the BPF time per allocation that walking
-    /// adds, over the frames walked: each round's runs with and without
-    /// frames ran one after the other.
-    fn bpf_ns_per_frame(&self, depth: u32) -> Option<f64> {
-        let with = self.bpf_per_allocation(depth, Mode::PythonFrames);
-        let without = self.bpf_per_allocation(depth, Mode::NativeOnly);
-        median(with.iter().zip(&without).map(|(with, without)| (with - without) / f64::from(depth)).collect())
+    /// CPU (the workload's and memleak's) of each run of a setup, by round.
+    fn cpu_by_round(&self, depth: u32, mode: Mode) -> Vec<f64> {
+        let Some(setup) = self.setup(depth, mode) else { return Vec::new() };
+        setup.runs.iter().map(|run| run.cpu_ns() as f64).collect()
     }
 
-    /// The median over rounds of the BPF time each frame from `SHALLOW`
-    /// to `DEEP` adds: the walk's cost per frame alone.
-    fn bpf_ns_per_frame_slope(&self) -> Option<f64> {
+    /// The BPF time per allocation that walking adds, over the frames
+    /// walked, by round: each round's runs with and without frames ran
+    /// one after the other, so a round pairs them.
+    fn bpf_ns_per_frame(&self, depth: u32) -> Option<Spread> {
+        let with = self.bpf_per_allocation(depth, Mode::PythonFrames);
+        let without = self.bpf_per_allocation(depth, Mode::NativeOnly);
+        Spread::of(with.iter().zip(&without).map(|(with, without)| (with - without) / f64::from(depth)))
+    }
+
+    /// The BPF time each frame from `SHALLOW` to `DEEP` adds, by round:
+    /// the walk's cost per frame alone.
+    fn bpf_ns_per_frame_slope(&self) -> Option<Spread> {
         let deep = self.bpf_per_allocation(DEEP, Mode::PythonFrames);
         let shallow = self.bpf_per_allocation(SHALLOW, Mode::PythonFrames);
-        median(
-            deep.iter()
-                .zip(&shallow)
-                .map(|(deep, shallow)| (deep - shallow) / f64::from(DEEP - SHALLOW))
-                .collect(),
+        Spread::of(
+            deep.iter().zip(&shallow).map(|(deep, shallow)| (deep - shallow) / f64::from(DEEP - SHALLOW)),
         )
     }
 
-    /// The median over rounds of what a walk costs whatever its depth
-    /// (finding the thread's frame): the BPF time `SHALLOW` frames add,
-    /// less `SHALLOW` steps at that round's slope.
-    fn bpf_ns_per_walk(&self) -> Option<f64> {
+    /// What a walk costs whatever its depth (finding the thread's frame),
+    /// by round: the BPF time `SHALLOW` frames add, less `SHALLOW` steps
+    /// at that round's slope.
+    fn bpf_ns_per_walk(&self) -> Option<Spread> {
         let [deep, shallow, without] =
             [(DEEP, Mode::PythonFrames), (SHALLOW, Mode::PythonFrames), (SHALLOW, Mode::NativeOnly)]
                 .map(|(depth, mode)| self.bpf_per_allocation(depth, mode));
         let steps = f64::from(SHALLOW);
-        let fixed = deep.iter().zip(&shallow).zip(&without).map(|((deep, shallow), without)| {
+        Spread::of(deep.iter().zip(&shallow).zip(&without).map(|((deep, shallow), without)| {
             let slope = (deep - shallow) / f64::from(DEEP - SHALLOW);
             shallow - without - steps * slope
-        });
-        median(fixed.collect())
+        }))
+    }
+
+    /// The CPU with Python frames over that with `--python off` at the
+    /// slowdown's depth, by round.
+    fn slowdown_of_frames(&self) -> Option<Spread> {
+        let with = self.cpu_by_round(SLOWDOWN_DEPTH, Mode::PythonFrames);
+        let without = self.cpu_by_round(SLOWDOWN_DEPTH, Mode::NativeOnly);
+        Spread::of(with.iter().zip(&without).map(|(with, without)| with / without))
     }
 
     /// The median CPU (the workload's and memleak's) of `depth`'s runs in
@@ -518,43 +546,51 @@ fn print_table(measured: &PythonFrames) {
 /// The measures against their goals.
 fn print_goals(measured: &PythonFrames) {
     println!();
+    println!("Medians of the rounds, each pairing runs made one after the other (lowest to highest round):");
+    let ns = |value: f64| format!("{value:.0} ns");
+    let frame_goal = format!("goal under {GOAL_FRAME_NS:.0} ns warm");
     for depth in [SHALLOW, SLOWDOWN_DEPTH, DEEP] {
         print_goal(
             &format!(
                 "BPF time per Python frame at {depth} frames (with frames less --python off, over {depth})"
             ),
-            measured.bpf_ns_per_frame(depth).map(|ns| format!("{ns:.0} ns")),
-            measured.bpf_ns_per_frame(depth).map(|ns| ns / GOAL_FRAME_NS),
-            &format!("goal under {GOAL_FRAME_NS:.0} ns warm"),
+            measured.bpf_ns_per_frame(depth),
+            ns,
+            Some((GOAL_FRAME_NS, &frame_goal)),
         );
     }
-    let slope = measured.bpf_ns_per_frame_slope();
     print_goal(
         &format!("BPF time per Python frame from {SHALLOW} to {DEEP} frames (the walk's step alone)"),
-        slope.map(|ns| format!("{ns:.0} ns")),
-        slope.map(|ns| ns / GOAL_FRAME_NS),
-        &format!("goal under {GOAL_FRAME_NS:.0} ns warm"),
+        measured.bpf_ns_per_frame_slope(),
+        ns,
+        Some((GOAL_FRAME_NS, &frame_goal)),
     );
-    match measured.bpf_ns_per_walk() {
-        Some(ns) => println!("BPF time per walk besides its frames (the thread's frame found): {ns:.0} ns"),
-        None => println!("BPF time per walk besides its frames: not measured"),
-    }
-    let with = measured.cpu_over_untraced(SLOWDOWN_DEPTH, Mode::PythonFrames);
-    let without = measured.cpu_over_untraced(SLOWDOWN_DEPTH, Mode::NativeOnly);
-    let ratio = with.zip(without).map(|(with, without)| with / without);
+    print_goal(
+        "BPF time per walk besides its frames (finding the thread's frame)",
+        measured.bpf_ns_per_walk(),
+        ns,
+        None,
+    );
     print_goal(
         &format!("slowdown with Python frames / --python off at {SLOWDOWN_DEPTH} frames"),
-        ratio.map(|ratio| format!("{ratio:.2}")),
-        ratio.map(|ratio| ratio / GOAL_SLOWDOWN),
-        &format!("goal <= {GOAL_SLOWDOWN}"),
+        measured.slowdown_of_frames(),
+        |value| format!("{value:.2}"),
+        Some((GOAL_SLOWDOWN, &format!("goal <= {GOAL_SLOWDOWN}"))),
     );
 }
 
-/// "what: value, 0.60 of the goal (goal ...)".
-fn print_goal(what: &str, value: Option<String>, of_goal: Option<f64>, goal: &str) {
-    match (value, of_goal) {
-        (Some(value), Some(of_goal)) => println!("{what}: {value}, {of_goal:.2} of the goal ({goal})"),
-        _ => println!("{what}: not measured ({goal})"),
+/// "what: median (low to high), 0.60 of the goal (goal ...)".
+fn print_goal(what: &str, spread: Option<Spread>, show: impl Fn(f64) -> String, goal: Option<(f64, &str)>) {
+    let Some(spread) = spread else {
+        println!("{what}: not measured");
+        return;
+    };
+    let (median, low, high) = (show(spread.median), show(spread.low), show(spread.high));
+    match goal {
+        Some((goal, said)) => {
+            println!("{what}: {median} ({low} to {high}), {:.2} of the goal ({said})", spread.median / goal);
+        }
+        None => println!("{what}: {median} ({low} to {high})"),
     }
 }
 
@@ -615,12 +651,14 @@ mod tests {
                 setup(DEEP, Mode::PythonFrames, &[3_400_000, 4_400_000, 3_400_000]),
             ],
         };
-        // 600 ns over 5 frames in two rounds of three.
-        assert_eq!(measured.bpf_ns_per_frame(SHALLOW), Some(120.0));
+        let median = |spread: Option<Spread>| spread.map(|spread| spread.median);
+        // 600 ns over 5 frames in two rounds of three, 650 in the third.
+        let per_frame = measured.bpf_ns_per_frame(SHALLOW).expect("a spread");
+        assert_eq!(per_frame, Spread { median: 120.0, low: 120.0, high: 130.0 });
         // (3400 - 1600) / 30 in two rounds.
-        assert_eq!(measured.bpf_ns_per_frame_slope(), Some(60.0));
+        assert_eq!(median(measured.bpf_ns_per_frame_slope()), Some(60.0));
         // 600 - 5 x 60 in two rounds.
-        assert_eq!(measured.bpf_ns_per_walk(), Some(300.0));
+        assert_eq!(median(measured.bpf_ns_per_walk()), Some(300.0));
         assert_eq!(measured.bpf_ns_per_frame(SLOWDOWN_DEPTH), None);
     }
 }
