@@ -84,7 +84,7 @@ const QUICK: Settings = Settings {
     latency_allocations: &[10_000, 100_000],
     redis_requests: 20_000,
     soak: serve::SoakPlan { duration: Duration::from_secs(40), processes: 20 },
-    python: python_frames::Plan { allocations: 30_000, rounds: 3 },
+    python: python_frames::Plan { allocations: 10_000, loops: 3, rounds: 3 },
 };
 const FULL: Settings = Settings {
     threads: 2,
@@ -93,7 +93,7 @@ const FULL: Settings = Settings {
     latency_allocations: &[10_000, 100_000, 1_000_000],
     redis_requests: 100_000,
     soak: serve::SoakPlan { duration: Duration::from_mins(4), processes: 100 },
-    python: python_frames::Plan { allocations: 100_000, rounds: 7 },
+    python: python_frames::Plan { allocations: 20_000, loops: 5, rounds: 5 },
 };
 
 /// One allocation in this many is leaked through `leak_one()`.

@@ -1,18 +1,25 @@
 //! What Python frames cost (issue 23), on Debian's python3.11, which has
 //! no frame pointers (memleak walks it by its `.eh_frame`): the workload
-//! `tests/fixtures/python_alloc_bench.py` allocates bytearrays in a loop
+//! `tests/fixtures/python_alloc_bench.py` allocates bytearrays in loops
 //! with 5, 15 or 35 Python frames on the stack and the same native stack
 //! under them, untraced, under memleak with `--python off`, and under
-//! memleak walking Python frames (its default), interleaved in rounds.
+//! memleak walking Python frames (its default).
 //!
-//! Two measures, each a difference or a ratio within one invocation:
+//! A round runs one workload process in each of the three modes, one
+//! after the other, and each process runs short loops at the three depths
+//! in turn, several times: depths are compared within a process, loops
+//! apart by tens of milliseconds, and modes between processes of the same
+//! round, so that the load of a shared machine, which comes and goes,
+//! moves what is compared alike.
+//!
+//! Measured in one invocation, as differences and ratios:
 //! - BPF time per Python frame: the kernel's run time of memleak's
 //!   programs per allocation (`bpf_stats`), with frames less without,
-//!   over the frames walked; and the slope from 5 to 35 frames, which
-//!   leaves out the thread-state lookup every walk pays once.
-//! - The workload's slowdown at 15 frames: the loop's own CPU time plus
+//!   over the frames walked; the slope from 5 to 35 frames, which leaves
+//!   out what every walk pays once (finding the thread's frame); and that.
+//! - The workload's slowdown at 15 frames: the loops' own CPU time plus
 //!   memleak's CPU meanwhile, with frames over `--python off`, and each
-//!   over the untraced loop.
+//!   over the untraced loops.
 //!
 //! memleak attaches with `-p` to the waiting workload, so neither's start
 //! is in the measures, and reports once, on SIGINT, while the workload is
@@ -21,7 +28,7 @@
 use std::{
     io::Write as _,
     path::Path,
-    process::{Child, Command, Stdio},
+    process::{Child, ChildStdin, Command, Stdio},
     sync::mpsc::Receiver,
     time::{Duration, Instant},
 };
@@ -39,22 +46,31 @@ pub const PYTHON: &str = "/usr/bin/python3.11";
 
 /// How much to measure.
 pub struct Plan {
-    /// Allocations of each run's loop.
+    /// Allocations of each loop.
     pub allocations: u64,
+    /// Loops at each depth in each process.
+    pub loops: usize,
     pub rounds: usize,
 }
 
 /// Bytes of each bytearray: above pymalloc's 512, so each is a malloc (of
-/// one byte more) in the interpreter, and a free when the ring turns.
+/// one byte more) in the interpreter, and a free when its ring turns.
 const BLOCK_BYTES: u64 = 5000;
-/// Blocks alive at a time: the report's top stack, to count its frames.
+/// Blocks alive at a time at each depth: a stack of its own in memleak's
+/// report, whose frames are counted.
 const KEPT: u64 = 16;
 
-/// The depth of the slowdown's runs, the issue's.
-const SLOWDOWN_DEPTH: u32 = 15;
+/// Allocations of the loop at each depth that comes first in each
+/// process, not measured: enough for every stack to be in memleak's maps,
+/// and caches warm.
+const WARM_UP_ALLOCATIONS: u64 = 2000;
+
 /// The depths of the BPF time per frame: the slope between the two.
 const SHALLOW: u32 = 5;
+/// The depth of the slowdown, the issue's.
+const SLOWDOWN_DEPTH: u32 = 15;
 const DEEP: u32 = 35;
+const DEPTHS: [u32; 3] = [SHALLOW, SLOWDOWN_DEPTH, DEEP];
 
 const GOAL_FRAME_NS: f64 = 100.0;
 const GOAL_SLOWDOWN: f64 = 1.3;
@@ -63,7 +79,7 @@ const GOAL_SLOWDOWN: f64 = 1.3;
 const PATIENCE: Duration = Duration::from_mins(2);
 
 /// How the workload runs.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     Untraced,
     /// memleak `--python off`.
@@ -72,117 +88,183 @@ enum Mode {
     PythonFrames,
 }
 
-/// One row of the table.
-struct Setup {
-    depth: u32,
-    mode: Mode,
-    runs: Vec<Run>,
-    failure: Option<String>,
-}
+const MODES: [Mode; 3] = [Mode::Untraced, Mode::NativeOnly, Mode::PythonFrames];
 
-impl Setup {
-    fn label(&self) -> String {
-        let mode = match self.mode {
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
             Mode::Untraced => "untraced",
             Mode::NativeOnly => "memleak --python off",
             Mode::PythonFrames => "memleak",
-        };
-        format!("{mode}, {} Python frames deep", self.depth)
+        }
     }
 }
 
-/// One run's loop.
-#[derive(Clone, Copy)]
-struct Run {
+/// One loop, and what ran meanwhile.
+#[derive(Clone, Copy, Debug, Default)]
+struct Loop {
+    depth: u32,
     /// The workload's process CPU time in its loop, as it measured it:
-    /// the probes' traps and BPF programs run in its threads.
+    /// the probes' traps and BPF programs run in its thread.
     workload_cpu_ns: u64,
     wall_ns: u64,
     /// memleak's CPU time meanwhile (0 untraced).
     memleak_cpu_ns: u64,
     /// memleak's BPF programs meanwhile.
     bpf: RunTime,
-    /// Python frames in the report's stack of the loop's blocks.
-    python_frames: usize,
 }
 
-impl Run {
+impl Loop {
     fn cpu_ns(&self) -> u64 {
         self.workload_cpu_ns + self.memleak_cpu_ns
     }
 }
 
-/// The measures, to be printed.
-pub struct PythonFrames {
-    allocations: u64,
-    rounds: usize,
-    setups: Vec<Setup>,
+/// One workload process: its loops, in the order they ran (the depths in
+/// turn).
+struct Process {
+    loops: Vec<Loop>,
 }
 
-/// Runs every setup once a round, in the order of the table, so that the
-/// runs compared are close in time.
+impl Process {
+    /// The sums of the loops at `depth`.
+    fn total(&self, depth: u32) -> Loop {
+        self.loops.iter().filter(|run| run.depth == depth).fold(
+            Loop { depth, ..Loop::default() },
+            |sum, run| Loop {
+                depth,
+                workload_cpu_ns: sum.workload_cpu_ns + run.workload_cpu_ns,
+                wall_ns: sum.wall_ns + run.wall_ns,
+                memleak_cpu_ns: sum.memleak_cpu_ns + run.memleak_cpu_ns,
+                bpf: RunTime { ns: sum.bpf.ns + run.bpf.ns, runs: sum.bpf.runs + run.bpf.runs },
+            },
+        )
+    }
+}
+
+/// The processes of one mode, one a round.
+struct Runs {
+    mode: Mode,
+    processes: Vec<Process>,
+    /// Why it has no (more) processes: the rest goes on without it.
+    failure: Option<String>,
+}
+
+/// The measures, to be printed.
+pub struct PythonFrames {
+    /// Allocations of each depth in each process.
+    allocations: u64,
+    rounds: usize,
+    runs: Vec<Runs>,
+}
+
+/// Runs a workload process in each mode once a round.
 pub fn measure(memleak: &Path, plan: &Plan) -> Result<PythonFrames> {
     let script = root().join("tests/fixtures/python_alloc_bench.py");
     let _stats = bpf_stats::StatsEnabled::new()?;
-    let setup = |depth, mode| Setup { depth, mode, runs: Vec::new(), failure: None };
-    let mut setups = vec![setup(SLOWDOWN_DEPTH, Mode::Untraced)];
-    for depth in [SHALLOW, SLOWDOWN_DEPTH, DEEP] {
-        setups.extend([setup(depth, Mode::NativeOnly), setup(depth, Mode::PythonFrames)]);
-    }
+    let mut runs: Vec<Runs> =
+        MODES.iter().map(|&mode| Runs { mode, processes: Vec::new(), failure: None }).collect();
     for round in 1..=plan.rounds {
-        for setup in setups.iter_mut().filter(|setup| setup.failure.is_none()) {
-            eprintln!("bench: python frames, run {round}/{}: {}", plan.rounds, setup.label());
-            let workload = Workload { script: &script, depth: setup.depth, allocations: plan.allocations };
-            match run_once(memleak, &workload, setup.mode) {
-                Ok(run) => setup.runs.push(run),
-                Err(error) if setup.mode == Mode::Untraced => return Err(error),
+        for runs in runs.iter_mut().filter(|runs| runs.failure.is_none()) {
+            eprintln!("bench: python frames, run {round}/{}: {}", plan.rounds, runs.mode.label());
+            match run_process(memleak, &script, plan, runs.mode) {
+                Ok(process) => runs.processes.push(process),
+                Err(error) if runs.mode == Mode::Untraced => return Err(error),
                 Err(error) => {
-                    eprintln!("bench: {} failed, left out from now on: {error:#}", setup.label());
-                    setup.failure = Some(format!("failed: {error:#}"));
+                    eprintln!("bench: {} failed, left out from now on: {error:#}", runs.mode.label());
+                    runs.failure = Some(format!("failed: {error:#}"));
                 }
             }
         }
     }
-    Ok(PythonFrames { allocations: plan.allocations, rounds: plan.rounds, setups })
+    Ok(PythonFrames { allocations: plan.allocations * plan.loops as u64, rounds: plan.rounds, runs })
 }
 
-struct Workload<'a> {
-    script: &'a Path,
-    depth: u32,
-    allocations: u64,
+/// One workload process in `mode`: `plan.loops` loops at each depth, the
+/// depths in turn.
+fn run_process(memleak: &Path, script: &Path, plan: &Plan, mode: Mode) -> Result<Process> {
+    let mut workload = Workload::start(script)?;
+    let tracer = match mode {
+        Mode::Untraced => None,
+        Mode::NativeOnly | Mode::PythonFrames => Some(Tracer::attach(memleak, workload.pid(), mode)?),
+    };
+    // Unmeasured: the goal is the cost warm, with the stacks already in
+    // memleak's maps and the Python frames resolved.
+    for depth in DEPTHS {
+        workload.run_loop(depth, WARM_UP_ALLOCATIONS)?;
+    }
+    let mut loops = Vec::new();
+    for _ in 0..plan.loops {
+        for depth in DEPTHS {
+            let before = tracer.as_ref().map(Tracer::usage).transpose()?;
+            let done = workload.run_loop(depth, plan.allocations)?;
+            let after = tracer.as_ref().map(Tracer::usage).transpose()?;
+            let (bpf, memleak_cpu_ns) = match (before, after) {
+                (Some((bpf_before, cpu_before)), Some((bpf_after, cpu_after))) => {
+                    (bpf_after.since(bpf_before), cpu_after.saturating_sub(cpu_before))
+                }
+                _ => (RunTime::default(), 0),
+            };
+            loops.push(Loop {
+                depth,
+                workload_cpu_ns: done.cpu_ns,
+                wall_ns: done.wall_ns,
+                memleak_cpu_ns,
+                bpf,
+            });
+        }
+    }
+    if let Some(tracer) = tracer {
+        let report = tracer.report()?;
+        let frames = loop_stacks_python_frames(&report)?;
+        // With --python off the depths' blocks share one native stack.
+        let expected =
+            if mode == Mode::PythonFrames { DEPTHS.map(|depth| depth as usize).to_vec() } else { vec![0] };
+        if frames != expected {
+            bail!("memleak's stacks of the loops have {frames:?} Python frames, not {expected:?}");
+        }
+    }
+    workload.end()?;
+    Ok(Process { loops })
 }
 
-/// The workload, started and waiting for its go.
-struct Started {
+/// The workload, started and waiting for its loops.
+struct Workload {
     child: Child,
+    stdin: Option<ChildStdin>,
     stderr: Receiver<(Instant, String)>,
 }
 
-impl Started {
-    fn new(workload: &Workload) -> Result<Self> {
-        let args = [u64::from(workload.depth), workload.allocations, BLOCK_BYTES, KEPT];
+impl Workload {
+    fn start(script: &Path) -> Result<Self> {
         let mut child = Command::new(PYTHON)
-            .arg(workload.script)
-            .args(args.map(|arg| arg.to_string()))
+            .arg(script)
+            .args([BLOCK_BYTES, KEPT].map(|arg| arg.to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot run {PYTHON}"))?;
+        let stdin = child.stdin.take();
         let stderr = lines_as_they_come(child.stderr.take().context("no stderr")?);
-        let mut started = Self { child, stderr };
-        started.line_starting("ready")?;
-        Ok(started)
+        let mut workload = Self { child, stdin, stderr };
+        workload.line_starting("ready")?;
+        Ok(workload)
     }
 
-    fn go(&mut self) -> Result<()> {
-        let stdin = self.child.stdin.as_mut().context("no stdin")?;
-        stdin.write_all(b"go\n").context("cannot release the workload")
+    fn pid(&self) -> u32 {
+        self.child.id()
     }
 
-    /// Its loop's times, once it is done.
-    fn done(&mut self) -> Result<Loop> {
-        Loop::parse(&self.line_starting("done ")?)
+    /// Runs one loop of `allocations` at `depth`; what it says of it.
+    fn run_loop(&mut self, depth: u32, allocations: u64) -> Result<Done> {
+        let stdin = self.stdin.as_mut().context("no stdin")?;
+        writeln!(stdin, "{depth} {allocations}").context("cannot start the workload's loop")?;
+        let done = Done::parse(&self.line_starting("done ")?)?;
+        if (done.depth, done.allocations) != (depth, allocations) {
+            bail!("the workload ran {done:?}, not {allocations} allocations at depth {depth}");
+        }
+        Ok(done)
     }
 
     fn line_starting(&mut self, start: &str) -> Result<String> {
@@ -198,7 +280,7 @@ impl Started {
 
     /// Closing its stdin ends it.
     fn end(mut self) -> Result<()> {
-        drop(self.child.stdin.take());
+        drop(self.stdin.take());
         let status = self.child.wait()?;
         if !status.success() {
             bail!("the workload failed with {status}");
@@ -207,7 +289,7 @@ impl Started {
     }
 }
 
-impl Drop for Started {
+impl Drop for Workload {
     /// A workload left waiting by a failure: our own child.
     fn drop(&mut self) {
         if self.child.try_wait().is_ok_and(|status| status.is_none()) {
@@ -217,16 +299,17 @@ impl Drop for Started {
     }
 }
 
-/// What the workload says of its loop:
-/// `done cpu_ns N wall_ns N allocations N`.
+/// What the workload says of a loop:
+/// `done depth N cpu_ns N wall_ns N allocations N`.
 #[derive(Debug, PartialEq, Eq)]
-struct Loop {
+struct Done {
+    depth: u32,
     cpu_ns: u64,
     wall_ns: u64,
     allocations: u64,
 }
 
-impl Loop {
+impl Done {
     fn parse(line: &str) -> Result<Self> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let field = |name: &str| -> Result<u64> {
@@ -234,41 +317,13 @@ impl Loop {
             let value = at.and_then(|at| words.get(at + 1)).and_then(|value| value.parse().ok());
             value.with_context(|| format!("no {name} in the workload's {line:?}"))
         };
-        Ok(Self { cpu_ns: field("cpu_ns")?, wall_ns: field("wall_ns")?, allocations: field("allocations")? })
+        Ok(Self {
+            depth: u32::try_from(field("depth")?)?,
+            cpu_ns: field("cpu_ns")?,
+            wall_ns: field("wall_ns")?,
+            allocations: field("allocations")?,
+        })
     }
-}
-
-fn run_once(memleak: &Path, workload: &Workload, mode: Mode) -> Result<Run> {
-    let mut started = Started::new(workload)?;
-    if mode == Mode::Untraced {
-        started.go()?;
-        let done = started.done()?;
-        started.end()?;
-        return Ok(Run {
-            workload_cpu_ns: done.cpu_ns,
-            wall_ns: done.wall_ns,
-            memleak_cpu_ns: 0,
-            bpf: RunTime::default(),
-            python_frames: 0,
-        });
-    }
-    let tracer = Tracer::attach(memleak, started.child.id(), mode)?;
-    let measured = tracer.around(|| {
-        started.go()?;
-        started.done()
-    });
-    let report = tracer.report();
-    started.end()?;
-    let (done, (bpf, memleak_cpu_ns)) = measured?;
-    if done.allocations != workload.allocations {
-        bail!("the workload made {} allocations, not {}", done.allocations, workload.allocations);
-    }
-    let python_frames = loop_stack_python_frames(&report?)?;
-    let expected = if mode == Mode::PythonFrames { workload.depth as usize } else { 0 };
-    if python_frames != expected {
-        bail!("memleak's stack of the loop has {python_frames} Python frames, not {expected}");
-    }
-    Ok(Run { workload_cpu_ns: done.cpu_ns, wall_ns: done.wall_ns, memleak_cpu_ns, bpf, python_frames })
 }
 
 /// memleak tracing the workload.
@@ -283,7 +338,7 @@ impl Tracer {
     /// every outstanding allocation, whatever its age, on SIGINT.
     fn attach(memleak: &Path, pid: u32, mode: Mode) -> Result<Self> {
         let mut command = Command::new(memleak);
-        command.args(["-p", &pid.to_string(), "--format", "json", "-o", "0", "-T", "1"]);
+        command.args(["-p", &pid.to_string(), "--format", "json", "-o", "0", "-T", "100"]);
         if mode == Mode::NativeOnly {
             command.args(["--python", "off"]);
         }
@@ -316,14 +371,10 @@ impl Tracer {
         Ok(tracer)
     }
 
-    /// `measured`, with what memleak's BPF programs and memleak itself
-    /// ran meanwhile.
-    fn around<T>(&self, measured: impl FnOnce() -> Result<T>) -> Result<(T, (RunTime, u64))> {
+    /// What memleak's BPF programs and memleak itself have run so far.
+    fn usage(&self) -> Result<(RunTime, u64)> {
         let pid = self.child.id();
-        let (bpf_before, cpu_before) = (bpf_stats::of_process(pid)?, process_cpu_ns(pid)?);
-        let value = measured()?;
-        let (bpf_after, cpu_after) = (bpf_stats::of_process(pid)?, process_cpu_ns(pid)?);
-        Ok((value, (bpf_after.since(bpf_before), cpu_after.saturating_sub(cpu_before))))
+        Ok((bpf_stats::of_process(pid)?, process_cpu_ns(pid)?))
     }
 
     /// Stops memleak with SIGINT and takes its last report.
@@ -369,32 +420,30 @@ fn process_cpu_ns(pid: u32) -> Result<u64> {
     Ok(time.tv_sec as u64 * 1_000_000_000 + time.tv_nsec as u64)
 }
 
-/// The Python frames of the report's stack holding the loop's `KEPT`
-/// blocks, the one with the most bytes.
-fn loop_stack_python_frames(report: &serde_json::Value) -> Result<usize> {
+/// The Python frames of each stack in the report holding the loops'
+/// blocks (blocks of at least `BLOCK_BYTES`, `KEPT` of them for each
+/// depth), fewest first.
+fn loop_stacks_python_frames(report: &serde_json::Value) -> Result<Vec<usize>> {
     let stacks = report["stacks"].as_array().context("no stacks in memleak's report")?;
-    let top = stacks
+    let holds_loop_blocks = |stack: &&serde_json::Value| {
+        let (bytes, allocations) = (stack["bytes"].as_u64(), stack["allocations"].as_u64());
+        bytes.zip(allocations).is_some_and(|(bytes, allocations)| {
+            allocations > 0 && allocations % KEPT == 0 && bytes >= allocations * BLOCK_BYTES
+        })
+    };
+    let mut frames: Vec<usize> = stacks
         .iter()
-        .max_by_key(|stack| stack["bytes"].as_u64().unwrap_or(0))
-        .context("memleak's report has no stack")?;
-    if top["allocations"].as_u64() != Some(KEPT) {
-        bail!("memleak's top stack holds {} allocations, not the loop's {KEPT}", top["allocations"]);
-    }
-    let frames = top["frames"].as_array().context("a stack without frames")?;
-    Ok(frames.iter().filter(|frame| frame["kind"] == "python").count())
+        .filter(holds_loop_blocks)
+        .map(|stack| {
+            let frames = stack["frames"].as_array().map_or(&[][..], Vec::as_slice);
+            frames.iter().filter(|frame| frame["kind"] == "python").count()
+        })
+        .collect();
+    frames.sort_unstable();
+    Ok(frames)
 }
 
-/// A value of the runs of `setup`, and its median.
-fn median_of(setup: &Setup, value: impl Fn(&Run) -> f64) -> Option<f64> {
-    median(setup.runs.iter().map(value).collect())
-}
-
-fn median(mut values: Vec<f64>) -> Option<f64> {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied()
-}
-
-/// A measure taken once a round: its median, and its lowest and highest,
+/// A measure taken several times: its median, and its lowest and highest,
 /// which show how much this machine's noise moved it.
 #[derive(Debug, PartialEq)]
 struct Spread {
@@ -404,7 +453,7 @@ struct Spread {
 }
 
 impl Spread {
-    /// None for no rounds.
+    /// None for no values.
     fn of(values: impl Iterator<Item = f64>) -> Option<Self> {
         let mut values: Vec<f64> = values.collect();
         values.sort_by(f64::total_cmp);
@@ -413,72 +462,55 @@ impl Spread {
 }
 
 impl PythonFrames {
-    fn setup(&self, depth: u32, mode: Mode) -> Option<&Setup> {
-        self.setups.iter().find(|setup| setup.depth == depth && setup.mode == mode)
+    fn runs(&self, mode: Mode) -> &[Process] {
+        self.runs.iter().find(|runs| runs.mode == mode).map_or(&[], |runs| &runs.processes)
     }
 
     fn per_allocation(&self, ns: u64) -> f64 {
         ns as f64 / self.allocations as f64
     }
 
-    /// BPF ns per allocation of each run of a setup, by round.
-    fn bpf_per_allocation(&self, depth: u32, mode: Mode) -> Vec<f64> {
-        let Some(setup) = self.setup(depth, mode) else { return Vec::new() };
-        setup.runs.iter().map(|run| self.per_allocation(run.bpf.ns)).collect()
-    }
-
-    /// CPU (the workload's and memleak's) of each run of a setup, by round.
-    fn cpu_by_round(&self, depth: u32, mode: Mode) -> Vec<f64> {
-        let Some(setup) = self.setup(depth, mode) else { return Vec::new() };
-        setup.runs.iter().map(|run| run.cpu_ns() as f64).collect()
+    /// A value of the loops at `depth` in `mode`, per allocation, by round.
+    fn by_round(&self, mode: Mode, depth: u32, value: impl Fn(&Loop) -> u64) -> Vec<f64> {
+        self.runs(mode).iter().map(|process| self.per_allocation(value(&process.total(depth)))).collect()
     }
 
     /// The BPF time per allocation that walking adds, over the frames
-    /// walked, by round: each round's runs with and without frames ran
-    /// one after the other, so a round pairs them.
+    /// walked, by round.
     fn bpf_ns_per_frame(&self, depth: u32) -> Option<Spread> {
-        let with = self.bpf_per_allocation(depth, Mode::PythonFrames);
-        let without = self.bpf_per_allocation(depth, Mode::NativeOnly);
+        let with = self.by_round(Mode::PythonFrames, depth, |run| run.bpf.ns);
+        let without = self.by_round(Mode::NativeOnly, depth, |run| run.bpf.ns);
         Spread::of(with.iter().zip(&without).map(|(with, without)| (with - without) / f64::from(depth)))
     }
 
-    /// The BPF time each frame from `SHALLOW` to `DEEP` adds, by round:
-    /// the walk's cost per frame alone.
+    /// The BPF time each frame from `SHALLOW` to `DEEP` adds: the walk's
+    /// cost per frame alone, by round.
     fn bpf_ns_per_frame_slope(&self) -> Option<Spread> {
-        let deep = self.bpf_per_allocation(DEEP, Mode::PythonFrames);
-        let shallow = self.bpf_per_allocation(SHALLOW, Mode::PythonFrames);
-        Spread::of(
-            deep.iter().zip(&shallow).map(|(deep, shallow)| (deep - shallow) / f64::from(DEEP - SHALLOW)),
-        )
+        Spread::of(self.runs(Mode::PythonFrames).iter().map(|process| self.slope(process)))
+    }
+
+    fn slope(&self, process: &Process) -> f64 {
+        let [shallow, deep] = [SHALLOW, DEEP].map(|depth| self.per_allocation(process.total(depth).bpf.ns));
+        (deep - shallow) / f64::from(DEEP - SHALLOW)
     }
 
     /// What a walk costs whatever its depth (finding the thread's frame),
     /// by round: the BPF time `SHALLOW` frames add, less `SHALLOW` steps
     /// at that round's slope.
     fn bpf_ns_per_walk(&self) -> Option<Spread> {
-        let [deep, shallow, without] =
-            [(DEEP, Mode::PythonFrames), (SHALLOW, Mode::PythonFrames), (SHALLOW, Mode::NativeOnly)]
-                .map(|(depth, mode)| self.bpf_per_allocation(depth, mode));
-        let steps = f64::from(SHALLOW);
-        Spread::of(deep.iter().zip(&shallow).zip(&without).map(|((deep, shallow), without)| {
-            let slope = (deep - shallow) / f64::from(DEEP - SHALLOW);
-            shallow - without - steps * slope
+        let with = self.runs(Mode::PythonFrames);
+        let without = self.by_round(Mode::NativeOnly, SHALLOW, |run| run.bpf.ns);
+        Spread::of(with.iter().zip(&without).map(|(process, without)| {
+            let added = self.per_allocation(process.total(SHALLOW).bpf.ns) - without;
+            added - f64::from(SHALLOW) * self.slope(process)
         }))
     }
 
-    /// The CPU with Python frames over that with `--python off` at the
-    /// slowdown's depth, by round.
-    fn slowdown_of_frames(&self) -> Option<Spread> {
-        let with = self.cpu_by_round(SLOWDOWN_DEPTH, Mode::PythonFrames);
-        let without = self.cpu_by_round(SLOWDOWN_DEPTH, Mode::NativeOnly);
-        Spread::of(with.iter().zip(&without).map(|(with, without)| with / without))
-    }
-
-    /// The median CPU (the workload's and memleak's) of `depth`'s runs in
-    /// `mode`, over the untraced runs' at the slowdown's depth.
-    fn cpu_over_untraced(&self, depth: u32, mode: Mode) -> Option<f64> {
-        let cpu = |setup: &Setup| median_of(setup, |run| run.cpu_ns() as f64);
-        Some(cpu(self.setup(depth, mode)?)? / cpu(self.setup(SLOWDOWN_DEPTH, Mode::Untraced)?)?)
+    /// The CPU of `mode` over that of `base` at `depth`, by round.
+    fn cpu_ratio(&self, mode: Mode, base: Mode, depth: u32) -> Option<Spread> {
+        let cpu = self.by_round(mode, depth, Loop::cpu_ns);
+        let base = self.by_round(base, depth, Loop::cpu_ns);
+        Spread::of(cpu.iter().zip(&base).map(|(cpu, base)| cpu / base))
     }
 }
 
@@ -492,8 +524,8 @@ pub fn print(result: &Result<PythonFrames>) {
         }
     };
     println!(
-        "Python frames: Debian's {PYTHON} (no frame pointers) allocating {} bytearrays of {BLOCK_BYTES} \
-         bytes in a loop, {KEPT} kept, memleak -p; median of {} runs:",
+        "Python frames: Debian's {PYTHON} (no frame pointers) allocating bytearrays of {BLOCK_BYTES} bytes in \
+         loops, {} at each depth in each of {} rounds, memleak -p; medians of the rounds:",
         measured.allocations, measured.rounds
     );
     println!();
@@ -501,55 +533,56 @@ pub fn print(result: &Result<PythonFrames>) {
     print_goals(measured);
 }
 
-/// The medians of each setup.
+/// The medians of each mode and depth.
 fn print_table(measured: &PythonFrames) {
     println!(
-        "| run | Python frames in the stack | loop wall time | BPF per allocation | workload CPU per allocation \
-         | memleak CPU | CPU / untraced |"
+        "| run | Python frames deep | loops' wall time | BPF per allocation | workload CPU per allocation | \
+         memleak CPU | CPU / untraced |"
     );
     println!("|---|---|---|---|---|---|---|");
-    for setup in &measured.setups {
-        if let Some(failure) = &setup.failure {
-            println!("| {} | {failure} | | | | | |", setup.label());
+    for runs in &measured.runs {
+        let label = runs.mode.label();
+        if let Some(failure) = &runs.failure {
+            println!("| {label} | {failure} | | | | | |");
             continue;
         }
-        let ns = |value: Option<f64>| value.map_or_else(String::new, |value| format!("{value:.0} ns"));
-        let frames = match setup.mode {
-            Mode::Untraced => "-".to_owned(),
-            _ => median_of(setup, |run| run.python_frames as f64)
-                .map_or_else(String::new, |frames| format!("{frames:.0}")),
-        };
-        let wall = median_of(setup, |run| run.wall_ns as f64 / 1e6)
-            .map_or_else(String::new, |ms| format!("{ms:.0} ms"));
-        let bpf = match setup.mode {
-            Mode::Untraced => String::new(),
-            _ => ns(median_of(setup, |run| measured.per_allocation(run.bpf.ns))),
-        };
-        let workload = ns(median_of(setup, |run| measured.per_allocation(run.workload_cpu_ns)));
-        let memleak = match setup.mode {
-            Mode::Untraced => String::new(),
-            _ => median_of(setup, |run| run.memleak_cpu_ns as f64 / 1e6)
-                .map_or_else(String::new, |ms| format!("{ms:.0} ms")),
-        };
-        let slowdown = measured
-            .cpu_over_untraced(setup.depth, setup.mode)
-            .map_or_else(String::new, |slowdown| format!("{slowdown:.2}x"));
-        println!("| {} | {frames} | {wall} | {bpf} | {workload} | {memleak} | {slowdown} |", setup.label());
+        for depth in DEPTHS {
+            let median =
+                |value: fn(&Loop) -> u64| Spread::of(measured.by_round(runs.mode, depth, value).into_iter());
+            let traced = runs.mode != Mode::Untraced;
+            let ns = |value: fn(&Loop) -> u64| {
+                median(value).map_or_else(String::new, |spread| format!("{:.0} ns", spread.median))
+            };
+            let ms = |value: fn(&Loop) -> u64| {
+                let per_allocation = median(value).map_or(0.0, |spread| spread.median);
+                format!("{:.0} ms", per_allocation * measured.allocations as f64 / 1e6)
+            };
+            let bpf = if traced { ns(|run| run.bpf.ns) } else { String::new() };
+            let memleak = if traced { ms(|run| run.memleak_cpu_ns) } else { String::new() };
+            let slowdown = measured
+                .cpu_ratio(runs.mode, Mode::Untraced, depth)
+                .map_or_else(String::new, |spread| format!("{:.2}x", spread.median));
+            println!(
+                "| {label} | {depth} | {} | {bpf} | {} | {memleak} | {slowdown} |",
+                ms(|run| run.wall_ns),
+                ns(|run| run.workload_cpu_ns)
+            );
+        }
     }
     println!();
     println!(
-        "BPF time is the kernel's run time of memleak's programs (BPF_ENABLE_STATS) during the loop; CPU is \
-         the loop's process CPU time plus memleak's meanwhile."
+        "BPF time is the kernel's run time of memleak's programs (BPF_ENABLE_STATS) during the loops; CPU is \
+         the loops' process CPU time plus memleak's meanwhile."
     );
 }
 
 /// The measures against their goals.
 fn print_goals(measured: &PythonFrames) {
     println!();
-    println!("Medians of the rounds, each pairing runs made one after the other (lowest to highest round):");
+    println!("Medians of the rounds, each comparing runs of the same round (lowest to highest round):");
     let ns = |value: f64| format!("{value:.0} ns");
     let frame_goal = format!("goal under {GOAL_FRAME_NS:.0} ns warm");
-    for depth in [SHALLOW, SLOWDOWN_DEPTH, DEEP] {
+    for depth in DEPTHS {
         print_goal(
             &format!(
                 "BPF time per Python frame at {depth} frames (with frames less --python off, over {depth})"
@@ -573,7 +606,7 @@ fn print_goals(measured: &PythonFrames) {
     );
     print_goal(
         &format!("slowdown with Python frames / --python off at {SLOWDOWN_DEPTH} frames"),
-        measured.slowdown_of_frames(),
+        measured.cpu_ratio(Mode::PythonFrames, Mode::NativeOnly, SLOWDOWN_DEPTH),
         |value| format!("{value:.2}"),
         Some((GOAL_SLOWDOWN, &format!("goal <= {GOAL_SLOWDOWN}"))),
     );
@@ -600,65 +633,83 @@ mod tests {
 
     #[test]
     fn reads_the_workloads_loop() {
-        let done = Loop::parse("done cpu_ns 524843247 wall_ns 525048198 allocations 100000").expect("a loop");
-        assert_eq!(done, Loop { cpu_ns: 524_843_247, wall_ns: 525_048_198, allocations: 100_000 });
-        assert!(Loop::parse("done cpu_ns 5").is_err(), "a line without wall_ns read as a loop");
+        let done = Done::parse("done depth 15 cpu_ns 524843247 wall_ns 525048198 allocations 100000")
+            .expect("a loop");
+        assert_eq!(done, Done { depth: 15, cpu_ns: 524_843_247, wall_ns: 525_048_198, allocations: 100_000 });
+        assert!(Done::parse("done depth 15 cpu_ns 5").is_err(), "a line without wall_ns read as a loop");
     }
 
     #[test]
-    fn counts_the_python_frames_of_the_loops_stack() {
+    fn counts_the_python_frames_of_the_loops_stacks() {
+        let python = |function: &str| serde_json::json!({"function": function, "kind": "python"});
+        let native = |function: &str| serde_json::json!({"function": function});
         let report = serde_json::json!({"stacks": [
-            {"bytes": 300, "allocations": 2, "frames": [{"function": "malloc"}, {"function": "<module>", "kind": "python"}]},
-            {"bytes": 80_016, "allocations": KEPT, "frames": [
-                {"function": "malloc"},
-                {"function": "allocate", "kind": "python"},
-                {"function": "descend", "kind": "python"},
-                {"function": "<module>", "kind": "python"},
-                {"function": "Py_BytesMain"},
+            // Not the loops': 16 small blocks, and one large block.
+            {"bytes": 1600, "allocations": KEPT, "frames": [native("malloc"), python("<module>")]},
+            {"bytes": 5001, "allocations": 1, "frames": [native("malloc"), python("<module>")]},
+            {"bytes": 16 * 5001, "allocations": KEPT, "frames": [
+                native("malloc"), python("allocate"), python("descend"), python("<module>"), native("Py_BytesMain"),
             ]},
+            {"bytes": 16 * 5001, "allocations": KEPT, "frames": [native("malloc"), python("allocate"), python("<module>")]},
         ]});
-        assert_eq!(loop_stack_python_frames(&report).expect("a stack"), 3);
-        let wrong = serde_json::json!({"stacks": [{"bytes": 5001, "allocations": 1, "frames": []}]});
-        assert!(loop_stack_python_frames(&wrong).is_err(), "a stack of 1 allocation taken for the loop's");
+        assert_eq!(loop_stacks_python_frames(&report).expect("stacks"), [2, 3]);
+        // --python off: the depths' blocks on one native stack.
+        let native_only = serde_json::json!({"stacks": [
+            {"bytes": 48 * 5001, "allocations": 3 * KEPT, "frames": [native("malloc"), native("Py_BytesMain")]},
+        ]});
+        assert_eq!(loop_stacks_python_frames(&native_only).expect("stacks"), [0]);
+    }
+
+    /// A process whose loops at each depth took `bpf_ns` of BPF time.
+    fn process(bpf_ns: [u64; 3]) -> Process {
+        let loops = DEPTHS
+            .iter()
+            .zip(bpf_ns)
+            .map(|(&depth, ns)| Loop { depth, bpf: RunTime { ns, runs: 0 }, ..Loop::default() })
+            .collect();
+        Process { loops }
     }
 
     #[test]
-    fn per_frame_costs_pair_the_runs_of_a_round() {
-        let run = |bpf_ns: u64| Run {
-            workload_cpu_ns: 0,
-            wall_ns: 0,
-            memleak_cpu_ns: 0,
-            bpf: RunTime { ns: bpf_ns, runs: 0 },
-            python_frames: 0,
-        };
-        // 1,000 allocations a run: ns per allocation are the ns / 1000.
-        let setup = |depth, mode, bpf_ns: &[u64]| Setup {
-            depth,
-            mode,
-            runs: bpf_ns.iter().map(|&ns| run(ns)).collect(),
-            failure: None,
-        };
+    fn per_frame_costs_compare_the_runs_of_a_round() {
+        let runs = |mode, processes: Vec<Process>| Runs { mode, processes, failure: None };
+        // 1,000 allocations at each depth: ns per allocation are the ns /
+        // 1000. 300 ns a walk and 60 a frame, but 50 ns more at 5 frames
+        // in the third round; the second round ran on a slower machine,
+        // which comparing within rounds keeps from moving the difference.
         let measured = PythonFrames {
             allocations: 1000,
             rounds: 3,
-            setups: vec![
-                // 300 ns a walk and 60 a frame, but 50 ns more at 5 frames
-                // in the third round; the second round ran on a slower
-                // machine, which pairing keeps from moving the difference.
-                setup(SHALLOW, Mode::NativeOnly, &[1_000_000, 2_000_000, 1_000_000]),
-                setup(SHALLOW, Mode::PythonFrames, &[1_600_000, 2_600_000, 1_650_000]),
-                setup(DEEP, Mode::NativeOnly, &[1_000_000, 2_000_000, 1_000_000]),
-                setup(DEEP, Mode::PythonFrames, &[3_400_000, 4_400_000, 3_400_000]),
+            runs: vec![
+                runs(
+                    Mode::NativeOnly,
+                    vec![
+                        process([1_000_000, 1_000_000, 1_000_000]),
+                        process([2_000_000, 2_000_000, 2_000_000]),
+                        process([1_000_000, 1_000_000, 1_000_000]),
+                    ],
+                ),
+                runs(
+                    Mode::PythonFrames,
+                    vec![
+                        process([1_600_000, 2_200_000, 3_400_000]),
+                        process([2_600_000, 3_200_000, 4_400_000]),
+                        process([1_650_000, 2_200_000, 3_400_000]),
+                    ],
+                ),
             ],
         };
         let median = |spread: Option<Spread>| spread.map(|spread| spread.median);
         // 600 ns over 5 frames in two rounds of three, 650 in the third.
         let per_frame = measured.bpf_ns_per_frame(SHALLOW).expect("a spread");
         assert_eq!(per_frame, Spread { median: 120.0, low: 120.0, high: 130.0 });
+        // 1200 ns over 15 frames.
+        assert_eq!(median(measured.bpf_ns_per_frame(SLOWDOWN_DEPTH)), Some(80.0));
         // (3400 - 1600) / 30 in two rounds.
         assert_eq!(median(measured.bpf_ns_per_frame_slope()), Some(60.0));
         // 600 - 5 x 60 in two rounds.
         assert_eq!(median(measured.bpf_ns_per_walk()), Some(300.0));
-        assert_eq!(measured.bpf_ns_per_frame(SLOWDOWN_DEPTH), None);
+        // No untraced runs.
+        assert_eq!(measured.cpu_ratio(Mode::PythonFrames, Mode::Untraced, SHALLOW), None);
     }
 }
