@@ -93,7 +93,7 @@ const FULL: Settings = Settings {
     latency_allocations: &[10_000, 100_000, 1_000_000],
     redis_requests: 100_000,
     soak: serve::SoakPlan { duration: Duration::from_mins(4), processes: 100 },
-    python: python_frames::Plan { allocations: 20_000, loops: 5, rounds: 5 },
+    python: python_frames::Plan { allocations: 20_000, loops: 5, rounds: 9 },
 };
 
 /// One allocation in this many is leaked through `leak_one()`.
