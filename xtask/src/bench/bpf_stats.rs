@@ -52,18 +52,20 @@ impl RunTime {
     }
 }
 
-/// The run time of every BPF program process `pid` holds open so far,
-/// each counted once however many descriptors it has.
-pub fn of_process(pid: u32) -> Result<RunTime> {
+/// The run time so far of every uprobe program process `pid` holds open,
+/// each counted once however many descriptors it has. Its other programs
+/// (memleak's on exec and fork tracepoints) run for every process on the
+/// machine, not for the one traced.
+pub fn uprobes_of_process(pid: u32) -> Result<RunTime> {
     let directory = format!("/proc/{pid}/fdinfo");
     let entries = std::fs::read_dir(&directory).with_context(|| format!("cannot list {directory}"))?;
     // Fds closed while we look are simply skipped.
     let programs: BTreeMap<u64, RunTime> = entries
         .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path()).ok())
-        .filter_map(|info| program_run_time(&info))
+        .filter_map(|info| uprobe_run_time(&info))
         .collect();
     if programs.is_empty() {
-        bail!("process {pid} holds no BPF programs");
+        bail!("process {pid} holds no uprobe programs");
     }
     Ok(programs.values().fold(RunTime::default(), |sum, program| RunTime {
         ns: sum.ns + program.ns,
@@ -71,12 +73,19 @@ pub fn of_process(pid: u32) -> Result<RunTime> {
     }))
 }
 
-/// A program's id and run time from its fd's fdinfo; `None` for any other
-/// kind of fd (a link's has a `prog_id` but no run time).
-fn program_run_time(fdinfo: &str) -> Option<(u64, RunTime)> {
+/// `BPF_PROG_TYPE_KPROBE`, which uprobe programs are too.
+const PROG_TYPE_KPROBE: u64 = 2;
+
+/// A uprobe program's id and run time from its fd's fdinfo; `None` for any
+/// other program, or other kind of fd (a link's has a `prog_id` but no run
+/// time).
+fn uprobe_run_time(fdinfo: &str) -> Option<(u64, RunTime)> {
     let field = |name: &str| -> Option<u64> {
         fdinfo.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
     };
+    if field("prog_type")? != PROG_TYPE_KPROBE {
+        return None;
+    }
     Some((field("prog_id")?, RunTime { ns: field("run_time_ns")?, runs: field("run_cnt")? }))
 }
 
@@ -85,7 +94,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_a_programs_fdinfo_and_skips_a_links() {
+    fn reads_a_uprobe_programs_fdinfo_and_skips_others() {
         // As Linux 6.18 writes them for memleak's malloc return probe and
         // the multi-uprobe link that runs it.
         let program = "pos:\t0\nflags:\t02000002\nmnt_id:\t16\nino:\t2077\nprog_type:\t2\nprog_jited:\t1\n\
@@ -93,8 +102,11 @@ mod tests {
                        run_cnt:\t100002\nrecursion_misses:\t0\nverified_insns:\t1630\n";
         let link = "pos:\t0\nflags:\t02000000\nmnt_id:\t16\nino:\t2077\nlink_type:\tuprobe_multi\n\
                     link_id:\t901\nprog_tag:\t9b2d1a4c0c0b1d3e\nprog_id:\t138282\n";
-        assert_eq!(program_run_time(program), Some((138_282, RunTime { ns: 237_610_099, runs: 100_002 })));
-        assert_eq!(program_run_time(link), None);
+        let tracepoint = "pos:\t0\nflags:\t02000002\nprog_type:\t17\nprog_jited:\t1\nprog_id:\t138294\n\
+                          run_time_ns:\t5000\nrun_cnt:\t40\n";
+        assert_eq!(uprobe_run_time(program), Some((138_282, RunTime { ns: 237_610_099, runs: 100_002 })));
+        assert_eq!(uprobe_run_time(link), None);
+        assert_eq!(uprobe_run_time(tracepoint), None, "a raw tracepoint's program counted as a uprobe's");
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //!
 //! Measured in one invocation, as differences and ratios:
 //! - BPF time per Python frame: the kernel's run time of memleak's
-//!   programs per allocation (`bpf_stats`), with frames less without,
+//!   uprobe programs per allocation (`bpf_stats`), with frames less without,
 //!   over the frames walked; the slope from 5 to 35 frames, which leaves
 //!   out what every walk pays once (finding the thread's frame); and that.
 //! - The workload's slowdown at 15 frames: the loops' own CPU time plus
@@ -110,7 +110,7 @@ struct Loop {
     wall_ns: u64,
     /// memleak's CPU time meanwhile (0 untraced).
     memleak_cpu_ns: u64,
-    /// memleak's BPF programs meanwhile.
+    /// memleak's uprobe programs meanwhile.
     bpf: RunTime,
 }
 
@@ -371,10 +371,10 @@ impl Tracer {
         Ok(tracer)
     }
 
-    /// What memleak's BPF programs and memleak itself have run so far.
+    /// What memleak's uprobe programs and memleak itself have run so far.
     fn usage(&self) -> Result<(RunTime, u64)> {
         let pid = self.child.id();
-        Ok((bpf_stats::of_process(pid)?, process_cpu_ns(pid)?))
+        Ok((bpf_stats::uprobes_of_process(pid)?, process_cpu_ns(pid)?))
     }
 
     /// Stops memleak with SIGINT and takes its last report.
@@ -571,7 +571,7 @@ fn print_table(measured: &PythonFrames) {
     }
     println!();
     println!(
-        "BPF time is the kernel's run time of memleak's programs (BPF_ENABLE_STATS) during the loops; CPU is \
+        "BPF time is the kernel's run time of memleak's uprobe programs (BPF_ENABLE_STATS) during the loops; CPU is \
          the loops' process CPU time plus memleak's meanwhile."
     );
 }
