@@ -24,6 +24,13 @@
 //! memleak attaches with `-p` to the waiting workload, so neither's start
 //! is in the measures, and reports once, on SIGINT, while the workload is
 //! alive, for the frames it walked to be counted.
+//!
+//! The workload runs from a copy of the interpreter under a name of its
+//! own: a `memleak serve --exe python3.11` elsewhere on the machine would
+//! otherwise follow it too, and its probes would be measured with
+//! memleak's. Any other tracer whose probes reach every process is
+//! caught by the untraced runs: a process that took a uprobe has a
+//! `[uprobes]` mapping.
 
 use std::{
     io::Write as _,
@@ -43,6 +50,9 @@ use crate::root;
 
 /// Debian's python3.11: 3.11.2, built without frame pointers.
 pub const PYTHON: &str = "/usr/bin/python3.11";
+/// The name of the bench's copy of it, which no `--exe python3.11` picks
+/// (3.11 says its version in `Py_Version`, not only in its name).
+const COPY_NAME: &str = "bench-python3.11";
 
 /// How much to measure.
 pub struct Plan {
@@ -124,6 +134,9 @@ impl Loop {
 /// turn).
 struct Process {
     loops: Vec<Loop>,
+    /// An untraced process that took uprobes all the same: another tracer
+    /// probes every process.
+    probed_by_another: bool,
 }
 
 impl Process {
@@ -161,13 +174,18 @@ pub struct PythonFrames {
 /// Runs a workload process in each mode once a round.
 pub fn measure(memleak: &Path, plan: &Plan) -> Result<PythonFrames> {
     let script = root().join("tests/fixtures/python_alloc_bench.py");
+    let scratch = root().join("target/bench");
+    std::fs::create_dir_all(&scratch)?;
+    let python = scratch.join(COPY_NAME);
+    std::fs::copy(PYTHON, &python)
+        .with_context(|| format!("cannot copy {PYTHON} to {}", python.display()))?;
     let _stats = bpf_stats::StatsEnabled::new()?;
     let mut runs: Vec<Runs> =
         MODES.iter().map(|&mode| Runs { mode, processes: Vec::new(), failure: None }).collect();
     for round in 1..=plan.rounds {
         for runs in runs.iter_mut().filter(|runs| runs.failure.is_none()) {
             eprintln!("bench: python frames, run {round}/{}: {}", plan.rounds, runs.mode.label());
-            match run_process(memleak, &script, plan, runs.mode) {
+            match run_process(memleak, &python, &script, plan, runs.mode) {
                 Ok(process) => runs.processes.push(process),
                 Err(error) if runs.mode == Mode::Untraced => return Err(error),
                 Err(error) => {
@@ -182,8 +200,8 @@ pub fn measure(memleak: &Path, plan: &Plan) -> Result<PythonFrames> {
 
 /// One workload process in `mode`: `plan.loops` loops at each depth, the
 /// depths in turn.
-fn run_process(memleak: &Path, script: &Path, plan: &Plan, mode: Mode) -> Result<Process> {
-    let mut workload = Workload::start(script)?;
+fn run_process(memleak: &Path, python: &Path, script: &Path, plan: &Plan, mode: Mode) -> Result<Process> {
+    let mut workload = Workload::start(python, script)?;
     let tracer = match mode {
         Mode::Untraced => None,
         Mode::NativeOnly | Mode::PythonFrames => Some(Tracer::attach(memleak, workload.pid(), mode)?),
@@ -224,8 +242,9 @@ fn run_process(memleak: &Path, script: &Path, plan: &Plan, mode: Mode) -> Result
             bail!("memleak's stacks of the loops have {frames:?} Python frames, not {expected:?}");
         }
     }
+    let probed_by_another = mode == Mode::Untraced && workload.took_uprobes()?;
     workload.end()?;
-    Ok(Process { loops })
+    Ok(Process { loops, probed_by_another })
 }
 
 /// The workload, started and waiting for its loops.
@@ -236,15 +255,15 @@ struct Workload {
 }
 
 impl Workload {
-    fn start(script: &Path) -> Result<Self> {
-        let mut child = Command::new(PYTHON)
+    fn start(python: &Path, script: &Path) -> Result<Self> {
+        let mut child = Command::new(python)
             .arg(script)
             .args([BLOCK_BYTES, KEPT].map(|arg| arg.to_string()))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .with_context(|| format!("cannot run {PYTHON}"))?;
+            .with_context(|| format!("cannot run {}", python.display()))?;
         let stdin = child.stdin.take();
         let stderr = lines_as_they_come(child.stderr.take().context("no stderr")?);
         let mut workload = Self { child, stdin, stderr };
@@ -276,6 +295,13 @@ impl Workload {
                 Err(_) => bail!("the workload never said {start:?}; its last words: {}", last_line(&last)),
             }
         }
+    }
+
+    /// Whether a uprobe fired in it: the kernel maps its `[uprobes]` page
+    /// into a process for the first return probe or single step.
+    fn took_uprobes(&self) -> Result<bool> {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid()))?;
+        Ok(maps.lines().any(|line| line.ends_with("[uprobes]")))
     }
 
     /// Closing its stdin ends it.
@@ -524,13 +550,21 @@ pub fn print(result: &Result<PythonFrames>) {
         }
     };
     println!(
-        "Python frames: Debian's {PYTHON} (no frame pointers) allocating bytearrays of {BLOCK_BYTES} bytes in \
+        "Python frames: Debian's {PYTHON} (no frame pointers, run as {COPY_NAME}) allocating bytearrays of {BLOCK_BYTES} bytes in \
          loops, {} at each depth in each of {} rounds, memleak -p; medians of the rounds:",
         measured.allocations, measured.rounds
     );
     println!();
     print_table(measured);
     print_goals(measured);
+    let probed = measured.runs(Mode::Untraced).iter().filter(|process| process.probed_by_another).count();
+    if probed > 0 {
+        println!(
+            "Not clean: {probed} of the {} untraced processes took uprobes, so another tracer on this machine \
+             probes every process, and the traced ones too.",
+            measured.runs(Mode::Untraced).len()
+        );
+    }
 }
 
 /// The medians of each mode and depth.
@@ -667,7 +701,7 @@ mod tests {
             .zip(bpf_ns)
             .map(|(&depth, ns)| Loop { depth, bpf: RunTime { ns, runs: 0 }, ..Loop::default() })
             .collect();
-        Process { loops }
+        Process { loops, probed_by_another: false }
     }
 
     #[test]
