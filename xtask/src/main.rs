@@ -50,7 +50,8 @@ enum Task {
         examples: Vec<String>,
     },
     /// Measure memleak's overhead on a malloc-heavy workload, with and
-    /// without frame pointers, and its unwind tables for real programs.
+    /// without frame pointers, what Python frames cost, and its unwind
+    /// tables for real programs.
     Bench {
         /// Fewer and shorter runs (under 2 minutes).
         #[arg(long)]
@@ -62,6 +63,9 @@ enum Task {
         /// (no root needed).
         #[arg(long, conflicts_with = "serve_only")]
         save_only: bool,
+        /// Only what Python frames cost, on Debian's python3.11.
+        #[arg(long, conflicts_with_all = ["serve_only", "save_only"])]
+        python_only: bool,
     },
 }
 
@@ -70,7 +74,15 @@ fn main() -> Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
-        Task::Bench { quick, serve_only, save_only } => bench::run(quick, serve_only, save_only),
+        Task::Bench { quick, serve_only, save_only, python_only } => {
+            let part = match (serve_only, save_only, python_only) {
+                (true, _, _) => bench::Part::Serve,
+                (_, true, _) => bench::Part::Save,
+                (_, _, true) => bench::Part::Python,
+                _ => bench::Part::All,
+            };
+            bench::run(quick, part)
+        }
         Task::Readme { check, fresh, examples } => {
             readme::run(&readme::Options { check, fresh, only: examples })
         }

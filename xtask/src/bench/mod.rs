@@ -7,6 +7,9 @@
 //! probes. Each slowdown is against the untraced run of its own build, and
 //! the results are ratios of slowdowns: memleak to the floor and to
 //! libbpf-tools', and what unwinding by tables costs over frame pointers.
+//! Then what Python frames cost on Debian's python3.11: BPF time per
+//! frame, and a Python loop's slowdown with them over `--python off`
+//! (`--python-only` runs that alone).
 //! Then Debian's redis-server, which allocates through jemalloc, under
 //! redis-benchmark: its throughput under memleak and under the
 //! libbpf-tools probe set, over untraced. Then the workload on each
@@ -28,6 +31,7 @@
 
 mod allocators;
 mod attachment;
+mod bpf_stats;
 mod deep_stacks;
 mod empty_probes;
 mod latency;
@@ -35,6 +39,7 @@ mod map_memory;
 mod overhead;
 mod process;
 mod python_allocator;
+mod python_frames;
 mod redis;
 mod saving;
 mod serve;
@@ -66,6 +71,8 @@ struct Settings {
     redis_requests: u32,
     /// `memleak serve`'s soak.
     soak: serve::SoakPlan,
+    /// What Python frames cost.
+    python: python_frames::Plan,
 }
 
 /// Under 2 minutes here, even with the machine busy. Most of the time
@@ -78,6 +85,7 @@ const QUICK: Settings = Settings {
     latency_allocations: &[10_000, 100_000],
     redis_requests: 20_000,
     soak: serve::SoakPlan { duration: Duration::from_secs(40), processes: 20 },
+    python: python_frames::Plan { allocations: 10_000, loops: 3, rounds: 3 },
 };
 const FULL: Settings = Settings {
     threads: 2,
@@ -86,14 +94,27 @@ const FULL: Settings = Settings {
     latency_allocations: &[10_000, 100_000, 1_000_000],
     redis_requests: 100_000,
     soak: serve::SoakPlan { duration: Duration::from_mins(4), processes: 100 },
+    python: python_frames::Plan { allocations: 20_000, loops: 5, rounds: 9 },
 };
 
 /// One allocation in this many is leaked through `leak_one()`.
 const LEAK_EVERY: u32 = 100;
 
-pub fn run(quick: bool, serve_only: bool, save_only: bool) -> Result<()> {
+/// What part of the bench to run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    All,
+    /// `memleak serve`'s section.
+    Serve,
+    /// The time of one `--save` snapshot.
+    Save,
+    /// What Python frames cost.
+    Python,
+}
+
+pub fn run(quick: bool, part: Part) -> Result<()> {
     let settings = if quick { QUICK } else { FULL };
-    if save_only {
+    if part == Part::Save {
         saving::print(&saving::measure());
         return Ok(());
     }
@@ -102,24 +123,15 @@ pub fn run(quick: bool, serve_only: bool, save_only: bool) -> Result<()> {
     let heaptrack_installed = install_packages()?;
     run_command(cargo().args(["build", "--release", "--package", "memleak"]))?;
     let memleak = root().join("target/release/memleak");
+    if part == Part::Python {
+        python_section(&memleak, &settings.python);
+        return Ok(());
+    }
     let spread = build_fixture_with("spread", &["-O2"])?;
-    if serve_only {
+    if part == Part::Serve {
         return daemon(&memleak, &spread, &settings.soak);
     }
-    let scratch = root().join("target/bench");
-    std::fs::create_dir_all(&scratch)?;
-    let workload = Workload {
-        frame_pointers_path: build_fixture_with("workload", &["-O2"])?,
-        no_frame_pointers_path: build_fixture_without_frame_pointers(
-            "workload",
-            "workload-nofp",
-            &["-O2", "-fomit-frame-pointer"],
-        )?,
-        args: [settings.threads, settings.iterations, LEAK_EVERY].map(|n| n.to_string()).to_vec(),
-        memleak,
-        scratch,
-        env: Vec::new(),
-    };
+    let workload = build_workload(&settings, memleak)?;
     let plan = ProbePlan::read(&workload)?;
     let mut contenders = contenders(&workload, &plan, heaptrack_installed)?;
 
@@ -131,6 +143,7 @@ pub fn run(quick: bool, serve_only: bool, save_only: bool) -> Result<()> {
     println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
     overhead::measure(&mut contenders, &workload, settings.runs)?;
     overhead::print(&contenders);
+    python_section(&workload.memleak, &settings.python);
     eprintln!("bench: redis-server under redis-benchmark");
     match redis::measure(&workload.memleak, &workload.scratch, settings.runs, settings.redis_requests) {
         Ok(results) => redis::print(&results),
@@ -152,6 +165,24 @@ pub fn run(quick: bool, serve_only: bool, save_only: bool) -> Result<()> {
     overhead::memleak_exact(&contenders)
 }
 
+/// The malloc-heavy workload, both builds, run by `memleak`.
+fn build_workload(settings: &Settings, memleak: std::path::PathBuf) -> Result<Workload> {
+    let scratch = root().join("target/bench");
+    std::fs::create_dir_all(&scratch)?;
+    Ok(Workload {
+        frame_pointers_path: build_fixture_with("workload", &["-O2"])?,
+        no_frame_pointers_path: build_fixture_without_frame_pointers(
+            "workload",
+            "workload-nofp",
+            &["-O2", "-fomit-frame-pointer"],
+        )?,
+        args: [settings.threads, settings.iterations, LEAK_EVERY].map(|n| n.to_string()).to_vec(),
+        memleak,
+        scratch,
+        env: Vec::new(),
+    })
+}
+
 /// What the bench runs, installed if missing; whether heaptrack is, which
 /// is only a comparison: the bench goes on without it.
 fn install_packages() -> Result<bool> {
@@ -166,6 +197,8 @@ fn install_packages() -> Result<bool> {
             "libtcmalloc-minimal4",
             "libmimalloc2.0",
             "musl-tools",
+            // Debian's python3.11, the Python frames' interpreter.
+            "python3.11",
         ],
         "the benchmark",
     )?;
@@ -178,6 +211,13 @@ fn install_packages() -> Result<bool> {
             false
         }
     })
+}
+
+/// What Python frames cost, in their own table; a failure is shown, not
+/// fatal.
+fn python_section(memleak: &std::path::Path, plan: &python_frames::Plan) {
+    eprintln!("bench: Python frames, {}", python_frames::PYTHON);
+    python_frames::print(&python_frames::measure(memleak, plan));
 }
 
 /// The probe-cost issue's measures beyond glibc: every allocator, start
