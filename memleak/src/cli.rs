@@ -6,7 +6,12 @@
 
 #![allow(clippy::doc_markdown, reason = "doc comments here are --help text, where backticks would show")]
 
-use std::{net::IpAddr, num::NonZeroU64, path::PathBuf, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    num::NonZeroU64,
+    path::PathBuf,
+    time::Duration,
+};
 
 use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
 use memleak_common::python::PY_DEFAULT_MAX_FRAMES;
@@ -277,7 +282,7 @@ pub enum Action {
     Diff(DiffArgs),
     /// Run as a daemon: follow processes and serve their latest reports
     /// over HTTP, for Prometheus and curl.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -308,10 +313,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
     pub retain: Duration,
 
-    /// Address to listen on. Any but a loopback address needs
-    /// --token-file.
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
-    pub listen: IpAddr,
+    /// Address to listen on: an IP address (127.0.0.1, ::1), or one with
+    /// its port as Prometheus exporters take them (127.0.0.1:9943,
+    /// [::1]:9943, or :9943 for every IPv4 address). Any but a loopback
+    /// address needs --token-file.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1", value_parser = parse_listen)]
+    pub listen: ListenAddress,
 
     /// Require `Authorization: Bearer <token>` on every request but
     /// /healthz, the token being this file's first line (16 characters
@@ -319,9 +326,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
 
-    /// Port to listen on.
-    #[arg(long, value_name = "PORT", default_value_t = DEFAULT_SERVE_PORT)]
-    pub port: u16,
+    /// Port to listen on, for a --listen without one [default: 9943].
+    #[arg(long, value_name = "PORT")]
+    pub port: Option<u16>,
+
+    /// The address /api/v1/sd gives scrapers to reach this daemon, as
+    /// HOST:PORT [default: $POD_IP with the port listened on, else the
+    /// address listened on].
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_advertise)]
+    pub advertise: Option<String>,
 
     #[command(flatten)]
     pub probing: Probing,
@@ -476,6 +489,70 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     match count.checked_mul(unit_seconds) {
         Some(seconds) if seconds <= MAX_INTERVAL_SECONDS => Ok(Duration::from_secs(seconds)),
         _ => Err(format!("`{text}` is longer than a year")),
+    }
+}
+
+/// Where `memleak serve` listens, as --listen gives it: an address, and
+/// the port when it names one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenAddress {
+    pub ip: IpAddr,
+    pub port: Option<u16>,
+    /// As the user wrote it, for messages.
+    pub given: String,
+}
+
+/// `127.0.0.1`, `::1`, `[::1]`, `127.0.0.1:9943`, `[::1]:9943`, or
+/// `:9943` (every IPv4 address, as Go's servers read it, but for IPv6).
+fn parse_listen(text: &str) -> Result<ListenAddress, String> {
+    let given = text.to_owned();
+    // An address first: `::1` starts as `:PORT` does.
+    let bare = text.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')).unwrap_or(text);
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return Ok(ListenAddress { ip, port: None, given });
+    }
+    if let Some(port) = text.strip_prefix(':') {
+        let port = parse_port(text, port)?;
+        return Ok(ListenAddress {
+            ip: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            port: Some(port),
+            given,
+        });
+    }
+    if let Ok(address) = text.parse::<SocketAddr>() {
+        return Ok(ListenAddress { ip: address.ip(), port: Some(address.port()), given });
+    }
+    if let Some((_, port)) = text.rsplit_once(':').filter(|(host, _)| host.parse::<IpAddr>().is_ok()) {
+        return Err(parse_port(text, port).err().unwrap_or_else(|| listen_forms(text)));
+    }
+    Err(listen_forms(text))
+}
+
+fn listen_forms(text: &str) -> String {
+    format!("`{text}` is not an address to listen on: give an IP address (127.0.0.1, ::1), IP:PORT, [IPv6]:PORT or :PORT")
+}
+
+fn parse_port(text: &str, port: &str) -> Result<u16, String> {
+    port.parse().map_err(|_| format!("`{text}`: `{port}` is not a port (0 to 65535)"))
+}
+
+/// HOST:PORT, HOST a name or an IP address (an IPv6 one in brackets).
+fn parse_advertise(text: &str) -> Result<String, String> {
+    let wanted = || {
+        format!("`{text}` is not HOST:PORT: give a name or IP address and a port, as 10.0.0.7:9943 or [fd00::7]:9943")
+    };
+    let (host, port) = text.rsplit_once(':').ok_or_else(wanted)?;
+    parse_port(text, port)?;
+    let host_is_good = if let Some(inside) = host.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')) {
+        inside.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && host.bytes().all(|byte| byte.is_ascii_alphanumeric() || byte == b'.' || byte == b'-')
+    };
+    if host_is_good {
+        Ok(text.to_owned())
+    } else {
+        Err(wanted())
     }
 }
 

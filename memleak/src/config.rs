@@ -9,8 +9,8 @@ use crate::{
     attach::AllocatorChoice,
     bpf::TracerSettings,
     cli::{
-        Action, Args, Culprits, DiffArgs, Probing, PythonFrames, Rendering as RenderingArgs, ReportArgs,
-        ServeArgs, Unwind,
+        Action, Args, Culprits, DiffArgs, ListenAddress, Probing, PythonFrames, Rendering as RenderingArgs,
+        ReportArgs, ServeArgs, Unwind, DEFAULT_SERVE_PORT,
     },
     collect::CollectOptions,
     model::Unwinding,
@@ -44,6 +44,8 @@ pub struct ServeConfig {
     pub retain: Duration,
     pub session: SessionConfig,
     pub listen: SocketAddr,
+    /// --advertise: the HOST:PORT /api/v1/sd names, if given.
+    pub advertise: Option<String>,
     /// Time between collections when nobody asks for one.
     pub interval: Duration,
     /// The bearer token's file, read at start.
@@ -120,7 +122,7 @@ pub fn resolve(args: Args) -> Result<Run, String> {
     match args.action {
         Some(Action::Report(report)) => resolve_report(report).map(Run::Report),
         Some(Action::Diff(diff)) => resolve_diff(diff).map(Run::Diff),
-        Some(Action::Serve(serve)) => resolve_serve(serve).map(|config| Run::Serve(Box::new(config))),
+        Some(Action::Serve(serve)) => resolve_serve(*serve).map(|config| Run::Serve(Box::new(config))),
         None => resolve_trace(args).map(|config| Run::Trace(Box::new(config))),
     }
 }
@@ -305,10 +307,11 @@ fn shown(
 /// the same defaults. Beyond loopback it wants a token: the reports name
 /// a host's programs and their files.
 fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
-    if !args.listen.is_loopback() && args.token_file.is_none() {
+    let listen = listen_address(&args.listen, args.port)?;
+    if !listen.ip().is_loopback() && args.token_file.is_none() {
         return Err(format!(
             "--listen {}: beyond loopback, memleak serve needs --token-file FILE, the token clients must send",
-            args.listen
+            args.listen.given
         ));
     }
     check_unique(&args.pid)?;
@@ -346,11 +349,27 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         containers: args.container,
         retain: args.retain,
         session,
-        listen: SocketAddr::new(args.listen, args.port),
+        listen,
+        advertise: args.advertise,
         interval: args.interval,
         token_file: args.token_file,
         metrics_top_stacks: usize::from(args.metrics_top_stacks),
     })
+}
+
+/// The address --listen and --port name together. Both forms are taken:
+/// `--listen HOST --port N` as before, and `--listen HOST:PORT` as
+/// Prometheus exporters take `--web.listen-address`; a port given both
+/// ways is refused rather than one of them silently winning.
+fn listen_address(listen: &ListenAddress, port: Option<u16>) -> Result<SocketAddr, String> {
+    match (listen.port, port) {
+        (Some(_), Some(port)) => Err(format!(
+            "--listen {} names its port already: drop --port {port}, or give --listen {} --port {port}",
+            listen.given, listen.ip
+        )),
+        (Some(port), None) | (None, Some(port)) => Ok(SocketAddr::new(listen.ip, port)),
+        (None, None) => Ok(SocketAddr::new(listen.ip, DEFAULT_SERVE_PORT)),
+    }
 }
 
 fn check_unique(pids: &[u32]) -> Result<(), String> {
@@ -454,6 +473,69 @@ mod tests {
             serve("serve").err().as_deref(),
             Some("memleak serve needs something to follow: give --pid, --cgroup, --exe or --container")
         );
+    }
+
+    /// Where each --listen form binds: Prometheus exporters' HOST:PORT
+    /// forms, and today's --listen HOST --port N.
+    #[test]
+    fn serve_listens_where_each_listen_form_says() {
+        let listen = |line: &str| serve(line).map(|config| config.listen.to_string());
+        let token = "--token-file /t";
+        for (flags, bound) in [
+            ("--listen 127.0.0.1:9000", "127.0.0.1:9000"),
+            ("--listen [::1]:9001", "[::1]:9001"),
+            ("--listen [::1]", "[::1]:9943"),
+            ("--listen 127.0.0.2 --port 9002", "127.0.0.2:9002"),
+            (&format!("--listen :9003 {token}"), "0.0.0.0:9003"),
+            (&format!("--listen 0.0.0.0:0 {token}"), "0.0.0.0:0"),
+            ("--port 9004", "127.0.0.1:9004"),
+        ] {
+            assert_eq!(listen(&format!("serve --pid 1 {flags}")).as_deref(), Ok(bound), "{flags}");
+        }
+        assert_eq!(
+            listen("serve --pid 1 --listen 127.0.0.1:9000 --port 9001"),
+            Err("--listen 127.0.0.1:9000 names its port already: drop --port 9001, or give --listen 127.0.0.1 \
+                 --port 9001"
+                .to_owned())
+        );
+        assert_eq!(
+            listen("serve --pid 1 --listen :9943"),
+            Err("--listen :9943: beyond loopback, memleak serve needs --token-file FILE, the token clients must send"
+                .to_owned())
+        );
+        let refused = |value: &str| {
+            let line = ["memleak", "serve", "--pid", "1", "--listen", value];
+            crate::cli::describe_error(&Args::try_parse_from(line).expect_err(value))
+        };
+        assert_eq!(
+            refused("localhost:9943"),
+            "invalid value `localhost:9943` for `--listen <ADDR>`: `localhost:9943` is not an address to listen \
+             on: give an IP address (127.0.0.1, ::1), IP:PORT, [IPv6]:PORT or :PORT"
+        );
+        assert_eq!(
+            refused(":99999"),
+            "invalid value `:99999` for `--listen <ADDR>`: `:99999`: `99999` is not a port (0 to 65535)"
+        );
+        assert_eq!(
+            refused("127.0.0.1:x"),
+            "invalid value `127.0.0.1:x` for `--listen <ADDR>`: `127.0.0.1:x`: `x` is not a port (0 to 65535)"
+        );
+    }
+
+    #[test]
+    fn serve_advertises_host_and_port_as_given() {
+        let advertise = |value: &str| {
+            resolved(&format!("serve --pid 1 --advertise {value}")).map(|run| match run {
+                Run::Serve(config) => config.advertise,
+                _ => panic!("not serve"),
+            })
+        };
+        for good in ["10.0.0.7:9943", "[fd00::7]:9943", "memleak.node-a.svc:80"] {
+            assert_eq!(advertise(good), Ok(Some(good.to_owned())));
+        }
+        for bad in ["10.0.0.7", "fd00::7:9943", ":9943", "a b:1", "host:port"] {
+            assert!(advertise(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -32,14 +32,22 @@ impl Prometheus {
     /// Starts Prometheus scraping `http://127.0.0.1:{target_port}/metrics`
     /// every second, and waits until it is ready to answer queries.
     pub fn scraping(target_port: u16) -> Self {
+        Self::configured(&format!(
+            "  - job_name: memleak\n    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
+        ))
+    }
+
+    /// Starts Prometheus with `scrape_configs`, YAML indented as a list
+    /// under that key, each job scraping every second unless it says
+    /// otherwise; and waits until it is ready.
+    pub fn configured(scrape_configs: &str) -> Self {
         let directory = TempDir::new("memleak-prometheus");
         let config = directory.path().join("prometheus.yml");
         fs::write(
             &config,
             format!(
                 "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
-                 scrape_configs:\n  - job_name: memleak\n    static_configs:\n      \
-                 - targets: ['127.0.0.1:{target_port}']\n"
+                 scrape_configs:\n{scrape_configs}"
             ),
         )
         .expect("write prometheus.yml");

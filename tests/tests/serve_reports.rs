@@ -66,10 +66,17 @@ fn go_tool_pprof_fetches_the_heap_and_a_window_shows_only_its_growth() {
     let unknown = get(port, "/debug/pprof/heap?pid=1").expect("GET pid=1");
     assert_eq!(unknown.status, 404, "{unknown:#?}");
     assert_eq!(unknown.body, "pid 1 is not followed: /api/v1/targets lists those that are\n");
-    let absent = get(port, "/debug/pprof/heap").expect("GET without pid");
+    // Without a pid, every process's: this one's alone here.
+    let node_wide = go_pprof_url(
+        &format!("http://127.0.0.1:{port}/debug/pprof/heap"),
+        home.path(),
+        &["-top", "-unit=byte"],
+    );
+    assert!(row_of(&node_wide, "step_leak").starts_with("24576B "), "three steps of 8 KiB: {node_wide}");
+    let bad = get(port, "/debug/pprof/heap?pid=x").expect("GET a bad pid");
     assert_eq!(
-        (absent.status, absent.body.as_str()),
-        (400, "which process? add ?pid=PID; /api/v1/targets lists those followed\n")
+        (bad.status, bad.body.as_str()),
+        (400, "pid=\"x\" is not a whole number from 1 to 4294967295\n")
     );
     stop(memleak);
 }
@@ -181,6 +188,9 @@ fn a_token_guards_every_endpoint_but_healthz() {
         "/api/v1/targets",
         &format!("/api/v1/report?pid={pid}"),
         &format!("/debug/pprof/heap?pid={pid}"),
+        "/debug/pprof/allocs",
+        "/api/v1/sd",
+        &format!("/metrics?pid={pid}"),
     ] {
         let refused = get(port, path).expect("GET without a token");
         assert_eq!(refused.status, 401, "{path}: {refused:#?}");

@@ -25,15 +25,32 @@ use crate::model::{Frame, FrameKind, ModuleMapping};
 struct Profile<'a, F> {
     /// (type, unit) of each value of a sample.
     sample_types: Vec<(&'static str, &'static str)>,
-    /// Frames innermost first, and one value per sample type.
-    samples: Vec<(&'a [F], Vec<i64>)>,
-    /// The main binary first: pprof takes the first mapping for it.
-    mappings: Vec<&'a ModuleMapping>,
+    /// One part per process: a report's profile has one.
+    parts: Vec<Part<'a, F>>,
     time_unix_ms: u64,
     /// The period between the profiles a diff compares, in ns.
     duration_ns: u64,
     /// One allocation in this many was recorded (values are scaled up).
     sample_rate: u32,
+}
+
+/// One process's samples in a profile, with the mappings its addresses
+/// fall in and the labels each of its samples carries.
+struct Part<'a, F> {
+    /// Frames innermost first, and one value per sample type.
+    samples: Vec<(&'a [F], Vec<i64>)>,
+    /// The main binary first: pprof takes the first mapping for it.
+    mappings: Vec<&'a ModuleMapping>,
+    labels: &'a [(String, String)],
+}
+
+/// A process's report and the labels its samples get in a profile of
+/// several processes (`render_labelled`).
+pub struct Labelled<'a> {
+    pub report: &'a Report,
+    /// (key, value): pprof string labels, which Pyroscope turns into the
+    /// labels of the series a sample goes to.
+    pub labels: Vec<(String, String)>,
 }
 
 const INUSE: [(&str, &str); 2] = [("inuse_objects", "count"), ("inuse_space", "bytes")];
@@ -49,12 +66,15 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
 pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let profile = Profile {
         sample_types: INUSE.to_vec(),
-        samples: diff
-            .stacks
-            .iter()
-            .map(|stack| (&stack.frames[..], vec![stack.delta_allocations, stack.delta_bytes]))
-            .collect(),
-        mappings: main_binary_first(&diff.modules, &diff.new.program),
+        parts: vec![Part {
+            samples: diff
+                .stacks
+                .iter()
+                .map(|stack| (&stack.frames[..], vec![stack.delta_allocations, stack.delta_bytes]))
+                .collect(),
+            mappings: main_binary_first(&diff.modules, &diff.new.program),
+            labels: &[],
+        }],
         time_unix_ms: diff.new.time_unix_ms,
         duration_ns: diff.new.time_unix_ms.saturating_sub(diff.base.time_unix_ms).saturating_mul(1_000_000),
         sample_rate: 1,
@@ -64,27 +84,50 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
 
 /// The uncompressed profile.proto message of a report.
 pub fn encode_report(report: &Report) -> Vec<u8> {
+    encode_labelled(&[Labelled { report, labels: Vec::new() }])
+}
+
+/// One profile of several processes' reports, each sample labelled with
+/// its process's labels: what a scraper of a whole node reads, and
+/// Pyroscope splits into a series per process. Each process keeps
+/// mappings and locations of its own, as its addresses mean nothing in
+/// another's address space.
+pub fn render_labelled(reports: &[Labelled], out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    write_gzipped(&encode_labelled(reports), out)
+}
+
+fn encode_labelled(reports: &[Labelled]) -> Vec<u8> {
     // alloc_* only when every stack has them: mmap regions do not.
-    let with_allocated = !report.stacks.is_empty() && report.stacks.iter().all(|s| s.allocated.is_some());
+    let stacks = || reports.iter().flat_map(|labelled| &labelled.report.stacks);
+    let with_allocated = stacks().next().is_some() && stacks().all(|stack| stack.allocated.is_some());
     let sample_types =
         if with_allocated { ALLOC.iter().chain(&INUSE).copied().collect() } else { INUSE.to_vec() };
-    let samples = report
-        .stacks
+    let parts = reports
         .iter()
-        .map(|stack| {
-            let allocated = stack.allocated.filter(|_| with_allocated);
-            let values = allocated.into_iter().flat_map(|allocated| [allocated.count, allocated.bytes]);
-            let values = values.chain([stack.allocations, stack.bytes]).map(|value| value as i64).collect();
-            (&stack.frames[..], values)
+        .map(|Labelled { report, labels }| Part {
+            samples: report
+                .stacks
+                .iter()
+                .map(|stack| {
+                    let allocated = stack.allocated.filter(|_| with_allocated);
+                    let values =
+                        allocated.into_iter().flat_map(|allocated| [allocated.count, allocated.bytes]);
+                    let values =
+                        values.chain([stack.allocations, stack.bytes]).map(|value| value as i64).collect();
+                    (&stack.frames[..], values)
+                })
+                .collect(),
+            mappings: main_binary_first(&report.modules, &report.program),
+            labels,
         })
         .collect();
     let profile = Profile {
         sample_types,
-        samples,
-        mappings: main_binary_first(&report.modules, &report.program),
-        time_unix_ms: report.time_unix_ms,
+        parts,
+        time_unix_ms: reports.iter().map(|labelled| labelled.report.time_unix_ms).max().unwrap_or(0),
         duration_ns: 0,
-        sample_rate: report.sample_rate,
+        // One session records every process at one rate.
+        sample_rate: reports.first().map_or(1, |labelled| labelled.report.sample_rate),
     };
     encode(&profile)
 }
@@ -105,19 +148,31 @@ fn main_binary_first<'a>(modules: &'a [ModuleMapping], program: &str) -> Vec<&'a
 /// locations are numbered in the order they are first met, so the same
 /// input always makes the same bytes.
 fn encode<F: Borrow<Frame>>(input: &Profile<F>) -> Vec<u8> {
-    let mut encoder = Encoder { mappings: &input.mappings, ..Encoder::default() };
+    let mut encoder = Encoder::default();
     let mut profile = Vec::new();
     for &(kind, unit) in &input.sample_types {
         let value_type = encoder.value_type(kind, unit);
         field_bytes(&mut profile, 1, &value_type); // sample_type
     }
-    for (frames, values) in &input.samples {
-        let sample = encoder.sample(frames, values);
-        field_bytes(&mut profile, 2, &sample); // sample
+    let mut first_mapping_id = 1;
+    for (index, part) in input.parts.iter().enumerate() {
+        encoder.part = index;
+        encoder.mappings = &part.mappings;
+        encoder.first_mapping_id = first_mapping_id;
+        let labels = encoder.labels(part.labels);
+        for (frames, values) in &part.samples {
+            let sample = encoder.sample(frames, values, &labels);
+            field_bytes(&mut profile, 2, &sample); // sample
+        }
+        first_mapping_id += part.mappings.len() as u64;
     }
-    for (index, mapping) in input.mappings.iter().enumerate() {
-        let message = encoder.mapping(index, mapping);
-        field_bytes(&mut profile, 3, &message); // mapping
+    let mut mapping_id = 1;
+    for part in &input.parts {
+        for mapping in &part.mappings {
+            let message = encoder.mapping(mapping_id, mapping);
+            field_bytes(&mut profile, 3, &message); // mapping
+            mapping_id += 1;
+        }
     }
     for location in &encoder.location_messages {
         field_bytes(&mut profile, 4, location);
@@ -141,16 +196,24 @@ fn encode<F: Borrow<Frame>>(input: &Profile<F>) -> Vec<u8> {
     profile
 }
 
+/// A location: the part it is of, its address and its (function id,
+/// line) lines.
+type LocationKey = (usize, u64, Vec<(u64, i64)>);
+
 /// The tables a profile's samples point into, built as samples are met.
 #[derive(Default)]
 struct Encoder<'a> {
-    /// The mappings, main binary first; ids are their places, from 1.
+    /// The part whose samples are being encoded.
+    part: usize,
+    /// Its mappings, main binary first; ids are their places, from
+    /// `first_mapping_id`.
     mappings: &'a [&'a ModuleMapping],
+    first_mapping_id: u64,
     strings: Strings,
     /// Function ids by (name, file, kind).
     functions: HashMap<(String, String, FrameKind), u64>,
-    /// Location ids by address and (function id, line) lines.
-    locations: HashMap<(u64, Vec<(u64, i64)>), u64>,
+    /// Location ids by part, address and (function id, line) lines.
+    locations: HashMap<LocationKey, u64>,
     function_messages: Vec<Vec<u8>>,
     location_messages: Vec<Vec<u8>>,
 }
@@ -164,8 +227,22 @@ impl Encoder<'_> {
         value_type
     }
 
-    /// A Sample message: its locations, innermost first, and its values.
-    fn sample<F: Borrow<Frame>>(&mut self, frames: &[F], values: &[i64]) -> Vec<u8> {
+    /// The Label messages of (key, value) string labels.
+    fn labels(&mut self, labels: &[(String, String)]) -> Vec<Vec<u8>> {
+        labels
+            .iter()
+            .map(|(key, value)| {
+                let mut label = Vec::new();
+                field_varint(&mut label, 1, self.strings.index(key));
+                field_varint(&mut label, 2, self.strings.index(value));
+                label
+            })
+            .collect()
+    }
+
+    /// A Sample message: its locations, innermost first, its values and
+    /// its labels.
+    fn sample<F: Borrow<Frame>>(&mut self, frames: &[F], values: &[i64], labels: &[Vec<u8>]) -> Vec<u8> {
         // Frames of one address are consecutive: the inlined ones, then
         // the function that holds them. A recursive call returns to the
         // same address twice, and Python frames have none: each is a
@@ -180,6 +257,9 @@ impl Encoder<'_> {
         // encodes int64.
         let values: Vec<u64> = values.iter().map(|&value| value as u64).collect();
         field_packed(&mut sample, 2, &values);
+        for label in labels {
+            field_bytes(&mut sample, 3, label);
+        }
         sample
     }
 
@@ -198,25 +278,27 @@ impl Encoder<'_> {
                 (self.function_id(name, file, frame.kind), i64::from(frame.line.unwrap_or(0)))
             })
             .collect();
-        if let Some(&id) = self.locations.get(&(address, lines.clone())) {
+        let key = (self.part, address, lines);
+        if let Some(&id) = self.locations.get(&key) {
             return id;
         }
+        let lines = &key.2;
         let id = self.locations.len() as u64 + 1;
         let mut location = Vec::new();
         field_varint(&mut location, 1, id);
         let mapping = self.mappings.iter().position(|m| m.start <= address && address < m.end);
         if let Some(index) = mapping {
-            field_varint(&mut location, 2, index as u64 + 1);
+            field_varint(&mut location, 2, self.first_mapping_id + index as u64);
         }
         field_varint(&mut location, 3, address);
-        for (function_id, line) in &lines {
+        for (function_id, line) in lines {
             let mut line_message = Vec::new();
             field_varint(&mut line_message, 1, *function_id);
             field_varint(&mut line_message, 2, *line as u64);
             field_bytes(&mut location, 4, &line_message);
         }
         self.location_messages.push(location);
-        self.locations.insert((address, lines), id);
+        self.locations.insert(key, id);
         id
     }
 
@@ -246,10 +328,10 @@ impl Encoder<'_> {
         id
     }
 
-    /// A Mapping message for the mapping at `index`.
-    fn mapping(&mut self, index: usize, mapping: &ModuleMapping) -> Vec<u8> {
+    /// The Mapping message of mapping `id`.
+    fn mapping(&mut self, id: u64, mapping: &ModuleMapping) -> Vec<u8> {
         let mut message = Vec::new();
-        field_varint(&mut message, 1, index as u64 + 1);
+        field_varint(&mut message, 1, id);
         field_varint(&mut message, 2, mapping.start);
         field_varint(&mut message, 3, mapping.end);
         field_varint(&mut message, 4, mapping.file_offset);
@@ -361,6 +443,128 @@ mod tests {
             .collect();
         assert_eq!(fields, [vec![1, 2, 4], vec![1, 2, 3, 4]]);
         assert_eq!(encoder.strings.table[1], "<module>");
+    }
+
+    /// A message's fields as (number, value): a varint's value, or a
+    /// length-delimited field's bytes.
+    fn fields(mut message: &[u8]) -> Vec<(u64, Result<u64, &[u8]>)> {
+        let varint = |message: &mut &[u8]| {
+            let (mut value, mut shift) = (0, 0);
+            loop {
+                let (&byte, rest) = message.split_first().expect("a whole varint");
+                *message = rest;
+                value |= u64::from(byte & 0x7f) << shift;
+                shift += 7;
+                if byte < 0x80 {
+                    return value;
+                }
+            }
+        };
+        let mut fields = Vec::new();
+        while !message.is_empty() {
+            let key = varint(&mut message);
+            if key & 7 == 2 {
+                let length = usize::try_from(varint(&mut message)).unwrap();
+                fields.push((key >> 3, Err(&message[..length])));
+                message = &message[length..];
+            } else {
+                fields.push((key >> 3, Ok(varint(&mut message))));
+            }
+        }
+        fields
+    }
+
+    /// The varint field `number` of a message.
+    fn varint_of(message: &[u8], number: u64) -> Option<u64> {
+        fields(message).into_iter().find_map(|(field, value)| value.ok().filter(|_| field == number))
+    }
+
+    /// The submessages in field `number`.
+    fn messages(message: &[u8], number: u64) -> Vec<&[u8]> {
+        fields(message)
+            .into_iter()
+            .filter(|&(field, _)| field == number)
+            .filter_map(|(_, v)| v.err())
+            .collect()
+    }
+
+    #[test]
+    fn a_profile_of_several_processes_labels_each_sample_and_keeps_each_process_s_addresses_apart() {
+        // Two processes at the same addresses in different programs.
+        let report_of = |pid: u32, program: &str| {
+            let mut report = sample_report(10);
+            report.pid = pid;
+            program.clone_into(&mut report.program);
+            report.modules = vec![ModuleMapping {
+                start: 0x0040_0000,
+                end: 0x0050_0000,
+                file_offset: 0,
+                path: program.to_owned(),
+                build_id: None,
+            }];
+            report
+        };
+        let (first, second) = (report_of(1, "/app/a"), report_of(2, "/app/b"));
+        let profile = encode_labelled(&[
+            Labelled { report: &first, labels: labels_of("1", "/app/a") },
+            Labelled { report: &second, labels: labels_of("2", "/app/b") },
+        ]);
+        let strings: Vec<String> =
+            messages(&profile, 6).iter().map(|text| String::from_utf8_lossy(text).into_owned()).collect();
+        let text = |index: Option<u64>| strings[usize::try_from(index.unwrap()).unwrap()].clone();
+        // Each sample's labels, as (key, value) texts, and the mappings of
+        // its locations.
+        let locations: HashMap<u64, Option<u64>> = messages(&profile, 4)
+            .iter()
+            .map(|location| (varint_of(location, 1).unwrap(), varint_of(location, 2)))
+            .collect();
+        let samples: Vec<(Labels, Vec<u64>)> = messages(&profile, 2)
+            .iter()
+            .map(|sample| {
+                let labels = messages(sample, 3)
+                    .iter()
+                    .map(|label| (text(varint_of(label, 1)), text(varint_of(label, 2))))
+                    .collect();
+                // Addresses outside every mapping ([stack lost]) have none.
+                let ids = packed_varints(messages(sample, 1)[0]);
+                let mut mappings: Vec<u64> = ids.iter().filter_map(|id| locations[id]).collect();
+                mappings.dedup();
+                (labels, mappings)
+            })
+            .collect();
+        let per_process = first.stacks.len();
+        assert_eq!(samples.len(), 2 * per_process);
+        for (index, (labels, mappings)) in samples.iter().enumerate() {
+            let (pid, program, mapping) =
+                if index < per_process { ("1", "/app/a", 1) } else { ("2", "/app/b", 2) };
+            assert_eq!(labels, &labels_of(pid, program), "sample {index}");
+            assert!(mappings.iter().all(|&id| id == mapping), "sample {index}: its own process's mapping");
+        }
+        let mapping_paths: Vec<(Option<u64>, String)> = messages(&profile, 3)
+            .iter()
+            .map(|mapping| (varint_of(mapping, 1), text(varint_of(mapping, 5))))
+            .collect();
+        assert_eq!(mapping_paths, [(Some(1), "/app/a".to_owned()), (Some(2), "/app/b".to_owned())]);
+    }
+
+    fn packed_varints(packed: &[u8]) -> Vec<u64> {
+        let mut values = Vec::new();
+        let (mut value, mut shift) = (0, 0);
+        for &byte in packed {
+            value |= u64::from(byte & 0x7f) << shift;
+            shift += 7;
+            if byte < 0x80 {
+                values.push(value);
+                (value, shift) = (0, 0);
+            }
+        }
+        values
+    }
+
+    type Labels = Vec<(String, String)>;
+
+    fn labels_of(pid: &str, program: &str) -> Labels {
+        vec![("pid".to_owned(), pid.to_owned()), ("program".to_owned(), program.to_owned())]
     }
 
     #[test]

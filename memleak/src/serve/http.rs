@@ -9,6 +9,7 @@
 //! long, is `connections`' to say.
 
 use std::{
+    collections::BTreeMap,
     convert::Infallible,
     io,
     net::SocketAddr,
@@ -46,7 +47,8 @@ const ACCEPT_BACKLOG: libc::c_int = 4096;
 /// How long the requests in flight at shutdown get to be answered.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-const ENDPOINTS: &str = "/, /metrics, /debug/pprof/heap, /api/v1/targets, /api/v1/report and /healthz";
+const ENDPOINTS: &str =
+    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report and /healthz";
 
 /// The server thread; it ends once `stop` is sent `true`.
 pub struct Server {
@@ -58,10 +60,12 @@ impl Server {
     /// Serves on `listener`, bound already, so that a port in use is an
     /// error before anything is attached.
     /// With a `token`, every request but `/healthz` must carry it.
+    /// `advertised` is the HOST:PORT /api/v1/sd gives scrapers.
     pub fn start(
         listener: std::net::TcpListener,
         board: BoardReader,
         token: Option<Token>,
+        advertised: String,
     ) -> io::Result<Self> {
         listener.set_nonblocking(true)?;
         // listen(2) again sets the backlog of a listening socket: std's 128
@@ -74,7 +78,12 @@ impl Server {
         }
         let (stop, stopped) = watch::channel(false);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let handlers = Handlers { board, token: token.map(Arc::new), windows: Arc::new(Windows::default()) };
+        let handlers = Handlers {
+            board,
+            token: token.map(Arc::new),
+            windows: Arc::new(Windows::default()),
+            advertised: advertised.into(),
+        };
         let thread = thread::Builder::new()
             .name("memleak-http".to_owned())
             .spawn(move || runtime.block_on(accept(listener, handlers, stopped)))?;
@@ -98,6 +107,8 @@ struct Handlers {
     token: Option<Arc<Token>>,
     /// The `?seconds=N` windows being taken.
     windows: Arc<Windows>,
+    /// Where /api/v1/sd's targets point: this daemon, as scrapers reach it.
+    advertised: Arc<str>,
 }
 
 async fn accept(listener: std::net::TcpListener, handlers: Handlers, mut stopped: watch::Receiver<bool>) {
@@ -214,6 +225,7 @@ enum Endpoint {
     Healthz,
     Metrics,
     Targets,
+    ServiceDiscovery,
     Report,
     Pprof,
 }
@@ -225,8 +237,11 @@ impl Endpoint {
             "/healthz" => Endpoint::Healthz,
             "/metrics" => Endpoint::Metrics,
             "/api/v1/targets" => Endpoint::Targets,
+            "/api/v1/sd" => Endpoint::ServiceDiscovery,
             "/api/v1/report" => Endpoint::Report,
-            "/debug/pprof/heap" => Endpoint::Pprof,
+            // Go serves the same profile at both; allocs is where
+            // Pyroscope's and Parca's scrapers look for memory.
+            "/debug/pprof/heap" | "/debug/pprof/allocs" => Endpoint::Pprof,
             _ => return None,
         })
     }
@@ -236,7 +251,8 @@ impl Endpoint {
         match self {
             Endpoint::Report => ReportAsked::PARAMETERS,
             Endpoint::Pprof => reports::PPROF_PARAMETERS,
-            Endpoint::Page | Endpoint::Healthz | Endpoint::Metrics | Endpoint::Targets => &[],
+            Endpoint::Metrics => &["pid"],
+            Endpoint::Page | Endpoint::Healthz | Endpoint::Targets | Endpoint::ServiceDiscovery => &[],
         }
     }
 }
@@ -276,10 +292,22 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
         Endpoint::Page => {
             with_type(StatusCode::OK, "text/html; charset=utf-8", page::render(&*board.fresh().await))
         }
-        Endpoint::Metrics => {
-            with_type(StatusCode::OK, metrics::CONTENT_TYPE, metrics::render(&*board.fresh().await))
-        }
+        Endpoint::Metrics => match params.pid_if_given() {
+            Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
+            Ok(only) => {
+                let published = board.fresh().await;
+                match only.filter(|&pid| published.named_by(pid).is_none()) {
+                    Some(pid) => plain(StatusCode::NOT_FOUND, format!("pid {pid} is not followed\n")),
+                    None => with_type(
+                        StatusCode::OK,
+                        metrics::CONTENT_TYPE,
+                        metrics::render_for(&published, only),
+                    ),
+                }
+            }
+        },
         Endpoint::Targets => targets(&*board.fresh().await),
+        Endpoint::ServiceDiscovery => service_discovery(&board.latest(), &handlers.advertised),
         Endpoint::Pprof => reports::answer(board, &handlers.windows, &params, None).await,
         Endpoint::Report => match ReportAsked::of(&params) {
             Ok(asked) => reports::answer(board, &handlers.windows, &params, Some(asked)).await,
@@ -310,6 +338,38 @@ fn targets(published: &Published) -> Response<Full<Bytes>> {
     }
 }
 
+/// One target of a Prometheus HTTP service discovery list.
+#[derive(serde::Serialize)]
+struct DiscoveredTarget<'a> {
+    targets: [&'a str; 1],
+    labels: BTreeMap<String, String>,
+}
+
+/// `/api/v1/sd`: Prometheus' HTTP service discovery list, a target per
+/// process running: this daemon's address, with `__param_pid` (which a
+/// scraper sends as `?pid=`, so /metrics and the profiles answer for that
+/// process alone) and the process's labels. Processes that exited are
+/// not listed: nothing of them is left to scrape but their last report.
+fn service_discovery(published: &Published, advertised: &str) -> Response<Full<Bytes>> {
+    let list: Vec<DiscoveredTarget> = published
+        .targets
+        .iter()
+        .filter(|followed| !followed.exited)
+        .map(|followed| {
+            let mut labels: BTreeMap<String, String> = followed.labels().into_iter().collect();
+            labels.insert("__param_pid".to_owned(), followed.pid.to_string());
+            DiscoveredTarget { targets: [advertised], labels }
+        })
+        .collect();
+    match serde_json::to_string(&list) {
+        Ok(mut body) => {
+            body.push('\n');
+            with_type(StatusCode::OK, "application/json", body)
+        }
+        Err(error) => plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the list: {error}\n")),
+    }
+}
+
 pub fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     with_type(status, "text/plain; charset=utf-8", body)
 }
@@ -326,4 +386,46 @@ pub fn with_type(
     // Text is text, whatever a browser would guess from it.
     headers.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt as _;
+
+    use super::*;
+
+    fn body_of(response: Response<Full<Bytes>>) -> serde_json::Value {
+        let body = block_on(response.into_body().collect()).expect("a body").to_bytes();
+        serde_json::from_slice(&body).expect("JSON")
+    }
+
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread().build().expect("a runtime").block_on(future)
+    }
+
+    /// Prometheus' HTTP SD format: a list of {targets, labels}, every
+    /// process running once, with the pid a scraper sends back.
+    #[test]
+    fn the_sd_list_has_a_target_per_running_process_with_its_labels() {
+        let mut exited = Followed::new(9, "/bin/gone".to_owned(), None);
+        exited.exited = true;
+        let published = Published {
+            targets: vec![
+                Followed::new(7, "/bin/a".to_owned(), None),
+                Followed::new(8, "/bin/b".to_owned(), Some("c0ffee".to_owned())),
+                exited,
+            ],
+            ..Published::default()
+        };
+        let response = service_discovery(&published, "10.0.0.7:9943");
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+        assert_eq!(
+            body_of(response),
+            serde_json::json!([
+                {"targets": ["10.0.0.7:9943"], "labels": {"__param_pid": "7", "pid": "7", "program": "/bin/a"}},
+                {"targets": ["10.0.0.7:9943"],
+                 "labels": {"__param_pid": "8", "pid": "8", "program": "/bin/b", "container": "c0ffee"}},
+            ])
+        );
+    }
 }

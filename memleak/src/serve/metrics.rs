@@ -136,7 +136,16 @@ const STACK_METRICS: [StackMetric; 2] = [
 
 /// The whole `/metrics` body. A process without a report yet has no
 /// series: zeros would read as a measurement.
+#[cfg(test)]
 pub fn render(published: &Published) -> String {
+    render_for(published, None)
+}
+
+/// `/metrics`, or with `only` (`/metrics?pid=`, the targets of
+/// /api/v1/sd) the series of the process that pid names alone: memleak's
+/// own series are left to the scrape of the whole, or each target would
+/// repeat them.
+pub fn render_for(published: &Published, only: Option<u32>) -> String {
     let mut out = String::new();
     let reported: Vec<&Followed> = published
         .targets
@@ -145,6 +154,7 @@ pub fn render(published: &Published) -> String {
         // two with the same labels must not be in one scrape.
         .filter(|followed| {
             followed.report.is_some()
+                && only.is_none_or(|pid| pid == followed.pid)
                 && published.named_by(followed.pid).is_some_and(|named| std::ptr::eq(named, *followed))
         })
         .collect();
@@ -157,6 +167,9 @@ pub fn render(published: &Published) -> String {
         }
     }
     render_stacks(&mut out, &reported, published.metrics_top_stacks);
+    if only.is_some() {
+        return out;
+    }
     if let Some(fill) = published.map_fill {
         render_map_fill(&mut out, &fill);
     }
@@ -364,5 +377,18 @@ mod tests {
             series,
             ["memleak_outstanding_bytes{pid=\"42\",exe=\"leaker\",container=\"272b5f306501\"} 1000"]
         );
+    }
+
+    #[test]
+    fn a_pid_asked_for_gets_its_own_series_and_none_of_memleak_s() {
+        let mut published = published(vec![followed(7, "/bin/a", 1000), followed(8, "/bin/b", 2000)], 1);
+        published.map_fill = Some(MapFill { allocations: 1, max_allocations: 2, stacks: 3, max_stacks: 4 });
+        let body = render_for(&published, Some(8));
+        let series: Vec<&str> = body.lines().filter(|line| !line.starts_with('#')).collect();
+        assert!(series.iter().all(|line| line.contains("{pid=\"8\",exe=\"b\"")), "{body}");
+        assert!(series.contains(&"memleak_outstanding_bytes{pid=\"8\",exe=\"b\"} 2000"), "{body}");
+        assert!(!body.contains("memleak_map_entries") && !body.contains("memleak_processes_not_followed"));
+        let whole = render_for(&published, None);
+        assert!(whole.contains("pid=\"7\"") && whole.contains("memleak_map_entries{map=\"stacks\"} 3"));
     }
 }

@@ -84,6 +84,8 @@ pub enum ServeError {
     Signals(std::io::Error),
     #[error("{0}")]
     Token(String),
+    #[error("{0}")]
+    Advertise(String),
 }
 
 /// Follows the processes and serves their reports until SIGINT or
@@ -101,6 +103,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // With --port 0 the kernel chose the port: the address said is the
     // one bound, so that a client can be pointed at it.
     let serving = listener.local_addr().map_err(ServeError::Server)?;
+    let advertised = advertised(config.advertise.as_deref(), serving)?;
     let session_config =
         SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
@@ -110,7 +113,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // The processes are listed, and can be asked for, before their first
     // report.
     collector.publish(&board);
-    let server = http::Server::start(listener, reader, token).map_err(ServeError::Server)?;
+    let server = http::Server::start(listener, reader, token, advertised).map_err(ServeError::Server)?;
     status::say(&format!("serving http://{serving}/; Ctrl-C to stop"));
     let stop = async {
         tokio::select! {
@@ -126,6 +129,33 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     drop(session);
     server.stop();
     ended
+}
+
+/// The HOST:PORT /api/v1/sd points scrapers to: --advertise, else the
+/// pod's address (`POD_IP`, set from the downward API in a Kubernetes
+/// manifest) with the port listened on, else the address listened on.
+fn advertised(advertise: Option<&str>, serving: std::net::SocketAddr) -> Result<String, ServeError> {
+    if let Some(advertise) = advertise {
+        return Ok(advertise.to_owned());
+    }
+    let pod_ip = std::env::var("POD_IP").ok().filter(|ip| !ip.is_empty());
+    let address = match pod_ip {
+        Some(ip) => {
+            let ip: std::net::IpAddr = ip.parse().map_err(|_| {
+                ServeError::Advertise(format!(
+                    "POD_IP `{ip}` is not an IP address: set it to the pod's, or give --advertise HOST:PORT"
+                ))
+            })?;
+            std::net::SocketAddr::new(ip, serving.port())
+        }
+        None => serving,
+    };
+    if address.ip().is_unspecified() {
+        status::say(&format!(
+            "/api/v1/sd names {address}, which only this host reaches: give --advertise HOST:PORT for others"
+        ));
+    }
+    Ok(address.to_string())
 }
 
 /// The selectors, with each --container found as its cgroup: a container
@@ -395,10 +425,7 @@ impl Collector {
 
 /// Takes the report a handler asked for, aside from the rounds.
 fn answer(session: &mut Session, query: Query) {
-    let answer = session
-        .collect(Some(query.pid), &query.request)
-        .map(|reports| reports.into_iter().next())
-        .map_err(|error| error.to_string());
+    let answer = session.collect(query.pid, &query.request).map_err(|error| error.to_string());
     // The handler may have given up waiting; nothing is owed then.
     let _ = query.reply.send(answer);
 }

@@ -62,9 +62,14 @@ impl Params {
 
     /// The process a report is asked for.
     pub fn pid(&self) -> Result<u32, String> {
+        let pid = self.pid_if_given()?;
+        pid.ok_or_else(|| "which process? add ?pid=PID; /api/v1/targets lists those followed".to_owned())
+    }
+
+    /// The process a report is asked for, if one is.
+    pub fn pid_if_given(&self) -> Result<Option<u32>, String> {
         let pid = self.number("pid", 1..=u64::from(u32::MAX))?;
-        let pid = pid.ok_or("which process? add ?pid=PID; /api/v1/targets lists those followed")?;
-        u32::try_from(pid).map_err(|_| format!("pid={pid} is not a pid"))
+        pid.map(|pid| u32::try_from(pid).map_err(|_| format!("pid={pid} is not a pid"))).transpose()
     }
 
     /// `?seconds=N`: the window a report covers, if one is asked for.

@@ -1,7 +1,9 @@
-//! `/api/v1/report` and `/debug/pprof/heap`: one process's report, in
-//! any format the CLI writes, taken when asked for (or, with
-//! `?seconds=N`, after N seconds, counting only what those seconds left
-//! outstanding, as jeprof's `--base` would with two profiles).
+//! `/api/v1/report`, `/debug/pprof/heap` and `/debug/pprof/allocs`: one
+//! process's report, in any format the CLI writes, or (the profiles
+//! without `?pid=`) every process's in one profile; taken when asked for
+//! (or, with `?seconds=N`, after N seconds, counting only what those
+//! seconds left outstanding, as jeprof's `--base` would with two
+//! profiles).
 
 use std::{
     sync::{
@@ -25,6 +27,7 @@ use crate::{
     report::{
         self,
         options::{Format, Rendering, ReportOptions, SortKey, Weight},
+        pprof::{self, Labelled},
         Report,
     },
     session::ReportRequest,
@@ -33,7 +36,8 @@ use crate::{
 /// Where a client finds the pids it may ask for.
 const TARGETS_URL: &str = "/api/v1/targets";
 
-/// The parameters `/debug/pprof/heap` takes.
+/// The parameters `/debug/pprof/heap` and `/debug/pprof/allocs` take;
+/// without `pid`, the profile is of every process.
 pub const PPROF_PARAMETERS: &[&str] = &["pid", "seconds"];
 
 /// The whole profile as `go tool pprof` reads it.
@@ -98,18 +102,114 @@ impl Drop for Window {
     }
 }
 
-/// Answers `/debug/pprof/heap` (`asked` is `None`) or `/api/v1/report`.
+/// Answers `/debug/pprof/heap` and `/debug/pprof/allocs` (`asked` is
+/// `None`), or `/api/v1/report`.
 pub async fn answer(
     board: &BoardReader,
     windows: &Arc<Windows>,
     params: &Params,
     asked: Option<ReportAsked>,
 ) -> Response<Full<Bytes>> {
+    if asked.is_none() && matches!(params.pid_if_given(), Ok(None)) {
+        return match node_wide(board, windows, params).await {
+            Ok(body) => pprof_response(body),
+            Err(refusal) => refusal.response(),
+        };
+    }
     let asked = asked.unwrap_or(PPROF);
     match report(board, windows, params, asked).await {
         Ok(report) => rendered(&report, asked),
         Err(refusal) => refusal.response(),
     }
+}
+
+/// The profile of every process followed, as pprof: each sample labelled
+/// with its process's labels (`Followed::labels`), so that a scraper of
+/// the node (Pyroscope's, Parca's) gets a series per process from one
+/// scrape. Processes that exited are left out: they hold nothing now, and
+/// their last reports stay served by pid.
+async fn node_wide(board: &BoardReader, windows: &Arc<Windows>, params: &Params) -> Result<Vec<u8>, Refusal> {
+    let window = params.window().map_err(|reason| Refusal::new(StatusCode::BAD_REQUEST, reason))?;
+    let collect = CollectOptions {
+        freed_stacks: PPROF.format.shows_freed_stacks(),
+        modules: PPROF.format.needs_modules(),
+        ..CollectOptions::NONE
+    };
+    let request = ReportRequest { collect, sort: PPROF.sort, top: usize::MAX, in_series: false };
+    let reports = taken(board, windows, None, window, request).await?;
+    let published = board.latest();
+    let labelled: Vec<Labelled> = reports
+        .iter()
+        .map(|report| {
+            let followed = published.named_by(report.pid).filter(|followed| !followed.exited);
+            // Taken in since the last round was published: what the
+            // report itself says of it.
+            let labels = followed.map_or_else(
+                || Followed::new(report.pid, report.program.clone(), None).labels(),
+                Followed::labels,
+            );
+            Labelled { report, labels }
+        })
+        .collect();
+    let mut body = Vec::new();
+    pprof::render_labelled(&labelled, &mut body).map_err(|error| {
+        Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the profile: {error}"))
+    })?;
+    Ok(body)
+}
+
+/// The reports of process `pid` (of every process with `None`) taken by
+/// the collector as `request` says; with a window, once it has passed,
+/// of what was allocated in it only.
+async fn taken(
+    board: &BoardReader,
+    windows: &Arc<Windows>,
+    pid: Option<u32>,
+    window: Option<Duration>,
+    mut request: ReportRequest,
+) -> Result<Vec<Report>, Refusal> {
+    // Held until the window's report is answered.
+    let mut taken = None;
+    if let Some(window) = window {
+        taken = Some(windows.open(window)?);
+        request.collect.born_since_ns = Some(clock::monotonic_ns());
+        // What was allocated before the window is not the window's.
+        request.collect.freed_stacks = false;
+        log::debug!("{}: a window of {} s begins", whose(pid), window.as_secs());
+        tokio::time::sleep(window).await;
+    }
+    // A window's report waits for its turn with the collector: the window
+    // was admitted, and only `WINDOWS_AT_ONCE` can wait so.
+    let answered = if taken.is_some() {
+        board.query_in_turn(pid, request).await
+    } else {
+        board.query(pid, request).await
+    };
+    drop(taken);
+    match answered {
+        Ok(Ok(mut reports)) => {
+            if window.is_some() {
+                // alloc_space since memleak attached is no part of a window.
+                let stacks = reports.iter_mut().flat_map(|report| report.stacks.iter_mut());
+                stacks.for_each(|stack| stack.allocated = None);
+            }
+            Ok(reports)
+        }
+        Ok(Err(error)) => Err(Refusal::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot take {}'s report: {error}", whose(pid)),
+        )),
+        Err(Unanswered::Busy) => {
+            Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "busy taking other reports: retry".to_owned()))
+        }
+        Err(Unanswered::Stopping) => {
+            Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "memleak is stopping".to_owned()))
+        }
+    }
+}
+
+fn whose(pid: Option<u32>) -> String {
+    pid.map_or_else(|| "every process".to_owned(), |pid| format!("pid {pid}"))
 }
 
 /// Why no report is served: the status and its one line of reason.
@@ -153,55 +253,22 @@ async fn report(
         return last_report(followed, asked, window.is_some());
     }
     drop(published);
-    let mut collect = CollectOptions {
+    let collect = CollectOptions {
         min_age_ns: asked.older_ms.map(|ms| ms.saturating_mul(1_000_000)),
         freed_stacks: asked.format.shows_freed_stacks(),
         modules: asked.format.needs_modules(),
         ..CollectOptions::NONE
     };
-    // Held until the window's report is answered.
-    let mut taken = None;
-    if let Some(window) = window {
-        taken = Some(windows.open(window)?);
-        collect.born_since_ns = Some(clock::monotonic_ns());
-        // What was allocated before the window is not the window's.
-        collect.freed_stacks = false;
-        log::debug!("pid {pid}: a window of {} s begins", window.as_secs());
-        tokio::time::sleep(window).await;
-    }
     let top = if asked.format.wants_every_stack() { usize::MAX } else { asked.top };
     let request = ReportRequest { collect, sort: asked.sort, top, in_series: false };
-    // A window's report waits for its turn with the collector: the window
-    // was admitted, and only `WINDOWS_AT_ONCE` can wait so.
-    let answered = if taken.is_some() {
-        board.query_in_turn(pid, request).await
-    } else {
-        board.query(pid, request).await
-    };
-    drop(taken);
-    match answered {
-        Ok(Ok(Some(mut report))) => {
-            if window.is_some() {
-                // alloc_space since memleak attached is no part of a window.
-                report.stacks.iter_mut().for_each(|stack| stack.allocated = None);
-            }
-            Ok(report)
-        }
+    let reports = taken(board, windows, Some(pid), window, request).await?;
+    match reports.into_iter().next() {
+        Some(report) => Ok(report),
         // It exited while the request waited: its last report, if kept.
-        Ok(Ok(None)) => match board.latest().named_by(pid).filter(|followed| followed.exited) {
+        None => match board.latest().named_by(pid).filter(|followed| followed.exited) {
             Some(exited) => last_report(exited, asked, window.is_some()),
             None => Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} is no longer traced"))),
         },
-        Ok(Err(error)) => Err(Refusal::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("cannot take pid {pid}'s report: {error}"),
-        )),
-        Err(Unanswered::Busy) => {
-            Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "busy taking other reports: retry".to_owned()))
-        }
-        Err(Unanswered::Stopping) => {
-            Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "memleak is stopping".to_owned()))
-        }
     }
 }
 
@@ -234,11 +301,19 @@ fn rendered(report: &Report, asked: ReportAsked) -> Response<Full<Bytes>> {
         Format::Svg => "image/svg+xml",
         Format::Pprof => "application/octet-stream",
     };
-    let mut response = with_type(StatusCode::OK, content_type, body);
     if asked.format == Format::Pprof {
-        // As Go's net/http/pprof names it: a browser saves it.
-        let disposition = header::HeaderValue::from_static("attachment; filename=\"heap\"");
-        response.headers_mut().insert(header::CONTENT_DISPOSITION, disposition);
+        return pprof_response(body);
     }
+    with_type(StatusCode::OK, content_type, body)
+}
+
+/// A gzipped profile, as Go's net/http/pprof serves one: gzip is the
+/// format's own (pprof, Pyroscope and Parca read it so), not a
+/// Content-Encoding a client would undo.
+fn pprof_response(body: Vec<u8>) -> Response<Full<Bytes>> {
+    let mut response = with_type(StatusCode::OK, "application/octet-stream", body);
+    // As Go's net/http/pprof names it: a browser saves it.
+    let disposition = header::HeaderValue::from_static("attachment; filename=\"heap\"");
+    response.headers_mut().insert(header::CONTENT_DISPOSITION, disposition);
     response
 }

@@ -72,6 +72,19 @@ impl Followed {
         Path::new(&self.program).file_name().and_then(|name| name.to_str()).unwrap_or(&self.program)
     }
 
+    /// Every label of the process's identity, as (name, value): its pid,
+    /// its program and, in a container, the container's. What the
+    /// node-wide profile puts on each of its samples and /api/v1/sd on
+    /// its target, so a label added here reaches both.
+    pub fn labels(&self) -> Vec<(String, String)> {
+        let mut labels =
+            vec![("pid".to_owned(), self.pid.to_string()), ("program".to_owned(), self.program.clone())];
+        if let Some(container) = &self.container {
+            labels.push(("container".to_owned(), container.clone()));
+        }
+        labels
+    }
+
     pub fn summary(&self) -> TargetSummary<'_> {
         let report = self.report.as_deref();
         TargetSummary {
@@ -154,15 +167,19 @@ pub struct TargetSummary<'a> {
     pub stacks_lost: u64,
 }
 
-/// A report a request asks the collector for: one process's, built as
-/// the request wants it rather than as rounds are.
+/// A report a request asks the collector for: one process's, or every
+/// process's, built as the request wants it rather than as rounds are.
 pub struct Query {
-    pub pid: u32,
+    /// The process, or `None` for every process traced.
+    pub pid: Option<u32>,
     pub request: ReportRequest,
-    /// The report, `None` if `pid` is not traced (any more), or why it
+    /// The reports (none if `pid` is not traced any more), or why they
     /// could not be taken.
-    pub reply: oneshot::Sender<Result<Option<Report>, String>>,
+    pub reply: oneshot::Sender<Answer>,
 }
+
+/// What the collector answers a query with.
+pub type Answer = Result<Vec<Report>, String>;
 
 /// Why a query got no answer from the collector.
 #[derive(Debug, PartialEq, Eq)]
@@ -259,13 +276,9 @@ impl BoardReader {
         self.receiver.borrow().clone()
     }
 
-    /// Asks the collector for process `pid`'s report, built as `request`
-    /// says.
-    pub async fn query(
-        &self,
-        pid: u32,
-        request: ReportRequest,
-    ) -> Result<Result<Option<Report>, String>, Unanswered> {
+    /// Asks the collector for process `pid`'s report (every process's
+    /// with `None`), built as `request` says.
+    pub async fn query(&self, pid: Option<u32>, request: ReportRequest) -> Result<Answer, Unanswered> {
         let (reply, answer) = oneshot::channel();
         self.queries.try_send(Query { pid, request, reply }).map_err(|error| match error {
             mpsc::error::TrySendError::Full(_) => Unanswered::Busy,
@@ -278,9 +291,9 @@ impl BoardReader {
     /// answered busy: for the few requests admitted beforehand (windows).
     pub async fn query_in_turn(
         &self,
-        pid: u32,
+        pid: Option<u32>,
         request: ReportRequest,
-    ) -> Result<Result<Option<Report>, String>, Unanswered> {
+    ) -> Result<Answer, Unanswered> {
         let (reply, answer) = oneshot::channel();
         self.queries.send(Query { pid, request, reply }).await.map_err(|_| Unanswered::Stopping)?;
         answer.await.map_err(|_| Unanswered::Stopping)
