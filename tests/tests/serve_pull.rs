@@ -4,11 +4,17 @@
 //! label; Debian's Prometheus finding each process through `/api/v1/sd`;
 //! and `--listen` in the forms Prometheus exporters take.
 
-use std::{fs, process::Command};
+use std::{
+    fs,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    process::Command,
+};
 
 use memleak_tests::{
+    assert_refused_in_one_line,
     fixtures::optimized,
-    http::{get, get_with, serve, stop},
+    http::{free_port, get, get_with, serve, stop},
     prometheus::Prometheus,
     tempdir::TempDir,
     Leaker, Memleak,
@@ -91,7 +97,7 @@ fn total_of<'a>(tags: &'a str, key: &str) -> &'a str {
 
 #[test]
 fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_labels() {
-    let (leakers, memleak, port, directory) = serve_two(&[]);
+    let (mut leakers, mut memleak, port, directory) = serve_two(&["--verbose"]);
     let programs = leakers.programs();
     let bearer = [("Authorization", format!("Bearer {TOKEN}"))];
     let bearer: Vec<(&str, &str)> = bearer.iter().map(|(name, value)| (*name, value.as_str())).collect();
@@ -133,6 +139,24 @@ fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_la
     let step_row = focused.lines().find(|line| line.trim_end().ends_with(" step_leak"));
     assert!(step_row.is_some_and(|row| row.trim_start().starts_with("16384B 48.69%")), "{focused}");
     assert!(!focused.contains("leak_malloc"), "the other process's stacks are not its: {focused}");
+
+    // ?seconds=N, as a scraper of deltas sends it: of every process, what
+    // the window left outstanding, one step of the -O2 build.
+    let windowed = std::thread::spawn({
+        let bearer = format!("Bearer {TOKEN}");
+        move || get_with(port, "/debug/pprof/allocs?seconds=3", &[("Authorization", &bearer)])
+    });
+    memleak
+        .stderr
+        .wait_for("the window to begin", |line| line.ends_with("every process: a window of 3 s begins"));
+    leakers.steps.send("step", "stepped");
+    let window = windowed.join().expect("the windowed request").expect("GET ?seconds=3");
+    assert_eq!(window.status, 200, "{window:#?}");
+    let window_file = directory.path().join("window.pb.gz");
+    fs::write(&window_file, &window.bytes).expect("save the window");
+    let tags = memleak_tests::go_pprof(&window_file, &["-tags", "-unit=byte"]);
+    let steps_pid = programs[1].0.to_string();
+    assert_eq!(tag_values(&tags, "pid"), [(steps_pid, "8192.0B".to_owned())], "{tags}");
 
     // The same profile at /debug/pprof/heap, and the token wanted for it.
     let heap = get_with(port, "/debug/pprof/heap", &bearer).expect("GET /debug/pprof/heap");
@@ -200,4 +224,129 @@ fn prometheus_finds_each_process_through_the_sd_list_and_stores_its_bytes_under_
     drop(prometheus);
     drop(leakers);
     stop(memleak);
+}
+
+/// The status line of `GET path` from `address`, or why nothing answered.
+fn status_at(address: SocketAddr, path: &str) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(address)?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: memleak\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response.lines().next().unwrap_or_default().to_owned())
+}
+
+/// The body of `GET path` from 127.0.0.1:`port` with the token.
+fn body_with_token(port: u16, path: &str) -> String {
+    let bearer = format!("Bearer {TOKEN}");
+    let response = get_with(port, path, &[("Authorization", &bearer)]).expect("GET with the token");
+    assert_eq!(response.status, 200, "{path}: {response:#?}");
+    response.body
+}
+
+/// A --listen form: the flags, `POD_IP` if set, where the daemon must
+/// answer and where not, and the address /api/v1/sd must name.
+struct ListenCase {
+    flags: Vec<String>,
+    pod_ip: Option<&'static str>,
+    answers: SocketAddr,
+    silent: Option<SocketAddr>,
+    advertised: String,
+}
+
+/// The forms, each on a port of its own.
+fn listen_cases() -> [ListenCase; 4] {
+    let v4 = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+    let v6 = |port: u16| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+    let ports = [free_port(), free_port(), free_port(), free_port()];
+    [
+        ListenCase {
+            flags: vec!["--listen".into(), format!("127.0.0.1:{}", ports[0])],
+            pod_ip: None,
+            answers: v4(ports[0]),
+            silent: Some(v6(ports[0])),
+            advertised: format!("127.0.0.1:{}", ports[0]),
+        },
+        ListenCase {
+            flags: vec!["--listen".into(), format!("[::1]:{}", ports[1])],
+            pod_ip: None,
+            answers: v6(ports[1]),
+            silent: Some(v4(ports[1])),
+            advertised: format!("[::1]:{}", ports[1]),
+        },
+        // Every IPv4 address, as exporters read :PORT; the pod's address
+        // named, as a DaemonSet sets POD_IP.
+        ListenCase {
+            flags: vec!["--listen".into(), format!(":{}", ports[2])],
+            pod_ip: Some("10.1.2.3"),
+            answers: v4(ports[2]),
+            silent: Some(v6(ports[2])),
+            advertised: format!("10.1.2.3:{}", ports[2]),
+        },
+        ListenCase {
+            flags: [
+                "--listen",
+                "127.0.0.1",
+                "--port",
+                &ports[3].to_string(),
+                "--advertise",
+                "node-a.example:80",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            pod_ip: None,
+            answers: v4(ports[3]),
+            silent: None,
+            advertised: "node-a.example:80".to_owned(),
+        },
+    ]
+}
+
+#[test]
+fn each_listen_form_binds_where_it_says_and_sd_names_the_address_advertised() {
+    let leaker = Leaker::start_waiting(&["all"]);
+    let pid = leaker.pid().to_string();
+    let directory = TempDir::new("memleak-listen");
+    let token_file = directory.path().join("token");
+    fs::write(&token_file, format!("{TOKEN}\n")).expect("write the token");
+    let token = token_file.to_str().expect("UTF-8");
+    for ListenCase { flags, pod_ip, answers, silent, advertised } in listen_cases() {
+        let port = answers.port();
+        let mut args = vec!["serve", "--pid", &pid, "--token-file", token];
+        args.extend(flags.iter().map(String::as_str));
+        let env: Vec<(&str, &str)> = pod_ip.map(|ip| ("POD_IP", ip)).into_iter().collect();
+        let mut memleak = Memleak::start_with_env(&args, &env);
+        let serving =
+            memleak.stderr.wait_for("memleak to serve", |line| line.starts_with("memleak: serving http://"));
+        assert!(serving.contains(&format!(":{port}/")), "{flags:?}: {serving}");
+        assert_eq!(status_at(answers, "/healthz").expect("GET /healthz"), "HTTP/1.1 200 OK", "{flags:?}");
+        if let Some(silent) = silent {
+            assert!(status_at(silent, "/healthz").is_err(), "{flags:?}: {silent} answers too");
+        }
+        if answers.is_ipv4() {
+            let list: Value = serde_json::from_str(&body_with_token(port, "/api/v1/sd")).expect("JSON");
+            assert_eq!(list[0]["targets"], serde_json::json!([advertised]), "{flags:?}: {list}");
+        }
+        stop(memleak);
+    }
+    drop(leaker);
+}
+
+#[test]
+fn a_bad_listen_or_advertise_is_refused_in_one_line() {
+    let pid = std::process::id().to_string();
+    assert_refused_in_one_line(
+        &["serve", "--pid", &pid, "--listen", "localhost:9943"],
+        "invalid value `localhost:9943` for `--listen <ADDR>`: `localhost:9943` is not an address to listen on",
+    );
+    assert_refused_in_one_line(&["serve", "--pid", &pid, "--listen", ":70000"], "`70000` is not a port");
+    assert_refused_in_one_line(
+        &["serve", "--pid", &pid, "--listen", "127.0.0.1:9000", "--port", "9001"],
+        "--listen 127.0.0.1:9000 names its port already: drop --port 9001, or give --listen 127.0.0.1 --port 9001",
+    );
+    assert_refused_in_one_line(&["serve", "--pid", &pid, "--listen", ":9943"], "needs --token-file FILE");
+    assert_refused_in_one_line(
+        &["serve", "--pid", &pid, "--advertise", "10.0.0.7"],
+        "`10.0.0.7` is not HOST:PORT",
+    );
 }
