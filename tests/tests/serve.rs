@@ -91,8 +91,13 @@ fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let missing = get(port, "/nowhere").expect("GET /nowhere");
     assert_eq!(missing.status, 404, "{missing:#?}");
     assert_eq!(missing.body.lines().count(), 1, "one line of reason: {missing:#?}");
-    let bad_query = get(port, "/metrics?pid=1").expect("GET /metrics?pid=1");
+    let bad_query = get(port, "/metrics?colour=red").expect("GET /metrics?colour=red");
     assert_eq!(bad_query.status, 400, "{bad_query:#?}");
+    let not_followed = get(port, "/metrics?pid=1").expect("GET /metrics?pid=1");
+    assert_eq!(
+        (not_followed.status, not_followed.body.as_str()),
+        (404, "pid 1 is not followed: /api/v1/targets lists those that are\n")
+    );
 
     memleak.signal(libc::SIGTERM);
     let (status, _) = memleak.finish();

@@ -297,7 +297,10 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
             Ok(only) => {
                 let published = board.fresh().await;
                 match only.filter(|&pid| published.named_by(pid).is_none()) {
-                    Some(pid) => plain(StatusCode::NOT_FOUND, format!("pid {pid} is not followed\n")),
+                    Some(pid) => plain(
+                        StatusCode::NOT_FOUND,
+                        format!("pid {pid} is not followed: /api/v1/targets lists those that are\n"),
+                    ),
                     None => with_type(
                         StatusCode::OK,
                         metrics::CONTENT_TYPE,
