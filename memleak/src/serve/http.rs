@@ -295,7 +295,11 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
         Endpoint::Metrics => match params.pid_if_given() {
             Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
             Ok(only) => {
-                let published = board.fresh().await;
+                // A process's targets (one per process, from /api/v1/sd)
+                // read the latest round, at most --interval old: each
+                // asking for a round of every process would have the
+                // collector take one as often as it may.
+                let published = if only.is_some() { board.latest() } else { board.fresh().await };
                 match only.filter(|&pid| published.named_by(pid).is_none()) {
                     Some(pid) => plain(
                         StatusCode::NOT_FOUND,
