@@ -347,9 +347,10 @@ pub struct ServeArgs {
     #[arg(short, long)]
     pub verbose: bool,
 
-    /// Seconds between collections. A request for /metrics, / or
-    /// /api/v1/targets asks for a fresh one too, and waits up to a second
-    /// for it; a report or profile asked for is taken when asked.
+    /// Seconds between collections. A request for /metrics (but
+    /// /metrics?pid=), / or /api/v1/targets asks for a fresh one too, and
+    /// waits up to a second for it; a report or profile asked for is
+    /// taken when asked.
     #[arg(long, value_name = "SECONDS", default_value = "2", value_parser = parse_interval)]
     pub interval: Duration,
 
