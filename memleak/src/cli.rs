@@ -303,8 +303,9 @@ pub struct ServeArgs {
     pub exe: Vec<String>,
 
     /// Follow the processes of a container, by id (a prefix is enough) or
-    /// by name (through `podman inspect` or `docker inspect`). May be
-    /// repeated.
+    /// by name (through `podman inspect` or `docker inspect`): whichever
+    /// container it names now and later, waited for until it runs, and
+    /// found again when redeployed under the same name. May be repeated.
     #[arg(long, value_name = "ID|NAME")]
     pub container: Vec<String>,
 

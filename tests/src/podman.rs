@@ -226,6 +226,9 @@ impl Drop for Container<'_> {
         let id = fs::read_to_string(&self.id_file).unwrap_or_default();
         let reference = if id.trim().is_empty() { self.name.clone() } else { id.trim().to_owned() };
         let _ = self.podman.command().args(["rm", "--force", "--time", "0", "--ignore", &reference]).output();
+        // `podman run --cidfile` refuses a file left: a container run again
+        // under the same name (a redeploy) writes its id there anew.
+        let _ = fs::remove_file(&self.id_file);
         drop(self.leaker.take());
     }
 }

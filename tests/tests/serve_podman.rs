@@ -191,3 +191,60 @@ fn a_restarted_container_is_followed_and_counted() {
     stop(memleak);
     drop(container);
 }
+
+/// `--container NAME` names whatever container holds that name, now and
+/// later: one not running yet is waited for (said once), and one removed
+/// and run again under the same name (a redeploy: another id, another
+/// cgroup) is followed again, each byte its new process leaks counted.
+#[test]
+fn a_container_is_waited_for_and_followed_again_when_redeployed() {
+    let rootfs = leaker_rootfs();
+    let podman = Podman::with_image("redeploy", rootfs.path());
+    let name = format!("memleak-test-redeploy-{}", std::process::id());
+    let env = podman.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let (mut memleak, port) = serve_with_env(&["--container", &name], &env);
+    let waiting = format!("memleak: waiting for container {name}: none of that name or id runs yet");
+    assert!(memleak.stderr.seen.contains(&waiting), "{waiting} in {:#?}", memleak.stderr.seen);
+    let mut ids = Vec::new();
+    for deployment in ["the first run", "the run after podman rm --force"] {
+        let mut container = podman.run_leaker(&name, &["all"]);
+        let id = container.id();
+        assert!(!ids.contains(&id), "{deployment}: a new container, not one of {ids:?}");
+        let short = id[..12].to_owned();
+        let pid = container.host_pid();
+        let following = format!("memleak: following container {name} ({short}): cgroup ");
+        let line = memleak
+            .stderr
+            .wait_for(&format!("memleak to follow {deployment}"), |line| line.starts_with(&following));
+        assert!(line.ends_with(&format!("/libpod-{id}")), "{deployment}: {line}");
+        // Found in the container as the leaker, or before as `runc init`,
+        // which then runs the leaker.
+        let tracing = format!("memleak: tracing pid {pid} (leaker) in container {short} through ");
+        let now_runs = format!("memleak: pid {pid} now runs /app/leaker: tracing it");
+        let traced = |line: &str| line.starts_with(&tracing) || line == now_runs;
+        if !memleak.stderr.seen.iter().any(|line| traced(line)) {
+            memleak.stderr.wait_for(&format!("memleak to trace the leaker of {deployment}"), traced);
+        }
+        container.leaker().go();
+        let response = get_until(port, "/api/v1/targets", |response| {
+            targets(response)
+                .iter()
+                .any(|target| target["pid"] == pid && target["outstanding_bytes"] == 17_264)
+        });
+        let list = targets(&response);
+        let target = list.iter().find(|target| target["pid"] == pid).unwrap();
+        assert_eq!(target["outstanding_allocations"], 15, "{deployment}: {list:#?}");
+        assert_eq!(target["container"], id.as_str(), "{deployment}: {list:#?}");
+        // `podman rm --force`: the container, its process and its cgroup go.
+        drop(container);
+        let gone =
+            format!("memleak: container {name} ({short}) is gone: waiting for a container {name} to run");
+        memleak.stderr.wait_for(&format!("memleak to see {deployment} gone"), |line| line == gone);
+        ids.push(id);
+    }
+    let said =
+        memleak.stderr.seen.iter().filter(|line| line.starts_with("memleak: waiting for container")).count();
+    assert_eq!(said, 1, "waiting said once, at the start: {:#?}", memleak.stderr.seen);
+    stop(memleak);
+}

@@ -208,9 +208,10 @@ fn demo() -> Result<()> {
 /// what memleak's maps hold without taking memleak's word for it,
 /// Debian's python3 and a node to unwind real interpreters and JIT code,
 /// prometheus for promtool, which checks `memleak serve`'s /metrics,
-/// and podman with runc to run real containers for `serve --container`
-/// (crun cannot run them on a hybrid cgroup host).
-const TEST_PACKAGES: [&str; 19] = [
+/// podman with runc to run real containers for `serve --container`
+/// (crun cannot run them on a hybrid cgroup host), and python3-venv for
+/// the Python tools `install_python_tools` puts in a venv.
+const TEST_PACKAGES: [&str; 20] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -230,12 +231,34 @@ const TEST_PACKAGES: [&str; 19] = [
     "chromium",
     "podman",
     "runc",
+    "python3-venv",
 ];
+
+/// Where the tests find kubernetes-validate, which checks contrib/k8s
+/// against Kubernetes' schemas offline (they are bundled): a venv kept
+/// under target/ across runs.
+const KUBERNETES_VALIDATE_VENV: &str = "target/tools/kubernetes-validate";
+
+/// The version pinned, whose schemas go up to Kubernetes 1.37.
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
+
+/// Installs the tools from `PyPI` the tests use, each in a venv of its own under
+/// target/, unless it is there already.
+fn install_python_tools() -> Result<()> {
+    let venv = root().join(KUBERNETES_VALIDATE_VENV);
+    if venv.join("bin/kubernetes-validate").exists() {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {KUBERNETES_VALIDATE} in {}", venv.display());
+    run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    run(Command::new(venv.join("bin/pip")).args(["install", "--quiet", KUBERNETES_VALIDATE]))
+}
 
 fn test(test_args: &[String]) -> Result<()> {
     setup::run()?;
     require_root("the end-to-end tests")?;
     install_missing_packages(&TEST_PACKAGES, "the tests")?;
+    install_python_tools()?;
     // The end-to-end tests run the memleak binary this builds.
     run(cargo().args(["build", "--package", "memleak"]))?;
     lint()?;

@@ -112,6 +112,24 @@ pub fn find(reference: &str) -> Result<ContainerCgroup, ContainerError> {
         .ok_or(ContainerError::NotFound(reference.to_owned(), root))
 }
 
+/// Every container's cgroup under the cgroup v2 hierarchy now, sorted by
+/// id; none without a hierarchy.
+pub fn running() -> Vec<ContainerCgroup> {
+    let mut containers = cgroup2_mount().map(|root| containers_under(&root)).unwrap_or_default();
+    containers.sort_by(|one, other| (&one.id, &one.path).cmp(&(&other.id, &other.path)));
+    containers
+}
+
+/// Which of `containers` (from `running`) `reference` names now, as
+/// `find` resolves it; `None` while none does.
+pub fn find_among(
+    reference: &str,
+    containers: &[ContainerCgroup],
+) -> Result<Option<ContainerCgroup>, ContainerError> {
+    check_reference(reference)?;
+    resolve(reference, containers, runtime_id_of)
+}
+
 /// Which of `containers` `reference` names, in the order podman and
 /// docker resolve one: a full id; else the container the runtime knows by
 /// that name (`runtime_id_of` gives its id); else an id prefix. A name

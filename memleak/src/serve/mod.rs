@@ -10,6 +10,7 @@
 //! collection a scrape of the last round.
 
 mod connections;
+mod containers;
 mod http;
 mod metrics;
 mod page;
@@ -44,6 +45,7 @@ use crate::{
     },
     status,
 };
+use containers::FollowedContainers;
 use state::{Board, Followed, Growth, Published, Query};
 use token::Token;
 
@@ -96,7 +98,8 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let mut interrupt = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
     let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
-    let selectors = selectors_with_containers(config)?;
+    let (mut containers, found) = FollowedContainers::start(&config.containers)?;
+    let selectors: Vec<Selector> = config.selectors.iter().cloned().chain(found).collect();
     Tracer::check_privileges(Traced::Processes)?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
@@ -122,7 +125,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
         }
     };
     let ended = tokio::select! {
-        ended = collector.follow(&mut session, &board, config.interval) => ended,
+        ended = collector.follow(&mut session, &mut containers, &board, config.interval) => ended,
         () = stop => Ok(()),
     };
     // Detaches every probe, then closes the connections.
@@ -156,24 +159,6 @@ fn advertised(advertise: Option<&str>, serving: std::net::SocketAddr) -> Result<
         ));
     }
     Ok(address.to_string())
-}
-
-/// The selectors, with each --container found as its cgroup: a container
-/// that cannot be found ends the start with the reason.
-fn selectors_with_containers(config: &ServeConfig) -> Result<Vec<Selector>, ServeError> {
-    let mut selectors = config.selectors.clone();
-    for reference in &config.containers {
-        let found = container::find(reference)?;
-        let short = container::short_id(&found.id);
-        let named = if found.id.starts_with(&reference.to_ascii_lowercase()) {
-            short.to_owned()
-        } else {
-            format!("{reference} ({short})")
-        };
-        status::say(&format!("following container {named}: cgroup {}", found.path.display()));
-        selectors.push(Selector::Cgroup(found.path));
-    }
-    Ok(selectors)
 }
 
 /// A process followed, and when it exited if it did.
@@ -234,12 +219,15 @@ impl Collector {
     async fn follow(
         &mut self,
         session: &mut Session,
+        containers: &mut FollowedContainers,
         board: &Board,
         interval: Duration,
     ) -> Result<(), ServeError> {
         let mut rounds = tokio::time::interval(interval);
         rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut refresh = tokio::time::interval(REFRESH);
+        let mut container_look = tokio::time::interval(containers::LOOK);
+        container_look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut python_retry = tokio::time::interval(PYTHON_PENDING_RETRY);
         python_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether a target may have an interpreter not initialised yet:
@@ -252,6 +240,7 @@ impl Collector {
                     continue;
                 }
                 _ = rounds.tick() => self.round(session, board, None),
+                _ = container_look.tick(), if containers.any() => containers.look(session),
                 () = board.asked() => {
                     // A client asking again and again must not keep the
                     // collector busy: a round this recent is fresh enough.

@@ -91,6 +91,14 @@ pub struct SessionConfig {
     pub follow_forks: bool,
 }
 
+/// Whether `memleak serve` will give the session cgroups not there yet
+/// (containers not started): it waits for them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CgroupsToCome {
+    No,
+    Awaited,
+}
+
 /// How many processes of a cgroup's subtree were added at once.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CgroupCensus {
@@ -136,6 +144,9 @@ pub struct Session {
     /// of its descendants), by its id: with one cgroup and nothing else
     /// followed.
     cgroup_filter: bool,
+    /// Whether cgroups not there yet will be given (`follow_cgroup`): the
+    /// session waits for them with nothing else to follow.
+    cgroups_to_come: CgroupsToCome,
     /// With serve's --exe: the executables' file names whose processes
     /// are followed.
     exes: Vec<String>,
@@ -226,6 +237,7 @@ impl Session {
             },
             cgroups: Vec::new(),
             cgroup_filter: false,
+            cgroups_to_come: CgroupsToCome::No,
             exes: Vec::new(),
             cgroup2_root: None,
             named: HashSet::new(),
@@ -345,9 +357,11 @@ impl Session {
         let planned = plan_named(&pids, config)?;
         let mut cgroups = Vec::new();
         let mut exes = Vec::new();
+        let mut cgroups_to_come = CgroupsToCome::No;
         for selector in selectors {
             match selector {
                 Selector::Pid(_) => {}
+                Selector::CgroupToCome => cgroups_to_come = CgroupsToCome::Awaited,
                 Selector::Cgroup(path) => {
                     // As the kernel names it, to place processes' cgroups.
                     let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
@@ -357,14 +371,16 @@ impl Session {
             }
         }
         let mut tracer_config = TracerConfig {
-            newcomer_execs: !cgroups.is_empty() || !exes.is_empty(),
+            newcomer_execs: !cgroups.is_empty()
+                || !exes.is_empty()
+                || cgroups_to_come == CgroupsToCome::Awaited,
             ignored_processes: excluded_pids(config),
             ..process_tracer_config(config)?
         };
         // BPF can check one cgroup subtree: with one cgroup and nothing
         // else followed, a process that leaves it stops being recorded.
-        let cgroup_filter =
-            matches!((cgroups.as_slice(), pids.is_empty(), exes.is_empty()), ([_], true, true));
+        let cgroup_filter = cgroups_to_come == CgroupsToCome::No
+            && matches!((cgroups.as_slice(), pids.is_empty(), exes.is_empty()), ([_], true, true));
         if let (true, Some(cgroup)) = (cgroup_filter, cgroups.first()) {
             tracer_config.cgroup_id = cgroup.id;
             tracer_config.cgroup_level = cgroup.level;
@@ -373,9 +389,14 @@ impl Session {
         tracer.watch_execs()?;
         let mut session = Self::new(tracer, config)?;
         session.add_named(planned)?;
-        session.cgroup2_root = if cgroups.is_empty() { None } else { container::cgroup2_mount() };
+        session.cgroup2_root = if cgroups.is_empty() && cgroups_to_come == CgroupsToCome::No {
+            None
+        } else {
+            container::cgroup2_mount()
+        };
         session.cgroups = cgroups;
         session.cgroup_filter = cgroup_filter;
+        session.cgroups_to_come = cgroups_to_come;
         session.exes = exes;
         session.follow_newcomers();
         Ok(session)

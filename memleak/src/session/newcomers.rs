@@ -6,10 +6,11 @@
 use std::{
     collections::HashSet,
     os::unix::fs::MetadataExt as _,
+    path::Path,
     time::{Duration, Instant},
 };
 
-use super::{nonzero, plan_process, CgroupCensus, Session, Target, UProbeScope};
+use super::{nonzero, plan_process, CgroupCensus, CgroupsToCome, Session, SessionError, Target, UProbeScope};
 use crate::process::{
     cgroup::{Cgroup, CgroupProcess},
     container,
@@ -296,7 +297,42 @@ impl Session {
     /// Whether processes that start or join later are looked for: with
     /// cgroups or executables followed.
     pub(super) fn follows_newcomers(&self) -> bool {
-        !self.cgroups.is_empty() || !self.exes.is_empty()
+        !self.cgroups.is_empty() || !self.exes.is_empty() || self.cgroups_to_come == CgroupsToCome::Awaited
+    }
+
+    /// Follows the processes of cgroup `path` from now on, instead of
+    /// those of cgroup `instead_of` if given (a container's, removed and
+    /// run again under the same name: the new one's cgroup has another
+    /// path). Its processes are taken in by the next `refresh`. With the
+    /// BPF cgroup filter, the filter takes the new cgroup if it is as
+    /// deep as the old one (the depth is fixed at load), else it is
+    /// lifted: each process is probed on its own anyway.
+    pub fn follow_cgroup(&mut self, path: &Path, instead_of: Option<&Path>) -> Result<(), SessionError> {
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        let cgroup = Cgroup::open(&path)?;
+        if self.cgroup2_root.is_none() {
+            self.cgroup2_root = container::cgroup2_mount();
+        }
+        let replaced = instead_of.and_then(|old| self.cgroups.iter().position(|known| known.path == old));
+        // The filter is on the first cgroup, the only one when it is on.
+        let filtered_level = self.cgroups.first().map(|filtered| filtered.level);
+        let (id, level) = (cgroup.id, cgroup.level);
+        match replaced {
+            Some(index) => self.cgroups[index] = cgroup,
+            None => self.cgroups.push(cgroup),
+        }
+        if !self.cgroup_filter {
+            return Ok(());
+        }
+        if replaced == Some(0) && filtered_level == Some(level) {
+            self.tracer.set_cgroup_filter(id)?;
+            log::debug!("cgroup filter now on {} (id {id})", path.display());
+        } else {
+            self.tracer.set_cgroup_filter(0)?;
+            self.cgroup_filter = false;
+            log::debug!("cgroup filter lifted: {} is not in place of the cgroup it was on", path.display());
+        }
+        Ok(())
     }
 
     /// Whether process `pid` is one a cgroup or executable followed names.

@@ -54,6 +54,9 @@ pub enum Selector {
     Cgroup(PathBuf),
     /// Every process whose executable's file name is this.
     Exe(String),
+    /// A cgroup not there yet (a container not started), given later to
+    /// `Session::follow_cgroup`: the session waits for it.
+    CgroupToCome,
 }
 
 /// Which stacks a round of reports keeps, and how many.
