@@ -122,11 +122,23 @@ fn uprobes(can_load: bool) -> Uprobes {
     if std::env::var_os(PERF_EVENT_UPROBES).is_some() {
         return Uprobes::PerfEvents("MEMLEAK_PERF_EVENT_UPROBES is set");
     }
-    let links = if can_load { multi_uprobes::supported() } else { kernel_knows_uprobe_multi() };
-    if links {
-        Uprobes::Links
-    } else {
-        Uprobes::PerfEvents("this kernel has no multi-uprobe links (Linux 6.6)")
+    let kernel_knows = kernel_knows_uprobe_multi();
+    let links_work = if can_load { multi_uprobes::supported() } else { kernel_knows };
+    uprobes_as(links_work, kernel_knows)
+}
+
+/// `uprobes`, from whether a multi-uprobe link could be made (or, unable
+/// to load, whether the kernel knows them) and whether the kernel knows
+/// them: one it knows but refused was denied by a seccomp profile or a
+/// security module, as a container runtime's default profile does.
+fn uprobes_as(links_work: bool, kernel_knows: bool) -> Uprobes {
+    match (links_work, kernel_knows) {
+        (true, _) => Uprobes::Links,
+        (false, true) => Uprobes::PerfEvents(
+            "the kernel has multi-uprobe links but refused memleak one (a seccomp profile or a security module \
+             denies them)",
+        ),
+        (false, false) => Uprobes::PerfEvents("this kernel has no multi-uprobe links (Linux 6.6)"),
     }
 }
 
@@ -167,6 +179,19 @@ fn effective_capabilities() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A container runtime's default seccomp profile denies the links on
+    /// a kernel that has them: memleak said the kernel lacked them.
+    #[test]
+    fn links_refused_by_a_kernel_that_has_them_are_said_to_be_denied() {
+        assert_eq!(uprobes_as(true, true), Uprobes::Links);
+        let Uprobes::PerfEvents(why) = uprobes_as(false, true) else { panic!("perf events") };
+        assert!(why.contains("seccomp"), "{why}");
+        assert_eq!(
+            uprobes_as(false, false),
+            Uprobes::PerfEvents("this kernel has no multi-uprobe links (Linux 6.6)")
+        );
+    }
 
     #[test]
     fn releases_are_compared_by_major_then_minor() {
