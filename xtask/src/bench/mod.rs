@@ -34,6 +34,7 @@ mod attachment;
 mod bpf_stats;
 mod deep_stacks;
 mod empty_probes;
+mod fleet;
 mod latency;
 mod map_memory;
 mod overhead;
@@ -238,7 +239,10 @@ fn daemon(memleak: &std::path::Path, spread: &std::path::Path, soak: &serve::Soa
     eprintln!("bench: memleak serve --exe, picking up a python3 that starts after it");
     serve::print_pickup(&serve::measure_pickup(memleak, PICKUP_RUNS));
     eprintln!("bench: memleak serve's soak, {} s", soak.duration.as_secs());
-    serve::print_soak(soak, &serve::soak(memleak, &serve::soak_leaker()?, soak));
+    let leaker = serve::soak_leaker()?;
+    serve::print_soak(soak, &serve::soak(memleak, &leaker, soak));
+    eprintln!("bench: memleak serve on a node of 50 pods");
+    fleet::print(&fleet::measure(memleak, &leaker));
     Ok(())
 }
 

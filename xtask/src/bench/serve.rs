@@ -337,13 +337,13 @@ impl Scraping {
 }
 
 /// A `memleak serve` the bench started, killed when dropped.
-struct Daemon {
+pub(super) struct Daemon {
     child: Child,
-    port: u16,
+    pub(super) port: u16,
 }
 
 impl Daemon {
-    fn start(memleak: &Path, args: &[&str]) -> Result<Self> {
+    pub(super) fn start(memleak: &Path, args: &[&str]) -> Result<Self> {
         let port = free_port()?;
         // To a file, not a pipe nobody reads: a daemon must not block on
         // its own log.
@@ -430,22 +430,33 @@ fn free_port() -> Result<u16> {
 
 /// `GET path` from the daemon: its body, or an error unless it answered
 /// 200.
-fn get(port: u16, path: &str) -> Result<String> {
+pub(super) fn get(port: u16, path: &str) -> Result<String> {
+    Ok(String::from_utf8_lossy(&get_bytes(port, path)?).into_owned())
+}
+
+/// `GET path`'s body, as sent (a profile is gzipped).
+pub(super) fn get_bytes(port: u16, path: &str) -> Result<Vec<u8>> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))?;
     stream.set_read_timeout(Some(Duration::from_mins(1)))?;
     write!(stream, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").context("no end of the response's head")?;
+    let head_end =
+        raw.windows(4).position(|window| window == b"\r\n\r\n").context("no end of the response's head")?;
+    let (head, body) = (String::from_utf8_lossy(&raw[..head_end]), &raw[head_end + 4..]);
     if !head.starts_with("HTTP/1.1 200") {
         // The reason, its numbers (pids) left out so that alike failures
         // are counted together.
-        let reason: String =
-            body.lines().next().unwrap_or_default().chars().filter(|c| !c.is_ascii_digit()).collect();
+        let reason: String = String::from_utf8_lossy(body)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .chars()
+            .filter(|c| !c.is_ascii_digit())
+            .collect();
         bail!("GET {path}: {} ({reason})", head.lines().next().unwrap_or_default());
     }
-    Ok(body.to_owned())
+    Ok(body.to_vec())
 }
 
 /// The leaker, built as a release build would be (no frame pointers)

@@ -1,0 +1,201 @@
+//! `memleak serve` as a Kubernetes node agent: 200 leaking processes in
+//! 50 pods laid out as the kubelet lays them out (cgroup v2, the systemd
+//! driver, containerd), named only by containerd's annotation files under
+//! a `--host-root`, followed with `--namespace`. What one scrape of
+//! `/metrics` and of the node-wide `/debug/pprof/allocs` costs, time and
+//! size, against Alloy's default scrape timeout of 18 s.
+
+use std::{
+    io::BufReader,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::serve::{get, get_bytes, Daemon};
+
+/// Pods, and processes in each.
+const PODS: usize = 50;
+const PER_POD: usize = 4;
+/// The namespace every bench pod is in, which the daemon follows.
+const NAMESPACE: &str = "memleak-bench";
+/// Scrapes of each endpoint; the median is shown.
+const SCRAPES: usize = 5;
+/// The daemon's `FRESH_ENOUGH` is 500 ms: each scrape pays its round.
+const SCRAPE_SPACING: Duration = Duration::from_millis(700);
+/// Where the kubelet's besteffort pods go, systemd driver.
+const BESTEFFORT: &str = "/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice";
+
+/// One endpoint's cost, the median of its scrapes.
+pub struct Scrape {
+    path: &'static str,
+    median: Duration,
+    bytes: usize,
+}
+
+/// One fake pod: its cgroup and its container's id.
+struct Pod {
+    cgroup: PathBuf,
+    container_id: String,
+}
+
+impl Pod {
+    /// Pod `index`'s cgroup, and its annotations under `host_root`.
+    fn make(index: usize, host_root: &Path) -> Result<Self> {
+        let uid = format!("00000000-0000-4000-8000-{index:012}");
+        let container_id = format!("{:064x}", 0xbe0c_0000_u64 + index as u64);
+        let cgroup = Path::new(BESTEFFORT)
+            .join(format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")))
+            .join(format!("cri-containerd-{container_id}.scope"));
+        std::fs::create_dir_all(&cgroup).with_context(|| format!("cannot make {}", cgroup.display()))?;
+        let bundle =
+            host_root.join("run/containerd/io.containerd.runtime.v2.task/k8s.io").join(&container_id);
+        std::fs::create_dir_all(&bundle)?;
+        let config = serde_json::json!({
+            "ociVersion": "1.1.0",
+            "annotations": {
+                "io.kubernetes.cri.container-type": "container",
+                "io.kubernetes.cri.sandbox-name": format!("bench-{index}"),
+                "io.kubernetes.cri.sandbox-namespace": NAMESPACE,
+                "io.kubernetes.cri.sandbox-uid": uid,
+                "io.kubernetes.cri.container-name": "app",
+                "io.kubernetes.cri.image-name": "memleak-bench:1",
+            }
+        });
+        std::fs::write(bundle.join("config.json"), config.to_string())?;
+        Ok(Self { cgroup, container_id })
+    }
+
+    /// A leaker in the pod's cgroup from its first instruction, held
+    /// until released.
+    fn start(&self, leaker: &Path) -> Result<Child> {
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(r#"echo $$ > "$1/cgroup.procs" && exec "$2" all --wait"#)
+            .arg("sh")
+            .arg(&self.cgroup)
+            .arg(leaker)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot start a leaker")?;
+        let stderr = child.stderr.take().context("no stderr")?;
+        super::process::wait_for_line(&mut BufReader::new(stderr), "ready")?;
+        Ok(child)
+    }
+}
+
+/// Runs the 200 leakers in their pods under `memleak serve --namespace`
+/// and scrapes the daemon.
+pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
+    let host_root = crate::root().join("target/bench/fleet-host");
+    let _ = std::fs::remove_dir_all(&host_root);
+    let pods = (0..PODS).map(|index| Pod::make(index, &host_root)).collect::<Result<Vec<_>>>();
+    let measured = pods.and_then(|pods| {
+        let host_root = host_root.to_str().context("a host root in UTF-8")?;
+        let daemon = Daemon::start(memleak, &["--namespace", NAMESPACE, "--host-root", host_root])?;
+        let mut leakers = Vec::with_capacity(PODS * PER_POD);
+        let scraped = (|| {
+            for pod in &pods {
+                for _ in 0..PER_POD {
+                    leakers.push(pod.start(leaker)?);
+                }
+            }
+            for leaker in &mut leakers {
+                super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
+            }
+            wait_for_pods(&daemon, &pods)?;
+            Ok([scrape(&daemon, "/metrics")?, scrape(&daemon, "/debug/pprof/allocs")?])
+        })();
+        for mut leaker in leakers {
+            let _ = leaker.kill();
+            let _ = leaker.wait();
+        }
+        scraped.map(Vec::from)
+    });
+    remove_pods();
+    let _ = std::fs::remove_dir_all(&host_root);
+    measured
+}
+
+/// Waits until `/metrics` names every pod's container and holds every
+/// leaker's blocks.
+fn wait_for_pods(daemon: &Daemon, pods: &[Pod]) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_mins(2);
+    loop {
+        let metrics = get(daemon.port, "/metrics")?;
+        let named = pods
+            .iter()
+            .all(|pod| metrics.contains(&format!("container_id=\"containerd://{}\"", pod.container_id)));
+        // The leaker keeps 17,264 bytes ("all"): every process has.
+        let full = metrics
+            .lines()
+            .filter(|line| line.starts_with("memleak_outstanding_bytes{") && line.ends_with(" 17264"))
+            .count();
+        if named && full == PODS * PER_POD {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the daemon followed {full} of {} leakers in 2 minutes", PODS * PER_POD);
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn scrape(daemon: &Daemon, path: &'static str) -> Result<Scrape> {
+    let mut times = Vec::with_capacity(SCRAPES);
+    let mut bytes = 0;
+    for _ in 0..SCRAPES {
+        thread::sleep(SCRAPE_SPACING);
+        let started = Instant::now();
+        bytes = get_bytes(daemon.port, path)?.len();
+        times.push(started.elapsed());
+    }
+    times.sort_unstable();
+    Ok(Scrape { path, median: times[SCRAPES / 2], bytes })
+}
+
+/// Removes the bench's pod cgroups, leaves first; the kubelet's own
+/// slices are left if they hold anything else.
+fn remove_pods() {
+    let Ok(pods) = std::fs::read_dir(BESTEFFORT) else { return };
+    for pod in
+        pods.flatten().filter(|pod| pod.file_name().to_string_lossy().contains("pod00000000_0000_4000_8000"))
+    {
+        if let Ok(containers) = std::fs::read_dir(pod.path()) {
+            for container in containers.flatten().filter(|entry| entry.path().is_dir()) {
+                let _ = std::fs::remove_dir(container.path());
+            }
+        }
+        let _ = std::fs::remove_dir(pod.path());
+    }
+    let _ = std::fs::remove_dir(BESTEFFORT);
+    let _ = std::fs::remove_dir("/sys/fs/cgroup/kubepods.slice");
+}
+
+pub fn print(scrapes: &Result<Vec<Scrape>>) {
+    println!(
+        "\nmemleak serve on a node: {} leakers in {PODS} pods (kubelet's cgroups, containerd's annotations \
+         under --host-root), --namespace {NAMESPACE}; one scrape, median of {SCRAPES}",
+        PODS * PER_POD
+    );
+    match scrapes {
+        Ok(scrapes) => {
+            println!("  {:<40} {:>10} {:>12}", "endpoint", "time", "body");
+            for scrape in scrapes {
+                println!(
+                    "  {:<40} {:>8.1} ms {:>10} B",
+                    scrape.path,
+                    scrape.median.as_secs_f64() * 1000.0,
+                    scrape.bytes
+                );
+            }
+            println!("  goal: each under 1 s (Alloy's default scrape timeout is 18 s)");
+        }
+        Err(error) => println!("  not measured: {error:#}"),
+    }
+}
