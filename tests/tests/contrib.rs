@@ -10,7 +10,7 @@ use std::{
     process::{Command, Output},
 };
 
-use memleak_tests::{tempdir::TempDir, workspace_root};
+use memleak_tests::{memleak_binary, tempdir::TempDir, workspace_root};
 use serde_json::Value;
 
 fn contrib(file: &str) -> std::path::PathBuf {
@@ -173,6 +173,10 @@ fn the_daemon_set_has_the_host_pids_the_capabilities_measured_and_read_only_host
     assert_eq!(args[0], "serve");
     assert!(args.contains(&"--host-root=/host"), "{args:?}");
     assert!(args.contains(&"--token-file=/etc/memleak/token"), "{args:?}");
+    // The binary takes them: with --help last, clap checks every flag
+    // before it and starts nothing.
+    let parsed = Command::new(memleak_binary()).args(&args).arg("--help").output().unwrap();
+    assert!(parsed.status.success(), "memleak {args:?}: {}", String::from_utf8_lossy(&parsed.stderr));
     let env = |name: &str| {
         let variable = container["env"].as_array().unwrap().iter().find(|variable| variable["name"] == name);
         variable.unwrap_or_else(|| panic!("no {name} in {:#}", container["env"]))["valueFrom"]["fieldRef"]
