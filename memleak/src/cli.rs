@@ -277,7 +277,7 @@ pub enum Action {
     Diff(DiffArgs),
     /// Run as a daemon: follow processes and serve their latest reports
     /// over HTTP, for Prometheus and curl.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -322,6 +322,13 @@ pub struct ServeArgs {
     /// Port to listen on.
     #[arg(long, value_name = "PORT", default_value_t = DEFAULT_SERVE_PORT)]
     pub port: u16,
+
+    /// Where the node's root filesystem is: the container runtimes' and
+    /// the kubelet's files below it name each process's pod and
+    /// container (/host when memleak runs in a pod with the host's root
+    /// mounted there).
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    pub host_root: PathBuf,
 
     #[command(flatten)]
     pub probing: Probing,

@@ -50,6 +50,9 @@ pub struct ServeConfig {
     pub token_file: Option<PathBuf>,
     /// Stacks of each process shown in /metrics.
     pub metrics_top_stacks: usize,
+    /// Where the node's root is (`--host-root`): the container runtimes'
+    /// and the kubelet's files that name containers and pods are below.
+    pub host_root: PathBuf,
 }
 
 /// A tracing run.
@@ -120,7 +123,7 @@ pub fn resolve(args: Args) -> Result<Run, String> {
     match args.action {
         Some(Action::Report(report)) => resolve_report(report).map(Run::Report),
         Some(Action::Diff(diff)) => resolve_diff(diff).map(Run::Diff),
-        Some(Action::Serve(serve)) => resolve_serve(serve).map(|config| Run::Serve(Box::new(config))),
+        Some(Action::Serve(serve)) => resolve_serve(*serve).map(|config| Run::Serve(Box::new(config))),
         None => resolve_trace(args).map(|config| Run::Trace(Box::new(config))),
     }
 }
@@ -350,6 +353,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         interval: args.interval,
         token_file: args.token_file,
         metrics_top_stacks: usize::from(args.metrics_top_stacks),
+        host_root: args.host_root,
     })
 }
 

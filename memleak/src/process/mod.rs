@@ -12,6 +12,7 @@ pub mod container;
 pub mod feedback;
 pub mod files;
 pub mod identity;
+pub mod kubernetes;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;

@@ -18,7 +18,7 @@ use std::{
 use flate2::{write::GzEncoder, Compression};
 
 use super::{diff::Diff, Report};
-use crate::model::{Frame, FrameKind, ModuleMapping};
+use crate::model::{Frame, FrameKind, ModuleMapping, Workload};
 
 /// What a profile is made of, from a report (frames `Frame`) or from a
 /// diff (frames shared, `Arc<Frame>`).
@@ -34,6 +34,10 @@ struct Profile<'a, F> {
     duration_ns: u64,
     /// One allocation in this many was recorded (values are scaled up).
     sample_rate: u32,
+    /// (key, value) string labels of every sample: which process, and
+    /// which container and pod, so that a profile merged with others
+    /// (Pyroscope splits series by them) still says whose each sample is.
+    labels: Vec<(&'static str, &'a str)>,
 }
 
 const INUSE: [(&str, &str); 2] = [("inuse_objects", "count"), ("inuse_space", "bytes")];
@@ -58,6 +62,7 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
         time_unix_ms: diff.new.time_unix_ms,
         duration_ns: diff.new.time_unix_ms.saturating_sub(diff.base.time_unix_ms).saturating_mul(1_000_000),
         sample_rate: 1,
+        labels: Vec::new(),
     };
     write_gzipped(&encode(&profile), out)
 }
@@ -78,6 +83,9 @@ pub fn encode_report(report: &Report) -> Vec<u8> {
             (&stack.frames[..], values)
         })
         .collect();
+    let pid = report.pid.to_string();
+    let process = [("pid", pid.as_str()), ("program", report.program.as_str())];
+    let workload = report.workload.iter().flat_map(Workload::labels);
     let profile = Profile {
         sample_types,
         samples,
@@ -85,6 +93,7 @@ pub fn encode_report(report: &Report) -> Vec<u8> {
         time_unix_ms: report.time_unix_ms,
         duration_ns: 0,
         sample_rate: report.sample_rate,
+        labels: process.into_iter().chain(workload).collect(),
     };
     encode(&profile)
 }
@@ -112,7 +121,7 @@ fn encode<F: Borrow<Frame>>(input: &Profile<F>) -> Vec<u8> {
         field_bytes(&mut profile, 1, &value_type); // sample_type
     }
     for (frames, values) in &input.samples {
-        let sample = encoder.sample(frames, values);
+        let sample = encoder.sample(frames, values, &input.labels);
         field_bytes(&mut profile, 2, &sample); // sample
     }
     for (index, mapping) in input.mappings.iter().enumerate() {
@@ -164,8 +173,9 @@ impl Encoder<'_> {
         value_type
     }
 
-    /// A Sample message: its locations, innermost first, and its values.
-    fn sample<F: Borrow<Frame>>(&mut self, frames: &[F], values: &[i64]) -> Vec<u8> {
+    /// A Sample message: its locations, innermost first, its values and
+    /// its labels.
+    fn sample<F: Borrow<Frame>>(&mut self, frames: &[F], values: &[i64], labels: &[(&str, &str)]) -> Vec<u8> {
         // Frames of one address are consecutive: the inlined ones, then
         // the function that holds them. A recursive call returns to the
         // same address twice, and Python frames have none: each is a
@@ -180,6 +190,12 @@ impl Encoder<'_> {
         // encodes int64.
         let values: Vec<u64> = values.iter().map(|&value| value as u64).collect();
         field_packed(&mut sample, 2, &values);
+        for &(key, value) in labels {
+            let mut label = Vec::new();
+            field_varint(&mut label, 1, self.strings.index(key)); // key
+            field_varint(&mut label, 2, self.strings.index(value)); // str
+            field_bytes(&mut sample, 3, &label); // label
+        }
         sample
     }
 

@@ -152,6 +152,7 @@ async fn report(
     if followed.exited {
         return last_report(followed, asked, window.is_some());
     }
+    let workload = followed.workload.clone();
     drop(published);
     let mut collect = CollectOptions {
         min_age_ns: asked.older_ms.map(|ms| ms.saturating_mul(1_000_000)),
@@ -181,6 +182,7 @@ async fn report(
     drop(taken);
     match answered {
         Ok(Ok(Some(mut report))) => {
+            report.workload = workload;
             if window.is_some() {
                 // alloc_space since memleak attached is no part of a window.
                 report.stacks.iter_mut().for_each(|stack| stack.allocated = None);
@@ -216,6 +218,7 @@ fn last_report(followed: &Followed, asked: ReportAsked, windowed: bool) -> Resul
         return Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} exited before its first report")));
     };
     let mut last = last.clone();
+    last.workload.clone_from(&followed.workload);
     let options = ReportOptions { sort: asked.sort, top: asked.top, show_allocs: false };
     last.cut_for_display(&options, asked.format);
     Ok(last)

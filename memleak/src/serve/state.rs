@@ -8,7 +8,7 @@ use std::{cell::Cell, path::Path, sync::Arc, time::Duration};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-use crate::{bpf::MapFill, report::Report, session::ReportRequest};
+use crate::{bpf::MapFill, model::Workload, report::Report, session::ReportRequest};
 
 /// One round's view of every process followed, by pid.
 #[derive(Clone, Debug, Default)]
@@ -45,15 +45,15 @@ pub struct Followed {
     pub report: Option<Arc<Report>>,
     /// How its outstanding bytes moved over its reports.
     pub growth: Growth,
-    /// The full id of the container it runs in, when its cgroup is named
-    /// as a container runtime names them.
-    pub container: Option<String>,
+    /// The container and pod it runs in, when its cgroup is named as a
+    /// container runtime or the kubelet names them.
+    pub workload: Option<Workload>,
 }
 
 impl Followed {
     /// A process just taken in: no report yet.
-    pub fn new(pid: u32, program: String, container: Option<String>) -> Self {
-        Self { pid, program, exited: false, report: None, growth: Growth::default(), container }
+    pub fn new(pid: u32, program: String, workload: Option<Workload>) -> Self {
+        Self { pid, program, exited: false, report: None, growth: Growth::default(), workload }
     }
 
     /// Keeps `report` as the latest, and tracks the growth it shows. The
@@ -79,7 +79,7 @@ impl Followed {
             executable: self.executable(),
             program: &self.program,
             exited: self.exited,
-            container: self.container.as_deref(),
+            workload: self.workload.as_ref(),
             allocator: report.map(|report| report.allocator.as_str()),
             report_time_unix_ms: report.map(|report| report.time_unix_ms),
             outstanding_bytes: report.map_or(0, |report| report.total_bytes),
@@ -138,7 +138,10 @@ pub struct TargetSummary<'a> {
     pub executable: &'a str,
     pub program: &'a str,
     pub exited: bool,
-    pub container: Option<&'a str>,
+    /// `namespace`, `pod`, `container`, `uid`, `container_id` and `node`,
+    /// those known.
+    #[serde(flatten)]
+    pub workload: Option<&'a Workload>,
     pub allocator: Option<&'a str>,
     pub report_time_unix_ms: Option<u64>,
     pub outstanding_bytes: u64,
