@@ -79,7 +79,7 @@ impl Followed {
             executable: self.executable(),
             program: &self.program,
             exited: self.exited,
-            workload: self.workload.as_ref(),
+            workload: WorkloadLabels::of(self.workload.as_ref()),
             allocator: report.map(|report| report.allocator.as_str()),
             report_time_unix_ms: report.map(|report| report.time_unix_ms),
             outstanding_bytes: report.map_or(0, |report| report.total_bytes),
@@ -138,10 +138,8 @@ pub struct TargetSummary<'a> {
     pub executable: &'a str,
     pub program: &'a str,
     pub exited: bool,
-    /// `namespace`, `pod`, `container`, `uid`, `container_id` and `node`,
-    /// those known.
     #[serde(flatten)]
-    pub workload: Option<&'a Workload>,
+    pub workload: WorkloadLabels<'a>,
     pub allocator: Option<&'a str>,
     pub report_time_unix_ms: Option<u64>,
     pub outstanding_bytes: u64,
@@ -155,6 +153,33 @@ pub struct TargetSummary<'a> {
     pub frees: u64,
     pub allocations_not_tracked: u64,
     pub stacks_lost: u64,
+}
+
+/// A process's workload labels in `/api/v1/targets`: each key always
+/// there, null when not known (outside a container, say), so that a
+/// client reads every entry alike.
+#[derive(Debug, Default, Serialize)]
+pub struct WorkloadLabels<'a> {
+    pub namespace: Option<&'a str>,
+    pub pod: Option<&'a str>,
+    pub container: Option<&'a str>,
+    pub uid: Option<&'a str>,
+    pub container_id: Option<&'a str>,
+    pub node: Option<&'a str>,
+}
+
+impl<'a> WorkloadLabels<'a> {
+    fn of(workload: Option<&'a Workload>) -> Self {
+        let Some(workload) = workload else { return Self::default() };
+        Self {
+            namespace: workload.namespace.as_deref(),
+            pod: workload.pod.as_deref(),
+            container: workload.container.as_deref(),
+            uid: workload.uid.as_deref(),
+            container_id: workload.container_id.as_deref(),
+            node: workload.node.as_deref(),
+        }
+    }
 }
 
 /// A report a request asks the collector for: one process's, built as
@@ -297,6 +322,27 @@ mod tests {
 
     fn report_of(bytes: u64) -> Report {
         Report { total_bytes: bytes, ..sample_report(1) }
+    }
+
+    #[test]
+    fn every_target_has_every_workload_label_null_when_unknown() {
+        let outside = serde_json::to_value(Followed::new(7, "/bin/x".to_owned(), None).summary()).unwrap();
+        let workload = Workload {
+            container: Some("web".to_owned()),
+            container_id: Some("podman://ab".to_owned()),
+            ..Workload::default()
+        };
+        let inside =
+            serde_json::to_value(Followed::new(8, "/bin/x".to_owned(), Some(workload)).summary()).unwrap();
+        for label in ["namespace", "pod", "container", "uid", "container_id", "node"] {
+            assert_eq!(outside[label], serde_json::Value::Null, "{label}: {outside:#}");
+            assert!(outside.as_object().unwrap().contains_key(label), "{label}: {outside:#}");
+        }
+        assert_eq!(
+            (inside["container"].as_str(), inside["container_id"].as_str()),
+            (Some("web"), Some("podman://ab"))
+        );
+        assert_eq!(inside["pod"], serde_json::Value::Null, "{inside:#}");
     }
 
     #[test]
