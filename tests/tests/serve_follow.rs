@@ -222,7 +222,14 @@ fn processes_past_max_processes_are_counted_and_said() {
 #[test]
 fn bad_selectors_are_refused_in_one_line() {
     let port = free_port().to_string();
-    assert_refused_in_one_line(&["serve", "--port", &port], "give --pid, --cgroup, --exe or --container");
+    assert_refused_in_one_line(
+        &["serve", "--port", &port],
+        "give --pid, --cgroup, --exe, --container, --namespace, --pod or --container-name",
+    );
+    assert_refused_in_one_line(
+        &["serve", "--pod", "web-(", "--port", &port],
+        "--pod `web-(` is not a regular expression: unclosed group",
+    );
     assert_refused_in_one_line(&["serve", "--exe", "x", "--retain", "10"], "`10` has no unit");
     assert_refused_in_one_line(&["serve", "--exe", "x", "--retain", "soon"], "`soon` is not a duration");
     assert_refused_in_one_line(

@@ -193,3 +193,116 @@ fn a_crio_pod_under_the_cgroupfs_driver_is_named_from_its_bundle() {
     };
     labelled_as(&top, &container, host_root.path(), &expected);
 }
+
+/// Writes containerd's bundle of container `id`: a pod's container, or
+/// with `container` "" the pod's sandbox (its pause container).
+fn containerd_bundle(host_root: &Path, id: &str, namespace: &str, pod: &str, uid: &str, container: &str) {
+    let kind = if container.is_empty() { "sandbox" } else { "container" };
+    write(
+        host_root,
+        &format!("run/containerd/io.containerd.runtime.v2.task/k8s.io/{id}/config.json"),
+        &format!(
+            r#"{{"annotations":{{"io.kubernetes.cri.container-type":"{kind}",
+            "io.kubernetes.cri.sandbox-name":"{pod}","io.kubernetes.cri.sandbox-namespace":"{namespace}",
+            "io.kubernetes.cri.sandbox-uid":"{uid}","io.kubernetes.cri.container-name":"{container}"}}}}"#
+        ),
+    );
+}
+
+/// The cgroup of container `id` of pod `uid`, as the systemd driver lays
+/// a burstable pod out, below `top`; made here.
+fn pod_container_cgroup(top: &TestCgroup, uid: &str, id: &str) -> std::path::PathBuf {
+    let path = top.path().join(format!(
+        "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{id}.scope",
+        uid.replace('-', "_")
+    ));
+    fs::create_dir_all(&path).expect("make a pod's cgroups");
+    path
+}
+
+/// The leaker, waiting for `go`, moved into cgroup `cgroup`.
+fn leaker_in(cgroup: &Path) -> Leaker {
+    let mut command = Command::new(fixture("leaker"));
+    command.args(["all", "--wait"]);
+    let leaker = Leaker::start_command(command);
+    fs::write(cgroup.join("cgroup.procs"), leaker.pid().to_string()).expect("move the leaker into its pod");
+    leaker
+}
+
+/// The pids `/api/v1/targets` lists, in order.
+fn sorted_pids(list: &[Value]) -> Vec<u64> {
+    let mut pids: Vec<u64> = list.iter().filter_map(|target| target["pid"].as_u64()).collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// `--namespace shop` follows the containers of shop's pods, those of a
+/// pod started after the daemon too, and nothing else: not data's pod,
+/// not shop's pod's sandbox.
+#[test]
+fn namespace_follows_exactly_the_pods_of_that_namespace_and_those_started_later() {
+    let top = TestCgroup::new();
+    let host_root = TempDir::new("memleak-host-root");
+    let (web, db, later, pause) =
+        (container_id("web"), container_id("db"), container_id("later"), container_id("pause"));
+    let (web_uid, db_uid, late_pod_uid) = (pod_uid("web"), pod_uid("db"), pod_uid("later"));
+    containerd_bundle(host_root.path(), &web, "shop", "web-7d4b9", &web_uid, "leaker");
+    containerd_bundle(host_root.path(), &pause, "shop", "web-7d4b9", &web_uid, "");
+    containerd_bundle(host_root.path(), &db, "data", "db-0", &db_uid, "leaker");
+    containerd_bundle(host_root.path(), &later, "shop", "web-8f00d", &late_pod_uid, "leaker");
+    let mut in_web = leaker_in(&pod_container_cgroup(&top, &web_uid, &web));
+    let mut in_db = leaker_in(&pod_container_cgroup(&top, &db_uid, &db));
+    // The pause container: a process of shop's pod that is no workload.
+    let mut sandbox = Command::new("sleep").arg("1000").spawn().expect("start a pause process");
+    let sandbox_cgroup = pod_container_cgroup(&top, &web_uid, &pause).join("cgroup.procs");
+    fs::write(sandbox_cgroup, sandbox.id().to_string()).expect("move it into its pod");
+
+    let host_root_arg = host_root.path().to_str().expect("a UTF-8 path");
+    let (memleak, port) =
+        serve_with_env(&["--namespace", "shop", "--host-root", host_root_arg], &[("NODE_NAME", "node-a")]);
+    // Taken in before it serves: shop's one workload process.
+    let list = targets(&get(port, "/api/v1/targets").expect("GET /api/v1/targets"));
+    assert_eq!(sorted_pids(&list), [u64::from(in_web.pid())], "web's leaker alone: {list:#?}");
+
+    let mut in_later = leaker_in(&pod_container_cgroup(&top, &late_pod_uid, &later));
+    let later_pid = in_later.pid();
+    get_until(port, "/api/v1/targets", |response| {
+        targets(response).iter().any(|target| target["pid"] == later_pid)
+    });
+    for leaker in [&mut in_web, &mut in_db, &mut in_later] {
+        leaker.go();
+    }
+    let response = get_until(port, "/api/v1/targets", |response| {
+        let list = targets(response);
+        list.len() == 2 && list.iter().all(|target| target["outstanding_bytes"] == 17_264)
+    });
+    let list = targets(&response);
+    let expected =
+        sorted_pids(&[serde_json::json!({"pid": in_web.pid()}), serde_json::json!({"pid": later_pid})]);
+    assert_eq!(
+        sorted_pids(&list),
+        expected,
+        "shop's two pods' leakers, not data's nor the sandbox: {list:#?}"
+    );
+    for target in &list {
+        let pod = if target["pid"] == later_pid { "web-8f00d" } else { "web-7d4b9" };
+        assert_eq!(
+            (target["namespace"].as_str(), target["pod"].as_str()),
+            (Some("shop"), Some(pod)),
+            "{target:#}"
+        );
+    }
+    let metrics = get(port, "/metrics").expect("GET /metrics");
+    let series = format!(
+        "memleak_outstanding_bytes{{pid=\"{later_pid}\",exe=\"leaker\",namespace=\"shop\",pod=\"web-8f00d\",\
+         container=\"leaker\",uid=\"{late_pod_uid}\",container_id=\"containerd://{later}\",node=\"node-a\"}} 17264"
+    );
+    assert!(metrics.body.lines().any(|line| line == series), "{series} in:\n{}", metrics.body);
+    assert!(!metrics.body.contains("namespace=\"data\""), "data's pod is not followed:\n{}", metrics.body);
+    stop(memleak);
+    for leaker in [in_web, in_db, in_later] {
+        leaker.exit();
+    }
+    let _ = sandbox.kill();
+    let _ = sandbox.wait();
+}

@@ -387,6 +387,86 @@ impl Resolver {
     }
 }
 
+/// `serve --namespace`, `--pod` and `--container-name`: the processes of
+/// the containers whose names match every filter given, those that start
+/// later too. Each is as the command line gave it, `pod` a regular
+/// expression matched against the whole name, as Prometheus matches.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkloadFilter {
+    /// The pod's namespace is one of these, when any is given.
+    pub namespaces: Vec<String>,
+    pub pod: Option<String>,
+    /// The container's name is one of these, when any is given.
+    pub container_names: Vec<String>,
+    /// Where the names are read (`--host-root`).
+    pub host_root: PathBuf,
+}
+
+impl WorkloadFilter {
+    /// `--pod`'s expression, anchored, or why it is no regular expression.
+    pub fn pod_regex(pattern: &str) -> Result<regex::Regex, String> {
+        regex::Regex::new(&format!("^(?:{pattern})$")).map_err(|error| {
+            // regex's message spans lines, the pattern drawn with a caret:
+            // its last line says what is wrong.
+            let error = error.to_string();
+            let why = error.lines().last().unwrap_or_default().trim().trim_start_matches("error: ");
+            format!("--pod `{pattern}` is not a regular expression: {why}")
+        })
+    }
+}
+
+/// A `WorkloadFilter` at work: which processes it selects now.
+pub struct Selection {
+    filter: WorkloadFilter,
+    pod: Option<regex::Regex>,
+    resolver: Resolver,
+}
+
+impl Selection {
+    pub fn new(filter: WorkloadFilter) -> Result<Self, String> {
+        let pod = filter.pod.as_deref().map(WorkloadFilter::pod_regex).transpose()?;
+        let resolver = Resolver::new(filter.host_root.clone());
+        Ok(Self { filter, pod, resolver })
+    }
+
+    /// Whether process `pid` runs in a container the filter matches: never
+    /// a pod's sandbox, nor a process outside every container.
+    pub fn selects(&mut self, pid: u32) -> bool {
+        self.resolver.workload_of(pid).is_some_and(|workload| self.matches(&workload))
+    }
+
+    fn matches(&self, workload: &Workload) -> bool {
+        let among = |names: &[String], name: &Option<String>| {
+            names.is_empty() || name.as_ref().is_some_and(|name| names.contains(name))
+        };
+        among(&self.filter.namespaces, &workload.namespace)
+            && among(&self.filter.container_names, &workload.container)
+            && self
+                .pod
+                .as_ref()
+                .is_none_or(|pod| workload.pod.as_deref().is_some_and(|name| pod.is_match(name)))
+    }
+
+    /// The processes running now that the filter selects. The names of
+    /// containers no process runs in any more are forgotten: the cache
+    /// holds the node's containers of now.
+    pub fn processes(&mut self) -> Vec<u32> {
+        let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+        let mut containers_seen = std::collections::HashSet::new();
+        let mut selected = Vec::new();
+        for pid in entries.flatten().filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok()) {
+            let Ok(proc_cgroup) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { continue };
+            let Some(id) = placement_in(&proc_cgroup).container_id else { continue };
+            if self.resolver.workload_in(&proc_cgroup).is_some_and(|workload| self.matches(&workload)) {
+                selected.push(pid);
+            }
+            containers_seen.insert(id);
+        }
+        self.resolver.keep_only(|id| containers_seen.contains(id));
+        selected
+    }
+}
+
 /// The host's name, as the kernel has it.
 fn host_name() -> Option<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
@@ -592,6 +672,38 @@ mod tests {
         );
         assert_eq!(from_uid.container, None, "a pod's directory does not say which container has the id");
         std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_selection_matches_every_filter_given_and_the_whole_pod_name() {
+        let filter = WorkloadFilter {
+            namespaces: vec!["shop".to_owned(), "data".to_owned()],
+            pod: Some("web-[0-9a-z]+".to_owned()),
+            container_names: Vec::new(),
+            host_root: PathBuf::from("/"),
+        };
+        let selection = Selection::new(filter.clone()).unwrap();
+        let workload = |namespace: &str, pod: &str| Workload {
+            namespace: Some(namespace.to_owned()),
+            pod: Some(pod.to_owned()),
+            container: Some("nginx".to_owned()),
+            ..Workload::default()
+        };
+        assert!(selection.matches(&workload("shop", "web-7d4b9")));
+        assert!(selection.matches(&workload("data", "web-0")));
+        assert!(!selection.matches(&workload("other", "web-7d4b9")), "another namespace");
+        assert!(!selection.matches(&workload("shop", "my-web-7d4b9")), "the whole name, not a part");
+        assert!(!selection.matches(&Workload { pod: None, ..workload("shop", "x") }), "a pod not named");
+        let by_container = Selection::new(WorkloadFilter {
+            container_names: vec!["nginx".to_owned()],
+            ..WorkloadFilter::default()
+        })
+        .unwrap();
+        assert!(by_container.matches(&workload("any", "thing")));
+        assert!(!by_container
+            .matches(&Workload { container: Some("sidecar".to_owned()), ..workload("any", "x") }));
+        let refused = Selection::new(WorkloadFilter { pod: Some("web-(".to_owned()), ..filter }).err();
+        assert_eq!(refused.as_deref(), Some("--pod `web-(` is not a regular expression: unclosed group"));
     }
 
     #[test]

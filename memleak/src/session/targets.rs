@@ -16,7 +16,7 @@ use crate::{
         CollectOptions,
     },
     model::{Frame, MappingKind, ModuleMapping, Truncation, Unwinding},
-    process::{container, identity::ProcessKey, lifecycle, AddressSpace},
+    process::{container, identity::ProcessKey, kubernetes, lifecycle, AddressSpace},
     python::{code::CodeCache, frames::PythonStacks, PythonRuntime},
     report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
     symbolize::{
@@ -54,6 +54,9 @@ pub enum Selector {
     Cgroup(PathBuf),
     /// Every process whose executable's file name is this.
     Exe(String),
+    /// Every process of the containers whose pod and container names
+    /// match (serve's --namespace, --pod, --container-name).
+    Workload(kubernetes::WorkloadFilter),
 }
 
 /// Which stacks a round of reports keeps, and how many.
