@@ -309,6 +309,23 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ID|NAME")]
     pub container: Vec<String>,
 
+    /// Follow the processes of every container of a pod in this
+    /// namespace, those started later too (names from --host-root, no
+    /// Kubernetes API). May be repeated; with --pod or --container-name,
+    /// a container must match each.
+    #[arg(long, value_name = "NS")]
+    pub namespace: Vec<String>,
+
+    /// Follow the processes of the containers of the pods whose whole
+    /// name this regular expression matches (`web-.*`).
+    #[arg(long, value_name = "REGEX")]
+    pub pod: Option<String>,
+
+    /// Follow the processes of the containers of this name, in whichever
+    /// pod. May be repeated.
+    #[arg(long, value_name = "NAME")]
+    pub container_name: Vec<String>,
+
     /// How long a process that exited keeps its last report before it is
     /// forgotten: 30s, 10m, 1h, 2d.
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
@@ -336,6 +353,13 @@ pub struct ServeArgs {
     /// address listened on].
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_advertise)]
     pub advertise: Option<String>,
+
+    /// Where the node's root filesystem is: the container runtimes' and
+    /// the kubelet's files below it name each process's pod and
+    /// container (/host when memleak runs in a pod with the host's root
+    /// mounted there).
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    pub host_root: PathBuf,
 
     #[command(flatten)]
     pub probing: Probing,

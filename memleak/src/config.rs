@@ -15,6 +15,7 @@ use crate::{
     collect::CollectOptions,
     model::Unwinding,
     output::{Documents, OutputConfig},
+    process::kubernetes::WorkloadFilter,
     report::{
         culprit::SkipRules,
         options::{Format, Rendering, ReportOptions},
@@ -52,6 +53,9 @@ pub struct ServeConfig {
     pub token_file: Option<PathBuf>,
     /// Stacks of each process shown in /metrics.
     pub metrics_top_stacks: usize,
+    /// Where the node's root is (`--host-root`): the container runtimes'
+    /// and the kubelet's files that name containers and pods are below.
+    pub host_root: PathBuf,
 }
 
 /// A tracing run.
@@ -316,10 +320,16 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     }
     check_unique(&args.pid)?;
     check_filters(&args.probing)?;
-    if args.pid.is_empty() && args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty() {
-        return Err(
-            "memleak serve needs something to follow: give --pid, --cgroup, --exe or --container".to_owned()
-        );
+    let workload = workload_filter(&args)?;
+    if args.pid.is_empty()
+        && args.cgroup.is_empty()
+        && args.exe.is_empty()
+        && args.container.is_empty()
+        && workload.is_none()
+    {
+        return Err("memleak serve needs something to follow: give --pid, --cgroup, --exe, --container, \
+                    --namespace, --pod or --container-name"
+            .to_owned());
     }
     if let Some(bad) = args.exe.iter().find(|name| name.is_empty() || name.contains('/')) {
         return Err(format!(
@@ -328,13 +338,15 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     }
     // Newcomers are probed one by one: the processes they fork are found
     // at once, not at the next look.
-    let follows_newcomers = !(args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty());
+    let follows_newcomers =
+        !(args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty() && workload.is_none());
     let selectors = args
         .pid
         .iter()
         .map(|&pid| Selector::Pid(pid))
         .chain(args.cgroup.iter().cloned().map(Selector::Cgroup))
         .chain(args.exe.iter().cloned().map(Selector::Exe))
+        .chain(workload.map(Selector::Workload))
         .collect();
     let session = SessionConfig {
         tracer: tracer_settings(&args.probing, false),
@@ -354,6 +366,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         interval: args.interval,
         token_file: args.token_file,
         metrics_top_stacks: usize::from(args.metrics_top_stacks),
+        host_root: args.host_root,
     })
 }
 
@@ -370,6 +383,24 @@ fn listen_address(listen: &ListenAddress, port: Option<u16>) -> Result<SocketAdd
         (Some(port), None) | (None, Some(port)) => Ok(SocketAddr::new(listen.ip, port)),
         (None, None) => Ok(SocketAddr::new(listen.ip, DEFAULT_SERVE_PORT)),
     }
+}
+
+/// --namespace, --pod and --container-name as one selector, if any is
+/// given: a container must match each. A --pod that is no regular
+/// expression is refused here, before anything is loaded.
+fn workload_filter(args: &ServeArgs) -> Result<Option<WorkloadFilter>, String> {
+    if args.namespace.is_empty() && args.pod.is_none() && args.container_name.is_empty() {
+        return Ok(None);
+    }
+    if let Some(pattern) = &args.pod {
+        WorkloadFilter::pod_regex(pattern)?;
+    }
+    Ok(Some(WorkloadFilter {
+        namespaces: args.namespace.clone(),
+        pod: args.pod.clone(),
+        container_names: args.container_name.clone(),
+        host_root: args.host_root.clone(),
+    }))
 }
 
 fn check_unique(pids: &[u32]) -> Result<(), String> {
@@ -471,7 +502,10 @@ mod tests {
         assert_eq!(serve("serve --pid 3,3").err().as_deref(), Some("pid 3 is given twice"));
         assert_eq!(
             serve("serve").err().as_deref(),
-            Some("memleak serve needs something to follow: give --pid, --cgroup, --exe or --container")
+            Some(
+                "memleak serve needs something to follow: give --pid, --cgroup, --exe, --container, \
+                 --namespace, --pod or --container-name"
+            )
         );
     }
 
@@ -536,6 +570,29 @@ mod tests {
         for bad in ["10.0.0.7", "fd00::7:9943", ":9943", "a b:1", "host:port"] {
             assert!(advertise(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn serve_takes_a_pods_filters_as_one_selector() {
+        let config =
+            serve("serve --namespace shop --namespace data --pod web-.* --container-name nginx --exe x")
+                .unwrap_or_else(|error| panic!("{error}"));
+        let filter = WorkloadFilter {
+            namespaces: vec!["shop".to_owned(), "data".to_owned()],
+            pod: Some("web-.*".to_owned()),
+            container_names: vec!["nginx".to_owned()],
+            host_root: PathBuf::from("/"),
+        };
+        assert_eq!(config.selectors, vec![Selector::Exe("x".to_owned()), Selector::Workload(filter)]);
+        assert!(config.session.follow_forks);
+        let config =
+            serve("serve --namespace shop --host-root /host").unwrap_or_else(|error| panic!("{error}"));
+        let Some(Selector::Workload(filter)) = config.selectors.first() else {
+            panic!("{:?}", config.selectors)
+        };
+        assert_eq!(filter.host_root, PathBuf::from("/host"));
+        let refused = serve("serve --pod web-(").err().unwrap_or_default();
+        assert_eq!(refused, "--pod `web-(` is not a regular expression: unclosed group");
     }
 
     #[test]

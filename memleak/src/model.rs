@@ -140,6 +140,14 @@ pub struct Allocated {
     pub count: u64,
 }
 
+impl Allocated {
+    /// Both counts `scale` times: a sampled run's estimate of the whole.
+    #[must_use]
+    pub fn scaled(self, scale: u64) -> Self {
+        Self { bytes: self.bytes * scale, count: self.count * scale }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutstandingAllocation {
     pub address: u64,
@@ -278,4 +286,46 @@ pub struct ModuleMapping {
     pub path: String,
     /// The GNU build id, in hex.
     pub build_id: Option<String>,
+}
+
+/// Which container, pod and node a process runs in, named as cAdvisor and
+/// kube-state-metrics name their labels, so that memleak's series join
+/// theirs: every output that names a process in a container carries
+/// these. A name that could not be found is left out, never guessed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    /// The pod's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// The container's name (in its pod, or as podman or docker name it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+    /// The pod's uid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    /// `<runtime>://<full id>`: `containerd://`, `cri-o://`, `docker://`
+    /// or `podman://`; the bare id when the runtime is not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+    /// The node (`NODE_NAME`, else the host name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
+impl Workload {
+    /// Each label that has a value, name first, always in this order.
+    pub fn labels(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        [
+            ("namespace", &self.namespace),
+            ("pod", &self.pod),
+            ("container", &self.container),
+            ("uid", &self.uid),
+            ("container_id", &self.container_id),
+            ("node", &self.node),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| Some((name, value.as_deref()?)))
+    }
 }

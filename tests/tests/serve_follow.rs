@@ -13,7 +13,7 @@ use memleak_tests::{
     assert_refused_in_one_line,
     cgroups::TestCgroup,
     fixture,
-    http::{free_port, get, get_until, serve, stop, Response},
+    http::{free_port, get, get_until, serve, serve_with_env, stop, Response},
     leaker_rootfs,
     tempdir::TempDir,
     workspace_root, Leaker, Memleak, PATIENCE,
@@ -144,7 +144,7 @@ fn container_follows_the_process_in_a_container_by_id_prefix() {
     let mut leaker = Leaker::start_command(command);
     let pid = leaker.leaker_pid();
     cgroup.join(pid);
-    let (memleak, port) = serve(&["--container", &id[..12]]);
+    let (memleak, port) = serve_with_env(&["--container", &id[..12]], &[("NODE_NAME", "node-a")]);
     let tracing = format!("memleak: tracing pid {pid} (leaker) in container {} through ", &id[..12]);
     // Said before it serves: the process was in the container at the start.
     assert!(
@@ -156,11 +156,15 @@ fn container_follows_the_process_in_a_container_by_id_prefix() {
     let list =
         targets_until(port, pid, |target| target.is_some_and(|target| target["outstanding_bytes"] == 17_264));
     assert_eq!(list.len(), 1, "{list:#?}");
-    assert_eq!(list[0]["container"], id.as_str(), "the full id: {list:#?}");
+    // No runtime knows it: no name, and the id as podman's cgroup says.
+    assert_eq!(list[0]["container"], Value::Null, "{list:#?}");
+    assert_eq!(list[0]["container_id"], format!("podman://{id}").as_str(), "the full id: {list:#?}");
+    assert_eq!(list[0]["node"], "node-a", "{list:#?}");
     assert_eq!(list[0]["program"], "/app/leaker", "{list:#?}");
     let metrics = get(port, "/metrics").expect("GET /metrics");
-    let series =
-        format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\",container=\"{id}\"}} 17264");
+    let series = format!(
+        "memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\",container_id=\"podman://{id}\",node=\"node-a\"}} 17264"
+    );
     assert!(metrics.body.lines().any(|line| line == series), "{series} in {}", metrics.body);
     leaker.exit();
     stop(memleak);
@@ -218,7 +222,14 @@ fn processes_past_max_processes_are_counted_and_said() {
 #[test]
 fn bad_selectors_are_refused_in_one_line() {
     let port = free_port().to_string();
-    assert_refused_in_one_line(&["serve", "--port", &port], "give --pid, --cgroup, --exe or --container");
+    assert_refused_in_one_line(
+        &["serve", "--port", &port],
+        "give --pid, --cgroup, --exe, --container, --namespace, --pod or --container-name",
+    );
+    assert_refused_in_one_line(
+        &["serve", "--pod", "web-(", "--port", &port],
+        "--pod `web-(` is not a regular expression: unclosed group",
+    );
     assert_refused_in_one_line(&["serve", "--exe", "x", "--retain", "10"], "`10` has no unit");
     assert_refused_in_one_line(&["serve", "--exe", "x", "--retain", "soon"], "`soon` is not a duration");
     // A container not running is waited for, not refused

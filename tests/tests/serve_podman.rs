@@ -40,7 +40,7 @@ fn cgroup_directory_of(pid: u32) -> String {
 /// Runs the leaker in a container, serves `--container` with what
 /// `reference` makes of the container (its name, say), and checks what
 /// memleak says and serves: its leaks, at the leaker's host pid, under
-/// the container's full id.
+/// the container's name and full id, and the node's name.
 fn follows_a_real_container(tag: &str, reference: impl Fn(&str, &str) -> String, named: bool) {
     let rootfs = leaker_rootfs();
     let podman = Podman::with_image(tag, rootfs.path());
@@ -58,7 +58,8 @@ fn follows_a_real_container(tag: &str, reference: impl Fn(&str, &str) -> String,
     assert!(cgroup.ends_with(&format!("/libpod-{id}")), "podman's cgroup for {name}: {cgroup}");
 
     let env = podman.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let mut env: Vec<(&str, &str)> = env.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    env.push(("NODE_NAME", "node-a"));
     let reference = reference(&name, &id);
     let (memleak, port) = serve_with_env(&["--container", &reference], &env);
     let container_said = if named { format!("{name} ({short})") } else { short.to_owned() };
@@ -79,13 +80,18 @@ fn follows_a_real_container(tag: &str, reference: impl Fn(&str, &str) -> String,
     });
     let list = targets(&response);
     assert_eq!(list.len(), 1, "the container's one process: {list:#?}");
-    assert_eq!(list[0]["container"], id.as_str(), "the full id: {list:#?}");
+    assert_eq!(list[0]["container"], name.as_str(), "podman's name for it: {list:#?}");
+    let container_id = format!("podman://{id}");
+    assert_eq!(list[0]["container_id"], container_id.as_str(), "the full id: {list:#?}");
+    assert_eq!(list[0]["node"], "node-a", "{list:#?}");
     assert_eq!(list[0]["executable"], "leaker", "{list:#?}");
     assert_eq!(list[0]["program"], "/app/leaker", "as the container sees it: {list:#?}");
     assert_eq!(list[0]["outstanding_allocations"], 15, "{list:#?}");
     let metrics = get(port, "/metrics").expect("GET /metrics");
-    let series =
-        format!("memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\",container=\"{id}\"}} 17264");
+    let series = format!(
+        "memleak_outstanding_bytes{{pid=\"{pid}\",exe=\"leaker\",container=\"{name}\",\
+         container_id=\"{container_id}\",node=\"node-a\"}} 17264"
+    );
     assert!(metrics.body.lines().any(|line| line == series), "{series} in:\n{}", metrics.body);
     stop(memleak);
     container.exit();
@@ -128,7 +134,8 @@ fn container_by_a_hex_name_follows_that_container_not_an_id_prefix() {
     });
     let list = targets(&response);
     assert_eq!(list.len(), 1, "the named container's process alone, not {first_id}'s: {list:#?}");
-    assert_eq!(list[0]["container"], named_id.as_str(), "{list:#?}");
+    assert_eq!(list[0]["container"], hex_name.as_str(), "{list:#?}");
+    assert_eq!(list[0]["container_id"], format!("podman://{named_id}").as_str(), "{list:#?}");
     stop(memleak);
     named.exit();
     first.leaker().go();

@@ -32,16 +32,39 @@ pub enum ContainerError {
 /// Hex digits in a full container id (a SHA-256).
 const FULL_ID_LENGTH: usize = 64;
 
+/// The runtime that made a container, as its cgroup's name tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runtime {
+    Containerd,
+    Crio,
+    Docker,
+    Podman,
+}
+
+impl Runtime {
+    /// The scheme of kube-state-metrics' `container_id` (`containerd://<id>`).
+    pub fn scheme(self) -> &'static str {
+        match self {
+            Self::Containerd => "containerd",
+            Self::Crio => "cri-o",
+            Self::Docker => "docker",
+            Self::Podman => "podman",
+        }
+    }
+}
+
 /// What cgroup directories of a container are named: a prefix and a
-/// suffix around its full id.
-const RUNTIME_NAMING: [(&str, &str); 6] = [
-    ("docker-", ".scope"),
-    ("libpod-", ".scope"),
-    ("cri-containerd-", ".scope"),
-    ("crio-", ".scope"),
+/// suffix around its full id, and the runtime that names them so.
+const RUNTIME_NAMING: [(&str, &str, Option<Runtime>); 6] = [
+    ("docker-", ".scope", Some(Runtime::Docker)),
+    ("libpod-", ".scope", Some(Runtime::Podman)),
+    ("cri-containerd-", ".scope", Some(Runtime::Containerd)),
+    ("crio-", ".scope", Some(Runtime::Crio)),
     // podman with --cgroup-manager cgroupfs: libpod_parent/libpod-<id>.
-    ("libpod-", ""),
-    ("", ""),
+    ("libpod-", "", Some(Runtime::Podman)),
+    // The cgroupfs driver's kubepods/<qos>/pod<uid>/<id>, and docker's
+    // docker/<id>: the runtime is not in the name.
+    ("", "", None),
 ];
 
 /// A container and the cgroup that holds its processes.
@@ -55,9 +78,14 @@ pub struct ContainerCgroup {
 /// The full container id a cgroup directory's name carries, if it is
 /// named as a runtime names a container's.
 pub fn id_in_directory_name(name: &str) -> Option<&str> {
-    RUNTIME_NAMING.iter().find_map(|(prefix, suffix)| {
+    runtime_and_id_in_directory_name(name).map(|(_, id)| id)
+}
+
+/// `id_in_directory_name`, with the runtime the name tells, if it does.
+pub fn runtime_and_id_in_directory_name(name: &str) -> Option<(Option<Runtime>, &str)> {
+    RUNTIME_NAMING.iter().find_map(|&(prefix, suffix, runtime)| {
         let id = name.strip_prefix(prefix)?.strip_suffix(suffix)?;
-        is_full_id(id).then_some(id)
+        is_full_id(id).then_some((runtime, id))
     })
 }
 
@@ -67,7 +95,7 @@ pub fn short_id(id: &str) -> &str {
     id.get(..12).unwrap_or(id)
 }
 
-fn is_full_id(id: &str) -> bool {
+pub fn is_full_id(id: &str) -> bool {
     id.len() == FULL_ID_LENGTH
         && id.bytes().all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte))
 }
@@ -216,6 +244,27 @@ fn runtime_id_of(name: &str) -> Option<String> {
         let id = String::from_utf8_lossy(&output.stdout).trim().to_owned();
         (output.status.success() && is_full_id(&id)).then_some(id)
     })
+}
+
+/// The name `runtime` (podman or docker, when on the PATH) gives the
+/// container whose full id is `id`, without docker's leading `/`.
+pub fn runtime_name_of(runtime: Runtime, id: &str) -> Option<String> {
+    let program = match runtime {
+        Runtime::Podman => "podman",
+        Runtime::Docker => "docker",
+        Runtime::Containerd | Runtime::Crio => return None,
+    };
+    if !is_full_id(id) {
+        return None;
+    }
+    let output = Command::new(on_path(program)?)
+        .args(["inspect", "--type", "container", "--format", "{{.Name}}", "--", id])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let name = String::from_utf8_lossy(&output.stdout).trim().trim_start_matches('/').to_owned();
+    (output.status.success() && !name.is_empty()).then_some(name)
 }
 
 /// The path of `program` in a directory of the PATH, if it is there.

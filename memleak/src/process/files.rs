@@ -42,6 +42,29 @@ pub fn open_in_root(pid: u32, path: &Path) -> io::Result<File> {
     reopen_regular(&open_path(root.as_raw_fd(), relative, resolve)?)
 }
 
+/// Opens `path` below directory `root` (a host's root mounted in a
+/// container, `--host-root`), resolved with `root` as the root, if it is
+/// a regular file: a link there never leads out of it.
+pub fn open_under(root: &Path, path: &Path) -> io::Result<File> {
+    let root = open_path(libc::AT_FDCWD, root, 0)?;
+    let relative = path.strip_prefix("/").unwrap_or(path);
+    let resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    reopen_regular(&open_path(root.as_raw_fd(), relative, resolve)?)
+}
+
+/// The names in directory `path` below `root`, resolved as `open_under`
+/// resolves, at most `limit` of them: names only, nothing they link to is
+/// followed.
+pub fn list_under(root: &Path, path: &Path, limit: usize) -> io::Result<Vec<std::ffi::OsString>> {
+    let root = open_path(libc::AT_FDCWD, root, 0)?;
+    let relative = path.strip_prefix("/").unwrap_or(path);
+    let resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    let directory = open_path(root.as_raw_fd(), relative, resolve)?;
+    // Through the descriptor's own magic link: the very directory resolved.
+    let held = Path::new("/proc/self/fd").join(directory.as_raw_fd().to_string());
+    Ok(std::fs::read_dir(held)?.flatten().take(limit).map(|entry| entry.file_name()).collect())
+}
+
 /// Opens `path` on the host (links followed, as memleak's own paths are),
 /// if it is a regular file.
 pub fn open_regular(path: &Path) -> io::Result<File> {

@@ -1,7 +1,8 @@
 //! The processes memleak traces, seen from outside: their address space
 //! (`maps`, `address_space`), their life (`lifecycle`), a command memleak
 //! starts itself (`command`) and all that it starts (`command_cgroup`),
-//! cgroups of them (`cgroup`), and those it must leave alone
+//! cgroups of them (`cgroup`), the container and pod they run in
+//! (`container`, `kubernetes`), and those it must leave alone
 //! (`feedback`); and opening the files they control (`files`).
 
 pub mod address_space;
@@ -12,6 +13,7 @@ pub mod container;
 pub mod feedback;
 pub mod files;
 pub mod identity;
+pub mod kubernetes;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;

@@ -354,6 +354,7 @@ pub(crate) mod tests {
             pid,
             program: "/app/server".to_owned(),
             namespace_pid: None,
+            workload: None,
             time_unix_ms,
             allocator: "/usr/lib/libc.so.6".to_owned(),
             min_age_ms: 0,

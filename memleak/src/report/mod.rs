@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
-    Snapshot, StackUsage, Trend, Truncation, Unwinding,
+    Snapshot, StackUsage, Trend, Truncation, Unwinding, Workload,
 };
 use crate::symbolize::{missing::MissingSymbols, stable_id::StableIds};
 use culprit::SkipRules;
@@ -75,6 +75,9 @@ pub struct Report {
     /// The pid the process has in its own pid namespace (a container's),
     /// when that differs from `pid`.
     pub namespace_pid: Option<u32>,
+    /// The container and pod it runs in, as `memleak serve` names them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<Workload>,
     pub time_unix_ms: u64,
     /// The object whose allocator was probed.
     pub allocator: String,
@@ -255,10 +258,7 @@ impl Report {
                     truncated: stack_source.truncation(usage.stack_id),
                     trend,
                     mapping: usage.mapping,
-                    allocated: usage.allocated.map(|allocated| Allocated {
-                        bytes: allocated.bytes * scale,
-                        count: allocated.count * scale,
-                    }),
+                    allocated: usage.allocated.map(|allocated| allocated.scaled(scale)),
                     outstanding: usage.outstanding,
                 }
             })
@@ -272,6 +272,7 @@ impl Report {
             pid: snapshot.pid,
             program: context.program.to_owned(),
             namespace_pid: context.namespace_pid,
+            workload: None,
             time_unix_ms: snapshot.time_unix_ms,
             allocator: context.allocator.to_owned(),
             min_age_ms: context.min_age_ms,

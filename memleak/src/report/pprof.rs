@@ -18,7 +18,7 @@ use std::{
 use flate2::{write::GzEncoder, Compression};
 
 use super::{diff::Diff, Report};
-use crate::model::{Frame, FrameKind, ModuleMapping};
+use crate::model::{Frame, FrameKind, ModuleMapping, Workload};
 
 /// What a profile is made of, from a report (frames `Frame`) or from a
 /// diff (frames shared, `Arc<Frame>`).
@@ -84,7 +84,18 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
 
 /// The uncompressed profile.proto message of a report.
 pub fn encode_report(report: &Report) -> Vec<u8> {
-    encode_labelled(&[Labelled { report, labels: Vec::new() }])
+    encode_labelled(&[Labelled { report, labels: labels_of(report) }])
+}
+
+/// The labels of a report's samples: its process's pid and program and,
+/// from `memleak serve`, its container's and pod's, so that a profile
+/// merged with others (Pyroscope splits series by them) still says whose
+/// each sample is.
+pub fn labels_of(report: &Report) -> Vec<(String, String)> {
+    let process = [("pid", report.pid.to_string()), ("program", report.program.clone())];
+    let workload =
+        report.workload.iter().flat_map(Workload::labels).map(|(name, value)| (name, value.to_owned()));
+    process.into_iter().chain(workload).map(|(name, value)| (name.to_owned(), value)).collect()
 }
 
 /// One profile of several processes' reports, each sample labelled with

@@ -400,6 +400,7 @@ mod tests {
     use http_body_util::BodyExt as _;
 
     use super::*;
+    use crate::model::Workload;
 
     fn body_of(response: Response<Full<Bytes>>) -> serde_json::Value {
         let body = block_on(response.into_body().collect()).expect("a body").to_bytes();
@@ -419,7 +420,17 @@ mod tests {
         let published = Published {
             targets: vec![
                 Followed::new(7, "/bin/a".to_owned(), None),
-                Followed::new(8, "/bin/b".to_owned(), Some("c0ffee".to_owned())),
+                Followed::new(
+                    8,
+                    "/bin/b".to_owned(),
+                    Some(Workload {
+                        namespace: Some("shop".to_owned()),
+                        pod: Some("web-1".to_owned()),
+                        container: Some("app".to_owned()),
+                        container_id: Some("containerd://c0ffee".to_owned()),
+                        ..Workload::default()
+                    }),
+                ),
                 exited,
             ],
             ..Published::default()
@@ -431,7 +442,8 @@ mod tests {
             serde_json::json!([
                 {"targets": ["10.0.0.7:9943"], "labels": {"__param_pid": "7", "pid": "7", "program": "/bin/a"}},
                 {"targets": ["10.0.0.7:9943"],
-                 "labels": {"__param_pid": "8", "pid": "8", "program": "/bin/b", "container": "c0ffee"}},
+                 "labels": {"__param_pid": "8", "pid": "8", "program": "/bin/b", "namespace": "shop", "pod": "web-1",
+                            "container": "app", "container_id": "containerd://c0ffee"}},
             ])
         );
     }

@@ -15,7 +15,7 @@ use super::{
     state::{Followed, Published},
     top_stacks::{top_stacks, ShownStack},
 };
-use crate::bpf::MapFill;
+use crate::{bpf::MapFill, model::Workload};
 
 /// The exposition format's content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -239,12 +239,13 @@ fn header(out: &mut String, name: &str, kind: Kind, help: &str) {
     let _ = writeln!(out, "# TYPE {name} {}", kind.name());
 }
 
-/// `pid="42",exe="leaker"`, and `,container="<id>"` for a process in a
-/// container.
+/// `pid="42",exe="leaker"`, then for a process in a container the
+/// workload's labels known (`namespace`, `pod`, `container`, `uid`,
+/// `container_id`, `node`), as cAdvisor and kube-state-metrics name them.
 fn process_labels(followed: &Followed) -> String {
     let mut labels = format!("pid=\"{}\",exe=\"{}\"", followed.pid, escape_label(followed.executable()));
-    if let Some(container) = &followed.container {
-        let _ = write!(labels, ",container=\"{}\"", escape_label(container));
+    for (name, value) in followed.workload.iter().flat_map(Workload::labels) {
+        let _ = write!(labels, ",{name}=\"{}\"", escape_label(value));
     }
     labels
 }
@@ -367,7 +368,14 @@ mod tests {
     #[test]
     fn a_container_labels_its_processes_and_a_reused_pid_has_one_set_of_series() {
         let mut in_container = followed(42, "/app/leaker", 1_000);
-        in_container.container = Some("272b5f306501".to_owned());
+        in_container.workload = Some(Workload {
+            namespace: Some("shop".to_owned()),
+            pod: Some("web-7d4b9".to_owned()),
+            container: Some("nginx".to_owned()),
+            uid: Some("1f2e3d4c-5b6a-4789-8abc-def012345678".to_owned()),
+            container_id: Some("containerd://272b5f306501".to_owned()),
+            node: Some("node-a".to_owned()),
+        });
         let mut gone = followed(42, "/app/leaker", 9_999);
         gone.exited = true;
         let body = render(&published(vec![gone, in_container], 0));
@@ -375,7 +383,9 @@ mod tests {
             body.lines().filter(|line| line.starts_with("memleak_outstanding_bytes{")).collect();
         assert_eq!(
             series,
-            ["memleak_outstanding_bytes{pid=\"42\",exe=\"leaker\",container=\"272b5f306501\"} 1000"]
+            ["memleak_outstanding_bytes{pid=\"42\",exe=\"leaker\",namespace=\"shop\",pod=\"web-7d4b9\",\
+                 container=\"nginx\",uid=\"1f2e3d4c-5b6a-4789-8abc-def012345678\",\
+                 container_id=\"containerd://272b5f306501\",node=\"node-a\"} 1000"]
         );
     }
 

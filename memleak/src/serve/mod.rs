@@ -36,6 +36,7 @@ use crate::{
         container::{self, ContainerError},
         feedback,
         identity::ProcessKey,
+        kubernetes::Resolver,
         lifecycle,
     },
     report::options::SortKey,
@@ -111,7 +112,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
         SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
-    let mut collector = Collector::new(config.retain, queries);
+    let mut collector = Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()));
     collector.sync(&session);
     // The processes are listed, and can be asked for, before their first
     // report.
@@ -183,10 +184,12 @@ struct Collector {
     last_error: Option<String>,
     /// When the last round of every target was taken.
     last_round: Option<Instant>,
+    /// Names each newcomer's container and pod.
+    resolver: Resolver,
 }
 
 impl Collector {
-    fn new(retain: Duration, queries: tokio::sync::mpsc::Receiver<Query>) -> Self {
+    fn new(retain: Duration, queries: tokio::sync::mpsc::Receiver<Query>, resolver: Resolver) -> Self {
         Self {
             followed: BTreeMap::new(),
             live: HashMap::new(),
@@ -195,6 +198,7 @@ impl Collector {
             queries,
             last_error: None,
             last_round: None,
+            resolver,
         }
     }
 
@@ -209,7 +213,8 @@ impl Collector {
                 continue;
             }
             status::say(&describe_newcomer(target));
-            let followed = Followed::new(target.pid, target.program.clone(), target.container.clone());
+            let workload = self.resolver.workload_of(target.pid);
+            let followed = Followed::new(target.pid, target.program.clone(), workload);
             self.followed.insert(key, Entry { followed, exited_at: None });
         }
     }
@@ -353,6 +358,16 @@ impl Collector {
                 log::debug!("forgetting pid {} ({}), exited {retain:?} ago", key.pid, entry.followed.program);
             }
             !expired
+        });
+        // The names of containers no process followed is in any more.
+        let followed = &self.followed;
+        self.resolver.keep_only(|id| {
+            followed.values().any(|entry| {
+                let workload = entry.followed.workload.as_ref();
+                workload
+                    .and_then(|workload| workload.container_id.as_deref())
+                    .is_some_and(|held| held.ends_with(id))
+            })
         });
         self.followed.len() != before
     }

@@ -7,7 +7,10 @@
 use std::fmt::Write as _;
 
 use super::state::{Followed, Published};
-use crate::report::{printable, subject, text::frame_name, Report};
+use crate::{
+    model::Workload,
+    report::{printable, subject, text::frame_name, Report},
+};
 
 /// The page, from one round of reports.
 pub fn render(published: &Published) -> String {
@@ -40,8 +43,11 @@ fn row(page: &mut String, followed: &Followed) {
         ),
         None => (String::from("-"), String::from("-"), String::from("-")),
     };
-    // Its short id, as `podman ps` and `docker ps` show it.
-    let container = followed.container.as_deref().map_or("-", |id| &id[..id.len().min(12)]);
+    // Its pod and container names (`namespace/pod/container`), else the
+    // short id `podman ps` and `docker ps` show; the full id on hover.
+    let workload = followed.workload.as_ref();
+    let container_id = workload.and_then(|workload| workload.container_id.as_deref()).unwrap_or_default();
+    let container = workload.map_or_else(|| "-".to_owned(), container_named);
     let culprit = report.and_then(largest_culprit).unwrap_or_else(|| String::from("-"));
     let allocator = report.map_or("", |report| report.allocator.as_str());
     let allocator_file =
@@ -61,10 +67,25 @@ fn row(page: &mut String, followed: &Followed) {
         exe = escape(followed.executable()),
         allocator = escape(allocator),
         allocator_file = escape(allocator_file),
-        container_id = escape(followed.container.as_deref().unwrap_or_default()),
-        container = escape(container),
+        container_id = escape(container_id),
+        container = escape(&container),
         culprit = escape(&culprit),
     );
+}
+
+/// How the page names a workload: `namespace/pod/container` as far as
+/// known, else the short id.
+fn container_named(workload: &Workload) -> String {
+    let names: Vec<&str> = [&workload.namespace, &workload.pod, &workload.container]
+        .into_iter()
+        .filter_map(Option::as_deref)
+        .collect();
+    if !names.is_empty() {
+        return names.join("/");
+    }
+    let id = workload.container_id.as_deref().unwrap_or("-");
+    let id = id.rsplit("://").next().unwrap_or(id);
+    id[..id.len().min(12)].to_owned()
 }
 
 /// `make_session(int) (sessions.cpp:25)`: the culprit of the stack holding
@@ -221,7 +242,11 @@ mod tests {
             targets: vec![Followed::new(
                 9,
                 "/tmp/<script>alert(1)</script>".to_owned(),
-                Some("<b>".to_owned()),
+                Some(Workload {
+                    pod: Some("<b>".to_owned()),
+                    container_id: Some("containerd://<i>".to_owned()),
+                    ..Workload::default()
+                }),
             )],
             ..Published::default()
         };
@@ -229,7 +254,8 @@ mod tests {
         assert!(!page.contains("<script>"), "{page}");
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{page}");
         assert!(page.contains("href=\"/debug/pprof/heap?pid=9\""), "{page}");
-        assert!(!page.contains("<b>"), "{page}");
+        assert!(!page.contains("<b>") && !page.contains("<i>"), "{page}");
+        assert!(page.contains("<td title=\"containerd://&lt;i&gt;\">&lt;b&gt;</td>"), "{page}");
         assert!(
             page.contains("<title>memleak: pid 9 (/tmp/&lt;script&gt;alert(1)&lt;/script&gt;)</title>"),
             "{page}"

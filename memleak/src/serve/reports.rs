@@ -252,6 +252,7 @@ async fn report(
     if followed.exited {
         return last_report(followed, asked, window.is_some());
     }
+    let workload = followed.workload.clone();
     drop(published);
     let collect = CollectOptions {
         min_age_ns: asked.older_ms.map(|ms| ms.saturating_mul(1_000_000)),
@@ -263,7 +264,10 @@ async fn report(
     let request = ReportRequest { collect, sort: asked.sort, top, in_series: false };
     let reports = taken(board, windows, Some(pid), window, request).await?;
     match reports.into_iter().next() {
-        Some(report) => Ok(report),
+        Some(mut report) => {
+            report.workload = workload;
+            Ok(report)
+        }
         // It exited while the request waited: its last report, if kept.
         None => match board.latest().named_by(pid).filter(|followed| followed.exited) {
             Some(exited) => last_report(exited, asked, window.is_some()),
@@ -283,6 +287,7 @@ fn last_report(followed: &Followed, asked: ReportAsked, windowed: bool) -> Resul
         return Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} exited before its first report")));
     };
     let mut last = last.clone();
+    last.workload.clone_from(&followed.workload);
     let options = ReportOptions { sort: asked.sort, top: asked.top, show_allocs: false };
     last.cut_for_display(&options, asked.format);
     Ok(last)

@@ -8,7 +8,7 @@ use std::{cell::Cell, path::Path, sync::Arc, time::Duration};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-use crate::{bpf::MapFill, report::Report, session::ReportRequest};
+use crate::{bpf::MapFill, model::Workload, report::Report, session::ReportRequest};
 
 /// One round's view of every process followed, by pid.
 #[derive(Clone, Debug, Default)]
@@ -45,15 +45,15 @@ pub struct Followed {
     pub report: Option<Arc<Report>>,
     /// How its outstanding bytes moved over its reports.
     pub growth: Growth,
-    /// The full id of the container it runs in, when its cgroup is named
-    /// as a container runtime names them.
-    pub container: Option<String>,
+    /// The container and pod it runs in, when its cgroup is named as a
+    /// container runtime or the kubelet names them.
+    pub workload: Option<Workload>,
 }
 
 impl Followed {
     /// A process just taken in: no report yet.
-    pub fn new(pid: u32, program: String, container: Option<String>) -> Self {
-        Self { pid, program, exited: false, report: None, growth: Growth::default(), container }
+    pub fn new(pid: u32, program: String, workload: Option<Workload>) -> Self {
+        Self { pid, program, exited: false, report: None, growth: Growth::default(), workload }
     }
 
     /// Keeps `report` as the latest, and tracks the growth it shows. The
@@ -73,15 +73,14 @@ impl Followed {
     }
 
     /// Every label of the process's identity, as (name, value): its pid,
-    /// its program and, in a container, the container's. What the
+    /// its program and, in a container, its container's and pod's. What the
     /// node-wide profile puts on each of its samples and /api/v1/sd on
     /// its target, so a label added here reaches both.
     pub fn labels(&self) -> Vec<(String, String)> {
         let mut labels =
             vec![("pid".to_owned(), self.pid.to_string()), ("program".to_owned(), self.program.clone())];
-        if let Some(container) = &self.container {
-            labels.push(("container".to_owned(), container.clone()));
-        }
+        let workload = self.workload.iter().flat_map(Workload::labels);
+        labels.extend(workload.map(|(name, value)| (name.to_owned(), value.to_owned())));
         labels
     }
 
@@ -92,7 +91,7 @@ impl Followed {
             executable: self.executable(),
             program: &self.program,
             exited: self.exited,
-            container: self.container.as_deref(),
+            workload: WorkloadLabels::of(self.workload.as_ref()),
             allocator: report.map(|report| report.allocator.as_str()),
             report_time_unix_ms: report.map(|report| report.time_unix_ms),
             outstanding_bytes: report.map_or(0, |report| report.total_bytes),
@@ -151,7 +150,8 @@ pub struct TargetSummary<'a> {
     pub executable: &'a str,
     pub program: &'a str,
     pub exited: bool,
-    pub container: Option<&'a str>,
+    #[serde(flatten)]
+    pub workload: WorkloadLabels<'a>,
     pub allocator: Option<&'a str>,
     pub report_time_unix_ms: Option<u64>,
     pub outstanding_bytes: u64,
@@ -165,6 +165,33 @@ pub struct TargetSummary<'a> {
     pub frees: u64,
     pub allocations_not_tracked: u64,
     pub stacks_lost: u64,
+}
+
+/// A process's workload labels in `/api/v1/targets`: each key always
+/// there, null when not known (outside a container, say), so that a
+/// client reads every entry alike.
+#[derive(Debug, Default, Serialize)]
+pub struct WorkloadLabels<'a> {
+    pub namespace: Option<&'a str>,
+    pub pod: Option<&'a str>,
+    pub container: Option<&'a str>,
+    pub uid: Option<&'a str>,
+    pub container_id: Option<&'a str>,
+    pub node: Option<&'a str>,
+}
+
+impl<'a> WorkloadLabels<'a> {
+    fn of(workload: Option<&'a Workload>) -> Self {
+        let Some(workload) = workload else { return Self::default() };
+        Self {
+            namespace: workload.namespace.as_deref(),
+            pod: workload.pod.as_deref(),
+            container: workload.container.as_deref(),
+            uid: workload.uid.as_deref(),
+            container_id: workload.container_id.as_deref(),
+            node: workload.node.as_deref(),
+        }
+    }
 }
 
 /// A report a request asks the collector for: one process's, or every
@@ -307,6 +334,27 @@ mod tests {
 
     fn report_of(bytes: u64) -> Report {
         Report { total_bytes: bytes, ..sample_report(1) }
+    }
+
+    #[test]
+    fn every_target_has_every_workload_label_null_when_unknown() {
+        let outside = serde_json::to_value(Followed::new(7, "/bin/x".to_owned(), None).summary()).unwrap();
+        let workload = Workload {
+            container: Some("web".to_owned()),
+            container_id: Some("podman://ab".to_owned()),
+            ..Workload::default()
+        };
+        let inside =
+            serde_json::to_value(Followed::new(8, "/bin/x".to_owned(), Some(workload)).summary()).unwrap();
+        for label in ["namespace", "pod", "container", "uid", "container_id", "node"] {
+            assert_eq!(outside[label], serde_json::Value::Null, "{label}: {outside:#}");
+            assert!(outside.as_object().unwrap().contains_key(label), "{label}: {outside:#}");
+        }
+        assert_eq!(
+            (inside["container"].as_str(), inside["container_id"].as_str()),
+            (Some("web"), Some("podman://ab"))
+        );
+        assert_eq!(inside["pod"], serde_json::Value::Null, "{inside:#}");
     }
 
     #[test]

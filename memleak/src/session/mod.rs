@@ -27,6 +27,7 @@ use crate::{
         container,
         feedback::{self, Excluded},
         identity::{HeldProcess, ProcessKey},
+        kubernetes,
         lifecycle::{self, ProcessError},
         AddressSpace, TargetEvent,
     },
@@ -53,6 +54,9 @@ pub enum SessionError {
     Tracer(#[from] TracerError),
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
+    /// A selector that cannot select (a --pod that is no expression).
+    #[error("{0}")]
+    Selector(String),
     #[error(transparent)]
     Btf(#[from] kernel_btf::BtfError),
     #[error("cannot read the mappings of pid {pid}: {source}")]
@@ -150,6 +154,9 @@ pub struct Session {
     /// With serve's --exe: the executables' file names whose processes
     /// are followed.
     exes: Vec<String>,
+    /// With serve's --namespace, --pod or --container-name: the
+    /// containers whose processes are followed.
+    workloads: Option<kubernetes::Selection>,
     /// Where the cgroup v2 hierarchy is mounted, to place a process's
     /// cgroup path; known when cgroups are followed.
     cgroup2_root: Option<std::path::PathBuf>,
@@ -239,6 +246,7 @@ impl Session {
             cgroup_filter: false,
             cgroups_to_come: CgroupsToCome::No,
             exes: Vec::new(),
+            workloads: None,
             cgroup2_root: None,
             named: HashSet::new(),
             launched: std::collections::VecDeque::new(),
@@ -358,6 +366,7 @@ impl Session {
         let mut cgroups = Vec::new();
         let mut exes = Vec::new();
         let mut cgroups_to_come = CgroupsToCome::No;
+        let mut workloads = None;
         for selector in selectors {
             match selector {
                 Selector::Pid(_) => {}
@@ -368,19 +377,27 @@ impl Session {
                     cgroups.push(Cgroup::open(&path)?);
                 }
                 Selector::Exe(name) => exes.push(name.clone()),
+                Selector::Workload(filter) => {
+                    workloads =
+                        Some(kubernetes::Selection::new(filter.clone()).map_err(SessionError::Selector)?);
+                }
             }
         }
         let mut tracer_config = TracerConfig {
             newcomer_execs: !cgroups.is_empty()
                 || !exes.is_empty()
-                || cgroups_to_come == CgroupsToCome::Awaited,
+                || cgroups_to_come == CgroupsToCome::Awaited
+                || workloads.is_some(),
             ignored_processes: excluded_pids(config),
             ..process_tracer_config(config)?
         };
         // BPF can check one cgroup subtree: with one cgroup and nothing
         // else followed, a process that leaves it stops being recorded.
         let cgroup_filter = cgroups_to_come == CgroupsToCome::No
-            && matches!((cgroups.as_slice(), pids.is_empty(), exes.is_empty()), ([_], true, true));
+            && matches!(
+                (cgroups.as_slice(), pids.is_empty(), exes.is_empty(), workloads.is_none()),
+                ([_], true, true, true)
+            );
         if let (true, Some(cgroup)) = (cgroup_filter, cgroups.first()) {
             tracer_config.cgroup_id = cgroup.id;
             tracer_config.cgroup_level = cgroup.level;
@@ -398,6 +415,7 @@ impl Session {
         session.cgroup_filter = cgroup_filter;
         session.cgroups_to_come = cgroups_to_come;
         session.exes = exes;
+        session.workloads = workloads;
         session.follow_newcomers();
         Ok(session)
     }

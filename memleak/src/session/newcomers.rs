@@ -110,7 +110,12 @@ impl Session {
             let newcomers = running.filter(|pid| !known.contains(pid) && seen.insert(*pid));
             candidates.extend(newcomers.map(|pid| CgroupProcess { pid, in_descendant: false }));
         }
-        let whose = if self.exes.is_empty() { " of the cgroup" } else { "" };
+        if let Some(workloads) = &mut self.workloads {
+            let running = workloads.processes().into_iter();
+            let newcomers = running.filter(|pid| !known.contains(pid) && seen.insert(*pid));
+            candidates.extend(newcomers.map(|pid| CgroupProcess { pid, in_descendant: false }));
+        }
+        let whose = if self.exes.is_empty() && self.workloads.is_none() { " of the cgroup" } else { "" };
         let mut added = CgroupCensus::default();
         for CgroupProcess { pid, in_descendant } in candidates {
             if self.take_in(pid, whose, false) {
@@ -295,9 +300,12 @@ impl Session {
     }
 
     /// Whether processes that start or join later are looked for: with
-    /// cgroups or executables followed.
+    /// cgroups, executables or pods followed.
     pub(super) fn follows_newcomers(&self) -> bool {
-        !self.cgroups.is_empty() || !self.exes.is_empty() || self.cgroups_to_come == CgroupsToCome::Awaited
+        !self.cgroups.is_empty()
+            || !self.exes.is_empty()
+            || self.cgroups_to_come == CgroupsToCome::Awaited
+            || self.workloads.is_some()
     }
 
     /// Follows the processes of cgroup `path` from now on, instead of
@@ -335,10 +343,13 @@ impl Session {
         Ok(())
     }
 
-    /// Whether process `pid` is one a cgroup or executable followed names.
-    fn selects(&self, pid: u32) -> bool {
+    /// Whether process `pid` is one a cgroup, executable or container
+    /// followed names.
+    fn selects(&mut self, pid: u32) -> bool {
         let exe_matches = !self.exes.is_empty() && runs_one_of(pid, &self.exes);
-        exe_matches || (!self.cgroups.is_empty() && self.in_followed_cgroup(pid))
+        exe_matches
+            || (!self.cgroups.is_empty() && self.in_followed_cgroup(pid))
+            || self.workloads.as_mut().is_some_and(|workloads| workloads.selects(pid))
     }
 
     /// Whether process `pid` is in a followed cgroup or below one (only in

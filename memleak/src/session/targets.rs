@@ -16,7 +16,7 @@ use crate::{
         CollectOptions,
     },
     model::{Frame, MappingKind, ModuleMapping, Truncation, Unwinding},
-    process::{container, identity::ProcessKey, lifecycle, AddressSpace},
+    process::{container, identity::ProcessKey, kubernetes, lifecycle, AddressSpace},
     python::{code::CodeCache, frames::PythonStacks, PythonRuntime},
     report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
     symbolize::{
@@ -57,6 +57,9 @@ pub enum Selector {
     /// A cgroup not there yet (a container not started), given later to
     /// `Session::follow_cgroup`: the session waits for it.
     CgroupToCome,
+    /// Every process of the containers whose pod and container names
+    /// match (serve's --namespace, --pod, --container-name).
+    Workload(kubernetes::WorkloadFilter),
 }
 
 /// Which stacks a round of reports keeps, and how many.

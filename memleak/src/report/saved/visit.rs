@@ -27,7 +27,7 @@ use serde::Deserialize;
 
 use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
-    Trend, Truncation, Unwinding,
+    Trend, Truncation, Unwinding, Workload,
 };
 use crate::{
     report::{Report, ReportStack},
@@ -179,6 +179,7 @@ enum ReportField {
     Pid,
     Program,
     NamespacePid,
+    Workload,
     TimeUnixMs,
     Allocator,
     MinAgeMs,
@@ -204,6 +205,7 @@ struct ReportFields {
     pid: Option<u32>,
     program: Option<String>,
     namespace_pid: Option<u32>,
+    workload: Option<Workload>,
     time_unix_ms: Option<u64>,
     allocator: Option<String>,
     min_age_ms: Option<u64>,
@@ -247,6 +249,7 @@ impl<'de> Visitor<'de> for ReportSeed<'_> {
                 ReportField::Pid => fields.pid = Some(map.next_value()?),
                 ReportField::Program => fields.program = Some(map.next_value()?),
                 ReportField::NamespacePid => fields.namespace_pid = map.next_value()?,
+                ReportField::Workload => fields.workload = map.next_value()?,
                 ReportField::TimeUnixMs => fields.time_unix_ms = Some(map.next_value()?),
                 ReportField::Allocator => fields.allocator = Some(map.next_value()?),
                 ReportField::MinAgeMs => fields.min_age_ms = Some(map.next_value()?),
@@ -285,6 +288,7 @@ impl ReportFields {
             pid: required(self.pid, "pid")?,
             program: required(self.program, "program")?,
             namespace_pid: self.namespace_pid,
+            workload: self.workload,
             time_unix_ms: required(self.time_unix_ms, "time_unix_ms")?,
             allocator: required(self.allocator, "allocator")?,
             min_age_ms: required(self.min_age_ms, "min_age_ms")?,
