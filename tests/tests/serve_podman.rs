@@ -242,7 +242,8 @@ fn a_container_is_waited_for_and_followed_again_when_redeployed() {
         let list = targets(&response);
         let target = list.iter().find(|target| target["pid"] == pid).unwrap();
         assert_eq!(target["outstanding_allocations"], 15, "{deployment}: {list:#?}");
-        assert_eq!(target["container"], id.as_str(), "{deployment}: {list:#?}");
+        assert_eq!(target["container"], name.as_str(), "{deployment}: {list:#?}");
+        assert_eq!(target["container_id"], format!("podman://{id}"), "{deployment}: {list:#?}");
         // `podman rm --force`: the container, its process and its cgroup go.
         drop(container);
         let gone =
