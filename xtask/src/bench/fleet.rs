@@ -26,8 +26,9 @@ const NAMESPACE: &str = "memleak-bench";
 const SCRAPES: usize = 5;
 /// The daemon's `FRESH_ENOUGH` is 500 ms: each scrape pays its round.
 const SCRAPE_SPACING: Duration = Duration::from_millis(700);
-/// Where the kubelet's besteffort pods go, systemd driver.
-const BESTEFFORT: &str = "/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice";
+/// Where the kubelet's besteffort pods go, systemd driver, below the
+/// cgroup v2 mount.
+const BESTEFFORT: &str = "kubepods.slice/kubepods-besteffort.slice";
 
 /// One endpoint's cost, the median of its scrapes.
 pub struct Scrape {
@@ -43,11 +44,12 @@ struct Pod {
 }
 
 impl Pod {
-    /// Pod `index`'s cgroup, and its annotations under `host_root`.
-    fn make(index: usize, host_root: &Path) -> Result<Self> {
+    /// Pod `index`'s cgroup below `pods`, and its annotations under
+    /// `host_root`.
+    fn make(index: usize, pods: &Path, host_root: &Path) -> Result<Self> {
         let uid = format!("00000000-0000-4000-8000-{index:012}");
         let container_id = format!("{:064x}", 0xbe0c_0000_u64 + index as u64);
-        let cgroup = Path::new(BESTEFFORT)
+        let cgroup = pods
             .join(format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")))
             .join(format!("cri-containerd-{container_id}.scope"));
         std::fs::create_dir_all(&cgroup).with_context(|| format!("cannot make {}", cgroup.display()))?;
@@ -94,7 +96,9 @@ impl Pod {
 pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
     let host_root = crate::root().join("target/bench/fleet-host");
     let _ = std::fs::remove_dir_all(&host_root);
-    let pods = (0..PODS).map(|index| Pod::make(index, &host_root)).collect::<Result<Vec<_>>>();
+    let cgroup2 = cgroup2_mount()?;
+    let besteffort = cgroup2.join(BESTEFFORT);
+    let pods = (0..PODS).map(|index| Pod::make(index, &besteffort, &host_root)).collect::<Result<Vec<_>>>();
     let measured = pods.and_then(|pods| {
         let host_root = host_root.to_str().context("a host root in UTF-8")?;
         let daemon = Daemon::start(memleak, &["--namespace", NAMESPACE, "--host-root", host_root])?;
@@ -105,11 +109,20 @@ pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
                     leakers.push(pod.start(leaker)?);
                 }
             }
+            // Probed before they allocate: a block allocated before its
+            // process was taken in is never seen.
+            wait_for_targets(&daemon, leakers.len())?;
             for leaker in &mut leakers {
                 super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
             }
             wait_for_pods(&daemon, &pods)?;
-            Ok([scrape(&daemon, "/metrics")?, scrape(&daemon, "/debug/pprof/allocs")?])
+            let scrapes = [scrape(&daemon, "/metrics")?, scrape(&daemon, "/debug/pprof/allocs")?];
+            // 200 processes' profile is tens of kilobytes gzipped: an
+            // empty one (under 100 bytes) is no measure of it.
+            if scrapes[1].bytes < 1024 {
+                bail!("the node-wide profile came back with {} bytes, no samples", scrapes[1].bytes);
+            }
+            Ok(scrapes)
         })();
         for mut leaker in leakers {
             let _ = leaker.kill();
@@ -117,9 +130,39 @@ pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
         }
         scraped.map(Vec::from)
     });
-    remove_pods();
+    remove_pods(&cgroup2);
     let _ = std::fs::remove_dir_all(&host_root);
     measured
+}
+
+/// Where cgroup v2 is mounted: `/sys/fs/cgroup`, or `/sys/fs/cgroup/unified`
+/// on a host that mounts v1 too.
+fn cgroup2_mount() -> Result<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    mounts
+        .lines()
+        .find_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_, point, kind) = (fields.next()?, fields.next()?, fields.next()?);
+            (kind == "cgroup2").then(|| PathBuf::from(point))
+        })
+        .context("no cgroup v2 mount")
+}
+
+/// Waits until the daemon lists `count` processes of the bench's pods.
+fn wait_for_targets(daemon: &Daemon, count: usize) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_mins(2);
+    let in_namespace = format!("\"namespace\":\"{NAMESPACE}\"");
+    loop {
+        let listed = get(daemon.port, "/api/v1/targets")?.matches(&in_namespace).count();
+        if listed == count {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the daemon took in {listed} of {count} leakers in 2 minutes");
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// Waits until `/metrics` names every pod's container and holds every
@@ -159,10 +202,11 @@ fn scrape(daemon: &Daemon, path: &'static str) -> Result<Scrape> {
     Ok(Scrape { path, median: times[SCRAPES / 2], bytes })
 }
 
-/// Removes the bench's pod cgroups, leaves first; the kubelet's own
-/// slices are left if they hold anything else.
-fn remove_pods() {
-    let Ok(pods) = std::fs::read_dir(BESTEFFORT) else { return };
+/// Removes the bench's pod cgroups below `cgroup2`, leaves first; the
+/// kubelet's own slices are left if they hold anything else.
+fn remove_pods(cgroup2: &Path) {
+    let besteffort = cgroup2.join(BESTEFFORT);
+    let Ok(pods) = std::fs::read_dir(&besteffort) else { return };
     for pod in
         pods.flatten().filter(|pod| pod.file_name().to_string_lossy().contains("pod00000000_0000_4000_8000"))
     {
@@ -173,8 +217,8 @@ fn remove_pods() {
         }
         let _ = std::fs::remove_dir(pod.path());
     }
-    let _ = std::fs::remove_dir(BESTEFFORT);
-    let _ = std::fs::remove_dir("/sys/fs/cgroup/kubepods.slice");
+    let _ = std::fs::remove_dir(&besteffort);
+    let _ = std::fs::remove_dir(cgroup2.join("kubepods.slice"));
 }
 
 pub fn print(scrapes: &Result<Vec<Scrape>>) {
