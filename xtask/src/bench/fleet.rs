@@ -8,7 +8,7 @@
 use std::{
     io::BufReader,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Child, ChildStderr, Command, Stdio},
     thread,
     time::{Duration, Instant},
 };
@@ -72,8 +72,9 @@ impl Pod {
     }
 
     /// A leaker in the pod's cgroup from its first instruction, held
-    /// until released.
-    fn start(&self, leaker: &Path) -> Result<Child> {
+    /// until released; with its stderr, kept open: a leaker whose stderr
+    /// is closed dies of SIGPIPE when it says "done".
+    fn start(&self, leaker: &Path) -> Result<(Child, BufReader<ChildStderr>)> {
         let mut child = Command::new("sh")
             .arg("-c")
             .arg(r#"echo $$ > "$1/cgroup.procs" && exec "$2" all --wait"#)
@@ -85,9 +86,9 @@ impl Pod {
             .stderr(Stdio::piped())
             .spawn()
             .context("cannot start a leaker")?;
-        let stderr = child.stderr.take().context("no stderr")?;
-        super::process::wait_for_line(&mut BufReader::new(stderr), "ready")?;
-        Ok(child)
+        let mut stderr = BufReader::new(child.stderr.take().context("no stderr")?);
+        super::process::wait_for_line(&mut stderr, "ready")?;
+        Ok((child, stderr))
     }
 }
 
@@ -112,7 +113,7 @@ pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
             // Probed before they allocate: a block allocated before its
             // process was taken in is never seen.
             wait_for_targets(&daemon, leakers.len())?;
-            for leaker in &mut leakers {
+            for (leaker, _) in &mut leakers {
                 super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
             }
             wait_for_pods(&daemon, &pods)?;
@@ -124,7 +125,7 @@ pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
             }
             Ok(scrapes)
         })();
-        for mut leaker in leakers {
+        for (mut leaker, _) in leakers {
             let _ = leaker.kill();
             let _ = leaker.wait();
         }
