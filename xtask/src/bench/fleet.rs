@@ -3,7 +3,9 @@
 //! driver, containerd), named only by containerd's annotation files under
 //! a `--host-root`, followed with `--namespace`. What one scrape of
 //! `/metrics` and of the node-wide `/debug/pprof/allocs` costs, time and
-//! size, against Alloy's default scrape timeout of 18 s.
+//! size, against Alloy's default scrape timeout of 18 s. And pods that
+//! come and go, one after another, under one daemon: what it holds
+//! before and after, and whether their series leave `/metrics`.
 
 use std::{
     io::BufReader,
@@ -15,7 +17,7 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use super::serve::{get, get_bytes, Daemon};
+use super::serve::{get, get_bytes, Daemon, Holdings, RETAINED_AND_FORGOTTEN, SOAK_RETAIN};
 
 /// Pods, and processes in each.
 const PODS: usize = 50;
@@ -69,6 +71,17 @@ impl Pod {
         });
         std::fs::write(bundle.join("config.json"), config.to_string())?;
         Ok(Self { cgroup, container_id })
+    }
+
+    /// Removes the pod as the kubelet does once its processes are gone:
+    /// its cgroups and its bundle.
+    fn remove(&self, host_root: &Path) -> Result<()> {
+        std::fs::remove_dir(&self.cgroup)?;
+        std::fs::remove_dir(self.cgroup.parent().context("a pod's cgroup")?)?;
+        std::fs::remove_dir_all(
+            host_root.join("run/containerd/io.containerd.runtime.v2.task/k8s.io").join(&self.container_id),
+        )?;
+        Ok(())
     }
 
     /// A leaker in the pod's cgroup from its first instruction, held
@@ -134,6 +147,128 @@ pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
     remove_pods(&cgroup2);
     let _ = std::fs::remove_dir_all(&host_root);
     measured
+}
+
+/// What the daemon holds before and after pods came and went.
+pub struct Churn {
+    pods: usize,
+    start: Holdings,
+    end: Holdings,
+    scrapes: u32,
+    failed_scrapes: u32,
+    /// `/metrics` series of the bench's namespace once every pod is gone
+    /// and past `--retain`: none is the goal.
+    series_left: usize,
+}
+
+/// The first churned pod's index, past the 50 pods' of `measure`.
+const CHURNED_FROM: usize = 1000;
+
+/// Starts `pods` pods one after another under one `memleak serve
+/// --namespace --retain`, each one's leakers followed to their last
+/// byte, then killed and the pod removed; `/metrics` and the node-wide
+/// profile are scraped after each.
+pub fn measure_churn(memleak: &Path, leaker: &Path, pods: usize) -> Result<Churn> {
+    let host_root = crate::root().join("target/bench/fleet-churn-host");
+    let _ = std::fs::remove_dir_all(&host_root);
+    let cgroup2 = cgroup2_mount()?;
+    let besteffort = cgroup2.join(BESTEFFORT);
+    let measured = (|| {
+        let root_text = host_root.to_str().context("a host root in UTF-8")?;
+        let daemon = Daemon::start(
+            memleak,
+            &["--namespace", NAMESPACE, "--host-root", root_text, "--retain", SOAK_RETAIN, "--interval", "1"],
+        )?;
+        // What is made once, for the first pod followed, is in place at
+        // the start.
+        come_and_go(&daemon, &Pod::make(CHURNED_FROM, &besteffort, &host_root)?, leaker, &host_root)?;
+        thread::sleep(RETAINED_AND_FORGOTTEN);
+        let start = daemon.holdings()?;
+        let (mut scrapes, mut failed_scrapes) = (0, 0);
+        for index in 1..=pods {
+            let pod = Pod::make(CHURNED_FROM + index, &besteffort, &host_root)?;
+            come_and_go(&daemon, &pod, leaker, &host_root)?;
+            for path in ["/metrics", "/debug/pprof/allocs"] {
+                scrapes += 1;
+                failed_scrapes += u32::from(get_bytes(daemon.port, path).is_err());
+            }
+        }
+        thread::sleep(RETAINED_AND_FORGOTTEN);
+        let end = daemon.holdings()?;
+        let in_namespace = format!("namespace=\"{NAMESPACE}\"");
+        let series_left = get(daemon.port, "/metrics")?.matches(&in_namespace).count();
+        Ok(Churn { pods, start, end, scrapes, failed_scrapes, series_left })
+    })();
+    remove_pods(&cgroup2);
+    let _ = std::fs::remove_dir_all(&host_root);
+    measured
+}
+
+/// One pod's life: its leakers start, are taken in, leak, are seen to
+/// hold every byte, and are killed; then the pod is removed.
+fn come_and_go(daemon: &Daemon, pod: &Pod, leaker: &Path, host_root: &Path) -> Result<()> {
+    let mut leakers = Vec::with_capacity(PER_POD);
+    let lived = (|| {
+        for _ in 0..PER_POD {
+            leakers.push(pod.start(leaker)?);
+        }
+        let container_id = format!("containerd://{}", pod.container_id);
+        poll_until("the pod's leakers listed", || {
+            Ok(get(daemon.port, "/api/v1/targets")?.matches(&container_id).count() == PER_POD)
+        })?;
+        for (leaker, _) in &mut leakers {
+            super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
+        }
+        let held = format!("container_id=\"{container_id}\"");
+        poll_until("the pod's leakers' bytes in /metrics", || {
+            let metrics = get(daemon.port, "/metrics")?;
+            Ok(metrics
+                .lines()
+                .filter(|line| line.starts_with("memleak_outstanding_bytes{") && line.contains(&held))
+                .filter(|line| line.ends_with(" 17264"))
+                .count()
+                == PER_POD)
+        })
+    })();
+    for (mut leaker, _) in leakers {
+        let _ = leaker.kill();
+        let _ = leaker.wait();
+    }
+    lived?;
+    pod.remove(host_root)
+}
+
+/// Polls `done` every 100 ms, for a minute at most.
+fn poll_until(what: &str, mut done: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_mins(1);
+    while !done()? {
+        if Instant::now() > deadline {
+            bail!("no {what} in a minute");
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+pub fn print_churn(churn: &Result<Churn>) {
+    let churn = match churn {
+        Ok(churn) => churn,
+        Err(error) => {
+            println!("\nmemleak serve on a node, pods coming and going\n  not measured: {error:#}");
+            return;
+        }
+    };
+    println!(
+        "\nmemleak serve on a node, {} pods of {PER_POD} leakers coming and going one after another, \
+         --namespace {NAMESPACE} --retain {SOAK_RETAIN} --interval 1",
+        churn.pods
+    );
+    Holdings::print_change(churn.start, churn.end);
+    println!(
+        "  {} scrapes of /metrics and /debug/pprof/allocs, {} failed; {} series of the namespace left once every \
+         pod is gone (goal 0)",
+        churn.scrapes, churn.failed_scrapes, churn.series_left
+    );
 }
 
 /// Where cgroup v2 is mounted: `/sys/fs/cgroup`, or `/sys/fs/cgroup/unified`

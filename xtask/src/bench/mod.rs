@@ -85,7 +85,7 @@ const QUICK: Settings = Settings {
     runs: 3,
     latency_allocations: &[10_000, 100_000],
     redis_requests: 20_000,
-    soak: serve::SoakPlan { duration: Duration::from_secs(40), processes: 20 },
+    soak: serve::SoakPlan { duration: Duration::from_secs(40), processes: 20, pods: 20 },
     python: python_frames::Plan { allocations: 10_000, loops: 3, rounds: 3 },
 };
 const FULL: Settings = Settings {
@@ -94,7 +94,7 @@ const FULL: Settings = Settings {
     runs: 5,
     latency_allocations: &[10_000, 100_000, 1_000_000],
     redis_requests: 100_000,
-    soak: serve::SoakPlan { duration: Duration::from_mins(4), processes: 100 },
+    soak: serve::SoakPlan { duration: Duration::from_mins(4), processes: 100, pods: 100 },
     python: python_frames::Plan { allocations: 20_000, loops: 5, rounds: 9 },
 };
 
@@ -243,6 +243,8 @@ fn daemon(memleak: &std::path::Path, spread: &std::path::Path, soak: &serve::Soa
     serve::print_soak(soak, &serve::soak(memleak, &leaker, soak));
     eprintln!("bench: memleak serve on a node of 50 pods");
     fleet::print(&fleet::measure(memleak, &leaker));
+    eprintln!("bench: memleak serve on a node, {} pods coming and going", soak.pods);
+    fleet::print_churn(&fleet::measure_churn(memleak, &leaker, soak.pods));
     Ok(())
 }
 

@@ -101,18 +101,33 @@ pub fn print_scrapes(allocations: u64, costs: &Result<Vec<ScrapeCost>>) {
     }
 }
 
-/// How long the soak lasts, and how many processes come and go in it.
+/// How long the soak lasts, and how many processes come and go in it;
+/// and how many pods come and go on a node.
 pub struct SoakPlan {
     pub duration: Duration,
     pub processes: u32,
+    pub pods: usize,
 }
 
 /// What the daemon holds at one moment.
 #[derive(Clone, Copy)]
-struct Holdings {
+pub(super) struct Holdings {
     rss_kib: u64,
     descriptors: u64,
     map_entries: u64,
+}
+
+impl Holdings {
+    /// Prints `start` and `end` side by side, with their ratio.
+    pub(super) fn print_change(start: Self, end: Self) {
+        println!("  {:<26} {:>10} {:>10} {:>9}", "", "start", "end", "end/start");
+        let row = |name: &str, start: u64, end: u64| {
+            println!("  {name:<26} {start:>10} {end:>10} {:>9.2}", end as f64 / start.max(1) as f64);
+        };
+        row("RSS (KiB)", start.rss_kib, end.rss_kib);
+        row("open descriptors", start.descriptors, end.descriptors);
+        row("BPF map entries", start.map_entries, end.map_entries);
+    }
 }
 
 pub struct Soak {
@@ -128,11 +143,11 @@ pub struct Soak {
 }
 
 /// Followed processes are forgotten this long after they exit.
-const SOAK_RETAIN: &str = "5s";
+pub(super) const SOAK_RETAIN: &str = "5s";
 
 /// Past `SOAK_RETAIN`, with a second to spare: every process that exited
 /// is forgotten.
-const RETAINED_AND_FORGOTTEN: Duration = Duration::from_secs(7);
+pub(super) const RETAINED_AND_FORGOTTEN: Duration = Duration::from_secs(7);
 
 /// Runs `memleak serve --exe` on `soak_leaker` (the leaker, built under
 /// a name of its own), and starts `plan.processes` short-lived leakers
@@ -190,13 +205,7 @@ pub fn print_soak(plan: &SoakPlan, soak: &Result<Soak>) {
             return;
         }
     };
-    println!("  {:<26} {:>10} {:>10} {:>9}", "", "start", "end", "end/start");
-    let row = |name: &str, start: u64, end: u64| {
-        println!("  {name:<26} {start:>10} {end:>10} {:>9.2}", end as f64 / start.max(1) as f64);
-    };
-    row("RSS (KiB)", soak.start.rss_kib, soak.end.rss_kib);
-    row("open descriptors", soak.start.descriptors, soak.end.descriptors);
-    row("BPF map entries", soak.start.map_entries, soak.end.map_entries);
+    Holdings::print_change(soak.start, soak.end);
     let failed: u32 = soak.failed_scrapes.values().sum();
     println!(
         "  {} of {} processes followed (a first one came and went before the start); {} scrapes, {failed} not answered 200",
@@ -401,7 +410,7 @@ impl Daemon {
             .sum())
     }
 
-    fn holdings(&self) -> Result<Holdings> {
+    pub(super) fn holdings(&self) -> Result<Holdings> {
         let pid = self.child.id();
         let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
         let rss_kib = status
