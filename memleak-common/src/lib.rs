@@ -28,7 +28,7 @@ pub use names::{
     programs, tunables, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, CGROUP_FILTER_MAP, CGROUP_LEVEL_UNKNOWN,
     EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
     PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
-    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
 };
 pub use python::PyProcConfig;
 pub use records::{
@@ -37,8 +37,8 @@ pub use records::{
     COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE,
 };
 pub use unwind::{
-    ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkEnd, MAX_EXEC_MAPPINGS,
-    RULE_CACHE_ENTRIES,
+    ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkCount, WalkCounts, WalkEnd,
+    MAX_EXEC_MAPPINGS, RULE_CACHE_ENTRIES,
 };
 
 #[cfg(feature = "user")]

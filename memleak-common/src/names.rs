@@ -49,6 +49,9 @@ pub const UNWIND_RESCANS_MAP: &str = "UNWIND_RESCANS";
 /// Process id (u32) -> [`PyProcConfig`](crate::PyProcConfig): the CPython
 /// processes whose stacks get their Python frames.
 pub const PY_PROCS_MAP: &str = "PY_PROCS";
+/// Per-CPU [`WalkCounts`](crate::WalkCounts): how much of their stacks
+/// the table walks took from the last walk of their thread.
+pub const WALK_COUNTS_MAP: &str = "WALK_COUNTS";
 
 /// Load-time tunables: read-only globals in the BPF object, set by the
 /// loader (libbpf-tools' `const volatile` pattern).
@@ -59,6 +62,9 @@ pub mod tunables {
     pub const MAX_SIZE: &str = "MAX_SIZE";
     /// u32: frames kept per stack, at most [`crate::MAX_STACK_DEPTH`].
     pub const STACK_DEPTH: &str = "STACK_DEPTH";
+    /// u32: 1 to take the frames a thread's stack still shares with its
+    /// last walk, checked; 0 to walk every frame (--no-stack-reuse).
+    pub const STACK_REUSE: &str = "STACK_REUSE";
     /// u32: record about one allocation in this many (1: all).
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
     /// u32: 1 to send a [`crate::TraceEvent`] per allocation and free.

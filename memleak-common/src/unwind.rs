@@ -163,6 +163,31 @@ pub struct RuleCacheEntry {
 /// Entries in each CPU's cache of rules, a power of two.
 pub const RULE_CACHE_ENTRIES: usize = 1024;
 
+/// Each CPU's counts of its table walks, the value of
+/// [`WALK_COUNTS_MAP`](crate::WALK_COUNTS_MAP), indexed by
+/// [`WalkCount`]; user space sums the CPUs.
+pub type WalkCounts = [u64; WalkCount::ALL.len()];
+
+/// The slots of [`WalkCounts`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalkCount {
+    /// User stacks walked with unwind tables.
+    Walks = 0,
+    /// Of those, the walks that took frames unchanged from the last walk
+    /// of their thread.
+    ReusingWalks = 1,
+    /// Frames of all the walks.
+    Frames = 2,
+    /// Of those, the frames taken unchanged, each checked on the stack.
+    FramesReused = 3,
+}
+
+impl WalkCount {
+    pub const ALL: [WalkCount; 4] =
+        [WalkCount::Walks, WalkCount::ReusingWalks, WalkCount::Frames, WalkCount::FramesReused];
+}
+
 /// How a stack walk ended, kept with the stack in
 /// [`StackKey::end`](crate::StackKey).
 #[repr(u32)]

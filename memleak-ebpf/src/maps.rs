@@ -9,8 +9,8 @@ use aya_ebpf::{
 };
 use memleak_common::{
     Allocation, AllocationKey, AllocatorCode, MappingEvent, PendingCall, PendingMapping, ProcessCounters,
-    ProcessMappings, PyProcConfig, RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow,
-    RULE_CACHE_ENTRIES,
+    ProcessMappings, PyProcConfig, RuleCacheEntry, StackKey, StackSlot, StackTotals, UnwindRow, WalkCounts,
+    MAX_STACK_DEPTH, RULE_CACHE_ENTRIES,
 };
 
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
@@ -123,6 +123,19 @@ pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0
 pub static RULE_CACHE: PerCpuArray<[RuleCacheEntry; RULE_CACHE_ENTRIES]> =
     PerCpuArray::with_max_entries(1, 0);
 
+/// Each CPU's last table walk and the one under way: see `unwind::reuse`.
+#[map(name = "WALK_CACHES")]
+pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(1, 0);
+
+/// Each CPU's copy of a stretch of the stack, to check cached frames
+/// against: see `unwind::reuse`.
+#[map(name = "STACK_WINDOW")]
+pub static STACK_WINDOW: PerCpuArray<[u64; STACK_WINDOW_WORDS]> = PerCpuArray::with_max_entries(1, 0);
+
+/// Each CPU's counts of its table walks: see `memleak_common::WalkCount`.
+#[map(name = "WALK_COUNTS")]
+pub static WALK_COUNTS: PerCpuArray<WalkCounts> = PerCpuArray::with_max_entries(1, 0);
+
 /// What the return probes leave for `record_with_user_stack`: see
 /// `deferred`.
 #[map(name = "PENDING_RECORD")]
@@ -151,4 +164,73 @@ pub struct LastStack {
     pub known: u64,
     pub id: u64,
     pub key: StackKey,
+}
+
+/// Frames a `WalkCache` holds, a power of two past `MAX_STACK_DEPTH`:
+/// indices are masked with it.
+pub const CACHED_FRAMES: usize = 128;
+const _: () = assert!(CACHED_FRAMES >= MAX_STACK_DEPTH && CACHED_FRAMES.is_power_of_two());
+
+/// Words of `STACK_WINDOW`: 4 KiB, a power of two.
+pub const STACK_WINDOW_WORDS: usize = 512;
+
+/// One table walk's frames, innermost first: each one's registers as the
+/// walk found them, and where its rbp came from (see `unwind::reuse`).
+#[repr(C)]
+pub struct WalkCache {
+    /// The thread walked.
+    pub tid: u32,
+    pub tgid: u32,
+    /// The generation of the process's table the walk used.
+    pub generation: u32,
+    /// Frames walked; 0 for none.
+    pub depth: u32,
+    /// How the walk ended, a `WalkEnd`.
+    pub end: u32,
+    /// 1 if `stack_id` is the id its stack was stored under.
+    pub stack_known: u32,
+    pub stack_id: u64,
+    pub pcs: [u64; CACHED_FRAMES],
+    pub sps: [u64; CACHED_FRAMES],
+    pub bps: [u64; CACHED_FRAMES],
+    pub slots: [u8; CACHED_FRAMES],
+}
+
+/// The value of `WALK_CACHES`: the last walk and the one under way, which
+/// swap when it ends.
+#[repr(C)]
+pub struct WalkCaches {
+    /// Which of `caches` holds the last walk.
+    pub current: u32,
+    pub _padding: u32,
+    pub progress: ReuseProgress,
+    pub caches: [WalkCache; 2],
+}
+
+/// Where the walk under way stands in the last one. In map memory, not on
+/// the BPF stack, where the verifier would know each value and check every
+/// iteration of the walk once per value (see `unwind::tables::Walk`).
+#[repr(C)]
+pub struct ReuseProgress {
+    /// 1 if the last walk is of the same thread under the same table, and
+    /// the walk under way has taken none of its frames yet.
+    pub usable: u32,
+    /// 1 once the walk is at a frame of the last walk.
+    pub matched: u32,
+    /// 1 if that frame is the first of both walks.
+    pub from_first: u32,
+    pub _padding: u32,
+    /// The next cached frame to compare the walk's frames with.
+    pub cursor: u32,
+    /// Frames taken from the cache so far.
+    pub reused: u32,
+    /// While frames are checked: the cached frame to check next, and
+    /// where it goes in the walk; and where the checking began.
+    pub next: u32,
+    pub index: u32,
+    pub first_cached: u32,
+    pub first_index: u32,
+    /// The stack's bytes `low..high` are in `STACK_WINDOW`.
+    pub low: u64,
+    pub high: u64,
 }

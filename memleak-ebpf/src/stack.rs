@@ -75,7 +75,12 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     let walked = if user {
         unwind::user_stack(ctx, tgid, key, 2 * python)
     } else {
-        Walked { depth: unwind::kernel_stack(ctx, &mut key.frames)?, end: WalkEnd::Root as u32 }
+        Walked {
+            depth: unwind::kernel_stack(ctx, &mut key.frames)?,
+            end: WalkEnd::Root as u32,
+            cached: false,
+            unchanged: false,
+        }
     };
     key.end = walked.end;
     let depth = walked.depth;
@@ -87,6 +92,35 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     let python = python::append(key, depth_of(key) as u32, python);
     // SAFETY: as above.
     unsafe { core::ptr::write_volatile(&raw mut key.python_depth, python) };
+    if walked.unchanged {
+        if let Some(id) = unchanged_stack(tgid, depth) {
+            return Some(id);
+        }
+        // Its stack is gone with its process: the frames are needed.
+        unwind::copy_last_walk(key);
+    }
+    let id = stored_id(key);
+    if walked.cached {
+        unwind::remember_stack_id(id.filter(|_| python == 0));
+    }
+    id
+}
+
+/// The id of the stack the last walk found, when this walk found the same
+/// frames (and no Python ones: see `unwind::tables::walk`), if it is still
+/// stored as that process's stack of `depth` frames. A stack is forgotten
+/// only with its process, whose pid a new one may take.
+fn unchanged_stack(tgid: u32, depth: u32) -> Option<u64> {
+    let id = unwind::last_stack_id()?;
+    // SAFETY: the value of a live entry, written once before its id was
+    // published.
+    let stored = unsafe { &*STACKS.get_ptr(id)? };
+    (stored.tgid == tgid && depth_of(stored) == depth as usize && python_depth_of(stored) == 0).then_some(id)
+}
+
+/// The id of stack `key`: this CPU's last stack's, or the id it is stored
+/// under (stored now if new).
+fn stored_id(key: &mut StackKey) -> Option<u64> {
     let last = LAST_STACK.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, like the scratch key.
     let last: &mut LastStack = unsafe { &mut *last };

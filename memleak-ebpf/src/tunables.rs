@@ -11,6 +11,8 @@ static MAX_SIZE: u64 = u64::MAX;
 #[unsafe(no_mangle)]
 static STACK_DEPTH: u32 = MAX_STACK_DEPTH as u32;
 #[unsafe(no_mangle)]
+static STACK_REUSE: u32 = 1;
+#[unsafe(no_mangle)]
 static SAMPLE_RATE: u32 = 1;
 #[unsafe(no_mangle)]
 static TRACE: u32 = 0;
@@ -53,6 +55,13 @@ pub fn stack_depth() -> u32 {
     } else {
         depth
     }
+}
+
+/// Whether stack walks take the frames a thread's stack still shares
+/// with its last walk.
+pub fn stack_reuse() -> bool {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&raw const STACK_REUSE) != 0 }
 }
 
 /// Whether to record the allocation call starting now: about one in

@@ -186,6 +186,13 @@ pub struct Probing {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_UNWIND_ROWS, value_parser = clap::value_parser!(u32).range(1..=MAX_UNWIND_ROWS))]
     pub max_unwind_rows: u32,
 
+    /// Walk every frame of every stack, as memleak did before it took the
+    /// frames a thread's stack still shares with its last walk (each one
+    /// checked on the stack). For checking and measuring: the stacks are
+    /// the same, found more slowly.
+    #[arg(long)]
+    pub no_stack_reuse: bool,
+
     /// Frames kept per stack (1 to 127).
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_STACK_DEPTH, value_parser = clap::value_parser!(u32).range(1..=127))]
     pub max_stack_depth: u32,

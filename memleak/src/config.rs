@@ -260,6 +260,7 @@ fn tracer_settings(probing: &Probing, trace_events: bool) -> TracerSettings {
             Unwind::Fp => Unwinding::FramePointers,
         },
         max_unwind_rows: probing.max_unwind_rows,
+        stack_reuse: !probing.no_stack_reuse,
         python_max_frames: (probing.python == PythonFrames::Auto).then_some(probing.max_python_depth),
     }
 }

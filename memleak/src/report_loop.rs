@@ -323,6 +323,9 @@ fn report_round(
     let started = Instant::now();
     let reports = session.collect(only, &config.request())?;
     let latency = started.elapsed();
+    if let Some(counts) = session.walk_counts() {
+        sinks.stats.stack_walks(&counts)?;
+    }
     // A document on stdout is written once, at the end.
     let skip_output = !sinks.output.takes_every_report() && !final_round;
     let mut written = Vec::new();

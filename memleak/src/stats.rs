@@ -7,7 +7,10 @@
 //! - `report`: a report's size, and how long it took from reading the maps
 //!   to the report;
 //! - `unwind_tables`: what a process's unwind table took to build, and
-//!   what the tables of every process hold.
+//!   what the tables of every process hold;
+//! - `stack_walks`: with each round of reports, the user stacks walked
+//!   with unwind tables so far, and how much of them was taken unchanged
+//!   from the thread's last walk.
 //!
 //! Fields are only ever added.
 
@@ -18,6 +21,7 @@ use std::{
     time::Duration,
 };
 
+use memleak_common::{WalkCount, WalkCounts};
 use serde::Serialize;
 
 use crate::{
@@ -65,6 +69,12 @@ enum Record<'a> {
         #[serde(skip_serializing_if = "Option::is_none")]
         attached_ms: Option<f64>,
         start_ms: f64,
+    },
+    StackWalks {
+        walks: u64,
+        reusing_walks: u64,
+        frames: u64,
+        frames_reused: u64,
     },
     UnwindTables {
         pid: u32,
@@ -167,6 +177,16 @@ impl Stats {
             bytes: report.total_bytes,
             latency_ms: latency.as_secs_f64() * 1000.0,
             written_ms: written.as_secs_f64() * 1000.0,
+        })
+    }
+
+    /// The table walks so far (`memleak_common::WalkCount`).
+    pub fn stack_walks(&mut self, counts: &WalkCounts) -> Result<(), StatsError> {
+        self.write(&Record::StackWalks {
+            walks: counts[WalkCount::Walks as usize],
+            reusing_walks: counts[WalkCount::ReusingWalks as usize],
+            frames: counts[WalkCount::Frames as usize],
+            frames_reused: counts[WalkCount::FramesReused as usize],
         })
     }
 

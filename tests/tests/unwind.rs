@@ -2,7 +2,7 @@
 //! library loaded later, a signal handler, and real interpreters, each
 //! walked through its unwind tables in BPF.
 
-use std::process::Command;
+use std::{collections::BTreeMap, process::Command};
 
 use memleak_tests::{Leaker, Memleak};
 use serde_json::Value;
@@ -320,4 +320,109 @@ fn code_in_anonymous_memory_is_named_as_such() {
     assert_eq!(stack["frames"][1]["function"], "run_jit", "{stack:#}");
     assert_eq!(stack["frames"][1]["line"], memleak_tests::marker_line("jit", "jit-call"), "{stack:#}");
     assert_eq!(stack["frames"][2]["function"], "main", "{stack:#}");
+}
+
+/// Rounds of `call_paths`: 24, so that each depth of `dive` is
+/// interrupted by the signal twice.
+const CALL_PATH_ROUNDS: u64 = 24;
+/// `call_paths`'s recursion depth (its DIVE).
+const DIVE: u64 = 12;
+
+/// A report's stacks: by their frames' functions and lines, their bytes
+/// and allocations.
+type Stacks = BTreeMap<Vec<(String, u64)>, (u64, u64)>;
+
+/// The stacks of a run of `call_paths` under memleak with `memleak_args`,
+/// and memleak's --stats records.
+fn call_path_stacks(memleak_args: &[&str]) -> (Stacks, Vec<Value>) {
+    let dir = memleak_tests::workspace_root().join("target/fixtures/call-paths");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stats = dir.join(format!("stats{}.jsonl", memleak_args.join("")));
+    let _ = std::fs::remove_file(&stats);
+    let stats_path = stats.to_str().unwrap();
+    let mut program = Command::new(memleak_tests::optimized("call_paths"));
+    program.args([&CALL_PATH_ROUNDS.to_string(), "--wait"]);
+    let mut args = vec!["--stats", stats_path];
+    args.extend_from_slice(memleak_args);
+    let report = final_report(program, &args);
+    let stacks = report["stacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|stack| {
+            let frames = stack["frames"].as_array().unwrap().iter();
+            let frames = frames
+                .map(|frame| {
+                    (
+                        frame["function"].as_str().unwrap_or("?").to_owned(),
+                        frame["line"].as_u64().unwrap_or(0),
+                    )
+                })
+                .collect();
+            (frames, (stack["bytes"].as_u64().unwrap(), stack["allocations"].as_u64().unwrap()))
+        })
+        .collect();
+    let records = std::fs::read_to_string(&stats).unwrap();
+    (stacks, records.lines().map(|line| serde_json::from_str(line).unwrap()).collect())
+}
+
+/// The last `stack_walks` record: (walks reusing frames, frames reused).
+fn reuse_of(records: &[Value]) -> (u64, u64) {
+    let walks =
+        records.iter().rfind(|record| record["event"] == "stack_walks").expect("a stack_walks record");
+    (walks["reusing_walks"].as_u64().unwrap(), walks["frames_reused"].as_u64().unwrap())
+}
+
+#[test]
+fn call_paths_that_change_at_every_depth_are_the_stacks_a_full_walk_finds() {
+    let (reusing, reuse) = call_path_stacks(&[]);
+    let (full, full_walks) = call_path_stacks(&["--no-stack-reuse"]);
+    assert_eq!(reuse_of(&full_walks), (0, 0), "--no-stack-reuse walks every frame");
+    let (reusing_walks, frames_reused) = reuse_of(&reuse);
+    assert!(reusing_walks > 0 && frames_reused > reusing_walks, "frames were reused: {reuse:#?}");
+    assert_eq!(reusing, full, "the stacks found reusing frames are those of full walks");
+
+    // The one stack whose blocks all have `size` bytes: its functions and
+    // allocations.
+    let of_size = |size: u64| -> (Vec<&str>, u64) {
+        let stacks: Vec<_> =
+            reusing.iter().filter(|(_, (bytes, allocations))| *bytes == size * allocations).collect();
+        assert_eq!(stacks.len(), 1, "one stack of {size}-byte blocks: {reusing:#?}");
+        let (frames, (_, allocations)) = stacks[0];
+        (frames.iter().map(|(function, _)| function.as_str()).collect(), *allocations)
+    };
+    let main = ["run_round", "main", "__libc_start_call_main"];
+    // One leaf, four callers with frames of one size.
+    for (size, caller) in [(1001, "via_a"), (1002, "via_b"), (1003, "via_c"), (1004, "via_d")] {
+        let (frames, allocations) = of_size(size);
+        assert_eq!(frames[..5], [&["leaf", caller][..], &main].concat(), "{size}");
+        assert_eq!(allocations, CALL_PATH_ROUNDS, "{size}");
+    }
+    for depth in 0..DIVE {
+        let dives = vec!["dive"; usize::try_from(depth).unwrap() + 1];
+        // Down and up: each depth's two allocations, below `depth + 1`
+        // frames of dive.
+        for size in [2000 + depth, 3000 + depth] {
+            let (frames, allocations) = of_size(size);
+            assert_eq!(frames[..dives.len() + 3], [&dives[..], &main].concat(), "{size}: {frames:?}");
+            assert_eq!(allocations, CALL_PATH_ROUNDS, "{size}");
+        }
+        // The handler, on the stack it interrupted at that depth.
+        let (frames, allocations) = of_size(4000 + depth);
+        assert_eq!(frames[..2], ["leak_in_handler", "on_signal"], "{frames:?}");
+        let interrupted =
+            frames.iter().position(|function| *function == "dive").expect("dive under the handler");
+        assert_eq!(
+            frames[interrupted..interrupted + dives.len() + 3],
+            [&dives[..], &main].concat(),
+            "{frames:?}"
+        );
+        assert_eq!(allocations, CALL_PATH_ROUNDS / DIVE, "{}", 4000 + depth);
+    }
+    // Two threads, the second on the stack the first left.
+    for (size, body) in [(5001, "first_thread"), (5002, "second_thread")] {
+        let (frames, allocations) = of_size(size);
+        assert_eq!(frames[..4], ["leaf", "thread_leak", body, "start_thread"], "{size}");
+        assert_eq!(allocations, CALL_PATH_ROUNDS, "{size}");
+    }
 }

@@ -66,6 +66,9 @@ enum Task {
         /// Only what Python frames cost, on Debian's python3.11.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only"])]
         python_only: bool,
+        /// Only what a stack's depth costs, against heaptrack.
+        #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only"])]
+        depth_only: bool,
     },
 }
 
@@ -74,11 +77,12 @@ fn main() -> Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
-        Task::Bench { quick, serve_only, save_only, python_only } => {
-            let part = match (serve_only, save_only, python_only) {
-                (true, _, _) => bench::Part::Serve,
-                (_, true, _) => bench::Part::Save,
-                (_, _, true) => bench::Part::Python,
+        Task::Bench { quick, serve_only, save_only, python_only, depth_only } => {
+            let part = match (serve_only, save_only, python_only, depth_only) {
+                (true, ..) => bench::Part::Serve,
+                (_, true, ..) => bench::Part::Save,
+                (_, _, true, _) => bench::Part::Python,
+                (.., true) => bench::Part::Depth,
                 _ => bench::Part::All,
             };
             bench::run(quick, part)

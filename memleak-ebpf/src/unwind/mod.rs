@@ -5,6 +5,7 @@
 
 mod frame_pointer;
 mod kernel;
+mod reuse;
 mod tables;
 
 use aya_ebpf::EbpfContext;
@@ -20,7 +21,16 @@ pub struct Walked {
     pub depth: u32,
     /// A `WalkEnd`.
     pub end: u32,
+    /// Whether the walk is its CPU's last cached one (see `reuse`), whose
+    /// stack id `remember_stack_id` notes.
+    pub cached: bool,
+    /// Whether it found exactly the frames of the cached walk before it,
+    /// whose stack id `last_stack_id` gives. The key's frames are then
+    /// not filled in: `copy_last_walk` does it.
+    pub unchanged: bool,
 }
+
+pub use reuse::{copy_last_walk, last_stack_id, remember_stack_id};
 
 /// The user stack of process `tgid`, from a return probe: through its
 /// table of executable mappings when user space gave it one (with unwind
@@ -32,9 +42,9 @@ pub struct Walked {
 pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, key: &mut StackKey, reserved: u32) -> Walked {
     let limit = tunables::stack_depth().saturating_sub(reserved).max(1);
     if let Some(mappings) = PROCESS_MAPPINGS.get_ptr(tgid) {
-        return tables::walk(ctx, tgid, mappings, key, limit);
+        return tables::walk(ctx, tgid, mappings, key, limit, reserved != 0);
     }
     // No table yet: the process has just been found, or just started.
     let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames, limit);
-    Walked { depth, end: WalkEnd::FramePointers as u32 }
+    Walked { depth, end: WalkEnd::FramePointers as u32, cached: false, unchanged: false }
 }

@@ -8,6 +8,9 @@
 //! Code without rows (JIT code, objects without unwind information) gets
 //! a frame-pointer step, kept only if it lands in known code: a junk frame
 //! would split one call path into many stacks.
+//!
+//! At each frame, the frames above it may be taken from the last walk of
+//! the thread instead: see `reuse`.
 
 use core::ffi::c_void;
 
@@ -21,7 +24,10 @@ use memleak_common::{
     MAX_STACK_DEPTH, RULE_CACHE_ENTRIES,
 };
 
-use super::Walked;
+use super::{
+    reuse::{self, Frame, SLOT_SIGNAL},
+    Walked,
+};
 use crate::maps::{RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS};
 
 /// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
@@ -63,28 +69,79 @@ struct Walk {
 }
 
 /// Walks the user stack of process `tgid` from the registers of a return
-/// probe (there they are the caller's, so its frame is the first).
+/// probe (there they are the caller's, so its frame is the first). With
+/// `python_frames` (walked before), the key's frames are always filled;
+/// without, a stack found unchanged leaves them to `copy_last_walk`.
 pub fn walk<C: EbpfContext>(
     ctx: &C,
     tgid: u32,
     mappings: *const ProcessMappings,
     key: &mut StackKey,
     limit: u32,
+    python_frames: bool,
 ) -> Walked {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
     let (ip, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
     key.frames[0] = ip;
     set_depth(key, 1);
+    // SAFETY: a live map value, as in `next_frame`.
+    let generation = unsafe { (*mappings).generation };
+    reuse::begin(tgid, generation);
     let mut walk =
         Walk { pc: ip, sp, bp, mappings, key, tgid, exact_pc: 0, end: WalkEnd::DepthLimit as u32, limit };
-    // SAFETY: the helper calls `step` at most `limit` times with a pointer
-    // to `walk`, which outlives the call.
-    unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(limit, step as *mut c_void, (&raw mut walk).cast(), 0);
+    let first = Frame { pc: ip, sp, bp, slot: 0 };
+    reuse::note(0, &first);
+    // Steps from the leaf until a frame is one of the last walk's, then
+    // the unchanged frames above it, then steps on to the end. Not from
+    // within a step: the nested loops' stacks would not fit.
+    if !reuse::matches(0, &first) {
+        take_steps(&mut walk);
+    }
+    let mut unchanged = false;
+    if reuse::matched() {
+        let checked = reuse::check_unchanged(walk.limit);
+        if let Some(taken) = &checked {
+            // SAFETY: the scratch key, valid for this program run.
+            set_depth(unsafe { &mut *walk.key }, taken.depth);
+            walk.pc = taken.frame.pc;
+            walk.sp = taken.frame.sp;
+            walk.bp = taken.frame.bp;
+            walk.exact_pc = 0;
+        }
+        // The frames of a stack found unchanged need no copy: its id is
+        // known.
+        let maybe_unchanged = checked.is_some() && !python_frames && reuse::whole_last_walk_checked();
+        if !maybe_unchanged {
+            reuse::copy_checked(walk.key);
+        }
+        take_steps(&mut walk);
+        if maybe_unchanged {
+            // SAFETY: as above.
+            unchanged = reuse::ended_as_last(depth(unsafe { &*walk.key }), walk.end);
+            if !unchanged {
+                reuse::copy_checked(walk.key);
+            }
+        }
     }
     // SAFETY: the key `walk` pointed at, alive for this program run.
-    Walked { depth: depth(unsafe { &*walk.key }), end: walk.end }
+    let depth = depth(unsafe { &*walk.key });
+    reuse::end(depth, walk.end, unchanged);
+    Walked { depth, end: walk.end, cached: true, unchanged }
+}
+
+/// Steps until the walk ends, or reaches a frame of the last walk.
+fn take_steps(walk: &mut Walk) {
+    // SAFETY: the helper calls `step` at most `limit` times with a pointer
+    // to `walk`, which outlives the call. Each call takes a frame, or ends.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            walk.limit,
+            step as *mut c_void,
+            core::ptr::from_mut(walk).cast(),
+            0,
+        );
+    }
 }
 
 /// The frames the walk has taken, as the key counts them.
@@ -149,7 +206,13 @@ fn next_frame(walk: &mut Walk) -> Option<()> {
     walk.pc = caller.pc;
     walk.sp = caller.sp;
     walk.bp = caller.bp;
-    walk.exact_pc = caller.exact_pc;
+    walk.exact_pc = u32::from(caller.slot == SLOT_SIGNAL);
+    let frame = Frame { pc: caller.pc, sp: caller.sp, bp: caller.bp, slot: caller.slot };
+    reuse::note(taken, &frame);
+    if reuse::matches(taken, &frame) {
+        // The walk takes the frames above from the last walk, then steps on.
+        return None;
+    }
     Some(())
 }
 
@@ -187,12 +250,13 @@ fn end(walk: &mut Walk, reason: WalkEnd) -> Option<()> {
     None
 }
 
-/// The caller's registers, as one step found them.
+/// The caller's registers, as one step found them, and where its rbp
+/// came from (a `reuse::Frame` slot).
 struct Caller {
     pc: u64,
     sp: u64,
     bp: u64,
-    exact_pc: u32,
+    slot: u8,
 }
 
 /// A step by a CFA rule: the caller's stack pointer is the CFA, its
@@ -224,7 +288,7 @@ fn cfa_step(walk: &mut Walk, rule: Rule) -> Option<Caller> {
             (pc, bp)
         }
     };
-    Some(Caller { pc, sp: cfa, bp, exact_pc: 0 })
+    Some(Caller { pc, sp: cfa, bp, slot: Frame::slot_of(slot) })
 }
 
 /// A step through a signal frame: the interrupted code's registers.
@@ -237,7 +301,7 @@ fn signal_step(walk: &mut Walk) -> Option<Caller> {
     };
     // The one place the stack pointer may move down: the handler may run
     // on an alternate stack.
-    Some(Caller { pc, sp: caller_sp, bp, exact_pc: 1 })
+    Some(Caller { pc, sp: caller_sp, bp, slot: SLOT_SIGNAL })
 }
 
 /// A step through the frame pointer: the saved rbp, then the return
@@ -257,7 +321,8 @@ fn frame_pointer_step(walk: &mut Walk) -> Option<Caller> {
         end(walk, WalkEnd::NoUnwindInfo);
         return None;
     };
-    Some(Caller { pc, sp: bp + 16, bp: caller_bp, exact_pc: 0 })
+    // The caller's rbp was the word at its stack pointer - 16.
+    Some(Caller { pc, sp: bp + 16, bp: caller_bp, slot: 2 })
 }
 
 /// The executable mapping holding `pc`.

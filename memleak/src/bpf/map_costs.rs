@@ -130,6 +130,7 @@ mod tests {
             trace_events: false,
             unwinding: Unwinding::Dwarf,
             max_unwind_rows: 1 << 20,
+            stack_reuse: true,
             python_max_frames: None,
         }
     }

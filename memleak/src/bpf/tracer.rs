@@ -5,7 +5,7 @@
 use std::{collections::HashSet, os::fd::OwnedFd};
 
 use aya::{
-    maps::{Array, HashMap, MapData, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
         BtfTracePoint, ProgramError, UProbe,
@@ -14,11 +14,11 @@ use aya::{
 };
 use memleak_common::{
     lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, Counter, PendingCall,
-    ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, ALLOCATIONS_MAP,
-    ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP,
-    MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP,
-    PY_NEW_STACKS_MAP, PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, UNWIND_RESCANS_MAP,
-    UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
+    ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, WalkCounts,
+    ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP,
+    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
+    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
 };
 
 use super::{
@@ -94,6 +94,9 @@ pub struct TracerSettings {
     pub trace_events: bool,
     /// How user stacks are walked (--unwind).
     pub unwinding: Unwinding,
+    /// Whether a walk takes the frames a thread's stack still shares with
+    /// its last walk (not --no-stack-reuse).
+    pub stack_reuse: bool,
     /// Unwind rows the BPF array holds, for every object of every process
     /// (--max-unwind-rows).
     pub max_unwind_rows: u32,
@@ -290,39 +293,35 @@ impl Tracer {
     fn load_holding_signals(config: &TracerConfig) -> Result<Self, TracerError> {
         let started = std::time::Instant::now();
         let settings = &config.settings;
-        let mut ebpf = EbpfLoader::new()
-            .override_global(tunables::MIN_SIZE, &settings.min_size, true)
-            .override_global(tunables::MAX_SIZE, &settings.max_size, true)
-            .override_global(tunables::STACK_DEPTH, &settings.stack_depth, true)
-            .override_global(tunables::SAMPLE_RATE, &settings.sample_rate, true)
-            .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
-            .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
-            .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
-            .override_global(tunables::PY_FSBASE_OFFSET, &config.py_fsbase_offset, true)
-            .override_global(tunables::NEWCOMER_EXECS, &u32::from(config.newcomer_execs), true)
-            .override_global(
-                tunables::CGROUP_LEVEL,
-                &config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN),
-                true,
-            )
-            .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
-            .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
-            .override_global(tunables::IGNORED_PROCESSES, &ignored_processes(&config.ignored_processes), true)
-            .map_max_entries(ALLOCATIONS_MAP, settings.max_allocations)
-            .map_max_entries(STACKS_MAP, settings.max_stacks)
-            .map_max_entries(STACK_IDS_MAP, settings.max_stacks)
-            .map_max_entries(STACK_TOTALS_MAP, settings.max_stacks.saturating_add(settings.max_processes))
-            .map_max_entries(UNWIND_ROWS_MAP, settings.unwind_rows())
-            .map_max_entries(PROCESS_MAPPINGS_MAP, settings.max_processes)
-            .map_max_entries(ALLOCATOR_CODE_MAP, settings.max_processes)
-            .map_max_entries(PY_PROCS_MAP, settings.max_processes)
-            .map_max_entries(UNWIND_RESCANS_MAP, settings.max_processes)
-            // Room for processes that are counted but not traced: a
-            // cgroup's beyond --max-processes, children not followed yet.
-            .map_max_entries(PROCESS_COUNTERS_MAP, settings.max_processes.saturating_mul(2))
-            .map_max_entries(FOLLOWED_MAP, settings.max_processes.saturating_mul(2))
-            .load(BPF_OBJECT)
-            .map_err(|error| load_refused(error, settings))?;
+        // One statement: the loader borrows the values until it loads.
+        let mut ebpf = size_maps(
+            EbpfLoader::new()
+                .override_global(tunables::MIN_SIZE, &settings.min_size, true)
+                .override_global(tunables::MAX_SIZE, &settings.max_size, true)
+                .override_global(tunables::STACK_DEPTH, &settings.stack_depth, true)
+                .override_global(tunables::SAMPLE_RATE, &settings.sample_rate, true)
+                .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
+                .override_global(tunables::STACK_REUSE, &u32::from(settings.stack_reuse), true)
+                .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
+                .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
+                .override_global(tunables::PY_FSBASE_OFFSET, &config.py_fsbase_offset, true)
+                .override_global(tunables::NEWCOMER_EXECS, &u32::from(config.newcomer_execs), true)
+                .override_global(
+                    tunables::CGROUP_LEVEL,
+                    &config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN),
+                    true,
+                )
+                .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
+                .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
+                .override_global(
+                    tunables::IGNORED_PROCESSES,
+                    &ignored_processes(&config.ignored_processes),
+                    true,
+                ),
+            settings,
+        )
+        .load(BPF_OBJECT)
+        .map_err(|error| load_refused(error, settings))?;
         // Once the maps are made: a map the kernel refuses must fail the
         // start with that reason, not with what parsing took.
         let btf_parsing = Some(std::thread::spawn(kernel_btf));
@@ -718,6 +717,20 @@ impl Tracer {
         Ok(counters.iter().filter_map(Result::ok).map(|(pid, counters)| (pid, health(&counters))).collect())
     }
 
+    /// How the table walks went so far, every CPU's counts summed, by
+    /// `memleak_common::WalkCount` slot.
+    pub fn walk_counts(&self) -> Result<WalkCounts, TracerError> {
+        let counts: PerCpuArray<&MapData, WalkCounts> = self.map(WALK_COUNTS_MAP)?;
+        let per_cpu =
+            counts.get(&0, 0).map_err(|source| TracerError::ReadMap { map: WALK_COUNTS_MAP, source })?;
+        Ok(per_cpu.iter().fold(WalkCounts::default(), |mut sum, cpu| {
+            for (total, count) in sum.iter_mut().zip(cpu) {
+                *total += count;
+            }
+            sum
+        }))
+    }
+
     fn map<'a, T>(&'a self, name: &'static str) -> Result<T, TracerError>
     where
         T: TryFrom<&'a aya::maps::Map, Error = aya::maps::MapError>,
@@ -785,6 +798,24 @@ fn map_refused(error: EbpfError, settings: &TracerSettings) -> TracerError {
         }
     }
     TracerError::Load(error)
+}
+
+/// The maps' sizes, from the settings.
+fn size_maps<'a, 'b>(loader: &'a mut EbpfLoader<'b>, settings: &TracerSettings) -> &'a mut EbpfLoader<'b> {
+    loader
+        .map_max_entries(ALLOCATIONS_MAP, settings.max_allocations)
+        .map_max_entries(STACKS_MAP, settings.max_stacks)
+        .map_max_entries(STACK_IDS_MAP, settings.max_stacks)
+        .map_max_entries(STACK_TOTALS_MAP, settings.max_stacks.saturating_add(settings.max_processes))
+        .map_max_entries(UNWIND_ROWS_MAP, settings.unwind_rows())
+        .map_max_entries(PROCESS_MAPPINGS_MAP, settings.max_processes)
+        .map_max_entries(ALLOCATOR_CODE_MAP, settings.max_processes)
+        .map_max_entries(PY_PROCS_MAP, settings.max_processes)
+        .map_max_entries(UNWIND_RESCANS_MAP, settings.max_processes)
+        // Room for processes that are counted but not traced: a cgroup's
+        // beyond --max-processes, children not followed yet.
+        .map_max_entries(PROCESS_COUNTERS_MAP, settings.max_processes.saturating_mul(2))
+        .map_max_entries(FOLLOWED_MAP, settings.max_processes.saturating_mul(2))
 }
 
 /// The ignored processes as the BPF global holds them: 0 past the last.

@@ -9,7 +9,9 @@ mod targets;
 
 use std::{collections::HashSet, io, path::Path, sync::Arc};
 
-use memleak_common::{python::PY_DEFAULT_MAX_FRAMES, MappingChange, MappingEvent, TraceEvent, KERNEL_TGID};
+use memleak_common::{
+    python::PY_DEFAULT_MAX_FRAMES, MappingChange, MappingEvent, TraceEvent, WalkCounts, KERNEL_TGID,
+};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use targets::PythonFrames;
@@ -827,6 +829,12 @@ impl Session {
             }
             target.regions.apply(event);
         }
+    }
+
+    /// How the table walks went so far; `None` if the counts cannot be
+    /// read, which only --stats would show.
+    pub fn walk_counts(&self) -> Option<WalkCounts> {
+        self.tracer.walk_counts().map_err(|error| log::debug!("{error}")).ok()
     }
 
     /// A report for each target, or only for `pid`, from one read of the

@@ -44,6 +44,7 @@ mod python_frames;
 mod redis;
 mod saving;
 mod serve;
+mod stack_depth;
 mod stats;
 mod unwind_tables;
 mod workload;
@@ -111,6 +112,8 @@ pub enum Part {
     Save,
     /// What Python frames cost.
     Python,
+    /// What a stack's depth costs.
+    Depth,
 }
 
 pub fn run(quick: bool, part: Part) -> Result<()> {
@@ -126,6 +129,10 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
     let memleak = root().join("target/release/memleak");
     if part == Part::Python {
         python_section(&memleak, &settings.python);
+        return Ok(());
+    }
+    if part == Part::Depth {
+        depth_section(&memleak, settings.runs, heaptrack_installed)?;
         return Ok(());
     }
     let spread = build_fixture_with("spread", &["-O2"])?;
@@ -145,6 +152,7 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
     overhead::measure(&mut contenders, &workload, settings.runs)?;
     overhead::print(&contenders);
     python_section(&workload.memleak, &settings.python);
+    depth_section(&workload.memleak, settings.runs, heaptrack_installed)?;
     eprintln!("bench: redis-server under redis-benchmark");
     match redis::measure(&workload.memleak, &workload.scratch, settings.runs, settings.redis_requests) {
         Ok(results) => redis::print(&results),
@@ -219,6 +227,15 @@ fn install_packages() -> Result<bool> {
 fn python_section(memleak: &std::path::Path, plan: &python_frames::Plan) {
     eprintln!("bench: Python frames, {}", python_frames::PYTHON);
     python_frames::print(&python_frames::measure(memleak, plan));
+}
+
+/// What a stack's depth costs, against heaptrack.
+fn depth_section(memleak: &std::path::Path, runs: usize, heaptrack_installed: bool) -> Result<()> {
+    let workload =
+        build_fixture_without_frame_pointers("workload", "workload-nofp", &["-O2", "-fomit-frame-pointer"])?;
+    eprintln!("bench: stack depths {:?}", stack_depth::DEPTHS);
+    stack_depth::print(&stack_depth::measure(memleak, &workload, runs, heaptrack_installed));
+    Ok(())
 }
 
 /// The probe-cost issue's measures beyond glibc: every allocator, start

@@ -179,3 +179,20 @@ fn program_name(command: &Command) -> String {
 pub fn last_line(text: &str) -> &str {
     text.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("(no output)")
 }
+
+/// The CPU time process `pid` (every thread, living or gone) has used.
+pub fn process_cpu_ns(pid: u32) -> Result<u64> {
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: a pointer to a live local.
+    let error = unsafe { libc::clock_getcpuclockid(libc::pid_t::try_from(pid)?, &raw mut clock) };
+    if error != 0 {
+        return Err(std::io::Error::from_raw_os_error(error)).context("clock_getcpuclockid");
+    }
+    // SAFETY: timespec is plain old data; all zeroes is a valid value.
+    let mut time: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a pointer to a live local.
+    if unsafe { libc::clock_gettime(clock, &raw mut time) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("clock_gettime of memleak's CPU");
+    }
+    Ok(time.tv_sec as u64 * 1_000_000_000 + time.tv_nsec as u64)
+}

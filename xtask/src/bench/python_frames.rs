@@ -44,7 +44,7 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     bpf_stats::{self, RunTime},
-    process::{last_line, lines_as_they_come},
+    process::{last_line, lines_as_they_come, process_cpu_ns},
 };
 use crate::root;
 
@@ -427,23 +427,6 @@ impl Drop for Tracer {
             let _ = self.child.wait();
         }
     }
-}
-
-/// The CPU time process `pid` (every thread, living or gone) has used.
-fn process_cpu_ns(pid: u32) -> Result<u64> {
-    let mut clock: libc::clockid_t = 0;
-    // SAFETY: a pointer to a live local.
-    let error = unsafe { libc::clock_getcpuclockid(libc::pid_t::try_from(pid)?, &raw mut clock) };
-    if error != 0 {
-        return Err(std::io::Error::from_raw_os_error(error)).context("clock_getcpuclockid");
-    }
-    // SAFETY: timespec is plain old data; all zeroes is a valid value.
-    let mut time: libc::timespec = unsafe { std::mem::zeroed() };
-    // SAFETY: a pointer to a live local.
-    if unsafe { libc::clock_gettime(clock, &raw mut time) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("clock_gettime of memleak's CPU");
-    }
-    Ok(time.tv_sec as u64 * 1_000_000_000 + time.tv_nsec as u64)
 }
 
 /// The Python frames of each stack in the report holding the loops'

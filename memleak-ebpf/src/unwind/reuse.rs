@@ -1,0 +1,389 @@
+//! Walking only the frames that changed: between two allocations of one
+//! thread, most of its stack is the same, and only the frames nearest the
+//! allocation differ.
+//!
+//! Each CPU keeps the last table walk it made, with every frame's
+//! registers as the walk found them (pc, stack pointer, rbp) and where the
+//! walk read the frame's rbp. A new walk of the same thread looks, at each
+//! frame, for the cached frame at the same stack pointer. When pc, stack
+//! pointer and rbp all match, it takes the cached frames above it as long
+//! as each one's words on the stack still hold what the last walk read
+//! there.
+//!
+//! Why that is exact: a step from one frame to its caller is a function
+//! of the frame's pc, stack pointer and rbp, the process's unwind table
+//! (the same generation: the walk's rule cache relies on it too), and the
+//! words it reads: the return address just below the caller's stack
+//! pointer, and the caller's saved rbp when the rule says where. Each frame
+//! taken has both words read again from the stack and compared (one read
+//! of the stack serves many frames), so a frame is taken only if a full
+//! walk would step to it from the frame before: by induction, the frames
+//! taken are those a full walk finds. A frame reached through a signal
+//! frame came from registers the signal saved, which are not checked: the
+//! taking stops before it, and the walk steps on. Nor is the walk's end
+//! taken from the cache: after the last frame taken, the walk steps on as
+//! usual.
+
+use core::ffi::c_void;
+
+use aya_ebpf::helpers::generated::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user};
+use memleak_common::{StackKey, WalkCount, MAX_STACK_DEPTH};
+
+use crate::{
+    maps::{
+        ReuseProgress, WalkCache, WalkCaches, CACHED_FRAMES, STACK_WINDOW, STACK_WINDOW_WORDS, WALK_CACHES,
+        WALK_COUNTS,
+    },
+    tunables,
+};
+
+/// A frame's rbp came from the word at its stack pointer minus 8 × its
+/// slot, or, at 0, was its callee's unchanged. A slot past this lies
+/// beyond the words checked with the return address: such a frame is not
+/// taken.
+const MAX_CHECKED_SLOT: u8 = 7;
+/// A frame whose rbp slot is past `MAX_CHECKED_SLOT`.
+const SLOT_UNCHECKED: u8 = 0xfe;
+/// A frame found through a signal frame: its registers came from the
+/// signal's context, not from its callee's frame.
+pub const SLOT_SIGNAL: u8 = 0xff;
+
+/// Bytes of stack read at once to check frames.
+const WINDOW_BYTES: u64 = (STACK_WINDOW_WORDS * 8) as u64;
+/// Bytes below a frame's stack pointer that its check reads: its return
+/// address and rbp slots 1 to 7.
+const BELOW_SP: u64 = 8 * (MAX_CHECKED_SLOT as u64 + 1);
+
+/// Cached frames skipped per frame walked while looking for the one at
+/// the walk's stack pointer: a walk that has more to skip finds its match
+/// a frame later.
+const CURSOR_STEPS: u32 = 8;
+
+/// A frame's registers, as a walk found them, and where its rbp came from.
+pub struct Frame {
+    pub pc: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// `0..=MAX_CHECKED_SLOT`, `SLOT_UNCHECKED` or `SLOT_SIGNAL`.
+    pub slot: u8,
+}
+
+impl Frame {
+    /// The slot of a frame whose rbp a step found at CFA - 8 × `rbp_slot`
+    /// (0: unchanged).
+    pub fn slot_of(rbp_slot: u32) -> u8 {
+        if rbp_slot <= u32::from(MAX_CHECKED_SLOT) {
+            rbp_slot as u8
+        } else {
+            SLOT_UNCHECKED
+        }
+    }
+}
+
+/// This CPU's caches, as one program run sees them: the last walk, the
+/// walk under way, and where it stands.
+struct Caches<'a> {
+    previous: &'a mut WalkCache,
+    fresh: &'a mut WalkCache,
+    progress: &'a mut ReuseProgress,
+}
+
+/// Looked up afresh wherever needed (an array lookup, inlined): pointers
+/// kept on the BPF stack would not fit beside the walk's own.
+fn caches<'a>() -> Option<Caches<'a>> {
+    let caches = WALK_CACHES.get_ptr_mut(0)?;
+    // SAFETY: this CPU's value, which only this program run touches now.
+    let caches: &mut WalkCaches = unsafe { &mut *caches };
+    let [first, second] = &mut caches.caches;
+    let (previous, fresh) = if caches.current & 1 == 0 { (first, second) } else { (second, first) };
+    Some(Caches { previous, fresh, progress: &mut caches.progress })
+}
+
+/// Starts a walk of the current thread of `tgid` under table
+/// `generation`.
+pub fn begin(tgid: u32, generation: u32) {
+    let Some(Caches { previous, fresh, progress }) = caches() else { return };
+    // SAFETY: a helper without arguments.
+    let thread = unsafe { bpf_get_current_pid_tgid() } as u32;
+    let usable = previous.depth != 0
+        && previous.tid == thread
+        && previous.tgid == tgid
+        && previous.generation == generation
+        && tunables::stack_reuse();
+    fresh.tid = thread;
+    fresh.tgid = tgid;
+    fresh.generation = generation;
+    fresh.depth = 0;
+    fresh.stack_known = 0;
+    fresh.stack_id = 0;
+    progress.usable = u32::from(usable);
+    progress.matched = 0;
+    progress.from_first = 0;
+    progress.cursor = 0;
+    progress.reused = 0;
+}
+
+/// Notes the walk's frame `index` in the fresh cache.
+pub fn note(index: u32, frame: &Frame) {
+    let Some(Caches { fresh, .. }) = caches() else { return };
+    let index = index as usize & (CACHED_FRAMES - 1);
+    fresh.pcs[index] = frame.pc;
+    fresh.sps[index] = frame.sp;
+    fresh.bps[index] = frame.bp;
+    fresh.slots[index] = frame.slot;
+}
+
+/// Ends the walk at `depth` frames, ended as `end` says: its frames
+/// become the cache the next walk on this CPU looks at, unless it found
+/// the last walk's frames exactly (`unchanged`), which then stay. Takes
+/// the counts.
+pub fn end(depth: u32, end: u32, unchanged: bool) {
+    let Some(Caches { fresh, progress, .. }) = caches() else { return };
+    let reused = progress.reused;
+    if !unchanged {
+        fresh.depth = depth;
+        fresh.end = end;
+        if let Some(caches) = WALK_CACHES.get_ptr_mut(0) {
+            // SAFETY: as in `caches`.
+            unsafe { (*caches).current ^= 1 };
+        }
+    }
+    if let Some(counts) = WALK_COUNTS.get_ptr_mut(0) {
+        // SAFETY: this CPU's counts.
+        let counts = unsafe { &mut *counts };
+        counts[WalkCount::Walks as usize] += 1;
+        counts[WalkCount::Frames as usize] += u64::from(depth);
+        if reused != 0 {
+            counts[WalkCount::ReusingWalks as usize] += 1;
+            counts[WalkCount::FramesReused as usize] += u64::from(reused);
+        }
+    }
+}
+
+/// The id the last walk's stack was stored under, if known.
+pub fn last_stack_id() -> Option<u64> {
+    // The last walk is `previous` once `end` has swapped them, or kept it.
+    let Caches { previous, .. } = caches()?;
+    (previous.stack_known != 0).then_some(previous.stack_id)
+}
+
+/// Notes the id the last walk's stack was stored under, or that it is not
+/// known.
+pub fn remember_stack_id(id: Option<u64>) {
+    let Some(Caches { previous, .. }) = caches() else { return };
+    previous.stack_known = u32::from(id.is_some());
+    previous.stack_id = id.unwrap_or(0);
+}
+
+/// Where a walk stands after taking frames from the cache.
+pub struct Taken {
+    /// The last frame taken: the walk steps on from it.
+    pub frame: Frame,
+    /// Frames in the key now.
+    pub depth: u32,
+}
+
+/// Whether the walk's frame `index`, `frame`, is a frame of the last
+/// walk, with the same registers: then `take_unchanged` takes the frames
+/// above it. Once a walk has taken frames, it looks for no more.
+pub fn matches(index: u32, frame: &Frame) -> bool {
+    if frame.slot == SLOT_SIGNAL {
+        return false;
+    }
+    let Some(Caches { previous, progress, .. }) = caches() else { return false };
+    if progress.usable == 0 {
+        return false;
+    }
+    // The cached frames' stack pointers rise from the leaf: skip those
+    // below the walk's.
+    for _ in 0..CURSOR_STEPS {
+        let cursor = progress.cursor;
+        if cursor >= previous.depth || previous.sps[cursor as usize & (CACHED_FRAMES - 1)] >= frame.sp {
+            break;
+        }
+        progress.cursor = cursor + 1;
+    }
+    let cursor = progress.cursor;
+    let matched = cursor as usize & (CACHED_FRAMES - 1);
+    if cursor >= previous.depth
+        || previous.sps[matched] != frame.sp
+        || previous.pcs[matched] != frame.pc
+        || previous.bps[matched] != frame.bp
+        || previous.slots[matched] == SLOT_SIGNAL
+    {
+        return false;
+    }
+    progress.matched = 1;
+    progress.from_first = u32::from(index == 0 && cursor == 0);
+    progress.next = cursor + 1;
+    progress.index = index + 1;
+    true
+}
+
+/// Whether the walk stopped at a frame of the last walk.
+pub fn matched() -> bool {
+    caches().is_some_and(|caches| caches.progress.matched != 0)
+}
+
+/// Checks the cached frames above the matched one, up to `limit` frames
+/// in all, for as long as their words on the stack hold: the walk stands
+/// at the last one checked. They are in the key and the fresh cache only
+/// once `copy_checked` has put them there, which an unchanged stack need
+/// not wait for.
+pub fn check_unchanged(limit: u32) -> Option<Taken> {
+    let Caches { progress, .. } = caches()?;
+    progress.matched = 0;
+    progress.usable = 0;
+    progress.low = 0;
+    progress.high = 0;
+    progress.first_cached = progress.next;
+    progress.first_index = progress.index;
+    let mut limit = limit.min(MAX_STACK_DEPTH as u32);
+    // SAFETY: the helper calls `check_step` at most MAX_STACK_DEPTH times
+    // with a pointer to `limit`, which outlives the call.
+    unsafe {
+        bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, (&raw mut limit).cast(), 0);
+    }
+    let Caches { previous, progress, .. } = caches()?;
+    let depth = progress.index;
+    let checked = depth.checked_sub(progress.first_index).filter(|&checked| checked != 0)?;
+    progress.reused = checked;
+    let last = progress.next.wrapping_sub(1) as usize & (CACHED_FRAMES - 1);
+    Some(Taken {
+        frame: Frame {
+            pc: previous.pcs[last],
+            sp: previous.sps[last],
+            bp: previous.bps[last],
+            slot: previous.slots[last],
+        },
+        depth,
+    })
+}
+
+/// Whether the frames checked are all of the last walk's, from its first,
+/// and its stack's id is known: if the walk ends as the last one did, its
+/// stack is that one.
+pub fn whole_last_walk_checked() -> bool {
+    caches().is_some_and(|Caches { previous, progress, .. }| {
+        progress.from_first != 0 && progress.next == previous.depth && previous.stack_known != 0
+    })
+}
+
+/// Whether a walk of `depth` frames ending as `end` says ended as the
+/// last one did.
+pub fn ended_as_last(depth: u32, end: u32) -> bool {
+    caches().is_some_and(|Caches { previous, .. }| previous.depth == depth && previous.end == end)
+}
+
+/// Puts the checked frames in `key` and the fresh cache.
+pub fn copy_checked(key: *mut StackKey) {
+    let mut key = key;
+    // SAFETY: the helper calls `copy_step` at most MAX_STACK_DEPTH times
+    // with a pointer to `key`, which outlives the call.
+    unsafe {
+        bpf_loop(MAX_STACK_DEPTH as u32, copy_step as *mut c_void, (&raw mut key).cast(), 0);
+    }
+}
+
+/// Puts the last walk's frames in `key`: its stack, when the walk took
+/// them all without copying them (`whole_last_walk_checked`).
+pub fn copy_last_walk(key: *mut StackKey) {
+    if let Some(Caches { progress, .. }) = caches() {
+        progress.first_cached = 0;
+        progress.first_index = 0;
+        copy_checked(key);
+    }
+}
+
+/// Frames `check_step` checks per iteration: fewer iterations, fewer
+/// lookups of the maps it reads.
+const CHECKS_PER_STEP: u32 = 4;
+
+/// Checks the cached frames from `progress.next`, `CHECKS_PER_STEP` of
+/// them: on (0), or the end (1).
+extern "C" fn check_step(_iteration: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `check_unchanged` passed its own limit.
+    let limit = unsafe { *ctx.cast::<u32>() };
+    let Some(Caches { previous, progress, .. }) = caches() else { return 1 };
+    let Some(window) = STACK_WINDOW.get_ptr_mut(0) else { return 1 };
+    for _ in 0..CHECKS_PER_STEP {
+        if !check_next(previous, progress, window, limit) {
+            return 1;
+        }
+    }
+    0
+}
+
+/// Checks cached frame `progress.next` against the stack, reading more of
+/// it into `window` when needed; moves on past it if it holds.
+#[expect(clippy::inline_always, reason = "four calls per iteration would be four BPF calls")]
+#[inline(always)]
+fn check_next(
+    previous: &WalkCache,
+    progress: &mut ReuseProgress,
+    window: *mut [u64; STACK_WINDOW_WORDS],
+    limit: u32,
+) -> bool {
+    let (next, index) = (progress.next, progress.index);
+    if next >= previous.depth || index >= limit {
+        return false;
+    }
+    let cached = next as usize & (CACHED_FRAMES - 1);
+    let (pc, sp, bp, slot) =
+        (previous.pcs[cached], previous.sps[cached], previous.bps[cached], previous.slots[cached]);
+    if slot > MAX_CHECKED_SLOT || sp < BELOW_SP {
+        return false;
+    }
+    if sp - BELOW_SP < progress.low || sp > progress.high {
+        // Read on from just below this frame's words, up to the outermost
+        // cached frame's stack pointer at most: stack the last walk read
+        // through.
+        let outermost = previous.sps[(previous.depth - 1) as usize & (CACHED_FRAMES - 1)];
+        let low = sp - BELOW_SP;
+        // A word short of the window: the mask below then bounds the size
+        // for the verifier without changing it.
+        let high = outermost.min(low + WINDOW_BYTES - 8);
+        if high < sp {
+            return false;
+        }
+        let size = (high - low) & (WINDOW_BYTES - 1);
+        // SAFETY: reads user memory into this CPU's window, `size` bytes
+        // of at most its length; the helper makes a fault an error.
+        if unsafe { bpf_probe_read_user(window.cast(), size as u32, low as *const c_void) } != 0 {
+            return false;
+        }
+        progress.low = low;
+        progress.high = high;
+    }
+    // SAFETY: this CPU's window, read above.
+    let window = unsafe { &*window };
+    let low = progress.low;
+    let word = |address: u64| window[((address - low) / 8) as usize & (STACK_WINDOW_WORDS - 1)];
+    if word(sp - 8) != pc || (slot != 0 && word(sp - 8 * u64::from(slot)) != bp) {
+        return false;
+    }
+    progress.next = next + 1;
+    progress.index = index + 1;
+    true
+}
+
+/// Copies checked frame `first_cached + iteration` of the last walk.
+extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `copy_checked` passed its own key pointer.
+    let key = unsafe { &mut **ctx.cast::<*mut StackKey>() };
+    let Some(Caches { previous, fresh, progress }) = caches() else { return 1 };
+    let iteration = iteration as u32;
+    let cached = progress.first_cached + iteration;
+    if cached >= progress.next {
+        return 1;
+    }
+    let index = progress.first_index + iteration;
+    let Some(frame_in_key) = key.frames.get_mut(index as usize) else { return 1 };
+    let (from, to) = (cached as usize & (CACHED_FRAMES - 1), index as usize & (CACHED_FRAMES - 1));
+    *frame_in_key = previous.pcs[from];
+    fresh.pcs[to] = previous.pcs[from];
+    fresh.sps[to] = previous.sps[from];
+    fresh.bps[to] = previous.bps[from];
+    fresh.slots[to] = previous.slots[from];
+    0
+}

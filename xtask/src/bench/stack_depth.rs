@@ -1,0 +1,327 @@
+//! What a stack's depth costs: the workload built without frame pointers
+//! recurses 10, 40 and 100 frames deep before 200,000 malloc/free pairs
+//! on its main thread, untraced, under memleak and under heaptrack.
+//!
+//! The CPU compared is all the tracing costs: the program's own (BPF
+//! programs run in its context, so their time is in it) plus memleak's
+//! from the program's start to its end, against heaptrack's whole run
+//! (the program and `heaptrack_interpret` together). memleak's start-up
+//! (loading BPF, reading unwind tables) is before the program starts and
+//! is measured elsewhere. The kernel's own count of BPF run time
+//! (`bpf_stats`) gives memleak's BPF time per malloc/free pair.
+
+use std::{
+    io::BufReader,
+    path::Path,
+    process::{Child, ChildStderr, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use super::{
+    bpf_stats::{self, RunTime},
+    process::{last_line, lines_as_they_come, process_cpu_ns, release, run_to_end, wait_for_line},
+    workload::Summary,
+};
+
+/// Frames the workload recurses before it allocates.
+pub const DEPTHS: [u32; 3] = [10, 40, 100];
+/// malloc/free pairs per run, one in `LEAK_EVERY` leaked.
+const PAIRS: u32 = 200_000;
+const LEAK_EVERY: u32 = 100;
+/// Goals: memleak's CPU over heaptrack's, and BPF time per pair.
+const GOAL_RATIO: f64 = 1.0;
+const PATIENCE: Duration = Duration::from_mins(2);
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Untraced,
+    Memleak,
+    Heaptrack,
+}
+
+const MODES: [Mode; 3] = [Mode::Untraced, Mode::Memleak, Mode::Heaptrack];
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Untraced => "untraced",
+            Mode::Memleak => "memleak",
+            Mode::Heaptrack => "heaptrack",
+        }
+    }
+}
+
+/// One run's costs.
+#[derive(Clone, Copy)]
+struct Run {
+    /// Everything the run cost in CPU, as the module's doc says.
+    cpu_ns: u64,
+    /// memleak's BPF programs' time, summed.
+    bpf: Option<RunTime>,
+}
+
+/// The runs at one depth, per mode, with each mode's failure if any.
+pub struct AtDepth {
+    depth: u32,
+    runs: Vec<(Mode, Vec<Run>, Option<String>)>,
+    /// Frames of memleak's stack of `leak_one`, and whether it reached
+    /// `main`: the walk crossed every frame.
+    leak_stack: Option<(usize, bool)>,
+}
+
+/// Runs every mode `rounds` times at each depth, interleaved.
+pub fn measure(
+    memleak: &Path,
+    workload: &Path,
+    rounds: usize,
+    heaptrack_installed: bool,
+) -> Result<Vec<AtDepth>> {
+    let _stats = bpf_stats::StatsEnabled::new()?;
+    let mut all = Vec::new();
+    for depth in DEPTHS {
+        let mut at = AtDepth {
+            depth,
+            runs: MODES.iter().map(|&mode| (mode, Vec::new(), None)).collect(),
+            leak_stack: None,
+        };
+        if !heaptrack_installed {
+            at.runs[2].2 = Some("not installed".to_owned());
+        }
+        for round in 1..=rounds {
+            for (mode, runs, failure) in at.runs.iter_mut().filter(|(_, _, failure)| failure.is_none()) {
+                eprintln!("bench: depth {depth}, run {round}/{rounds}: {}", mode.label());
+                match run_once(*mode, memleak, workload, depth, &mut at.leak_stack) {
+                    Ok(run) => runs.push(run),
+                    Err(error) if *mode == Mode::Untraced => return Err(error),
+                    Err(error) => *failure = Some(format!("failed: {error:#}")),
+                }
+            }
+        }
+        all.push(at);
+    }
+    Ok(all)
+}
+
+fn workload_args(depth: u32) -> Vec<String> {
+    // 0 threads: one worker on the main thread, its stacks reaching main.
+    [0, PAIRS, LEAK_EVERY, depth].map(|n| n.to_string()).to_vec()
+}
+
+fn run_once(
+    mode: Mode,
+    memleak: &Path,
+    workload: &Path,
+    depth: u32,
+    leak_stack: &mut Option<(usize, bool)>,
+) -> Result<Run> {
+    match mode {
+        Mode::Untraced => {
+            let finished = run_to_end(Command::new(workload).args(workload_args(depth)))?;
+            Ok(Run { cpu_ns: Summary::parse(&finished.stderr)?.cpu_ns, bpf: None })
+        }
+        Mode::Heaptrack => {
+            let scratch = crate::root().join("target/bench/heaptrack-depth");
+            std::fs::create_dir_all(&scratch)?;
+            let mut command = Command::new("heaptrack");
+            command.arg(workload).args(workload_args(depth)).current_dir(&scratch);
+            let finished = run_to_end(&mut command);
+            let _ = std::fs::remove_dir_all(&scratch);
+            Ok(Run { cpu_ns: finished?.usage.cpu_ns, bpf: None })
+        }
+        Mode::Memleak => {
+            let (run, stack) = run_under_memleak(memleak, workload, depth)?;
+            *leak_stack = Some(stack);
+            Ok(run)
+        }
+    }
+}
+
+/// The workload held at its start while memleak attaches, then run; the
+/// costs are read when it says "done", before memleak reports.
+fn run_under_memleak(memleak: &Path, workload: &Path, depth: u32) -> Result<(Run, (usize, bool))> {
+    let mut program = Command::new(workload)
+        .args(workload_args(depth))
+        .env("WORKLOAD_HOLD", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot run the workload")?;
+    let measured = (|| {
+        let mut said = BufReader::new(program.stderr.take().context("no stderr")?);
+        wait_for_line(&mut said, "ready")?;
+        let tracer = Tracer::attach(memleak, program.id())?;
+        let (bpf_before, memleak_before) = tracer.usage()?;
+        release(program.stdin.as_mut().context("no stdin")?)?;
+        let summary = summary_line(&mut said)?;
+        wait_for_line(&mut said, "done")?;
+        let (bpf_after, memleak_after) = tracer.usage()?;
+        release(program.stdin.as_mut().context("no stdin")?)?;
+        let _ = program.wait();
+        let report = tracer.report()?;
+        let stack = leak_one_stack(&report, summary.leaked_bytes)?;
+        let run = Run {
+            cpu_ns: summary.cpu_ns + memleak_after.saturating_sub(memleak_before),
+            bpf: Some(bpf_after.since(bpf_before)),
+        };
+        Ok((run, stack))
+    })();
+    let _ = program.kill();
+    let _ = program.wait();
+    measured
+}
+
+/// Reads the workload's summary line.
+fn summary_line(said: &mut BufReader<ChildStderr>) -> Result<Summary> {
+    use std::io::BufRead as _;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if said.read_line(&mut line)? == 0 {
+            bail!("the workload ended before its summary");
+        }
+        if line.starts_with("elapsed_ns") {
+            return Summary::parse(&line);
+        }
+    }
+}
+
+/// The frames of memleak's stack of `leak_one` and whether it reaches
+/// `main`; fails unless it holds exactly the bytes the workload leaked.
+fn leak_one_stack(report: &serde_json::Value, leaked: u64) -> Result<(usize, bool)> {
+    let stacks = report["stacks"].as_array().context("no stacks in memleak's report")?;
+    let leaks: Vec<&serde_json::Value> =
+        stacks.iter().filter(|stack| stack["frames"][0]["function"] == "leak_one").collect();
+    let bytes: u64 = leaks.iter().filter_map(|stack| stack["bytes"].as_u64()).sum();
+    if bytes != leaked || leaks.len() != 1 {
+        bail!(
+            "memleak found {bytes} bytes from leak_one in {} stacks, of {leaked} leaked in one",
+            leaks.len()
+        );
+    }
+    let frames = leaks[0]["frames"].as_array().context("no frames")?;
+    Ok((frames.len(), frames.iter().any(|frame| frame["function"] == "main")))
+}
+
+/// memleak tracing the workload, no report until it is stopped.
+struct Tracer {
+    child: Child,
+}
+
+impl Tracer {
+    fn attach(memleak: &Path, pid: u32) -> Result<Self> {
+        let mut child = Command::new(memleak)
+            .args(["-p", &pid.to_string(), "--format", "json", "-o", "0", "-T", "1000", "3600"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot run memleak")?;
+        let said = lines_as_they_come(child.stderr.take().context("no stderr")?);
+        let mut log = Vec::new();
+        loop {
+            let Ok((_, line)) = said.recv_timeout(PATIENCE) else {
+                let _ = child.kill();
+                bail!("memleak never said it traced pid {pid}: {}", last_line(&log.join("\n")));
+            };
+            let tracing = line.contains("tracing pid");
+            log.push(line);
+            if tracing {
+                return Ok(Self { child });
+            }
+        }
+    }
+
+    fn usage(&self) -> Result<(RunTime, u64)> {
+        let pid = self.child.id();
+        Ok((bpf_stats::uprobes_of_process(pid)?, process_cpu_ns(pid)?))
+    }
+
+    /// Stops memleak with SIGINT and takes its last report.
+    fn report(mut self) -> Result<serde_json::Value> {
+        let pid = libc::pid_t::try_from(self.child.id()).context("pid out of range")?;
+        // SAFETY: our own child, not yet waited for.
+        if unsafe { libc::kill(pid, libc::SIGINT) } != 0 {
+            return Err(std::io::Error::last_os_error()).context("cannot stop memleak");
+        }
+        let stdout = self.child.stdout.take().context("no stdout")?;
+        let output = std::io::read_to_string(stdout)?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("memleak failed with {status}");
+        }
+        let report = output.lines().last().context("memleak printed no report")?;
+        serde_json::from_str(report).context("memleak's report is not JSON")
+    }
+}
+
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        if self.child.try_wait().is_ok_and(|status| status.is_none()) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn median(mut values: Vec<u64>) -> Option<u64> {
+    values.sort_unstable();
+    values.get(values.len() / 2).copied()
+}
+
+pub fn print(measured: &Result<Vec<AtDepth>>) {
+    println!(
+        "\nstack depth: the workload without frame pointers, {PAIRS} malloc/free pairs on its main thread \
+         after recursing N frames; CPU of the program plus the tracer's, medians"
+    );
+    let all = match measured {
+        Ok(all) => all,
+        Err(error) => {
+            println!("  not measured: {error:#}");
+            return;
+        }
+    };
+    println!(
+        "  {:>5} {:>10} {:>10} {:>10} {:>16} {:>14} {:>12}",
+        "depth", "untraced", "memleak", "heaptrack", "memleak/heaptrack", "BPF per pair", "leak stack"
+    );
+    for at in all {
+        let cpu = |mode: Mode| {
+            at.runs.iter().find(|(runs_mode, _, _)| *runs_mode == mode).and_then(|(_, runs, failure)| {
+                failure.is_none().then(|| median(runs.iter().map(|run| run.cpu_ns).collect()))?
+            })
+        };
+        let ms = |ns: Option<u64>| ns.map_or("-".to_owned(), |ns| format!("{:.1} ms", ns as f64 / 1e6));
+        let (untraced, memleak, heaptrack) = (cpu(Mode::Untraced), cpu(Mode::Memleak), cpu(Mode::Heaptrack));
+        let ratio = match (memleak, heaptrack) {
+            (Some(ours), Some(theirs)) => format!("{:.2}", ours as f64 / theirs as f64),
+            _ => "-".to_owned(),
+        };
+        let bpf_per_pair = at
+            .runs
+            .iter()
+            .find(|(mode, _, _)| *mode == Mode::Memleak)
+            .and_then(|(_, runs, _)| {
+                median(runs.iter().filter_map(|run| run.bpf).map(|bpf| bpf.ns).collect())
+            })
+            .map_or("-".to_owned(), |ns| format!("{:.2} µs", ns as f64 / f64::from(PAIRS) / 1e3));
+        let stack = at.leak_stack.map_or("-".to_owned(), |(frames, main)| {
+            format!("{frames} frames{}", if main { ", main" } else { ", NO main" })
+        });
+        println!(
+            "  {:>5} {:>10} {:>10} {:>10} {ratio:>16} {bpf_per_pair:>14} {stack:>12}",
+            at.depth,
+            ms(untraced),
+            ms(memleak),
+            ms(heaptrack)
+        );
+        for (mode, _, failure) in &at.runs {
+            if let Some(failure) = failure {
+                println!("    {}: {failure}", mode.label());
+            }
+        }
+    }
+    println!("  goals: memleak/heaptrack at most {GOAL_RATIO:.1} at every depth; BPF under 1 µs a pair at depth 10, under 1.5 µs at 100");
+}
