@@ -38,16 +38,19 @@ const PATIENCE: Duration = Duration::from_mins(2);
 enum Mode {
     Untraced,
     Memleak,
+    /// memleak walking every frame of every stack (--no-stack-reuse).
+    MemleakFullWalks,
     Heaptrack,
 }
 
-const MODES: [Mode; 3] = [Mode::Untraced, Mode::Memleak, Mode::Heaptrack];
+const MODES: [Mode; 4] = [Mode::Untraced, Mode::Memleak, Mode::MemleakFullWalks, Mode::Heaptrack];
 
 impl Mode {
     fn label(self) -> &'static str {
         match self {
             Mode::Untraced => "untraced",
             Mode::Memleak => "memleak",
+            Mode::MemleakFullWalks => "memleak --no-stack-reuse",
             Mode::Heaptrack => "heaptrack",
         }
     }
@@ -87,7 +90,7 @@ pub fn measure(
             leak_stack: None,
         };
         if !heaptrack_installed {
-            at.runs[2].2 = Some("not installed".to_owned());
+            at.runs[3].2 = Some("not installed".to_owned());
         }
         for round in 1..=rounds {
             for (mode, runs, failure) in at.runs.iter_mut().filter(|(_, _, failure)| failure.is_none()) {
@@ -131,8 +134,15 @@ fn run_once(
             Ok(Run { cpu_ns: finished?.usage.cpu_ns, bpf: None })
         }
         Mode::Memleak => {
-            let (run, stack) = run_under_memleak(memleak, workload, depth)?;
+            let (run, stack) = run_under_memleak(memleak, workload, depth, &[])?;
             *leak_stack = Some(stack);
+            Ok(run)
+        }
+        Mode::MemleakFullWalks => {
+            let (run, stack) = run_under_memleak(memleak, workload, depth, &["--no-stack-reuse"])?;
+            if leak_stack.is_some_and(|reused| reused != stack) {
+                bail!("the stack of leak_one has {stack:?} frames and main walking every frame, {leak_stack:?} reusing");
+            }
             Ok(run)
         }
     }
@@ -140,7 +150,12 @@ fn run_once(
 
 /// The workload held at its start while memleak attaches, then run; the
 /// costs are read when it says "done", before memleak reports.
-fn run_under_memleak(memleak: &Path, workload: &Path, depth: u32) -> Result<(Run, (usize, bool))> {
+fn run_under_memleak(
+    memleak: &Path,
+    workload: &Path,
+    depth: u32,
+    memleak_args: &[&str],
+) -> Result<(Run, (usize, bool))> {
     let mut program = Command::new(workload)
         .args(workload_args(depth))
         .env("WORKLOAD_HOLD", "1")
@@ -152,7 +167,7 @@ fn run_under_memleak(memleak: &Path, workload: &Path, depth: u32) -> Result<(Run
     let measured = (|| {
         let mut said = BufReader::new(program.stderr.take().context("no stderr")?);
         wait_for_line(&mut said, "ready")?;
-        let tracer = Tracer::attach(memleak, program.id())?;
+        let tracer = Tracer::attach(memleak, program.id(), memleak_args)?;
         let (bpf_before, memleak_before) = tracer.usage()?;
         release(program.stdin.as_mut().context("no stdin")?)?;
         let summary = summary_line(&mut said)?;
@@ -211,9 +226,10 @@ struct Tracer {
 }
 
 impl Tracer {
-    fn attach(memleak: &Path, pid: u32) -> Result<Self> {
+    fn attach(memleak: &Path, pid: u32, memleak_args: &[&str]) -> Result<Self> {
         let mut child = Command::new(memleak)
             .args(["-p", &pid.to_string(), "--format", "json", "-o", "0", "-T", "1000", "3600"])
+            .args(memleak_args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -271,10 +287,59 @@ fn median(mut values: Vec<u64>) -> Option<u64> {
     values.get(values.len() / 2).copied()
 }
 
+impl AtDepth {
+    /// The runs of `mode`, unless it failed.
+    fn runs_of(&self, mode: Mode) -> Option<&Vec<Run>> {
+        self.runs
+            .iter()
+            .find(|(runs_mode, _, failure)| *runs_mode == mode && failure.is_none())
+            .map(|(_, runs, _)| runs)
+    }
+
+    /// The median CPU of `mode`'s runs.
+    fn cpu(&self, mode: Mode) -> Option<u64> {
+        median(self.runs_of(mode)?.iter().map(|run| run.cpu_ns).collect())
+    }
+
+    /// The median BPF time of `mode`'s runs.
+    fn bpf(&self, mode: Mode) -> Option<u64> {
+        median(self.runs_of(mode)?.iter().filter_map(|run| run.bpf).map(|bpf| bpf.ns).collect())
+    }
+
+    fn print_row(&self) {
+        let ms = |ns: Option<u64>| ns.map_or("-".to_owned(), |ns| format!("{:.1} ms", ns as f64 / 1e6));
+        let per_pair = |ns: Option<u64>| {
+            ns.map_or("-".to_owned(), |ns| format!("{:.2} µs", ns as f64 / f64::from(PAIRS) / 1e3))
+        };
+        let ratio = match (self.cpu(Mode::Memleak), self.cpu(Mode::Heaptrack)) {
+            (Some(ours), Some(theirs)) => format!("{:.2}", ours as f64 / theirs as f64),
+            _ => "-".to_owned(),
+        };
+        let stack = self.leak_stack.map_or("-".to_owned(), |(frames, main)| {
+            format!("{frames} frames{}", if main { ", main" } else { ", NO main" })
+        });
+        println!(
+            "  {:>5} {:>10} {:>10} {:>10} {:>10} {ratio:>10} {:>10} {:>10} {stack:>16}",
+            self.depth,
+            ms(self.cpu(Mode::Untraced)),
+            ms(self.cpu(Mode::Memleak)),
+            ms(self.cpu(Mode::MemleakFullWalks)),
+            ms(self.cpu(Mode::Heaptrack)),
+            per_pair(self.bpf(Mode::Memleak)),
+            per_pair(self.bpf(Mode::MemleakFullWalks)),
+        );
+        for (mode, _, failure) in &self.runs {
+            if let Some(failure) = failure {
+                println!("    {}: {failure}", mode.label());
+            }
+        }
+    }
+}
+
 pub fn print(measured: &Result<Vec<AtDepth>>) {
     println!(
         "\nstack depth: the workload without frame pointers, {PAIRS} malloc/free pairs on its main thread \
-         after recursing N frames; CPU of the program plus the tracer's, medians"
+         after recursing N frames; CPU of the program plus the tracer's, and memleak's BPF time per pair, medians"
     );
     let all = match measured {
         Ok(all) => all,
@@ -284,44 +349,22 @@ pub fn print(measured: &Result<Vec<AtDepth>>) {
         }
     };
     println!(
-        "  {:>5} {:>10} {:>10} {:>10} {:>16} {:>14} {:>12}",
-        "depth", "untraced", "memleak", "heaptrack", "memleak/heaptrack", "BPF per pair", "leak stack"
+        "  {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>16}",
+        "depth",
+        "untraced",
+        "memleak",
+        "full walks",
+        "heaptrack",
+        "/heaptrack",
+        "BPF/pair",
+        "full walks",
+        "leak stack"
     );
     for at in all {
-        let cpu = |mode: Mode| {
-            at.runs.iter().find(|(runs_mode, _, _)| *runs_mode == mode).and_then(|(_, runs, failure)| {
-                failure.is_none().then(|| median(runs.iter().map(|run| run.cpu_ns).collect()))?
-            })
-        };
-        let ms = |ns: Option<u64>| ns.map_or("-".to_owned(), |ns| format!("{:.1} ms", ns as f64 / 1e6));
-        let (untraced, memleak, heaptrack) = (cpu(Mode::Untraced), cpu(Mode::Memleak), cpu(Mode::Heaptrack));
-        let ratio = match (memleak, heaptrack) {
-            (Some(ours), Some(theirs)) => format!("{:.2}", ours as f64 / theirs as f64),
-            _ => "-".to_owned(),
-        };
-        let bpf_per_pair = at
-            .runs
-            .iter()
-            .find(|(mode, _, _)| *mode == Mode::Memleak)
-            .and_then(|(_, runs, _)| {
-                median(runs.iter().filter_map(|run| run.bpf).map(|bpf| bpf.ns).collect())
-            })
-            .map_or("-".to_owned(), |ns| format!("{:.2} µs", ns as f64 / f64::from(PAIRS) / 1e3));
-        let stack = at.leak_stack.map_or("-".to_owned(), |(frames, main)| {
-            format!("{frames} frames{}", if main { ", main" } else { ", NO main" })
-        });
-        println!(
-            "  {:>5} {:>10} {:>10} {:>10} {ratio:>16} {bpf_per_pair:>14} {stack:>12}",
-            at.depth,
-            ms(untraced),
-            ms(memleak),
-            ms(heaptrack)
-        );
-        for (mode, _, failure) in &at.runs {
-            if let Some(failure) = failure {
-                println!("    {}: {failure}", mode.label());
-            }
-        }
+        at.print_row();
     }
-    println!("  goals: memleak/heaptrack at most {GOAL_RATIO:.1} at every depth; BPF under 1 µs a pair at depth 10, under 1.5 µs at 100");
+    println!(
+        "  full walks: memleak --no-stack-reuse. Goals: memleak/heaptrack at most {GOAL_RATIO:.1} at every depth; \
+         BPF under 1 µs a pair at depth 10, under 1.5 µs at 100"
+    );
 }
