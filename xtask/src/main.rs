@@ -1,8 +1,8 @@
-//! Everything besides cargo itself: toolchain setup, the README demo and
-//! its examples, the privileged test run and the benchmark.
+//! Everything besides cargo itself: toolchain setup, the demo, the book
+//! and its examples, the privileged test run and the benchmark.
 
 mod bench;
-mod readme;
+mod docs;
 mod setup;
 
 use std::{
@@ -34,20 +34,27 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         test_args: Vec<String>,
     },
-    /// Make the README's example outputs again from real runs: each block
-    /// marked `<!-- example: NAME -->`, and the files it shows (docs/).
-    /// A block changes only where more than run-specific values (times,
-    /// pids, addresses, ports) differ.
-    Readme {
-        /// Write nothing; fail, naming each example whose output changed.
-        #[arg(long, conflicts_with = "fresh")]
+    /// Build the book (docs/, an mdBook) into target/book and check its
+    /// links and README.md's. With --examples, as root, first make the
+    /// docs' example outputs again from real runs: each block marked
+    /// `<!-- example: NAME -->` in README.md and docs/src, and the pictures
+    /// it shows. A block changes only where more than run-specific values
+    /// (times, pids, addresses, ports) differ.
+    Docs {
+        /// Make the examples again and rewrite the blocks that changed.
+        #[arg(long)]
+        examples: bool,
+        /// Make the examples again but write nothing; fail, naming each
+        /// example whose output changed.
+        #[arg(long, conflicts_with_all = ["fresh", "examples"])]
         check: bool,
-        /// Rewrite the blocks made even where only run-specific values
-        /// differ: a fresh transcript.
+        /// Make the examples again and rewrite the blocks made even where
+        /// only run-specific values differ: a fresh transcript.
         #[arg(long)]
         fresh: bool,
-        /// Only these examples (all by default).
-        examples: Vec<String>,
+        /// Only these examples (all by default); naming one makes it
+        /// again, as --examples does.
+        names: Vec<String>,
     },
     /// Measure memleak's overhead on a malloc-heavy workload, with and
     /// without frame pointers, what Python frames cost, and its unwind
@@ -87,8 +94,8 @@ fn main() -> Result<()> {
             };
             bench::run(quick, part)
         }
-        Task::Readme { check, fresh, examples } => {
-            readme::run(&readme::Options { check, fresh, only: examples })
+        Task::Docs { examples, check, fresh, names } => {
+            docs::run(&docs::Options { examples, check, fresh, only: names })
         }
     }
 }
@@ -266,6 +273,12 @@ fn test(test_args: &[String]) -> Result<()> {
     // The end-to-end tests run the memleak binary this builds.
     run(cargo().args(["build", "--package", "memleak"]))?;
     lint()?;
+    // The book, whose links must hold, and the examples cheap and
+    // deterministic enough to make again on every run: a checked-in one
+    // that memleak no longer prints fails here.
+    docs::run(&docs::Options { examples: false, check: false, fresh: false, only: Vec::new() })?;
+    let checked: Vec<String> = docs::CHECKED_BY_TEST.iter().map(|name| (*name).to_owned()).collect();
+    docs::examples_in_docs(&checked, true, false)?;
     run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))
 }
 

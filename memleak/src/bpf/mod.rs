@@ -1,7 +1,9 @@
 //! memleak's BPF object seen from user space: loading and attaching it
 //! (`tracer`), reading its maps once per report round (`contents`), its
 //! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`);
-//! what all that takes of privileges on this kernel (`privileges`).
+//! what all that takes of privileges on this kernel (`privileges`), the
+//! multi-uprobe links it attaches through (`multi_uprobes`), and what each
+//! sized map asks of the kernel's memory (`map_costs`).
 
 pub mod contents;
 pub mod map_costs;

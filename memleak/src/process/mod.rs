@@ -3,7 +3,9 @@
 //! starts itself (`command`) and all that it starts (`command_cgroup`),
 //! cgroups of them (`cgroup`), the container and pod they run in
 //! (`container`, `kubernetes`), and those it must leave alone
-//! (`feedback`); and opening the files they control (`files`).
+//! (`feedback`); which process a pid names (`identity`), the dynamic
+//! linker's hook a started command stops at (`link_map`); and opening the
+//! files they control (`files`).
 
 pub mod address_space;
 pub mod cgroup;

@@ -3,6 +3,10 @@
 //! remove targets and ask for reports; nothing here prints to stdout or
 //! decides when reports are due. `crate::report_loop` is the command
 //! line's driver: a report every interval until the end.
+//!
+//! `targets`: what the user named, and each process traced with the
+//! state its reports need; `newcomers`: processes that start or join
+//! after the session began.
 
 mod newcomers;
 mod targets;

@@ -5,6 +5,12 @@
 //! process has exited, after its binary was deleted, and for files that
 //! exist only inside its container. Every stack is symbolized once and
 //! cached by its id.
+//!
+//! `call_paths`: stacks a reader could not tell apart, reported as one;
+//! `stable_id`: a stack's id across runs and machines; `debug_links`: what
+//! blazesym may read of an object's debug information; `perf_map`: names
+//! of JIT code; `missing`: which objects lack names or lines, and where
+//! they would come from.
 
 use std::{
     collections::HashMap,

@@ -1,8 +1,10 @@
-//! `cargo xtask readme`: the README's example outputs, made again from
-//! real runs, so that they cannot go stale.
+//! `cargo xtask docs`: the manual, an mdBook in docs/, built into
+//! target/book with every internal link checked (`book`, `links`); and the
+//! example outputs of the book and of the front page, README.md, made
+//! again from real runs, so that they cannot go stale.
 //!
-//! Each generated block in README.md is a fenced block right after an
-//! HTML comment that names its example:
+//! Each generated block is a fenced block right after an HTML comment
+//! that names its example, in README.md or in a chapter under docs/src:
 //!
 //! ````text
 //! <!-- example: demo -->
@@ -15,18 +17,22 @@
 //! `examples.rs` holds one function per example, which runs the real
 //! commands (memleak, the fixtures, redis-server, curl, go tool pprof...)
 //! in a scratch directory, `/tmp/memleak-readme`, and returns the block's
-//! new text; some also make files the README shows (`docs/*.svg`, the
-//! serve page's screenshot). Adding an example is a function there, a line
-//! in `EXAMPLES` and a marker in the README.
+//! new text; some also make files the book shows (`docs/src/images/`, the
+//! serve page's screenshot among them). Adding an example is a function
+//! there, a line in `EXAMPLES` and a marker in a chapter.
 //!
 //! Output is kept real: times, pids, addresses and ports are what the run
 //! printed. But a block is only rewritten when it changed in more than
-//! what is run-specific (`normalise`): a regenerated README then differs
-//! from the last one only where memleak's output did, not at every pid.
-//! `--check` makes every block again, writes nothing, and fails naming
+//! what is run-specific (`normalise`): regenerated docs then differ from
+//! the last ones only where memleak's output did, not at every pid.
+//! `--check` makes the blocks again, writes nothing, and fails naming
 //! each example whose output changed, with the lines that did.
+//! `cargo xtask test` checks `CHECKED_BY_TEST` so.
 
+mod book;
 mod examples;
+mod house;
+mod links;
 mod normalise;
 mod workshop;
 
@@ -42,7 +48,7 @@ use crate::{cargo, install_missing_packages, require_root, root, run as run_comm
 pub use normalise::Check;
 use workshop::Workshop;
 
-/// One example of the README: its name in the marker, how its blocks are
+/// One example of the docs: its name in the marker, how its blocks are
 /// compared, and the function that makes its text.
 pub struct Example {
     pub name: &'static str,
@@ -61,7 +67,7 @@ pub struct Made {
     pub files: Vec<(PathBuf, Artifact)>,
 }
 
-/// A file an example makes for the README to show.
+/// A file an example makes for the book to show.
 pub enum Artifact {
     /// Text, compared as blocks are.
     Text(String),
@@ -84,8 +90,13 @@ impl std::fmt::Display for Unavailable {
 
 impl std::error::Error for Unavailable {}
 
-/// What the run does: write the README, or only check it.
+/// What `cargo xtask docs` does besides building the book.
 pub struct Options {
+    /// Make the example outputs again first (as root), and rewrite the
+    /// blocks that changed.
+    pub examples: bool,
+    /// Make the examples again but write nothing; fail naming each one
+    /// whose output changed.
     pub check: bool,
     /// Rewrite each block made, even where only run-specific values
     /// changed: a fresh transcript.
@@ -95,7 +106,7 @@ pub struct Options {
 }
 
 /// Packages the examples run, besides what the tests install: the
-/// README's real programs.
+/// docs' real programs.
 const PACKAGES: [&str; 10] = [
     "gcc",
     "g++",
@@ -109,15 +120,64 @@ const PACKAGES: [&str; 10] = [
     "binutils",
 ];
 
+/// The examples `cargo xtask test` makes again and compares with the
+/// docs, failing on a difference: those compared exactly, whose frames
+/// and bytes are the same in every run, that need no program the tests
+/// do not install already, and that report at their end rather than
+/// every second; about 30 s in all on 2 cores. The others (the demo's
+/// timed counts, reports a second apart, the kernel's and redis's stacks
+/// under load, cgroups and containers, pyenv's python, the daemon's
+/// scrapes, headless Chromium) are checked by `cargo xtask docs --check`.
+pub const CHECKED_BY_TEST: &[&str] = &[
+    "execve",
+    "forks",
+    "mappings",
+    "reservations",
+    "sessions",
+    "sessions-fp",
+    "culprit",
+    "python",
+    "stripped",
+    "jit",
+    "operators",
+    "go-static",
+    "flame-graph",
+    "pprof",
+    "trace",
+    "json",
+    "stats",
+    "privileges",
+];
+
 pub fn run(options: &Options) -> Result<()> {
-    setup::run()?;
-    require_root("cargo xtask readme")?;
-    install_missing_packages(&PACKAGES, "the README's examples")?;
-    run_command(cargo().args(["build", "--package", "memleak"]))?;
-    let readme_path = root().join("README.md");
-    let readme = std::fs::read_to_string(&readme_path).context("cannot read README.md")?;
-    let blocks = blocks(&readme)?;
-    let chosen = chosen(&blocks, &options.only)?;
+    if options.examples || options.check || options.fresh || !options.only.is_empty() {
+        setup::run()?;
+        require_root("cargo xtask docs --examples")?;
+        install_missing_packages(&PACKAGES, "the docs' examples")?;
+        run_command(cargo().args(["build", "--package", "memleak"]))?;
+        examples_in_docs(&options.only, options.check, options.fresh)?;
+    }
+    book::build()
+}
+
+/// Makes the examples named in `only` again (all when empty) with the
+/// memleak of target/debug, as root, and checks them (`check`) or
+/// rewrites the blocks that changed.
+pub fn examples_in_docs(only: &[String], check: bool, fresh: bool) -> Result<()> {
+    let mut documents = documents()?;
+    let mut blocks = Vec::new();
+    for (index, document) in documents.iter().enumerate() {
+        blocks.extend(blocks_of(index, &document.path, &document.text)?);
+    }
+    if let Some((first, second)) = repeated(&blocks) {
+        bail!(
+            "{}: a second block for example {:?} (the first is in {})",
+            located(&documents, second),
+            second.name,
+            located(&documents, first)
+        );
+    }
+    let chosen = chosen(&blocks, only)?;
     let mut workshop = Workshop::new(&root().join("target/debug/memleak"))?;
     // A marker no example answers fails on its own; the others run.
     let mut outcomes: Vec<Outcome> = unknown(&blocks)
@@ -125,25 +185,34 @@ pub fn run(options: &Options) -> Result<()> {
         .map(|block| Outcome::Failed {
             name: block.name.clone(),
             error: format!(
-                "README.md line {}: no example called {:?} (see xtask/src/readme/examples.rs)",
-                block.line,
+                "{}: no example called {:?} (see xtask/src/docs/examples.rs)",
+                located(&documents, block),
                 example_of(&block.name)
             ),
         })
         .collect();
     for example in examples::EXAMPLES.iter().filter(|example| chosen.contains(example.name)) {
-        eprintln!("readme: {}", example.name);
+        eprintln!("docs: example {}", example.name);
         let made = workshop.make(example);
-        outcomes.extend(compare(example, &blocks, &readme, made, options.fresh));
+        outcomes.extend(compare(example, &blocks, &documents, made, fresh));
     }
-    let summary = summarise(&outcomes, options.check);
+    let summary = summarise(&outcomes, check);
     print!("{summary}");
-    if options.check {
+    if check {
         if outcomes.iter().any(|outcome| !matches!(outcome, Outcome::Same | Outcome::Unavailable { .. })) {
-            bail!("the README's examples are not what memleak prints now: run `cargo xtask readme`");
+            bail!("the docs' examples are not what memleak prints now: run `sudo -E cargo xtask docs --examples`");
         }
         return Ok(());
     }
+    write_changes(&mut documents, &outcomes)?;
+    if outcomes.iter().any(|outcome| matches!(outcome, Outcome::Failed { .. })) {
+        bail!("some examples failed: their blocks are left as they were");
+    }
+    Ok(())
+}
+
+/// Writes the blocks and files that `outcomes` changed.
+fn write_changes(documents: &mut [Document], outcomes: &[Outcome]) -> Result<()> {
     let mut changed: Vec<(&Block, &String)> = outcomes
         .iter()
         .filter_map(|outcome| match outcome {
@@ -152,15 +221,17 @@ pub fn run(options: &Options) -> Result<()> {
         })
         .collect();
     // From the end, so that earlier blocks' offsets stay right.
-    changed.sort_by_key(|(block, _)| std::cmp::Reverse(block.content.start));
-    let mut updated = readme.clone();
+    changed.sort_by_key(|(block, _)| std::cmp::Reverse((block.document, block.content.start)));
     for (block, text) in changed {
-        updated.replace_range(block.content.clone(), text);
+        documents[block.document].text.replace_range(block.content.clone(), text);
     }
-    if updated != readme {
-        std::fs::write(&readme_path, updated).context("cannot write README.md")?;
+    for document in documents.iter() {
+        if document.text != document.original {
+            std::fs::write(root().join(&document.path), &document.text)
+                .with_context(|| format!("cannot write {}", document.path.display()))?;
+        }
     }
-    for outcome in &outcomes {
+    for outcome in outcomes {
         if let Outcome::Changed { files, .. } = outcome {
             for (path, bytes) in files {
                 std::fs::write(root().join(path), bytes)
@@ -168,10 +239,51 @@ pub fn run(options: &Options) -> Result<()> {
             }
         }
     }
-    if outcomes.iter().any(|outcome| matches!(outcome, Outcome::Failed { .. })) {
-        bail!("some examples failed: their blocks are left as they were");
-    }
     Ok(())
+}
+
+/// A file that holds example blocks.
+struct Document {
+    /// Relative to the workspace root.
+    path: PathBuf,
+    original: String,
+    text: String,
+}
+
+/// The front page and the book's chapters, the files whose blocks the
+/// examples fill.
+fn documents() -> Result<Vec<Document>> {
+    let mut paths = vec![PathBuf::from("README.md")];
+    let chapters = root().join(book::SOURCE);
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&chapters)
+        .with_context(|| format!("cannot list {}", chapters.display()))?
+        .map(|entry| entry.map(|entry| entry.path()))
+        .collect::<Result<_, _>>()?;
+    found.retain(|path| path.extension().is_some_and(|extension| extension == "md"));
+    found.sort();
+    paths.extend(
+        found.into_iter().map(|path| Path::new(book::SOURCE).join(path.file_name().unwrap_or_default())),
+    );
+    paths
+        .into_iter()
+        .map(|path| {
+            let text = std::fs::read_to_string(root().join(&path))
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            Ok(Document { path, original: text.clone(), text })
+        })
+        .collect()
+}
+
+/// Where a block's marker is: `docs/src/outputs.md line 12`.
+fn located(documents: &[Document], block: &Block) -> String {
+    format!("{} line {}", documents[block.document].path.display(), block.line)
+}
+
+/// Two blocks of one name, if there are: each example part is shown once.
+fn repeated(blocks: &[Block]) -> Option<(&Block, &Block)> {
+    blocks.iter().enumerate().find_map(|(index, second)| {
+        blocks[..index].iter().find(|first| first.name == second.name).map(|first| (first, second))
+    })
 }
 
 /// The example a block belongs to: `serve` for `serve` and `serve/curl`.
@@ -185,9 +297,9 @@ fn unknown(blocks: &[Block]) -> Vec<&Block> {
     blocks.iter().filter(|block| !known(example_of(&block.name))).collect()
 }
 
-/// The examples to run: those asked for, else every one the README
-/// marks. An example asked for that there is not, or that the README does
-/// not mark, is an error.
+/// The examples to run: those asked for, else every one the docs mark.
+/// An example asked for that there is not, or that no document marks, is
+/// an error.
 fn chosen(blocks: &[Block], only: &[String]) -> Result<BTreeSet<&'static str>> {
     let known: BTreeSet<&'static str> = examples::EXAMPLES.iter().map(|example| example.name).collect();
     if let Some(unknown) = only.iter().find(|name| !known.contains(name.as_str())) {
@@ -201,16 +313,18 @@ fn chosen(blocks: &[Block], only: &[String]) -> Result<BTreeSet<&'static str>> {
         if asked && marked.contains(example.name) {
             chosen.insert(example.name);
         } else if asked && !only.is_empty() {
-            bail!("README.md has no `<!-- example: {} -->` block", example.name);
+            bail!("no document has a `<!-- example: {} -->` block", example.name);
         }
     }
     Ok(chosen)
 }
 
-/// A generated block of the README.
+/// A generated block of a document.
 #[derive(Clone, Debug)]
 struct Block {
     name: String,
+    /// Its document, an index into `documents()`.
+    document: usize,
     /// The line of its marker, from 1.
     line: usize,
     /// Byte range of its contents, between the fences' lines.
@@ -220,12 +334,14 @@ struct Block {
 const MARKER_START: &str = "<!-- example: ";
 const MARKER_END: &str = " -->";
 
-/// Every marked block of `readme`: a marker line, then at once an opening
-/// fence; the block runs to the next fence line.
-fn blocks(readme: &str) -> Result<Vec<Block>> {
+/// Every marked block of `text`, document number `document` at `path`:
+/// a marker line, then at once an opening fence; the block runs to the
+/// next fence line.
+fn blocks_of(document: usize, path: &Path, text: &str) -> Result<Vec<Block>> {
+    let path = path.display();
     let mut blocks: Vec<Block> = Vec::new();
     let mut offset = 0;
-    let mut lines = readme.split_inclusive('\n').enumerate().peekable();
+    let mut lines = text.split_inclusive('\n').enumerate().peekable();
     while let Some((index, line)) = lines.next() {
         offset += line.len();
         let Some(name) =
@@ -235,7 +351,7 @@ fn blocks(readme: &str) -> Result<Vec<Block>> {
         };
         let marker_line = index + 1;
         let Some((_, fence)) = lines.next().filter(|(_, fence)| fence.starts_with("```")) else {
-            bail!("README.md line {marker_line}: the example marker must be followed by a ``` line");
+            bail!("{path} line {marker_line}: the example marker must be followed by a ``` line");
         };
         offset += fence.len();
         let start = offset;
@@ -248,13 +364,8 @@ fn blocks(readme: &str) -> Result<Vec<Block>> {
             }
             offset += line.len();
         }
-        let Some(end) = end else {
-            bail!("README.md line {marker_line}: the block of {name:?} is not closed")
-        };
-        if blocks.iter().any(|block| block.name == name) {
-            bail!("README.md line {marker_line}: a second block for example {name:?}");
-        }
-        blocks.push(Block { name: name.to_owned(), line: marker_line, content: start..end });
+        let Some(end) = end else { bail!("{path} line {marker_line}: the block of {name:?} is not closed") };
+        blocks.push(Block { name: name.to_owned(), document, line: marker_line, content: start..end });
     }
     Ok(blocks)
 }
@@ -282,12 +393,12 @@ enum Outcome {
     },
 }
 
-/// What `made` changes of the blocks of `example` in `readme`, and of the
+/// What `made` changes of the blocks of `example` in `documents`, and of the
 /// files it shows.
 fn compare(
     example: &Example,
     blocks: &[Block],
-    readme: &str,
+    documents: &[Document],
     made: Result<Made>,
     fresh: bool,
 ) -> Vec<Outcome> {
@@ -314,7 +425,7 @@ fn compare(
         if !text.ends_with('\n') {
             text.push('\n');
         }
-        let old = &readme[block.content.clone()];
+        let old = &documents[block.document].text[block.content.clone()];
         let mut difference = normalise::difference(example.check, old, &text);
         if fresh && difference.is_empty() && old != text {
             "  (run-specific values only: --fresh)\n".clone_into(&mut difference);
@@ -334,14 +445,14 @@ fn compare(
     for (part, _) in texts.into_iter().filter(|(part, _)| part != example.name) {
         outcomes.push(Outcome::Failed {
             name: part.clone(),
-            error: format!("README.md has no block for {part:?}"),
+            error: format!("no document has a block for {part:?}"),
         });
     }
     outcomes.extend(compare_files(example, made.files, fresh));
     outcomes
 }
 
-/// What an example's new files change of those the README shows; with
+/// What an example's new files change of those the docs show; with
 /// `fresh`, any change.
 fn compare_files(example: &Example, made: Vec<(PathBuf, Artifact)>, fresh: bool) -> Vec<Outcome> {
     let name = example.name.to_owned();
@@ -394,7 +505,7 @@ fn summarise(outcomes: &[Outcome], check: bool) -> String {
     let same = outcomes.iter().filter(|outcome| matches!(outcome, Outcome::Same)).count();
     let blocks =
         outcomes.iter().filter(|outcome| !matches!(outcome, Outcome::Changed { block: None, .. })).count();
-    let _ = writeln!(summary, "{same} of {blocks} blocks as the README has them");
+    let _ = writeln!(summary, "{same} of {blocks} blocks as the docs have them");
     for outcome in outcomes {
         let _ = match outcome {
             Outcome::Same => Ok(()),
@@ -418,9 +529,9 @@ fn indent(text: &str) -> String {
     })
 }
 
-/// The workspace-relative path of a file the README shows.
-pub fn docs(name: &str) -> PathBuf {
-    Path::new("docs").join(name)
+/// The workspace-relative path of a picture the book shows.
+pub fn image(name: &str) -> PathBuf {
+    Path::new(book::SOURCE).join("images").join(name)
 }
 
 #[cfg(test)]
@@ -429,19 +540,29 @@ mod tests {
 
     #[test]
     fn blocks_are_found_by_their_markers() {
-        let readme =
+        let text =
             "# x\n<!-- example: one -->\n```\n$ a\nb\n```\ntext\n<!-- example: two -->\n```json\n{}\n```\n";
-        let found = blocks(readme).unwrap();
+        let found = blocks_of(3, Path::new("docs/src/x.md"), text).unwrap();
         assert_eq!(found.len(), 2);
-        assert_eq!((found[0].name.as_str(), &readme[found[0].content.clone()]), ("one", "$ a\nb\n"));
-        assert_eq!((found[1].name.as_str(), &readme[found[1].content.clone()]), ("two", "{}\n"));
-        assert_eq!(found[1].line, 8);
+        assert_eq!((found[0].name.as_str(), &text[found[0].content.clone()]), ("one", "$ a\nb\n"));
+        assert_eq!((found[1].name.as_str(), &text[found[1].content.clone()]), ("two", "{}\n"));
+        assert_eq!((found[1].document, found[1].line), (3, 8));
     }
 
     #[test]
     fn a_marker_needs_its_block() {
-        assert!(blocks("<!-- example: one -->\ntext\n").is_err());
-        assert!(blocks("<!-- example: one -->\n```\nnever closed\n").is_err());
-        assert!(blocks("<!-- example: a -->\n```\n```\n<!-- example: a -->\n```\n```\n").is_err());
+        let path = Path::new("README.md");
+        assert!(blocks_of(0, path, "<!-- example: one -->\ntext\n").is_err());
+        assert!(blocks_of(0, path, "<!-- example: one -->\n```\nnever closed\n").is_err());
+    }
+
+    #[test]
+    fn each_block_is_shown_once_in_all_the_documents() {
+        let mut blocks = blocks_of(0, Path::new("README.md"), "<!-- example: a -->\n```\n```\n").unwrap();
+        blocks.extend(blocks_of(1, Path::new("docs/src/b.md"), "<!-- example: b -->\n```\n```\n").unwrap());
+        assert!(repeated(&blocks).is_none());
+        blocks.extend(blocks_of(2, Path::new("docs/src/c.md"), "<!-- example: a -->\n```\n```\n").unwrap());
+        let (first, second) = repeated(&blocks).expect("the second `a` found");
+        assert_eq!((first.document, second.document), (0, 2));
     }
 }

@@ -14,7 +14,7 @@ use std::path::Path;
 use anyhow::{bail, Context as _, Result};
 
 use super::{
-    docs,
+    image,
     normalise::Check,
     workshop::{
         curl, curl_until, free_port, lines_of, output, port_or_free, read, reports, require, unmount_below,
@@ -537,7 +537,7 @@ fn flame_graph(workshop: &mut Workshop) -> Result<Made> {
     let svg = read(&workshop.dir().join("flamegraph.1.svg"))?;
     Ok(Made {
         text: transcript.text(),
-        files: vec![(docs("flamegraph.svg"), Artifact::Text(svg))],
+        files: vec![(image("flamegraph.svg"), Artifact::Text(svg))],
         ..Made::default()
     })
 }
@@ -594,7 +594,7 @@ fn diff(workshop: &mut Workshop) -> Result<Made> {
     transcript.command(&format!("memleak {}", diff_args.join(" "))).lines(&diff);
     Ok(Made {
         text: transcript.text(),
-        files: vec![(docs("diff-flamegraph.svg"), Artifact::Text(svg))],
+        files: vec![(image("diff-flamegraph.svg"), Artifact::Text(svg))],
         ..Made::default()
     })
 }
@@ -684,7 +684,7 @@ fn serve(workshop: &mut Workshop) -> Result<Made> {
     Ok(Made {
         text: started.text(),
         parts: vec![("endpoints", endpoints.text()), ("reports", reports.text())],
-        files: vec![(docs("serve-page.png"), page)],
+        files: vec![(image("serve-page.png"), page)],
     })
 }
 
