@@ -125,11 +125,12 @@ fn version_names_the_commit_and_the_embedded_bpf_object() {
 
 /// The static binary traces a static glibc leaker from a root holding
 /// only the two of them, as it would from a scratch container image. It
-/// sees the kernel through what is mounted there: a proc of its own, and
-/// /sys bound recursively (BTF in `/sys/kernel/btf`, the uprobe PMU in
+/// sees the kernel through what is mounted there: a proc of its own, /sys
+/// bound recursively (BTF in `/sys/kernel/btf`, the uprobe PMU in
 /// `/sys/bus/event_source`, the cgroup v2 mount that -c makes its cgroup
-/// in). Nothing else: no /dev, no bpffs (memleak pins nothing). The mounts
-/// live in a mount namespace that ends with the test.
+/// in) and /dev/null, which -c's helper process has for its stdio.
+/// Nothing else: no bpffs (memleak pins nothing). The mounts live in a
+/// mount namespace that ends with the test.
 #[test]
 fn the_static_binary_traces_from_a_root_holding_only_itself_and_the_program() {
     let memleak = dist().join("memleak");
@@ -147,10 +148,10 @@ fn the_static_binary_traces_from_a_root_holding_only_itself_and_the_program() {
     assert_eq!(
         entries,
         ["dev/", "dev/null", "leaker", "memleak", "proc/", "sys/"],
-        "the root holds only these"
+        "the root holds only these, and places to mount"
     );
     let script = "set -e; root=$0; mount -t proc proc \"$root/proc\"; mount --rbind /sys \"$root/sys\"; \
-                  exec chroot \"$root\" /memleak \"$@\"";
+                  mount --bind /dev/null \"$root/dev/null\"; exec chroot \"$root\" /memleak \"$@\"";
     let mut memleak = Memleak::spawn(
         Command::new("unshare")
             .args(["--mount", "--propagation", "private", "sh", "-c", script])
@@ -159,8 +160,18 @@ fn the_static_binary_traces_from_a_root_holding_only_itself_and_the_program() {
     );
     memleak.stderr.wait_for("the leaker to finish", |line| line == "done");
     memleak.close_stdin();
+    let said = memleak.stderr.rest();
     let (status, reports) = memleak.finish();
     assert!(status.success(), "memleak exited with {status}");
+    // No warning: -c's cgroup and its helper (whose stdio is /dev/null)
+    // work from there too.
+    let unexpected: Vec<&String> = said
+        .iter()
+        .filter(|line| {
+            !(*line == "done" || line.starts_with("memleak: tracing pid ") || line.ends_with(" exited"))
+        })
+        .collect();
+    assert!(unexpected.is_empty(), "memleak said: {said:#?}");
     let report: &Value = reports.last().expect("a final report");
     // Each leak exactly; the totals also hold what static glibc allocates
     // for itself at start, which depends on the environment.

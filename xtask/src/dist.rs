@@ -9,9 +9,9 @@
 //!   contrib/, for Debian and Ubuntu;
 //! - `SHA256SUMS` of the binary and the package.
 //!
-//! `cargo xtask test` makes the same files with a debug build (in about
-//! a third of the time of a release one) under target/dist-test/, where
-//! the tests of tests/tests/dist.rs take them.
+//! `cargo xtask test` makes the same files with a debug build (1m45s from
+//! scratch on 2 cores, against 4m35s for the release one) under
+//! target/dist-test/, where the tests of tests/tests/dist.rs take them.
 
 use std::{
     fs,
@@ -68,6 +68,7 @@ pub struct Made {
 /// writes the man pages, completions and the .deb beside it.
 pub fn build(profile: Profile) -> Result<Made> {
     add_rust_target()?;
+    crate::install_missing_packages(&["file", "binutils"], "checking that memleak is static")?;
     let out = root().join(profile.directory());
     if out.exists() {
         fs::remove_dir_all(&out).with_context(|| format!("cannot empty {}", out.display()))?;
@@ -92,8 +93,8 @@ pub fn build(profile: Profile) -> Result<Made> {
     let version = output(Command::new(&binary).arg("--version"))?.trim().to_owned();
     run_command(Command::new(&binary).arg("__dist-files").arg(&out))?;
     let deb = debian_package(&out, profile)?;
-    let sums =
-        output(Command::new("sha256sum").arg("memleak").arg(deb.file_name().unwrap()).current_dir(&out))?;
+    let deb_name = deb.file_name().context("the package has a file name")?;
+    let sums = output(Command::new("sha256sum").arg("memleak").arg(deb_name).current_dir(&out))?;
     fs::write(out.join("SHA256SUMS"), sums)?;
     Ok(Made { binary, deb, version })
 }
