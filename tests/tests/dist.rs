@@ -254,6 +254,10 @@ fn man_pages_render_without_warnings() {
             .stdout,
     );
     assert!(memleak.contains("--max-stack-depth"), "the options are documented:\n{memleak}");
+    // NAME is what --help starts with, the doc comment of cli::Args
+    // (words only: man justifies the lines).
+    let words = memleak.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(words.contains("NAME memleak - Trace outstanding allocations of processes"), "{memleak}");
     assert!(
         memleak.contains("\nEXAMPLES\n")
             && memleak.contains("\n         memleak -p 1234 -a 10 3      3 reports"),

@@ -136,7 +136,8 @@ fn output(command: &mut Command) -> Result<String> {
     Ok(String::from_utf8(output.stdout)?)
 }
 
-/// The package's fields, from memleak/Cargo.toml.
+/// The package's fields, from memleak/Cargo.toml: its version and
+/// license, and `[package.metadata.deb]`.
 struct Metadata {
     version: String,
     description: String,
@@ -156,7 +157,7 @@ fn metadata() -> Result<Metadata> {
     };
     Ok(Metadata {
         version: field(&package["version"], "version")?,
-        description: field(&package["description"], "description")?,
+        description: field(&package["metadata"]["deb"]["description"], "[package.metadata.deb] description")?,
         license: field(&package["license"], "license")?,
         maintainer: field(&package["metadata"]["deb"]["maintainer"], "[package.metadata.deb] maintainer")?,
     })
