@@ -1,16 +1,22 @@
 //! Builds memleak-ebpf for the BPF target and leaves the object in `OUT_DIR`,
 //! where `include_bytes_aligned!` embeds it into the memleak binary.
 //!
+//! It also leaves what `memleak --version` prints, as environment
+//! variables of the compiler: the git commit and the BPF object's hash.
+//!
 //! The nested cargo's output is shown only when it fails: replayed as
 //! warnings on every build (as aya-build does), it buried real warnings.
 
 use std::{
-    env, fs,
+    env,
+    fmt::Write as _,
+    fs,
     path::{Path, PathBuf},
     process::Command,
 };
 
 use anyhow::{bail, Context as _};
+use sha2::Digest as _;
 
 fn main() -> anyhow::Result<()> {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("memleak/ has a parent")?;
@@ -19,7 +25,7 @@ fn main() -> anyhow::Result<()> {
     }
     check_bpf_toolchain()?;
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
-    let target_dir = out_dir.join("bpf-target");
+    let target_dir = bpf_target_dir(&out_dir);
     let target = match env::var("CARGO_CFG_TARGET_ENDIAN")?.as_str() {
         "big" => "bpfeb-unknown-none",
         _ => "bpfel-unknown-none",
@@ -46,7 +52,90 @@ fn main() -> anyhow::Result<()> {
     }
     let object = target_dir.join(target).join("release/memleak");
     fs::copy(&object, out_dir.join("memleak")).with_context(|| format!("copying {}", object.display()))?;
+    describe_build(workspace, &fs::read(&object)?);
     Ok(())
+}
+
+/// Where the nested cargo builds the BPF programs: one folder under the
+/// target directory for every host target and profile, as the object
+/// depends on neither. The static (musl) build that `cargo xtask dist`
+/// and the tests make then takes the object the glibc build made, rather
+/// than a minute to build it again. `OUT_DIR` is
+/// `TARGET_DIR/[TRIPLE/]PROFILE/build/memleak-HASH/out`; anywhere else (a
+/// layout cargo may change), the object is built under `OUT_DIR`.
+fn bpf_target_dir(out_dir: &Path) -> PathBuf {
+    let own = || out_dir.join("bpf-target");
+    let mut ancestors = out_dir.ancestors().skip(2);
+    if ancestors.next().and_then(Path::file_name) != Some("build".as_ref()) {
+        return own();
+    }
+    let Some(mut target_dir) = ancestors.nth(1) else { return own() };
+    if env::var_os("TARGET").is_some_and(|triple| target_dir.file_name() == Some(&triple)) {
+        let Some(parent) = target_dir.parent() else { return own() };
+        target_dir = parent;
+    }
+    target_dir.join("bpf")
+}
+
+/// What `memleak --version` says besides the crate's version: the commit
+/// and the BPF object. bpf-linker writes no GNU build-id note, so the
+/// object is named by the SHA-256 of its bytes (the BPF build is
+/// reproducible: the same sources give the same bytes).
+fn describe_build(workspace: &Path, bpf_object: &[u8]) {
+    let digest = sha2::Sha256::digest(bpf_object);
+    let hex = digest.iter().fold(String::new(), |mut hex, byte| {
+        let _ = write!(hex, "{byte:02x}");
+        hex
+    });
+    println!("cargo:rustc-env=MEMLEAK_BPF_SHA256={hex}");
+    let commit = git_commit(workspace).unwrap_or_else(|| "unknown".to_owned());
+    println!("cargo:rustc-env=MEMLEAK_COMMIT={commit}");
+}
+
+/// Sources that go into the binary: a change to any of them makes it
+/// another build, and `-dirty` is decided by them alone (an edited README
+/// does not make the binary differ from its commit's).
+const BINARY_SOURCES: [&str; 5] = ["memleak", "memleak-ebpf", "memleak-common", "Cargo.toml", "Cargo.lock"];
+
+/// The short hash of HEAD, with `-dirty` when the binary's sources differ
+/// from it; `None` outside a git checkout of this workspace (a build from
+/// a source archive, or from a .crate unpacked inside another repository).
+fn git_commit(workspace: &Path) -> Option<String> {
+    let git = |args: &[&str]| -> Option<String> {
+        let output = Command::new("git").arg("-C").arg(workspace).args(args).output().ok()?;
+        output.status.success().then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    };
+    let top = git(&["rev-parse", "--show-toplevel"])?;
+    if fs::canonicalize(&top).ok()? != fs::canonicalize(workspace).ok()? {
+        return None;
+    }
+    // Rerun when the sources change, HEAD moves or the index changes (a
+    // commit, a checkout, an add).
+    for source in BINARY_SOURCES {
+        println!("cargo:rerun-if-changed={}", workspace.join(source).display());
+    }
+    for path in ["HEAD", "index", "packed-refs"] {
+        rerun_if_exists(&git(&["rev-parse", "--git-path", path])?, workspace);
+    }
+    if let Some(branch) = git(&["symbolic-ref", "--quiet", "HEAD"]) {
+        rerun_if_exists(&git(&["rev-parse", "--git-path", &branch])?, workspace);
+    }
+    let hash = git(&["rev-parse", "--short", "HEAD"])?;
+    // --no-optional-locks: a status that refreshed the index would touch
+    // it, and so rerun this script at the next build.
+    let mut status = vec!["--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--"];
+    status.extend(BINARY_SOURCES);
+    let dirty = !git(&status)?.is_empty();
+    Some(if dirty { format!("{hash}-dirty") } else { hash })
+}
+
+/// Watches a file of git's, named relative to `workspace` or absolute; a
+/// missing file is not watched (cargo would rerun the script every time).
+fn rerun_if_exists(path: &str, workspace: &Path) {
+    let path = workspace.join(path);
+    if path.exists() {
+        println!("cargo:rerun-if-changed={}", path.display());
+    }
 }
 
 /// Fails early, with the fix, instead of deep inside the nested cargo.

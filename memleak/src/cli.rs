@@ -23,7 +23,7 @@ use crate::report::options::{Choice, Format, SortKey, Weight};
 /// memory.
 #[allow(clippy::struct_excessive_bools, reason = "bcc's yes/no flags, each independent of the others")]
 #[derive(Debug, Parser)]
-#[command(name = "memleak", version, about, after_help = EXAMPLES, args_conflicts_with_subcommands = true)]
+#[command(name = "memleak", version = VERSION, about, after_help = EXAMPLES, args_conflicts_with_subcommands = true)]
 pub struct Args {
     /// Render or compare saved snapshots, or serve reports over HTTP,
     /// instead of tracing.
@@ -471,6 +471,19 @@ macro_rules! choice_values {
 }
 
 choice_values!(Format, SortKey, Weight);
+
+/// What `--version` says after "memleak": the crate's version, the commit
+/// built (`-dirty` when the binary's sources differed from it, `unknown`
+/// outside a git checkout) and the SHA-256 of the embedded BPF object,
+/// which has no build-id note of its own (see build.rs).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("MEMLEAK_COMMIT"),
+    ", bpf object sha256:",
+    env!("MEMLEAK_BPF_SHA256"),
+    ")"
+);
 
 const EXAMPLES: &str = "\
 Examples:

@@ -29,6 +29,10 @@ pub fn local_time_ms(unix_ms: u64) -> String {
 }
 
 /// HH:MM:SS in the local time zone, as bcc prints it.
+#[allow(
+    deprecated,
+    reason = "the libc crate marks time_t deprecated on musl, where it is 64 bits as on glibc x86_64 already"
+)]
 pub fn local_time(unix_ms: u64) -> String {
     let seconds = (unix_ms / 1000) as libc::time_t;
     // SAFETY: `tm` is plain data that localtime_r fills in.

@@ -18,6 +18,7 @@ mod clock;
 mod collect;
 mod config;
 mod elf;
+mod manuals;
 mod model;
 mod offline;
 mod output;
@@ -45,6 +46,10 @@ fn main() -> ExitCode {
     stop_signals::hold();
     // memleak's binary started again to outlive it: see `command_cgroup`.
     if let Some(exit) = process::command_cgroup::reaper_main() {
+        return exit;
+    }
+    // memleak started by `cargo xtask dist` to write its man pages.
+    if let Some(exit) = manuals::dist_files_main() {
         return exit;
     }
     let args = match cli::Args::try_parse() {

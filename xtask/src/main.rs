@@ -2,6 +2,7 @@
 //! and its examples, the privileged test run and the benchmark.
 
 mod bench;
+mod dist;
 mod docs;
 mod setup;
 
@@ -56,6 +57,14 @@ enum Task {
         /// again, as --examples does.
         names: Vec<String>,
     },
+    /// Build what a release ships, under target/dist/: a static memleak
+    /// (`x86_64` musl), its man pages and shell completions, and a .deb.
+    Dist {
+        /// A debug build without debug info under target/dist-test/, as
+        /// `cargo xtask test` makes for tests/tests/dist.rs.
+        #[arg(long)]
+        debug: bool,
+    },
     /// Measure memleak's overhead on a malloc-heavy workload, with and
     /// without frame pointers, what Python frames cost, and its unwind
     /// tables for real programs.
@@ -84,6 +93,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
+        Task::Dist { debug } => dist::run(if debug { dist::Profile::Test } else { dist::Profile::Release }),
         Task::Bench { quick, serve_only, save_only, python_only, depth_only } => {
             let part = match (serve_only, save_only, python_only, depth_only) {
                 (true, ..) => bench::Part::Serve,
@@ -220,9 +230,12 @@ fn demo() -> Result<()> {
 /// Debian's python3 and a node to unwind real interpreters and JIT code,
 /// prometheus for promtool, which checks `memleak serve`'s /metrics,
 /// podman with runc to run real containers for `serve --container`
-/// (crun cannot run them on a hybrid cgroup host), and python3-venv for
-/// the Python tools `install_python_tools` puts in a venv.
-const TEST_PACKAGES: [&str; 20] = [
+/// (crun cannot run them on a hybrid cgroup host), python3-venv for
+/// the Python tools `install_python_tools` puts in a venv, and what the
+/// tests of `cargo xtask dist`'s files use: file and readelf (binutils)
+/// to see the binary is static, man-db to render the man pages, and
+/// systemd for systemd-analyze.
+const TEST_PACKAGES: [&str; 24] = [
     "bpftool",
     "python3",
     "nodejs",
@@ -243,6 +256,10 @@ const TEST_PACKAGES: [&str; 20] = [
     "podman",
     "runc",
     "python3-venv",
+    "file",
+    "binutils",
+    "man-db",
+    "systemd",
 ];
 
 /// Where the tests find kubernetes-validate, which checks contrib/k8s
@@ -270,8 +287,10 @@ fn test(test_args: &[String]) -> Result<()> {
     require_root("the end-to-end tests")?;
     install_missing_packages(&TEST_PACKAGES, "the tests")?;
     install_python_tools()?;
-    // The end-to-end tests run the memleak binary this builds.
+    // The end-to-end tests run the memleak binary this builds, and
+    // tests/tests/dist.rs what a release ships, built here in debug.
     run(cargo().args(["build", "--package", "memleak"]))?;
+    dist::build(dist::Profile::Test)?;
     lint()?;
     // The book, whose links must hold, and the examples cheap and
     // deterministic enough to make again on every run: a checked-in one

@@ -143,7 +143,8 @@ pub(super) fn is_on_procfs(directory: &Path) -> io::Result<bool> {
     }
     // SAFETY: statfs succeeded, so it filled `filesystem` in.
     let filesystem = unsafe { filesystem.assume_init() };
-    Ok(filesystem.f_type == libc::PROC_SUPER_MAGIC)
+    // Signed on glibc and unsigned on musl: compared widened.
+    Ok(i128::from(filesystem.f_type) == i128::from(libc::PROC_SUPER_MAGIC))
 }
 
 pub(super) fn c_path(path: &Path) -> io::Result<CString> {
@@ -237,12 +238,16 @@ pub(super) fn create_exclusive(path: &Path) -> io::Result<File> {
 
 /// rename(2) with `RENAME_NOREPLACE`. A filesystem without it (EINVAL:
 /// NFS, some FUSE) gets a check and a plain rename, which leaves a
-/// moment for a file that appears to be replaced.
+/// moment for a file that appears to be replaced. The system call itself,
+/// not libc's wrapper: the musl that Rust's static target links (1.2.3)
+/// has none.
 pub(super) fn rename_no_replace(from: &Path, to: &Path) -> io::Result<()> {
     let (from_name, to_name) = (c_path(from)?, c_path(to)?);
-    // SAFETY: both names are NUL-terminated and outlive the call.
+    // SAFETY: renameat2 takes two directory fds, two names, NUL-terminated
+    // and outliving the call, and flags.
     let renamed = unsafe {
-        libc::renameat2(
+        libc::syscall(
+            libc::SYS_renameat2,
             libc::AT_FDCWD,
             from_name.as_ptr(),
             libc::AT_FDCWD,

@@ -126,10 +126,14 @@ fn level_of(path: &Path) -> Option<u32> {
     (std::fs::metadata(&directory).ok()?.ino() == ROOT_CGROUP_ID).then_some(level)
 }
 
+/// `f_type` is signed on glibc and unsigned on musl: compared widened.
 fn is_cgroup2(path: &Path) -> bool {
     let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
     // SAFETY: statfs fills in the struct it is given.
     let mut stats: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: a NUL-terminated path and a valid out-pointer.
-    unsafe { libc::statfs(c_path.as_ptr(), &raw mut stats) == 0 && stats.f_type == CGROUP2_SUPER_MAGIC }
+    unsafe {
+        libc::statfs(c_path.as_ptr(), &raw mut stats) == 0
+            && i128::from(stats.f_type) == i128::from(CGROUP2_SUPER_MAGIC)
+    }
 }

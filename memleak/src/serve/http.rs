@@ -34,6 +34,7 @@ use super::{
     metrics, page,
     query::{Params, ReportAsked},
     reports::{self, Windows},
+    response::{plain, with_type},
     state::{BoardReader, Followed, Published, TargetSummary},
     token::Token,
 };
@@ -375,24 +376,6 @@ fn service_discovery(published: &Published, advertised: &str) -> Response<Full<B
         }
         Err(error) => plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the list: {error}\n")),
     }
-}
-
-pub fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
-    with_type(status, "text/plain; charset=utf-8", body)
-}
-
-pub fn with_type(
-    status: StatusCode,
-    content_type: &'static str,
-    body: impl Into<Bytes>,
-) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(body.into()));
-    *response.status_mut() = status;
-    let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
-    // Text is text, whatever a browser would guess from it.
-    headers.insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
-    response
 }
 
 #[cfg(test)]

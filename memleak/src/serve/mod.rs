@@ -16,6 +16,7 @@ mod metrics;
 mod page;
 mod query;
 mod reports;
+mod response;
 mod state;
 mod token;
 mod top_stacks;
@@ -447,4 +448,77 @@ fn describe_newcomer(target: &Target) -> String {
         .unwrap_or_default();
     let found = if target.found_at_exec { ", found at its execve" } else { "" };
     format!("tracing pid {} ({program}){container} through {}{found}", target.pid, target.plan.describe())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        collections::{BTreeMap, BTreeSet},
+        path::Path,
+    };
+
+    /// The sibling modules a file of serve/ names through `super::`,
+    /// outside its tests: `super::a::f`, and `a` and `b` of
+    /// `use super::{a::{..}, b};`.
+    fn siblings_used(source: &str) -> BTreeSet<String> {
+        let code = source.split("#[cfg(test)]\nmod tests").next().unwrap_or(source);
+        let mut used = BTreeSet::new();
+        let mut rest = code;
+        while let Some(at) = rest.find("super::") {
+            rest = &rest[at + "super::".len()..];
+            let Some(group) = rest.strip_prefix('{') else {
+                used.insert(rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect());
+                continue;
+            };
+            // Each item's first name, at the group's own depth.
+            let (mut depth, mut name, mut item_named) = (1, String::new(), false);
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+                if depth == 1 && !item_named && (c.is_alphanumeric() || c == '_') {
+                    name.push(c);
+                } else if !name.is_empty() {
+                    used.insert(std::mem::take(&mut name));
+                    item_named = true;
+                }
+                if depth == 1 && c == ',' {
+                    item_named = false;
+                }
+                if depth == 0 {
+                    break;
+                }
+            }
+        }
+        used
+    }
+
+    /// The house rule for the server's files: the router and the
+    /// handlers may share a module below them, never import each other.
+    #[test]
+    fn no_file_of_serve_imports_one_that_imports_it_back() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/serve");
+        let mut uses = BTreeMap::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let Some(module) = path.file_stem().and_then(|stem| stem.to_str()).map(str::to_owned) else {
+                continue;
+            };
+            if module != "mod" && path.extension().is_some_and(|extension| extension == "rs") {
+                uses.insert(module, siblings_used(&std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+        assert!(uses["reports"].contains("query"), "the scan misses imports: {uses:?}");
+        let cycles: Vec<String> = uses
+            .iter()
+            .flat_map(|(module, used)| used.iter().map(move |other| (module, other)))
+            .filter(|(module, other)| {
+                module < other && uses.get(*other).is_some_and(|back| back.contains(*module))
+            })
+            .map(|(module, other)| format!("{module}.rs <-> {other}.rs"))
+            .collect();
+        assert!(cycles.is_empty(), "files of serve/ that import each other: {cycles:?}");
+    }
 }

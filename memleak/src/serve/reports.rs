@@ -17,8 +17,8 @@ use http_body_util::Full;
 use hyper::{body::Bytes, header, Response, StatusCode};
 
 use super::{
-    http::{plain, with_type},
     query::{Params, ReportAsked},
+    response::{plain, with_type},
     state::{BoardReader, Followed, Unanswered},
 };
 use crate::{

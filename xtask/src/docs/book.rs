@@ -67,7 +67,7 @@ fn chapters() -> Result<Vec<PathBuf>> {
 }
 
 /// target/tools/mdbook-VERSION/bin/mdbook, installed there unless it is.
-/// A debug build: from a clean CARGO_HOME it took 67 s here against
+/// A debug build: from a clean `CARGO_HOME` it took 67 s here against
 /// 264 s for a release build, and it builds this book in under a second
 /// all the same.
 fn install_mdbook() -> Result<PathBuf> {
