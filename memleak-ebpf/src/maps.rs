@@ -61,7 +61,7 @@ pub static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(1024
 
 /// The Python frames of the stack being walked, before they join it.
 #[map(name = "PY_SCRATCH")]
-pub static PY_SCRATCH: PerCpuArray<crate::python::PyScratch> = PerCpuArray::with_max_entries(1, 0);
+pub static PY_SCRATCH: PerCpuArray<PyScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]
@@ -233,4 +233,21 @@ pub struct ReuseProgress {
     /// The stack's bytes `low..high` are in `STACK_WINDOW`.
     pub low: u64,
     pub high: u64,
+}
+
+/// Bytes of one Python frame `PyScratch` holds: more than any
+/// `read_size` (0x70 at most), and a power of two, so that masking bounds
+/// a read.
+pub const PY_FRAME_BYTES: usize = 128;
+
+/// One Python frame's bytes, as words: every field read is aligned in it.
+pub type PyFrameWords = [u64; PY_FRAME_BYTES / 8];
+
+/// The value of `PY_SCRATCH`: too big for the 512-byte BPF stack.
+#[repr(C)]
+pub struct PyScratch {
+    /// The words of the frames walked.
+    pub words: [u64; MAX_STACK_DEPTH],
+    /// The frame being read.
+    pub frame: PyFrameWords,
 }

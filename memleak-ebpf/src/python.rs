@@ -28,25 +28,15 @@ use memleak_common::{
 };
 
 use crate::{
-    maps::{PY_PROCS, PY_SCRATCH},
+    maps::{PyFrameWords, PyScratch, PY_FRAME_BYTES, PY_PROCS, PY_SCRATCH},
     tunables,
 };
 
-/// Bytes of one frame the scratch holds: more than any `read_size`
-/// (0x70 at most), and a power of two, so that masking bounds a read.
-const FRAME_BYTES: usize = 128;
-
-/// The value of `PY_SCRATCH`: too big for the 512-byte BPF stack.
-#[repr(C)]
-pub struct PyScratch {
-    /// The words of the frames walked.
-    pub words: [u64; MAX_STACK_DEPTH],
-    /// The frame being read.
-    pub frame: Frame,
-}
+/// Bytes of one frame the scratch holds (`PyScratch`'s).
+const FRAME_BYTES: usize = PY_FRAME_BYTES;
 
 /// One frame's bytes, as words: every field read is aligned in it.
-type Frame = [u64; FRAME_BYTES / 8];
+type Frame = PyFrameWords;
 
 /// Walks the current thread's Python frames into `PY_SCRATCH`, as many
 /// as `slots` frames of a stack hold with their checks (two each), and

@@ -126,7 +126,7 @@ pub fn ignored_caller(call_site: u64) -> bool {
 pub fn in_scope() -> bool {
     // An array's lookup, which the verifier inlines: a few instructions.
     let cgroup = crate::maps::CGROUP_FILTER.get(0).copied().unwrap_or(0);
-    cgroup == 0 || (in_cgroup_subtree(cgroup) && !ignored_process(crate::calls::process_id()))
+    cgroup == 0 || (in_cgroup_subtree(cgroup) && !ignored_process(current_process()))
 }
 
 /// Whether the current task's cgroup is `cgroup` or below it. Its ancestor
@@ -164,4 +164,10 @@ pub fn ignored_process(tgid: u32) -> bool {
         }
     }
     false
+}
+
+/// The current process's id, read here rather than through `calls`, which
+/// asks this module whether a call is in scope.
+fn current_process() -> u32 {
+    (aya_ebpf::helpers::bpf_get_current_pid_tgid() >> 32) as u32
 }

@@ -29,6 +29,10 @@ const BPF_PROG_TYPE_KPROBE: u32 = 2;
 const BPF_TRACE_UPROBE_MULTI: u32 = 48;
 const BPF_F_UPROBE_MULTI_RETURN: u32 = 1;
 
+/// Set, memleak attaches one perf-event uprobe per site even where the
+/// kernel has multi-uprobe links: to test that way on a new kernel.
+pub const PERF_EVENT_UPROBES: &str = "MEMLEAK_PERF_EVENT_UPROBES";
+
 /// The head of `union bpf_attr` for `BPF_PROG_LOAD`: the kernel reads
 /// only the size it is given and treats the rest as zero. These structs
 /// have no padding: the kernel would read its bytes, which are undefined.

@@ -18,7 +18,7 @@
 //! depends on what is traced, on how uprobes will be attached and on what
 //! /proc/kallsyms shows, and says which applies.
 
-use super::{multi_uprobes, tracer::PERF_EVENT_UPROBES};
+use super::multi_uprobes::{self, PERF_EVENT_UPROBES};
 
 /// What a run traces, as far as privileges go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -222,10 +222,6 @@ fn uprobe_programs() -> Vec<&'static str> {
     programs
 }
 
-/// Set, memleak attaches one perf-event uprobe per site even where the
-/// kernel has multi-uprobe links: to test that way on a new kernel.
-pub const PERF_EVENT_UPROBES: &str = "MEMLEAK_PERF_EVENT_UPROBES";
-
 /// Loads the uprobe programs through aya, for perf-event uprobes, and
 /// makes the stack recorder the uretprobes' tail call.
 fn load_for_perf_events(ebpf: &mut Ebpf) -> Result<(), TracerError> {
@@ -325,14 +321,15 @@ impl Tracer {
         // Once the maps are made: a map the kernel refuses must fail the
         // start with that reason, not with what parsing took.
         let btf_parsing = Some(std::thread::spawn(kernel_btf));
-        let multi = if multi_uprobes::supported() && std::env::var_os(PERF_EVENT_UPROBES).is_none() {
-            log::debug!("uprobes: one multi-uprobe link per program and object");
-            Some(load_for_multi_links(&ebpf)?)
-        } else {
-            log::debug!("uprobes: one perf-event uprobe per site and program");
-            load_for_perf_events(&mut ebpf)?;
-            None
-        };
+        let multi =
+            if multi_uprobes::supported() && std::env::var_os(multi_uprobes::PERF_EVENT_UPROBES).is_none() {
+                log::debug!("uprobes: one multi-uprobe link per program and object");
+                Some(load_for_multi_links(&ebpf)?)
+            } else {
+                log::debug!("uprobes: one perf-event uprobe per site and program");
+                load_for_perf_events(&mut ebpf)?;
+                None
+            };
         // Before any probe is attached: none records a task it should not.
         write_cgroup_filter(&mut ebpf, config.cgroup_id)?;
         Ok(Self {

@@ -7,13 +7,17 @@ use std::{
     fs::{self, File},
     io::{self, Read as _, Write as _},
     os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        fd::{AsRawFd as _, OwnedFd},
         unix::ffi::OsStrExt as _,
     },
     path::{Path, PathBuf},
 };
 
-use super::{command_cgroup::Containment, lifecycle::TargetEvent, link_map::LinkMapHook};
+use super::{
+    command_cgroup::{self, Containment},
+    lifecycle::TargetEvent,
+    link_map::LinkMapHook,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
@@ -64,8 +68,8 @@ impl GatedCommand {
         // The mask memleak was started with: SIGINT and SIGTERM, held by
         // memleak until its tracer is loaded, are the command's as usual.
         let signal_mask = crate::stop_signals::started_with();
-        let (gate_read, gate_write) = pipe().map_err(spawn_error)?;
-        let (error_read, error_write) = pipe().map_err(spawn_error)?;
+        let (gate_read, gate_write) = command_cgroup::pipe().map_err(spawn_error)?;
+        let (error_read, error_write) = command_cgroup::pipe().map_err(spawn_error)?;
         // Made before the fork: the child must not allocate.
         let mut containment = Containment::new();
         // SAFETY: getpid has no preconditions.
@@ -352,16 +356,6 @@ fn libraries_mapped(
         let _ = acked.recv();
     }
     None
-}
-
-pub(super) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: both descriptors are fresh and owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 /// Resolves a program name the way execvp would.

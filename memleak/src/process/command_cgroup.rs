@@ -20,7 +20,7 @@
 use std::{
     fs,
     io::{self, Read as _},
-    os::fd::OwnedFd,
+    os::fd::{FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -152,7 +152,7 @@ impl CommandCgroup {
 /// reach it, and reading a pipe that only memleak writes.
 fn start_reaper(cgroup: &Path) -> io::Result<(Child, OwnedFd)> {
     use std::os::unix::process::CommandExt as _;
-    let (read_end, write_end) = super::command::pipe()?;
+    let (read_end, write_end) = pipe()?;
     let reaper = Command::new("/proc/self/exe")
         // As `ps` shows it.
         .arg0("memleak")
@@ -326,6 +326,18 @@ fn signal(pid: u32, signal: libc::c_int) {
     // the cgroup or /proc a moment ago; a pid reused since by a process
     // outside would be the only stray, and SIGKILL goes by cgroup.kill.
     unsafe { libc::kill(pid as libc::pid_t, signal) };
+}
+
+/// A pipe whose ends close on exec: for the command's start-up gate and
+/// errors, and the cgroup helper's report.
+pub(super) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors are fresh and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 #[cfg(test)]

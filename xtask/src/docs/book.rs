@@ -2,20 +2,15 @@
 //! target/tools the first time, builds docs/ into target/book; then
 //! `links` checks every link of it and of the front page.
 
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{path::PathBuf, process::Command};
 
 use anyhow::{bail, Context as _, Result};
 
-use super::links;
+use super::{links, SOURCE};
 use crate::{cargo, root, run};
 
 /// The book's root, which holds book.toml.
 const BOOK: &str = "docs";
-/// The chapters' Markdown, and the pictures they show.
-pub const SOURCE: &str = "docs/src";
 /// Where mdbook writes the book (docs/book.toml's `build-dir`).
 const OUTPUT: &str = "target/book";
 /// The front page, which links into the book's sources.
@@ -85,9 +80,4 @@ fn install_mdbook() -> Result<PathBuf> {
         .arg(&tools)
         .env("CARGO_TARGET_DIR", root().join("target/tools/mdbook-build")))?;
     Ok(binary)
-}
-
-/// The page mdbook makes of `chapter`, a path below docs/src.
-pub fn page_of(chapter: &Path) -> PathBuf {
-    chapter.with_extension("html")
 }

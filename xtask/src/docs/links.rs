@@ -20,7 +20,12 @@ use std::{
 use anyhow::{Context as _, Result};
 use regex::Regex;
 
-use super::book::{page_of, SOURCE};
+use super::SOURCE;
+
+/// The page mdbook makes of `chapter`, a path below docs/src.
+fn page_of(chapter: &Path) -> PathBuf {
+    chapter.with_extension("html")
+}
 
 /// A built book: its files, and the text of its HTML pages.
 #[derive(Default)]

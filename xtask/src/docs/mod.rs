@@ -48,6 +48,9 @@ use crate::{cargo, install_missing_packages, require_root, root, run as run_comm
 pub use normalise::Check;
 use workshop::Workshop;
 
+/// The chapters' Markdown, and the pictures they show.
+pub const SOURCE: &str = "docs/src";
+
 /// One example of the docs: its name in the marker, how its blocks are
 /// compared, and the function that makes its text.
 pub struct Example {
@@ -254,16 +257,14 @@ struct Document {
 /// examples fill.
 fn documents() -> Result<Vec<Document>> {
     let mut paths = vec![PathBuf::from("README.md")];
-    let chapters = root().join(book::SOURCE);
+    let chapters = root().join(SOURCE);
     let mut found: Vec<PathBuf> = std::fs::read_dir(&chapters)
         .with_context(|| format!("cannot list {}", chapters.display()))?
         .map(|entry| entry.map(|entry| entry.path()))
         .collect::<Result<_, _>>()?;
     found.retain(|path| path.extension().is_some_and(|extension| extension == "md"));
     found.sort();
-    paths.extend(
-        found.into_iter().map(|path| Path::new(book::SOURCE).join(path.file_name().unwrap_or_default())),
-    );
+    paths.extend(found.into_iter().map(|path| Path::new(SOURCE).join(path.file_name().unwrap_or_default())));
     paths
         .into_iter()
         .map(|path| {
@@ -531,7 +532,7 @@ fn indent(text: &str) -> String {
 
 /// The workspace-relative path of a picture the book shows.
 pub fn image(name: &str) -> PathBuf {
-    Path::new(book::SOURCE).join("images").join(name)
+    Path::new(SOURCE).join("images").join(name)
 }
 
 #[cfg(test)]
