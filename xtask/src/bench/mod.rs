@@ -46,6 +46,7 @@ mod saving;
 mod serve;
 mod stack_depth;
 mod stats;
+mod tracer;
 mod unwind_tables;
 mod workload;
 

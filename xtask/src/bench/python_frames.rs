@@ -44,7 +44,8 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     bpf_stats::{self, RunTime},
-    process::{last_line, lines_as_they_come, process_cpu_ns},
+    process::{last_line, lines_as_they_come},
+    tracer::Tracer,
 };
 use crate::root;
 
@@ -204,7 +205,16 @@ fn run_process(memleak: &Path, python: &Path, script: &Path, plan: &Plan, mode: 
     let mut workload = Workload::start(python, script)?;
     let tracer = match mode {
         Mode::Untraced => None,
-        Mode::NativeOnly | Mode::PythonFrames => Some(Tracer::attach(memleak, workload.pid(), mode)?),
+        Mode::NativeOnly | Mode::PythonFrames => {
+            let native_only: &[&str] = if mode == Mode::NativeOnly { &["--python", "off"] } else { &[] };
+            let tracer =
+                Tracer::attach(memleak, workload.pid(), &[&["-T", "100"][..], native_only].concat())?;
+            let python_found = tracer.said.iter().any(|line| line.contains("runs python"));
+            if python_found != (mode == Mode::PythonFrames) {
+                bail!("memleak's Python frames are not as asked: it said {:?}", tracer.said);
+            }
+            Some(tracer)
+        }
     };
     // Unmeasured: the goal is the cost warm, with the stacks already in
     // memleak's maps and the Python frames resolved.
@@ -349,83 +359,6 @@ impl Done {
             wall_ns: field("wall_ns")?,
             allocations: field("allocations")?,
         })
-    }
-}
-
-/// memleak tracing the workload.
-struct Tracer {
-    child: Child,
-    stdout: Receiver<(Instant, String)>,
-    stderr: Receiver<(Instant, String)>,
-}
-
-impl Tracer {
-    /// memleak on `pid`, once it says it traces it; one JSON report of
-    /// every outstanding allocation, whatever its age, on SIGINT.
-    fn attach(memleak: &Path, pid: u32, mode: Mode) -> Result<Self> {
-        let mut command = Command::new(memleak);
-        command.args(["-p", &pid.to_string(), "--format", "json", "-o", "0", "-T", "100"]);
-        if mode == Mode::NativeOnly {
-            command.args(["--python", "off"]);
-        }
-        // No report but the one at the end.
-        command.arg("3600");
-        let mut child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("cannot run memleak")?;
-        let stdout = lines_as_they_come(child.stdout.take().context("no stdout")?);
-        let stderr = lines_as_they_come(child.stderr.take().context("no stderr")?);
-        let tracer = Self { child, stdout, stderr };
-        let mut said = Vec::new();
-        loop {
-            let Ok((_, line)) = tracer.stderr.recv_timeout(PATIENCE) else {
-                bail!("memleak never said it traced pid {pid}: {}", last_line(&said.join("\n")))
-            };
-            let tracing = line.contains("tracing pid");
-            said.push(line);
-            if tracing {
-                break;
-            }
-        }
-        let python_found = said.iter().any(|line| line.contains("runs python"));
-        if python_found != (mode == Mode::PythonFrames) {
-            bail!("memleak's Python frames are not as asked: it said {said:?}");
-        }
-        Ok(tracer)
-    }
-
-    /// What memleak's uprobe programs and memleak itself have run so far.
-    fn usage(&self) -> Result<(RunTime, u64)> {
-        let pid = self.child.id();
-        Ok((bpf_stats::uprobes_of_process(pid)?, process_cpu_ns(pid)?))
-    }
-
-    /// Stops memleak with SIGINT and takes its last report.
-    fn report(mut self) -> Result<serde_json::Value> {
-        let pid = libc::pid_t::try_from(self.child.id()).context("pid out of range")?;
-        // SAFETY: our own child, not yet waited for.
-        if unsafe { libc::kill(pid, libc::SIGINT) } != 0 {
-            return Err(std::io::Error::last_os_error()).context("cannot stop memleak");
-        }
-        let status = self.child.wait()?;
-        let log: Vec<String> = self.stderr.try_iter().map(|(_, line)| line).collect();
-        if !status.success() {
-            bail!("memleak failed with {status}: {}", last_line(&log.join("\n")));
-        }
-        let (_, report) = self.stdout.iter().last().context("memleak printed no report")?;
-        serde_json::from_str(&report).context("memleak's report is not JSON")
-    }
-}
-
-impl Drop for Tracer {
-    fn drop(&mut self) {
-        if self.child.try_wait().is_ok_and(|status| status.is_none()) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }
 

@@ -13,15 +13,15 @@
 use std::{
     io::BufReader,
     path::Path,
-    process::{Child, ChildStderr, Command, Stdio},
-    time::Duration,
+    process::{ChildStderr, Command, Stdio},
 };
 
 use anyhow::{bail, Context as _, Result};
 
 use super::{
     bpf_stats::{self, RunTime},
-    process::{last_line, lines_as_they_come, process_cpu_ns, release, run_to_end, wait_for_line},
+    process::{release, run_to_end, wait_for_line},
+    tracer::Tracer,
     workload::Summary,
 };
 
@@ -32,7 +32,6 @@ const PAIRS: u32 = 200_000;
 const LEAK_EVERY: u32 = 100;
 /// Goals: memleak's CPU over heaptrack's, and BPF time per pair.
 const GOAL_RATIO: f64 = 1.0;
-const PATIENCE: Duration = Duration::from_mins(2);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
@@ -167,7 +166,8 @@ fn run_under_memleak(
     let measured = (|| {
         let mut said = BufReader::new(program.stderr.take().context("no stderr")?);
         wait_for_line(&mut said, "ready")?;
-        let tracer = Tracer::attach(memleak, program.id(), memleak_args)?;
+        let args = [&["-T", "1000"][..], memleak_args].concat();
+        let tracer = Tracer::attach(memleak, program.id(), &args)?;
         let (bpf_before, memleak_before) = tracer.usage()?;
         release(program.stdin.as_mut().context("no stdin")?)?;
         let summary = summary_line(&mut said)?;
@@ -218,68 +218,6 @@ fn leak_one_stack(report: &serde_json::Value, leaked: u64) -> Result<(usize, boo
     }
     let frames = leaks[0]["frames"].as_array().context("no frames")?;
     Ok((frames.len(), frames.iter().any(|frame| frame["function"] == "main")))
-}
-
-/// memleak tracing the workload, no report until it is stopped.
-struct Tracer {
-    child: Child,
-}
-
-impl Tracer {
-    fn attach(memleak: &Path, pid: u32, memleak_args: &[&str]) -> Result<Self> {
-        let mut child = Command::new(memleak)
-            .args(["-p", &pid.to_string(), "--format", "json", "-o", "0", "-T", "1000", "3600"])
-            .args(memleak_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("cannot run memleak")?;
-        let said = lines_as_they_come(child.stderr.take().context("no stderr")?);
-        let mut log = Vec::new();
-        loop {
-            let Ok((_, line)) = said.recv_timeout(PATIENCE) else {
-                let _ = child.kill();
-                bail!("memleak never said it traced pid {pid}: {}", last_line(&log.join("\n")));
-            };
-            let tracing = line.contains("tracing pid");
-            log.push(line);
-            if tracing {
-                return Ok(Self { child });
-            }
-        }
-    }
-
-    fn usage(&self) -> Result<(RunTime, u64)> {
-        let pid = self.child.id();
-        Ok((bpf_stats::uprobes_of_process(pid)?, process_cpu_ns(pid)?))
-    }
-
-    /// Stops memleak with SIGINT and takes its last report.
-    fn report(mut self) -> Result<serde_json::Value> {
-        let pid = libc::pid_t::try_from(self.child.id()).context("pid out of range")?;
-        // SAFETY: our own child, not yet waited for.
-        if unsafe { libc::kill(pid, libc::SIGINT) } != 0 {
-            return Err(std::io::Error::last_os_error()).context("cannot stop memleak");
-        }
-        let stdout = self.child.stdout.take().context("no stdout")?;
-        let output = std::io::read_to_string(stdout)?;
-        let status = self.child.wait()?;
-        if !status.success() {
-            bail!("memleak failed with {status}");
-        }
-        let report = output.lines().last().context("memleak printed no report")?;
-        serde_json::from_str(report).context("memleak's report is not JSON")
-    }
-}
-
-impl Drop for Tracer {
-    fn drop(&mut self) {
-        if self.child.try_wait().is_ok_and(|status| status.is_none()) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }
 
 fn median(mut values: Vec<u64>) -> Option<u64> {
