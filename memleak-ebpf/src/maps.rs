@@ -123,6 +123,10 @@ pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0
 pub static RULE_CACHE: PerCpuArray<[RuleCacheEntry; RULE_CACHE_ENTRIES]> =
     PerCpuArray::with_max_entries(1, 0);
 
+/// Each CPU's table walk under way: see `unwind::tables`.
+#[map(name = "WALK_STATE")]
+pub static WALK_STATE: PerCpuArray<WalkState> = PerCpuArray::with_max_entries(1, 0);
+
 /// Each CPU's last table walk and the one under way: see `unwind::reuse`.
 #[map(name = "WALK_CACHES")]
 pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(1, 0);
@@ -215,11 +219,8 @@ pub struct ReuseProgress {
     /// 1 if the last walk is of the same thread under the same table, and
     /// the walk under way has taken none of its frames yet.
     pub usable: u32,
-    /// 1 once the walk is at a frame of the last walk.
-    pub matched: u32,
-    /// 1 if that frame is the first of both walks.
+    /// 1 if the walk matched the last walk at the first frame of both.
     pub from_first: u32,
-    pub _padding: u32,
     /// The next cached frame to compare the walk's frames with.
     pub cursor: u32,
     /// Frames taken from the cache so far.
@@ -250,4 +251,25 @@ pub struct PyScratch {
     pub words: [u64; MAX_STACK_DEPTH],
     /// The frame being read.
     pub frame: PyFrameWords,
+}
+
+/// Where a table walk stands (see `unwind::tables`).
+#[repr(C)]
+pub struct WalkState {
+    pub pc: u64,
+    pub sp: u64,
+    pub bp: u64,
+    pub tgid: u32,
+    /// 1 when `pc` is the interrupted instruction itself (after a signal
+    /// frame), not a return address that points past a call.
+    pub exact_pc: u32,
+    /// A `WalkEnd`, once the walk ends.
+    pub end: u32,
+    /// Frames to take at most.
+    pub limit: u32,
+    /// 1 when the key holds Python frames too.
+    pub python_frames: u32,
+    /// 1 while the frames taken from the last walk are not copied into
+    /// the key yet (see `unwind::tables::take_unchanged`).
+    pub copy_pending: u32,
 }

@@ -28,7 +28,7 @@ use super::{
     reuse::{self, Frame, SLOT_SIGNAL},
     Walked,
 };
-use crate::maps::{RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS};
+use crate::maps::{WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE};
 
 /// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
 const MAPPING_SEARCH_STEPS: u32 = 10;
@@ -46,26 +46,18 @@ const SIGNAL_RBP: u64 = 40 + 80;
 const SIGNAL_RSP: u64 = 40 + 120;
 const SIGNAL_RIP: u64 = 40 + 128;
 
-/// The state of one walk, on the BPF stack, handed to each iteration.
-/// The frames taken so far are counted in the key's `depth`, in map
-/// memory, where the verifier knows no value: counted here, each depth
-/// would be a state of its own, and it checked an iteration (with the
-/// searches inside it) once per depth, most of memleak's start-up.
+/// What each iteration is handed on the BPF stack: the pointers, which
+/// map memory cannot hold. The rest of the walk's state is `WalkState`,
+/// in map memory, where the verifier knows no value: there each frame
+/// walked is not a state of its own to check, and the BPF stack keeps
+/// room for `reuse`'s loop inside a step. Even the frames taken so far are
+/// counted there, in the key's `depth`: counted on the stack, each depth
+/// was a state of its own, and the verifier checked an iteration (with
+/// the searches inside it) once per depth, most of memleak's start-up.
 #[repr(C)]
-struct Walk {
-    pc: u64,
-    sp: u64,
-    bp: u64,
+struct Walking {
     mappings: *const ProcessMappings,
     key: *mut StackKey,
-    tgid: u32,
-    /// 1 when `pc` is the interrupted instruction itself (after a signal
-    /// frame), not a return address that points past a call.
-    exact_pc: u32,
-    /// A `WalkEnd`, once the walk ends.
-    end: u32,
-    /// Frames to take at most.
-    limit: u32,
 }
 
 /// Walks the user stack of process `tgid` from the registers of a return
@@ -88,66 +80,81 @@ pub fn walk<C: EbpfContext>(
     // SAFETY: a live map value, as in `next_frame`.
     let generation = unsafe { (*mappings).generation };
     reuse::begin(tgid, generation);
-    let mut walk =
-        Walk { pc: ip, sp, bp, mappings, key, tgid, exact_pc: 0, end: WalkEnd::DepthLimit as u32, limit };
-    let first = Frame { pc: ip, sp, bp, slot: 0 };
-    reuse::note(0, &first);
-    // Steps from the leaf until a frame is one of the last walk's, then
-    // the unchanged frames above it, then steps on to the end. Not from
-    // within a step: the nested loops' stacks would not fit.
-    if !reuse::matches(0, &first) {
-        take_steps(&mut walk);
+    let Some(state) = WALK_STATE.get_ptr_mut(0) else {
+        return Walked { depth: 1, end: WalkEnd::BadFrame as u32, cached: false, unchanged: false };
+    };
+    // SAFETY: this CPU's value, which only this program run touches now.
+    let walk = unsafe { &mut *state };
+    *walk = WalkState {
+        pc: ip,
+        sp,
+        bp,
+        tgid,
+        exact_pc: 0,
+        end: WalkEnd::DepthLimit as u32,
+        limit,
+        python_frames: u32::from(python_frames),
+        copy_pending: 0,
+    };
+    let mut walking = Walking { mappings, key };
+    reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 });
+    // SAFETY: the helper calls `step` at most `limit` times with a pointer
+    // to `walking`, which outlives the call. Each call takes a frame or
+    // more, or ends.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(limit, step as *mut c_void, (&raw mut walking).cast(), 0);
     }
+    let Some(state) = WALK_STATE.get_ptr(0) else {
+        return Walked { depth: 1, end: WalkEnd::BadFrame as u32, cached: false, unchanged: false };
+    };
+    // SAFETY: as above.
+    let (end, copy_pending) = unsafe { ((*state).end, (*state).copy_pending != 0) };
+    // SAFETY: the key `walking` pointed at, alive for this program run.
+    let depth = depth(unsafe { &*walking.key });
     let mut unchanged = false;
-    if reuse::matched() {
-        let checked = reuse::check_unchanged(walk.limit);
-        if let Some(taken) = &checked {
-            // SAFETY: the scratch key, valid for this program run.
-            set_depth(unsafe { &mut *walk.key }, taken.depth);
-            walk.pc = taken.frame.pc;
-            walk.sp = taken.frame.sp;
-            walk.bp = taken.frame.bp;
-            walk.exact_pc = 0;
-        }
-        // The frames of a stack found unchanged need no copy: its id is
-        // known.
-        let maybe_unchanged = checked.is_some() && !python_frames && reuse::whole_last_walk_checked();
-        if !maybe_unchanged {
-            reuse::copy_checked(walk.key);
-        }
-        take_steps(&mut walk);
-        if maybe_unchanged {
-            // SAFETY: as above.
-            unchanged = reuse::ended_as_last(depth(unsafe { &*walk.key }), walk.end);
-            if !unchanged {
-                reuse::copy_checked(walk.key);
-            }
+    if copy_pending {
+        unchanged = reuse::ended_as_last(depth, end);
+        if !unchanged {
+            reuse::copy_checked(walking.key);
         }
     }
-    // SAFETY: the key `walk` pointed at, alive for this program run.
-    let depth = depth(unsafe { &*walk.key });
-    reuse::end(depth, walk.end, unchanged);
-    Walked { depth, end: walk.end, cached: true, unchanged }
+    reuse::end(depth, end, unchanged);
+    Walked { depth, end, cached: true, unchanged }
 }
 
-/// Steps until the walk ends, or reaches a frame of the last walk.
-fn take_steps(walk: &mut Walk) {
-    // SAFETY: the helper calls `step` at most `limit` times with a pointer
-    // to `walk`, which outlives the call. Each call takes a frame, or ends.
-    unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            walk.limit,
-            step as *mut c_void,
-            core::ptr::from_mut(walk).cast(),
-            0,
-        );
+/// If the frame the walk stands at, its frame `index`, is one of the last
+/// walk's, takes the frames above it from there where they still hold:
+/// the walk then stands at the last one taken. Their copy into the key
+/// waits when the stack may be the last one whole (`copy_pending`): its
+/// id is known, unless the walk ends otherwise.
+#[expect(clippy::inline_always, reason = "a call of its own would not fit the BPF stack beside the step's")]
+#[inline(always)]
+fn take_unchanged(walk: &mut WalkState, walking: &Walking, index: u32) {
+    let slot = if walk.exact_pc != 0 { SLOT_SIGNAL } else { 0 };
+    if !reuse::matches(index, &Frame { pc: walk.pc, sp: walk.sp, bp: walk.bp, slot }) {
+        return;
+    }
+    let Some(taken) = reuse::check_unchanged(walk.limit) else {
+        reuse::copy_checked(walking.key);
+        return;
+    };
+    // SAFETY: the scratch key, valid for this program run.
+    set_depth(unsafe { &mut *walking.key }, taken.depth);
+    walk.pc = taken.frame.pc;
+    walk.sp = taken.frame.sp;
+    walk.bp = taken.frame.bp;
+    walk.exact_pc = 0;
+    if walk.python_frames == 0 && reuse::whole_last_walk_checked() {
+        walk.copy_pending = 1;
+    } else {
+        reuse::copy_checked(walking.key);
     }
 }
 
 /// The frames the walk has taken, as the key counts them.
 fn depth(key: &StackKey) -> u32 {
     // SAFETY: a field of a live key; volatile, for the verifier to read
-    // it from memory (see `Walk`).
+    // it from memory (see `Walking`).
     unsafe { core::ptr::read_volatile(&raw const key.depth) }
 }
 
@@ -158,9 +165,12 @@ fn set_depth(key: &mut StackKey, depth: u32) {
 
 /// One iteration: one frame more, or the end (returns 1).
 extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `walk` passed this pointer to its own `Walk`.
-    let walk = unsafe { &mut *ctx.cast::<Walk>() };
-    match next_frame(walk) {
+    // SAFETY: `walk` passed this pointer to its own `Walking`.
+    let walking = unsafe { &*ctx.cast::<Walking>() };
+    let Some(state) = WALK_STATE.get_ptr_mut(0) else { return 1 };
+    // SAFETY: this CPU's value, which only this program run touches now.
+    let walk = unsafe { &mut *state };
+    match next_frame(walk, walking) {
         Some(()) => 0,
         None => 1,
     }
@@ -169,9 +179,10 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
 /// Steps from the frame at `walk.pc` to its caller and records the
 /// caller's return address; `None` when the walk ends, `walk.end` saying
 /// why.
-fn next_frame(walk: &mut Walk) -> Option<()> {
+fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
     // SAFETY: the scratch key, valid for this program run.
-    let key = unsafe { &mut *walk.key };
+    let key = unsafe { &mut *walking.key };
+    take_unchanged(walk, walking, depth(key).saturating_sub(1));
     let taken = depth(key);
     if taken >= walk.limit || taken as usize >= MAX_STACK_DEPTH {
         walk.end = WalkEnd::DepthLimit as u32;
@@ -181,7 +192,7 @@ fn next_frame(walk: &mut Walk) -> Option<()> {
     let pc = if walk.exact_pc != 0 { walk.pc } else { walk.pc - 1 };
     // SAFETY: a live map value, replaced whole and never freed under a
     // running program.
-    let mappings = unsafe { &*walk.mappings };
+    let mappings = unsafe { &*walking.mappings };
     let rule = rule_at(walk, mappings, pc)?;
     let caller = match RuleKind::try_from(rule.kind()) {
         Ok(RuleKind::CfaRsp | RuleKind::CfaRbp) => cfa_step(walk, rule)?,
@@ -209,17 +220,13 @@ fn next_frame(walk: &mut Walk) -> Option<()> {
     walk.exact_pc = u32::from(caller.slot == SLOT_SIGNAL);
     let frame = Frame { pc: caller.pc, sp: caller.sp, bp: caller.bp, slot: caller.slot };
     reuse::note(taken, &frame);
-    if reuse::matches(taken, &frame) {
-        // The walk takes the frames above from the last walk, then steps on.
-        return None;
-    }
     Some(())
 }
 
 /// The rule for the code at `pc`: from this CPU's cache, else from the
 /// mapping's rows (then cached). `None` when `pc` is in no known mapping:
 /// the walk ends, and a rescan is asked for.
-fn rule_at(walk: &mut Walk, mappings: &ProcessMappings, pc: u64) -> Option<Rule> {
+fn rule_at(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> Option<Rule> {
     let owner = u64::from(walk.tgid) << 32 | u64::from(mappings.generation);
     let slot = RULE_CACHE.get_ptr_mut(0).map(|cache| {
         let index = (pc ^ (pc >> 12)) as usize & (RULE_CACHE_ENTRIES - 1);
@@ -245,7 +252,7 @@ fn rule_at(walk: &mut Walk, mappings: &ProcessMappings, pc: u64) -> Option<Rule>
     Some(rule)
 }
 
-fn end(walk: &mut Walk, reason: WalkEnd) -> Option<()> {
+fn end(walk: &mut WalkState, reason: WalkEnd) -> Option<()> {
     walk.end = reason as u32;
     None
 }
@@ -261,7 +268,7 @@ struct Caller {
 
 /// A step by a CFA rule: the caller's stack pointer is the CFA, its
 /// return address just below, its rbp where the rule says it was saved.
-fn cfa_step(walk: &mut Walk, rule: Rule) -> Option<Caller> {
+fn cfa_step(walk: &mut WalkState, rule: Rule) -> Option<Caller> {
     let base = if rule.kind() == RuleKind::CfaRbp as u32 { walk.bp } else { walk.sp };
     let cfa = base.wrapping_add(u64::from(rule.cfa_offset()));
     if cfa <= walk.sp {
@@ -292,7 +299,7 @@ fn cfa_step(walk: &mut Walk, rule: Rule) -> Option<Caller> {
 }
 
 /// A step through a signal frame: the interrupted code's registers.
-fn signal_step(walk: &mut Walk) -> Option<Caller> {
+fn signal_step(walk: &mut WalkState) -> Option<Caller> {
     let sp = walk.sp;
     let registers = (read(sp + SIGNAL_RIP), read(sp + SIGNAL_RSP), read(sp + SIGNAL_RBP));
     let (Some(pc), Some(caller_sp), Some(bp)) = registers else {
@@ -306,7 +313,7 @@ fn signal_step(walk: &mut Walk) -> Option<Caller> {
 
 /// A step through the frame pointer: the saved rbp, then the return
 /// address, at rbp.
-fn frame_pointer_step(walk: &mut Walk) -> Option<Caller> {
+fn frame_pointer_step(walk: &mut WalkState) -> Option<Caller> {
     let bp = walk.bp;
     if bp == 0 {
         end(walk, WalkEnd::Root);

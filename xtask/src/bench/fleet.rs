@@ -213,14 +213,14 @@ fn come_and_go(daemon: &Daemon, pod: &Pod, leaker: &Path, host_root: &Path) -> R
             leakers.push(pod.start(leaker)?);
         }
         let container_id = format!("containerd://{}", pod.container_id);
-        poll_until("the pod's leakers listed", || {
-            Ok(get(daemon.port, "/api/v1/targets")?.matches(&container_id).count() == PER_POD)
+        poll_until("the pod's leakers traced", || {
+            Ok(attached(daemon, "container_id", &container_id)? == PER_POD)
         })?;
         for (leaker, _) in &mut leakers {
             super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
         }
         let held = format!("container_id=\"{container_id}\"");
-        poll_until("the pod's leakers' bytes in /metrics", || {
+        poll_until("every byte of the pod's leakers in /metrics", || {
             let metrics = get(daemon.port, "/metrics")?;
             Ok(metrics
                 .lines()
@@ -243,7 +243,7 @@ fn poll_until(what: &str, mut done: impl FnMut() -> Result<bool>) -> Result<()> 
     let deadline = Instant::now() + Duration::from_mins(1);
     while !done()? {
         if Instant::now() > deadline {
-            bail!("no {what} in a minute");
+            bail!("{what}: not within a minute");
         }
         thread::sleep(Duration::from_millis(100));
     }
@@ -285,12 +285,24 @@ fn cgroup2_mount() -> Result<PathBuf> {
         .context("no cgroup v2 mount")
 }
 
-/// Waits until the daemon lists `count` processes of the bench's pods.
+/// How many processes `/api/v1/targets` lists whose `field` is `value`
+/// and that have a report: memleak attached to them (a process is listed
+/// as soon as it is taken in, before its probes are in place).
+fn attached(daemon: &Daemon, field: &str, value: &str) -> Result<usize> {
+    let listed: serde_json::Value = serde_json::from_str(&get(daemon.port, "/api/v1/targets")?)?;
+    Ok(listed["targets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|target| target[field] == value && !target["allocator"].is_null())
+        .count())
+}
+
+/// Waits until the daemon traces `count` processes of the bench's pods.
 fn wait_for_targets(daemon: &Daemon, count: usize) -> Result<()> {
     let deadline = Instant::now() + Duration::from_mins(2);
-    let in_namespace = format!("\"namespace\":\"{NAMESPACE}\"");
     loop {
-        let listed = get(daemon.port, "/api/v1/targets")?.matches(&in_namespace).count();
+        let listed = attached(daemon, "namespace", NAMESPACE)?;
         if listed == count {
             return Ok(());
         }
