@@ -77,3 +77,19 @@ impl Drop for Leaker {
         let _ = self.child.wait();
     }
 }
+
+/// What `leaker all` leaves outstanding through each allocation function,
+/// per allocating line: function, marker, bytes, allocations. Its
+/// `fail_allocations` leaks 10 bytes more, after two requests that fail.
+pub const ALLOCATION_FUNCTION_LEAKS: [(&str, &str, u64, u64); 10] = [
+    ("leak_malloc", "malloc", 3000, 3),
+    ("leak_calloc", "calloc", 3000, 3),
+    ("leak_realloc", "realloc", 5000, 1),
+    ("leak_realloc", "realloc-null", 300, 1),
+    ("leak_reallocarray", "reallocarray", 700, 1),
+    ("leak_posix_memalign", "posix_memalign", 1234, 1),
+    ("leak_aligned_alloc", "aligned_alloc", 640, 1),
+    ("leak_memalign", "memalign", 1280, 1),
+    ("leak_valloc", "valloc", 2000, 1),
+    ("leak_pvalloc", "pvalloc", 100, 1),
+];

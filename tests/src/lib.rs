@@ -32,7 +32,7 @@ pub use fixtures::{
     build_id, fixture, go_program, marker_line, musl_leaker, optimized, optimized_linked, rust_jemalloc,
     shared_library, static_leaker, workspace_root,
 };
-pub use leaker::Leaker;
+pub use leaker::{Leaker, ALLOCATION_FUNCTION_LEAKS};
 pub use memleak::{
     assert_refused_in_one_line, frame_functions, memleak_binary, run_to_end, stacks_at, stacks_through,
     trace_command, trace_fixture, trace_fixture_output, trace_fixture_output_with_env, trace_program,

@@ -5,19 +5,11 @@ use serde_json::Value;
 
 /// What `leaker all` leaves outstanding, per allocating line: function,
 /// marker, bytes, allocations.
-const ALL_LEAKS: &[(&str, &str, u64, u64)] = &[
-    ("leak_malloc", "malloc", 3000, 3),
-    ("leak_calloc", "calloc", 3000, 3),
-    ("leak_realloc", "realloc", 5000, 1),
-    ("leak_realloc", "realloc-null", 300, 1),
-    ("leak_reallocarray", "reallocarray", 700, 1),
-    ("leak_posix_memalign", "posix_memalign", 1234, 1),
-    ("leak_aligned_alloc", "aligned_alloc", 640, 1),
-    ("leak_memalign", "memalign", 1280, 1),
-    ("leak_valloc", "valloc", 2000, 1),
-    ("leak_pvalloc", "pvalloc", 100, 1),
-    ("fail_allocations", "after-failures", 10, 1),
-];
+fn all_leaks() -> Vec<(&'static str, &'static str, u64, u64)> {
+    let mut leaks = memleak_tests::ALLOCATION_FUNCTION_LEAKS.to_vec();
+    leaks.push(("fail_allocations", "after-failures", 10, 1));
+    leaks
+}
 
 fn total(report: &Value) -> (u64, u64) {
     (report["total_bytes"].as_u64().unwrap(), report["total_allocations"].as_u64().unwrap())
@@ -26,7 +18,7 @@ fn total(report: &Value) -> (u64, u64) {
 #[test]
 fn every_allocation_function_is_recorded_exactly() {
     let report = trace_command("all", &[]);
-    for &(function, marker, bytes, count) in ALL_LEAKS {
+    for (function, marker, bytes, count) in all_leaks() {
         assert_eq!(
             usage_at(&report, function, marker),
             (bytes, count),
@@ -36,7 +28,7 @@ fn every_allocation_function_is_recorded_exactly() {
     // Nothing else: realloc's old blocks, realloc(p, 0) and the failed
     // calls leave no bytes behind.
     assert_eq!(total(&report), (17_264, 15), "{report:#}");
-    assert_eq!(report["total_stacks"], ALL_LEAKS.len());
+    assert_eq!(report["total_stacks"], all_leaks().len());
     let health = &report["health"];
     assert_eq!(health["allocations"], 17, "{health}");
     assert_eq!(

@@ -175,7 +175,7 @@ fn the_static_binary_traces_from_a_root_holding_only_itself_and_the_program() {
     let report: &Value = reports.last().expect("a final report");
     // Each leak exactly; the totals also hold what static glibc allocates
     // for itself at start, which depends on the environment.
-    for (function, marker, bytes, count) in LEAKS {
+    for (function, marker, bytes, count) in memleak_tests::ALLOCATION_FUNCTION_LEAKS {
         assert_eq!(usage_at(report, function, marker), (bytes, count), "{function} in {report:#}");
     }
     let stack = &stacks_at(report, "leak_malloc", marker_line("leaker", "malloc"))[0];
@@ -188,21 +188,6 @@ fn the_static_binary_traces_from_a_root_holding_only_itself_and_the_program() {
     assert_eq!(functions[..3], ["leak_malloc", "all", "main"], "{stack:#}");
     assert_eq!(stack["frames"][0]["module"], "/leaker", "the program as the root names it: {stack:#}");
 }
-
-/// What `leaker all` leaks, function by function (as allocations.rs has
-/// it for the dynamically linked leaker).
-const LEAKS: [(&str, &str, u64, u64); 10] = [
-    ("leak_malloc", "malloc", 3000, 3),
-    ("leak_calloc", "calloc", 3000, 3),
-    ("leak_realloc", "realloc", 5000, 1),
-    ("leak_realloc", "realloc-null", 300, 1),
-    ("leak_reallocarray", "reallocarray", 700, 1),
-    ("leak_posix_memalign", "posix_memalign", 1234, 1),
-    ("leak_aligned_alloc", "aligned_alloc", 640, 1),
-    ("leak_memalign", "memalign", 1280, 1),
-    ("leak_valloc", "valloc", 2000, 1),
-    ("leak_pvalloc", "pvalloc", 100, 1),
-];
 
 /// Paths under `root`, relative, folders with a trailing slash, sorted.
 fn walk(root: &Path) -> Vec<String> {
