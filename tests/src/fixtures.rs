@@ -189,3 +189,23 @@ pub fn build_id(binary: &Path) -> String {
     let line = notes.lines().find_map(|line| line.trim().strip_prefix("Build ID: "));
     line.unwrap_or_else(|| panic!("{} has no build id: {notes}", binary.display())).to_owned()
 }
+
+/// Runs `program args` (a tool `cargo xtask test` installs); fails the
+/// test with its output unless it succeeded.
+pub fn run_ok<A: AsRef<std::ffi::OsStr> + std::fmt::Debug>(
+    program: &str,
+    args: &[A],
+) -> std::process::Output {
+    let output = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|error| panic!("cannot run {program} (`cargo xtask test` installs it): {error}"));
+    assert!(
+        output.status.success(),
+        "{program} {args:?}: {}\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}

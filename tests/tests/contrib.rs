@@ -4,34 +4,13 @@
 //! systemd-analyze, the Kubernetes manifests by kubectl's kustomize and
 //! kubernetes-validate (Kubernetes' own schemas, offline).
 
-use std::{
-    fs,
-    path::Path,
-    process::{Command, Output},
-};
+use std::{fs, path::Path, process::Command};
 
-use memleak_tests::{memleak_binary, tempdir::TempDir, workspace_root};
+use memleak_tests::{memleak_binary, run_ok, tempdir::TempDir, workspace_root};
 use serde_json::Value;
 
 fn contrib(file: &str) -> std::path::PathBuf {
     workspace_root().join("contrib").join(file)
-}
-
-/// Runs `program args`; fails the test with its output unless it
-/// succeeded.
-fn run_ok(program: &str, args: &[&Path]) -> Output {
-    let output = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|error| panic!("run {program} (`cargo xtask test` installs it): {error}"));
-    assert!(
-        output.status.success(),
-        "{program} {args:?}: {}\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::{
 };
 
 use memleak_tests::{
-    marker_line, memleak_binary, stacks_at, static_leaker, tempdir::TempDir, usage_at, workspace_root,
-    Memleak,
+    marker_line, memleak_binary, run_ok, stacks_at, static_leaker, tempdir::TempDir, usage_at,
+    workspace_root, Memleak,
 };
 use serde_json::Value;
 
@@ -29,18 +29,6 @@ fn dist() -> PathBuf {
 
 fn run(program: &str, args: &[&str]) -> Output {
     Command::new(program).args(args).output().unwrap_or_else(|error| panic!("cannot run {program}: {error}"))
-}
-
-fn run_ok(program: &str, args: &[&str]) -> Output {
-    let output = run(program, args);
-    assert!(
-        output.status.success(),
-        "{program} {args:?}: {}\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
 }
 
 fn text(bytes: &[u8]) -> String {
