@@ -131,11 +131,6 @@ pub static WALK_STATE: PerCpuArray<WalkState> = PerCpuArray::with_max_entries(1,
 #[map(name = "WALK_CACHES")]
 pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(1, 0);
 
-/// Each CPU's copy of a stretch of the stack, to check cached frames
-/// against: see `unwind::reuse`.
-#[map(name = "STACK_WINDOW")]
-pub static STACK_WINDOW: PerCpuArray<[u64; STACK_WINDOW_WORDS]> = PerCpuArray::with_max_entries(1, 0);
-
 /// Each CPU's counts of its table walks: see `memleak_common::WalkCount`.
 #[map(name = "WALK_COUNTS")]
 pub static WALK_COUNTS: PerCpuArray<WalkCounts> = PerCpuArray::with_max_entries(1, 0);
@@ -175,7 +170,7 @@ pub struct LastStack {
 pub const CACHED_FRAMES: usize = 128;
 const _: () = assert!(CACHED_FRAMES >= MAX_STACK_DEPTH && CACHED_FRAMES.is_power_of_two());
 
-/// Words of `STACK_WINDOW`: 4 KiB, a power of two.
+/// Words of `WalkCaches::window`: 4 KiB, a power of two.
 pub const STACK_WINDOW_WORDS: usize = 512;
 
 /// One table walk's frames, innermost first: each one's registers as the
@@ -194,10 +189,23 @@ pub struct WalkCache {
     /// 1 if `stack_id` is the id its stack was stored under.
     pub stack_known: u32,
     pub stack_id: u64,
-    pub pcs: [u64; CACHED_FRAMES],
-    pub sps: [u64; CACHED_FRAMES],
-    pub bps: [u64; CACHED_FRAMES],
-    pub slots: [u8; CACHED_FRAMES],
+    /// Each frame's fields side by side: checking a frame then takes one
+    /// pointer, where four arrays took four, more than the BPF registers
+    /// could hold beside the rest.
+    pub frames: [Frame; CACHED_FRAMES],
+}
+
+/// A frame's registers, as a walk found them, and where its rbp came from.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Frame {
+    pub pc: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// See `unwind::reuse`: `0..=MAX_CHECKED_SLOT`, `SLOT_UNCHECKED` or
+    /// `SLOT_SIGNAL`. A whole word, so that the frame has no padding to
+    /// copy.
+    pub slot: u64,
 }
 
 /// The value of `WALK_CACHES`: the last walk and the one under way, which
@@ -209,6 +217,10 @@ pub struct WalkCaches {
     pub _padding: u32,
     pub progress: ReuseProgress,
     pub caches: [WalkCache; 2],
+    /// A copy of a stretch of the stack, to check cached frames against.
+    /// Here rather than in a map of its own: the check's loop then looks
+    /// up one value, not two.
+    pub window: [u64; STACK_WINDOW_WORDS],
 }
 
 /// Where the walk under way stands in the last one. In map memory, not on
@@ -231,7 +243,7 @@ pub struct ReuseProgress {
     pub index: u32,
     pub first_cached: u32,
     pub first_index: u32,
-    /// The stack's bytes `low..high` are in `STACK_WINDOW`.
+    /// The stack's bytes `low..high` are in `WalkCaches::window`.
     pub low: u64,
     pub high: u64,
 }

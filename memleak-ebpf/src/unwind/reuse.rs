@@ -31,7 +31,7 @@ use memleak_common::{StackKey, WalkCount, MAX_STACK_DEPTH};
 
 use crate::{
     maps::{
-        ReuseProgress, WalkCache, WalkCaches, CACHED_FRAMES, STACK_WINDOW, STACK_WINDOW_WORDS, WALK_CACHES,
+        Frame, ReuseProgress, WalkCache, WalkCaches, CACHED_FRAMES, STACK_WINDOW_WORDS, WALK_CACHES,
         WALK_COUNTS,
     },
     tunables,
@@ -41,18 +41,18 @@ use crate::{
 /// slot, or, at 0, was its callee's unchanged. A slot past this lies
 /// beyond the words checked with the return address: such a frame is not
 /// taken.
-const MAX_CHECKED_SLOT: u8 = 7;
+const MAX_CHECKED_SLOT: u64 = 7;
 /// A frame whose rbp slot is past `MAX_CHECKED_SLOT`.
-const SLOT_UNCHECKED: u8 = 0xfe;
+const SLOT_UNCHECKED: u64 = 0xfe;
 /// A frame found through a signal frame: its registers came from the
 /// signal's context, not from its callee's frame.
-pub const SLOT_SIGNAL: u8 = 0xff;
+pub const SLOT_SIGNAL: u64 = 0xff;
 
 /// Bytes of stack read at once to check frames.
 const WINDOW_BYTES: u64 = (STACK_WINDOW_WORDS * 8) as u64;
 /// Bytes below a frame's stack pointer that its check reads: its return
 /// address and rbp slots 1 to 7.
-const BELOW_SP: u64 = 8 * (MAX_CHECKED_SLOT as u64 + 1);
+const BELOW_SP: u64 = 8 * (MAX_CHECKED_SLOT + 1);
 
 /// Cached frames skipped per frame walked while looking for the one at
 /// the walk's stack pointer. One: a walk that has more to skip finds its
@@ -61,21 +61,13 @@ const BELOW_SP: u64 = 8 * (MAX_CHECKED_SLOT as u64 + 1);
 /// again: at 8, loading took 500 ms instead of 320.
 const CURSOR_STEPS: u32 = 1;
 
-/// A frame's registers, as a walk found them, and where its rbp came from.
-pub struct Frame {
-    pub pc: u64,
-    pub sp: u64,
-    pub bp: u64,
-    /// `0..=MAX_CHECKED_SLOT`, `SLOT_UNCHECKED` or `SLOT_SIGNAL`.
-    pub slot: u8,
-}
-
 impl Frame {
     /// The slot of a frame whose rbp a step found at CFA - 8 × `rbp_slot`
     /// (0: unchanged).
-    pub fn slot_of(rbp_slot: u32) -> u8 {
-        if rbp_slot <= u32::from(MAX_CHECKED_SLOT) {
-            rbp_slot as u8
+    pub fn slot_of(rbp_slot: u32) -> u64 {
+        let rbp_slot = u64::from(rbp_slot);
+        if rbp_slot <= MAX_CHECKED_SLOT {
+            rbp_slot
         } else {
             SLOT_UNCHECKED
         }
@@ -127,11 +119,7 @@ pub fn begin(tgid: u32, generation: u32) {
 /// Notes the walk's frame `index` in the fresh cache.
 pub fn note(index: u32, frame: &Frame) {
     let Some(Caches { fresh, .. }) = caches() else { return };
-    let index = index as usize & (CACHED_FRAMES - 1);
-    fresh.pcs[index] = frame.pc;
-    fresh.sps[index] = frame.sp;
-    fresh.bps[index] = frame.bp;
-    fresh.slots[index] = frame.slot;
+    fresh.frames[index as usize & (CACHED_FRAMES - 1)] = *frame;
 }
 
 /// Ends the walk at `depth` frames, ended as `end` says: its frames
@@ -199,18 +187,18 @@ pub fn matches(index: u32, frame: &Frame) -> bool {
     // below the walk's.
     for _ in 0..CURSOR_STEPS {
         let cursor = progress.cursor;
-        if cursor >= previous.depth || previous.sps[cursor as usize & (CACHED_FRAMES - 1)] >= frame.sp {
+        if cursor >= previous.depth || previous.frames[cursor as usize & (CACHED_FRAMES - 1)].sp >= frame.sp {
             break;
         }
         progress.cursor = cursor + 1;
     }
     let cursor = progress.cursor;
-    let matched = cursor as usize & (CACHED_FRAMES - 1);
+    let matched = &previous.frames[cursor as usize & (CACHED_FRAMES - 1)];
     if cursor >= previous.depth
-        || previous.sps[matched] != frame.sp
-        || previous.pcs[matched] != frame.pc
-        || previous.bps[matched] != frame.bp
-        || previous.slots[matched] == SLOT_SIGNAL
+        || matched.sp != frame.sp
+        || matched.pc != frame.pc
+        || matched.bp != frame.bp
+        || matched.slot == SLOT_SIGNAL
     {
         return false;
     }
@@ -243,15 +231,7 @@ pub fn check_unchanged(limit: u32) -> Option<Taken> {
     let checked = depth.checked_sub(progress.first_index).filter(|&checked| checked != 0)?;
     progress.reused = checked;
     let last = progress.next.wrapping_sub(1) as usize & (CACHED_FRAMES - 1);
-    Some(Taken {
-        frame: Frame {
-            pc: previous.pcs[last],
-            sp: previous.sps[last],
-            bp: previous.bps[last],
-            slot: previous.slots[last],
-        },
-        depth,
-    })
+    Some(Taken { frame: previous.frames[last], depth })
 }
 
 /// Whether the frames checked are all of the last walk's, from its first,
@@ -289,68 +269,116 @@ pub fn copy_last_walk(key: *mut StackKey) {
     }
 }
 
-/// Checks cached frame `progress.next`: on (0), or the end (1). One frame
-/// an iteration: the check runs inside a step of the walk, and checking
-/// two at once made its stack too big for the 512 bytes of BPF stack the
-/// program and the callbacks it is in may use together.
+/// Checks up to `FRAMES_PER_CHECK` cached frames from `progress.next`: on
+/// (0), or the end (1).
 extern "C" fn check_step(_iteration: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `check_unchanged` passed its own limit.
     let limit = unsafe { *ctx.cast::<u32>() };
-    let Some(Caches { previous, progress, .. }) = caches() else { return 1 };
-    let Some(window) = STACK_WINDOW.get_ptr_mut(0) else { return 1 };
-    i64::from(!check_next(previous, progress, window, limit))
+    let Some(caches) = WALK_CACHES.get_ptr_mut(0) else { return 1 };
+    // SAFETY: as in `caches`.
+    let caches: &mut WalkCaches = unsafe { &mut *caches };
+    let previous = &caches.caches[(caches.current & 1) as usize];
+    i64::from(!check_frames(previous, &mut caches.progress, &mut caches.window, limit))
 }
 
-/// Checks cached frame `progress.next` against the stack, reading more of
-/// it into `window` when needed; moves on past it if it holds.
+/// Frames one iteration of `check_step` checks at most. The lookup and
+/// the call an iteration costs were most of a frame's check when each
+/// checked one.
+const FRAMES_PER_CHECK: u32 = 8;
+
+/// Checks cached frames from `progress.next` against the stack, reading
+/// it into `window` first if the first of them lies outside: moves on past
+/// those that hold, and says whether checking may go on.
 #[expect(clippy::inline_always, reason = "a call of its own would need BPF stack the step has no room for")]
 #[inline(always)]
-fn check_next(
+fn check_frames(
     previous: &WalkCache,
     progress: &mut ReuseProgress,
-    window: *mut [u64; STACK_WINDOW_WORDS],
+    window: &mut [u64; STACK_WINDOW_WORDS],
     limit: u32,
 ) -> bool {
-    let (next, index) = (progress.next, progress.index);
-    if next >= previous.depth || index >= limit {
+    let (first, index) = (progress.next, progress.index);
+    if index >= limit {
         return false;
     }
-    let cached = next as usize & (CACHED_FRAMES - 1);
-    let (pc, sp, bp, slot) =
-        (previous.pcs[cached], previous.sps[cached], previous.bps[cached], previous.slots[cached]);
-    if slot > MAX_CHECKED_SLOT || sp < BELOW_SP {
+    let last = previous.depth.min(first.saturating_add(limit - index));
+    if first >= last || !window_holds(previous, progress, window, first) {
         return false;
     }
-    if sp - BELOW_SP < progress.low || sp > progress.high {
-        // Read on from just below this frame's words, up to the outermost
-        // cached frame's stack pointer at most: stack the last walk read
-        // through.
-        let outermost = previous.sps[(previous.depth - 1) as usize & (CACHED_FRAMES - 1)];
-        let low = sp - BELOW_SP;
-        // A word short of the window: the mask below then bounds the size
-        // for the verifier without changing it.
-        let high = outermost.min(low + WINDOW_BYTES - 8);
-        if high < sp {
-            return false;
+    // Offsets from the lowest stack pointer whose words the window holds:
+    // one comparison tells whether a frame's are all in it.
+    let base = progress.low + BELOW_SP;
+    let span = progress.high - base;
+    // Whole words, which need no zero extension on each use.
+    let (mut next, last) = (first as usize, last as usize);
+    let mut more = true;
+    for _ in 0..FRAMES_PER_CHECK {
+        if next >= last {
+            more = false;
+            break;
         }
-        let size = (high - low) & (WINDOW_BYTES - 1);
-        // SAFETY: reads user memory into this CPU's window, `size` bytes
-        // of at most its length; the helper makes a fault an error.
-        if unsafe { bpf_probe_read_user(window.cast(), size as u32, low as *const c_void) } != 0 {
-            return false;
+        let frame = &previous.frames[next & (CACHED_FRAMES - 1)];
+        let offset = frame.sp.wrapping_sub(base);
+        // Past the window: the next iteration reads on. (The stack
+        // pointers rise, so below it is only a frame through a signal,
+        // whose slot ends the checking anyway.)
+        if offset > span {
+            break;
         }
-        progress.low = low;
-        progress.high = high;
+        // The window's word just below the stack pointer is at `below`,
+        // the rbp slot `slot` words below it.
+        let below = (offset / 8) as usize + (BELOW_SP / 8) as usize - 1;
+        if frame.slot > MAX_CHECKED_SLOT
+            || window[below & (STACK_WINDOW_WORDS - 1)] != frame.pc
+            || (frame.slot != 0
+                && window[(below + 1 - frame.slot as usize) & (STACK_WINDOW_WORDS - 1)] != frame.bp)
+        {
+            more = false;
+            break;
+        }
+        next += 1;
     }
-    // SAFETY: this CPU's window, read above.
-    let window = unsafe { &*window };
-    let low = progress.low;
-    let word = |address: u64| window[((address - low) / 8) as usize & (STACK_WINDOW_WORDS - 1)];
-    if word(sp - 8) != pc || (slot != 0 && word(sp - 8 * u64::from(slot)) != bp) {
+    let checked = (next - first as usize) as u32;
+    progress.next = first + checked;
+    progress.index = index + checked;
+    more
+}
+
+/// Whether `window` holds the words that cached frame `next`'s check
+/// reads, reading the stack from just below them if it did not yet: up to
+/// the outermost cached frame's stack pointer at most, stack the last walk
+/// read through.
+#[expect(clippy::inline_always, reason = "as `check_frames`")]
+#[inline(always)]
+fn window_holds(
+    previous: &WalkCache,
+    progress: &mut ReuseProgress,
+    window: &mut [u64; STACK_WINDOW_WORDS],
+    next: u32,
+) -> bool {
+    let sp = previous.frames[next as usize & (CACHED_FRAMES - 1)].sp;
+    if sp < BELOW_SP {
         return false;
     }
-    progress.next = next + 1;
-    progress.index = index + 1;
+    let low = sp - BELOW_SP;
+    if low >= progress.low && sp <= progress.high {
+        return true;
+    }
+    let outermost = previous.frames[(previous.depth - 1) as usize & (CACHED_FRAMES - 1)].sp;
+    // A word short of the window: the mask below then bounds the size for
+    // the verifier without changing it.
+    let high = outermost.min(low + WINDOW_BYTES - 8);
+    if high < sp {
+        return false;
+    }
+    let size = (high - low) & (WINDOW_BYTES - 1);
+    // SAFETY: reads user memory into this CPU's window, `size` bytes of at
+    // most its length; the helper makes a fault an error.
+    if unsafe { bpf_probe_read_user(window.as_mut_ptr().cast(), size as u32, low as *const c_void) } != 0 {
+        return false;
+    }
+    progress.low = low;
+    progress.high = high;
     true
 }
 
@@ -367,10 +395,7 @@ extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
     let index = progress.first_index + iteration;
     let Some(frame_in_key) = key.frames.get_mut(index as usize) else { return 1 };
     let (from, to) = (cached as usize & (CACHED_FRAMES - 1), index as usize & (CACHED_FRAMES - 1));
-    *frame_in_key = previous.pcs[from];
-    fresh.pcs[to] = previous.pcs[from];
-    fresh.sps[to] = previous.sps[from];
-    fresh.bps[to] = previous.bps[from];
-    fresh.slots[to] = previous.slots[from];
+    *frame_in_key = previous.frames[from].pc;
+    fresh.frames[to] = previous.frames[from];
     0
 }

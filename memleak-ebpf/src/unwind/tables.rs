@@ -25,10 +25,10 @@ use memleak_common::{
 };
 
 use super::{
-    reuse::{self, Frame, SLOT_SIGNAL},
+    reuse::{self, SLOT_SIGNAL},
     Walked,
 };
-use crate::maps::{WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE};
+use crate::maps::{Frame, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE};
 
 /// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
 const MAPPING_SEARCH_STEPS: u32 = 10;
@@ -258,12 +258,12 @@ fn end(walk: &mut WalkState, reason: WalkEnd) -> Option<()> {
 }
 
 /// The caller's registers, as one step found them, and where its rbp
-/// came from (a `reuse::Frame` slot).
+/// came from (a `Frame` slot).
 struct Caller {
     pc: u64,
     sp: u64,
     bp: u64,
-    slot: u8,
+    slot: u64,
 }
 
 /// A step by a CFA rule: the caller's stack pointer is the CFA, its

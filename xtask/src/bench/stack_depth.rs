@@ -8,7 +8,9 @@
 //! (the program and `heaptrack_interpret` together). memleak's start-up
 //! (loading BPF, reading unwind tables) is before the program starts and
 //! is measured elsewhere. The kernel's own count of BPF run time
-//! (`bpf_stats`) gives memleak's BPF time per malloc/free pair.
+//! (`bpf_stats`) gives memleak's BPF time per malloc/free pair, from a
+//! run of its own: the count reads the clock twice per program run, CPU
+//! that memleak does not cost when nobody counts.
 
 use std::{
     io::BufReader,
@@ -80,7 +82,6 @@ pub fn measure(
     rounds: usize,
     heaptrack_installed: bool,
 ) -> Result<Vec<AtDepth>> {
-    let _stats = bpf_stats::StatsEnabled::new()?;
     let mut all = Vec::new();
     for depth in DEPTHS {
         let mut at = AtDepth {
@@ -133,18 +134,34 @@ fn run_once(
             Ok(Run { cpu_ns: finished?.usage.cpu_ns, bpf: None })
         }
         Mode::Memleak => {
-            let (run, stack) = run_under_memleak(memleak, workload, depth, &[])?;
+            let (run, stack) = timed_and_counted(memleak, workload, depth, &[])?;
             *leak_stack = Some(stack);
             Ok(run)
         }
         Mode::MemleakFullWalks => {
-            let (run, stack) = run_under_memleak(memleak, workload, depth, &["--no-stack-reuse"])?;
+            let (run, stack) = timed_and_counted(memleak, workload, depth, &["--no-stack-reuse"])?;
             if leak_stack.is_some_and(|reused| reused != stack) {
                 bail!("the stack of leak_one has {stack:?} frames and main walking every frame, {leak_stack:?} reusing");
             }
             Ok(run)
         }
     }
+}
+
+/// memleak's CPU from a run as users run it, and its BPF time from a run
+/// with the kernel counting it (see the module's doc).
+fn timed_and_counted(
+    memleak: &Path,
+    workload: &Path,
+    depth: u32,
+    memleak_args: &[&str],
+) -> Result<(Run, (usize, bool))> {
+    let (timed, stack) = run_under_memleak(memleak, workload, depth, memleak_args)?;
+    let counted = {
+        let _stats = bpf_stats::StatsEnabled::new()?;
+        run_under_memleak(memleak, workload, depth, memleak_args)?.0
+    };
+    Ok((Run { cpu_ns: timed.cpu_ns, bpf: counted.bpf }, stack))
 }
 
 /// The workload held at its start while memleak attaches, then run; the
@@ -239,6 +256,19 @@ impl AtDepth {
         median(self.runs_of(mode)?.iter().map(|run| run.cpu_ns).collect())
     }
 
+    /// The median over rounds of memleak's CPU over heaptrack's in the
+    /// same round: runs next to each other in time share the machine's
+    /// slow and fast spells, which moved heaptrack's own CPU by half
+    /// between rounds here.
+    fn ratio_to_heaptrack(&self) -> Option<f64> {
+        let ours = self.runs_of(Mode::Memleak)?;
+        let theirs = self.runs_of(Mode::Heaptrack)?;
+        let mut ratios: Vec<f64> =
+            ours.iter().zip(theirs).map(|(ours, theirs)| ours.cpu_ns as f64 / theirs.cpu_ns as f64).collect();
+        ratios.sort_by(f64::total_cmp);
+        ratios.get(ratios.len() / 2).copied()
+    }
+
     /// The median BPF time of `mode`'s runs.
     fn bpf(&self, mode: Mode) -> Option<u64> {
         median(self.runs_of(mode)?.iter().filter_map(|run| run.bpf).map(|bpf| bpf.ns).collect())
@@ -249,10 +279,7 @@ impl AtDepth {
         let per_pair = |ns: Option<u64>| {
             ns.map_or("-".to_owned(), |ns| format!("{:.2} µs", ns as f64 / f64::from(PAIRS) / 1e3))
         };
-        let ratio = match (self.cpu(Mode::Memleak), self.cpu(Mode::Heaptrack)) {
-            (Some(ours), Some(theirs)) => format!("{:.2}", ours as f64 / theirs as f64),
-            _ => "-".to_owned(),
-        };
+        let ratio = self.ratio_to_heaptrack().map_or("-".to_owned(), |ratio| format!("{ratio:.2}"));
         let stack = self.leak_stack.map_or("-".to_owned(), |(frames, main)| {
             format!("{frames} frames{}", if main { ", main" } else { ", NO main" })
         });
@@ -277,7 +304,8 @@ impl AtDepth {
 pub fn print(measured: &Result<Vec<AtDepth>>) {
     println!(
         "\nstack depth: the workload without frame pointers, {PAIRS} malloc/free pairs on its main thread \
-         after recursing N frames; CPU of the program plus the tracer's, and memleak's BPF time per pair, medians"
+         after recursing N frames; CPU of the program plus the tracer's, and memleak's BPF time per pair, medians \
+         (/heaptrack: of each round's ratio)"
     );
     let all = match measured {
         Ok(all) => all,
