@@ -119,7 +119,14 @@ pub fn begin(tgid: u32, generation: u32) {
 /// Notes the walk's frame `index` in the fresh cache.
 pub fn note(index: u32, frame: &Frame) {
     let Some(Caches { fresh, .. }) = caches() else { return };
-    fresh.frames[index as usize & (CACHED_FRAMES - 1)] = *frame;
+    let cached = &mut fresh.frames[index as usize & (CACHED_FRAMES - 1)];
+    *cached = *frame;
+    // The check reads whole words of a window that starts 8-aligned, just
+    // below a stack pointer. A frame whose stack pointer is not aligned
+    // (no code that follows the ABI has one) is never checked.
+    if !frame.sp.is_multiple_of(8) && frame.slot <= MAX_CHECKED_SLOT {
+        cached.slot = SLOT_UNCHECKED;
+    }
 }
 
 /// Ends the walk at `depth` frames, ended as `end` says: its frames
@@ -311,11 +318,17 @@ fn check_frames(
     let span = progress.high - base;
     // Whole words, which need no zero extension on each use.
     let (mut next, last) = (first as usize, last as usize);
-    let mut more = true;
+    // Each way out stores where checking stands itself: a flag carried
+    // through the loop took a register the loop had none to spare for.
+    let stop = |progress: &mut ReuseProgress, next: usize, more: bool| {
+        let checked = (next - first as usize) as u32;
+        progress.next = first + checked;
+        progress.index = index + checked;
+        more
+    };
     for _ in 0..FRAMES_PER_CHECK {
         if next >= last {
-            more = false;
-            break;
+            return stop(progress, next, false);
         }
         let frame = &previous.frames[next & (CACHED_FRAMES - 1)];
         let offset = frame.sp.wrapping_sub(base);
@@ -323,25 +336,21 @@ fn check_frames(
         // pointers rise, so below it is only a frame through a signal,
         // whose slot ends the checking anyway.)
         if offset > span {
-            break;
+            return stop(progress, next, true);
         }
-        // The window's word just below the stack pointer is at `below`,
-        // the rbp slot `slot` words below it.
-        let below = (offset / 8) as usize + (BELOW_SP / 8) as usize - 1;
+        // The word `bytes` below the stack pointer. The pointers checked
+        // are aligned (see `note`), like the window: the mask changes no
+        // offset, and bounds it for the verifier.
+        let word = |bytes: u64| window[((offset + BELOW_SP - bytes) & (WINDOW_BYTES - 8)) as usize / 8];
         if frame.slot > MAX_CHECKED_SLOT
-            || window[below & (STACK_WINDOW_WORDS - 1)] != frame.pc
-            || (frame.slot != 0
-                && window[(below + 1 - frame.slot as usize) & (STACK_WINDOW_WORDS - 1)] != frame.bp)
+            || word(8) != frame.pc
+            || (frame.slot != 0 && word(8 * frame.slot) != frame.bp)
         {
-            more = false;
-            break;
+            return stop(progress, next, false);
         }
         next += 1;
     }
-    let checked = (next - first as usize) as u32;
-    progress.next = first + checked;
-    progress.index = index + checked;
-    more
+    stop(progress, next, true)
 }
 
 /// Whether `window` holds the words that cached frame `next`'s check
