@@ -174,8 +174,13 @@ pub const OPERATOR_NEW: &str = "operator new";
 /// every form.
 pub const OPERATOR_DELETE: &str = "operator delete";
 
+/// A bit of a probe's attach cookie, above its [`FunctionSet`]: the probe
+/// is past the function's system call, whose result is in rax (memleak's
+/// `attach::placement` says when).
+pub const PROBED_AFTER_SYSTEM_CALL: u64 = 1 << 32;
+
 /// A set of [`ALLOCATOR_FUNCTIONS`], bit i standing for function i. It is
-/// a probe's attach cookie: one program serves several functions and
+/// the low half of a probe's attach cookie: one program serves several functions and
 /// still says which was called, and aliases probed once (glibc's
 /// `aligned_alloc` and memalign share code) are all named.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

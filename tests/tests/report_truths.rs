@@ -45,7 +45,8 @@ fn thread_stacks_of_a_static_glibc_program_are_not_leaks() {
 
 #[test]
 fn reserved_address_space_is_not_memory_until_made_usable() {
-    // 256 pages reserved PROT_NONE, 2 of them opened with mprotect.
+    // 256 pages reserved PROT_NONE, 2 of them opened with mprotect; an
+    // mprotect that fails (EINVAL) opens none of 4 more.
     let report = trace_command("reservations", &[]);
     let usable = mapped(&report, "mmap");
     assert_eq!((bytes(&usable), usable.len()), (2 * 4096, 1), "{report:#}");

@@ -3,10 +3,13 @@
 //! cannot do).
 
 use aya_ebpf::{
+    bindings::pt_regs,
+    helpers::generated::bpf_get_attach_cookie,
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
+    EbpfContext as _,
 };
-use memleak_common::{MappingChange, MappingEvent, PendingMapping};
+use memleak_common::{MappingChange, MappingEvent, PendingMapping, PROBED_AFTER_SYSTEM_CALL};
 
 use crate::{calls, deferred, maps::PENDING_MAPPINGS, process_events::send, tunables};
 
@@ -89,8 +92,17 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
 }
 
 /// `mprotect(address, length, prot)`: a reservation made usable, or back.
+/// Probed past its system call where memleak could (see its
+/// `attach::placement`): a call that failed then changes nothing.
 #[uprobe]
 pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
+    // SAFETY: reads this attachment's cookie.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let regs = ctx.as_ptr() as *const pt_regs;
+    // SAFETY: the probe's registers, which the kernel hands over.
+    if cookie & PROBED_AFTER_SYSTEM_CALL != 0 && unsafe { (*regs).rax } != 0 {
+        return 0;
+    }
     send_range_change(&ctx, MappingChange::Protect, ctx.arg(2).unwrap_or(0));
     0
 }

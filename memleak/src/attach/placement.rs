@@ -17,6 +17,15 @@
 //!   probed instruction, which would fire the probe without a call;
 //! - the probed instruction is one the kernel emulates.
 //!
+//! mprotect's probe may also go past its system call (glibc's is `mov
+//! $10,%eax; syscall; cmp; jae`, nothing emulated before the call): the
+//! kernel gives back every register but rax, rcx and r11, so the program
+//! reads the same arguments, and sees in rax whether the call succeeded.
+//! Single-stepped, the probe made each call cost 8 µs more; emulated, well
+//! under one. munmap's stays before its call: the address range it frees
+//! may be mapped again by another thread as soon as the call returns, and
+//! its event must come first.
+//!
 //! Anything else keeps the probes at the entry.
 
 use iced_x86::{
@@ -30,7 +39,7 @@ const MAX_SKIPPED: usize = 16;
 /// The argument registers (System V) that the entry program `program`
 /// reads: see each program in memleak-ebpf/src/probes. All six for one
 /// not listed.
-pub fn arguments_read(program: &str) -> &'static [Register] {
+fn arguments_read(program: &str) -> &'static [Register] {
     use Register::{R8, R9, RCX, RDI, RDX, RSI};
     match program {
         programs::MALLOC_ENTER | programs::FREE_ENTER => &[RDI],
@@ -43,11 +52,19 @@ pub fn arguments_read(program: &str) -> &'static [Register] {
     }
 }
 
+/// Whether `program`'s probe may go past a system call (see the module's
+/// doc): its program then reads the call's result.
+fn may_follow_the_system_call(program: &str) -> bool {
+    program == programs::MPROTECT_ENTER
+}
+
 /// Where a function's probes go, and why.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placement {
     /// Bytes past the function's entry.
     pub offset: u64,
+    /// Whether the probe is past a system call, whose result is in rax.
+    pub after_system_call: bool,
     /// The instruction probed, for -v: "ja", "push r12"...
     pub probed: Mnemonic,
     /// The first instruction, when the probe could not move past it.
@@ -55,28 +72,46 @@ pub struct Placement {
 }
 
 /// Where to probe the function whose machine code is `code` (from its
-/// entry to its end, as its symbol's size says), for an entry program
-/// that reads the registers `arguments`.
-pub fn probe_placement(code: &[u8], arguments: &[Register]) -> Placement {
+/// entry to its end, as its symbol's size says), for entry program
+/// `program`.
+pub fn probe_placement(code: &[u8], program: &str) -> Placement {
+    let arguments = arguments_read(program);
     let instructions = decode(code);
     let Some(first) = instructions.first() else {
-        return Placement { offset: 0, probed: Mnemonic::INVALID, single_stepped: None };
+        return Placement {
+            offset: 0,
+            after_system_call: false,
+            probed: Mnemonic::INVALID,
+            single_stepped: None,
+        };
     };
     let mut info = InstructionInfoFactory::new();
+    let mut after_system_call = false;
     for (index, instruction) in instructions.iter().enumerate().take(MAX_SKIPPED + 1) {
         let offset = instruction.ip();
         if is_emulated(instruction) {
             if offset > 0 && lands_in(&instructions, offset) {
                 break;
             }
-            return Placement { offset, probed: instruction.mnemonic(), single_stepped: None };
+            return Placement {
+                offset,
+                after_system_call,
+                probed: instruction.mnemonic(),
+                single_stepped: None,
+            };
         }
-        if index == MAX_SKIPPED || !can_skip(instruction, arguments, &mut info) {
+        if index == MAX_SKIPPED {
+            break;
+        }
+        if instruction.mnemonic() == Mnemonic::Syscall && may_follow_the_system_call(program) {
+            after_system_call = true;
+        } else if !can_skip(instruction, arguments, &mut info) {
             break;
         }
     }
     Placement {
         offset: 0,
+        after_system_call: false,
         probed: first.mnemonic(),
         single_stepped: (!is_emulated(first)).then_some(first.mnemonic()),
     }
@@ -142,7 +177,7 @@ mod tests {
 
     /// A free's placement: it reads only %rdi.
     fn offset(code: &[u8]) -> u64 {
-        probe_placement(code, &[Register::RDI]).offset
+        probe_placement(code, programs::FREE_ENTER).offset
     }
 
     #[test]
@@ -160,8 +195,11 @@ mod tests {
         let code = [
             0x48, 0x81, 0xff, 0, 0x10, 0, 0, 0x0f, 0x87, 0x93, 0, 0, 0, 0x48, 0x8d, 0x15, 0x5c, 0x7f, 0x2c, 0,
         ];
-        let placement = probe_placement(&code, arguments_read(programs::MALLOC_ENTER));
-        assert_eq!(placement, Placement { offset: 7, probed: Mnemonic::Ja, single_stepped: None });
+        let placement = probe_placement(&code, programs::MALLOC_ENTER);
+        assert_eq!(
+            placement,
+            Placement { offset: 7, after_system_call: false, probed: Mnemonic::Ja, single_stepped: None }
+        );
     }
 
     #[test]
@@ -181,7 +219,7 @@ mod tests {
         // xor %esi,%esi; je: writes the second argument through esi,
         // which calloc's program reads, and free's does not.
         let code = [0x31, 0xf6, 0x74, 0x10];
-        assert_eq!(probe_placement(&code, arguments_read(programs::CALLOC_ENTER)).offset, 0);
+        assert_eq!(probe_placement(&code, programs::CALLOC_ENTER).offset, 0);
         assert_eq!(offset(&code), 2);
     }
 
@@ -197,9 +235,26 @@ mod tests {
         // seventeen single-stepped instructions, then a jump.
         let mut code = [0x48, 0x89, 0xf8].repeat(17);
         code.extend([0x74, 0x10]);
-        let placement = probe_placement(&code, &[Register::RDI]);
+        let placement = probe_placement(&code, programs::FREE_ENTER);
         assert_eq!((placement.offset, placement.single_stepped), (0, Some(Mnemonic::Mov)));
         // Truncated code.
         assert_eq!(offset(&[0x48, 0x85]), 0);
+    }
+
+    /// glibc 2.36's mprotect and munmap: `mov $N,%eax; syscall; cmp
+    /// $-4095,%rax; jae +1; ret`.
+    fn system_call_wrapper(number: u8) -> [u8; 16] {
+        [0xb8, number, 0, 0, 0, 0x0f, 0x05, 0x48, 0x3d, 0x01, 0xf0, 0xff, 0xff, 0x73, 0x01, 0xc3]
+    }
+
+    #[test]
+    fn mprotect_is_probed_past_its_system_call_and_munmap_before() {
+        let mprotect = probe_placement(&system_call_wrapper(10), programs::MPROTECT_ENTER);
+        assert_eq!(
+            mprotect,
+            Placement { offset: 13, after_system_call: true, probed: Mnemonic::Jae, single_stepped: None }
+        );
+        let munmap = probe_placement(&system_call_wrapper(11), programs::MUNMAP_ENTER);
+        assert_eq!((munmap.offset, munmap.after_system_call), (0, false));
     }
 }

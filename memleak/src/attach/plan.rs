@@ -10,7 +10,7 @@ use std::{
     sync::Arc,
 };
 
-use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS};
+use memleak_common::{FunctionSet, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS, PROBED_AFTER_SYSTEM_CALL};
 
 use super::{
     link_order,
@@ -72,6 +72,8 @@ pub struct ProbeSite {
     /// Bytes past the start the entry and return probes go; see
     /// `placement`.
     pub entry_skip: u64,
+    /// Whether the entry probe is past the function's system call.
+    pub after_system_call: bool,
     /// The function and each alias sharing its code; given to the probes
     /// as their attach cookie. Empty for the mapping functions.
     pub functions: FunctionSet,
@@ -82,7 +84,15 @@ impl ProbeSite {
     /// that is safe (`entry_skip`): see `placement`. `data` is the
     /// object's file.
     fn placed(self, data: &[u8], display_path: &str) -> Self {
-        Self { entry_skip: probes_offset(&self, data, display_path), ..self }
+        let placement = placement_of(&self, data, display_path);
+        Self { entry_skip: placement.offset, after_system_call: placement.after_system_call, ..self }
+    }
+
+    /// The attach cookie of its probes: the functions it is, and whether
+    /// the entry probe comes after the system call.
+    pub fn cookie(&self) -> u64 {
+        let after = if self.after_system_call { PROBED_AFTER_SYSTEM_CALL } else { 0 };
+        u64::from(self.functions.0) | after
     }
 }
 
@@ -671,6 +681,7 @@ impl FunctionSite<'_> {
             file_offset: self.file_offset,
             code_length: self.symbol.size,
             entry_skip: 0,
+            after_system_call: false,
             functions: FunctionSet::of(self.index),
         };
         sites.push(site.placed(data, display_path));
@@ -758,9 +769,9 @@ fn allocator_sites(
     (sites, missing)
 }
 
-/// Bytes past a function's start to put its probes at: see `placement`.
+/// Where past a function's start to put its probes: see `placement`.
 /// Without a size, its branches cannot be checked, and it keeps the entry.
-fn probes_offset(site: &ProbeSite, data: &[u8], display_path: &str) -> u64 {
+fn placement_of(site: &ProbeSite, data: &[u8], display_path: &str) -> placement::Placement {
     // Past this, a function's branches are not looked through: no
     // allocator entry point is near that long.
     const LONGEST: u64 = 64 << 10;
@@ -770,7 +781,7 @@ fn probes_offset(site: &ProbeSite, data: &[u8], display_path: &str) -> u64 {
         .and_then(|(start, length)| data.get(start..start.checked_add(length)?))
         .unwrap_or(&[]);
     let function = site.function;
-    let placement = placement::probe_placement(code, placement::arguments_read(site.entry_program));
+    let placement = placement::probe_placement(code, site.entry_program);
     match placement.single_stepped {
         _ if placement.offset > 0 => log::debug!(
             "{function} in {display_path}: probes at +{}, on `{:?}`, which the kernel emulates, past what it would single-step",
@@ -782,7 +793,7 @@ fn probes_offset(site: &ProbeSite, data: &[u8], display_path: &str) -> u64 {
         ),
         None => {}
     }
-    placement.offset
+    placement
 }
 
 /// A site for each mapping function the object defines that is not
@@ -814,6 +825,7 @@ fn mapping_sites(
                 file_offset,
                 code_length: symbol.size,
                 entry_skip: 0,
+                after_system_call: false,
                 functions: FunctionSet::default(),
             }
             .placed(data, display_path),

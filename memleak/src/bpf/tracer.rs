@@ -386,7 +386,7 @@ impl Tracer {
             // The cookie tells the shared programs which function fired.
             let point = |offset| UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(u64::from(site.functions.0)),
+                cookie: Some(site.cookie()),
             };
             // The entry and return probes share one breakpoint, past the
             // first instructions when `placement` found that safe.
@@ -865,7 +865,7 @@ fn attach_multi(
             });
             groups[index].offsets.push(entry);
             // The cookie tells the shared programs which function fired.
-            groups[index].cookies.push(u64::from(site.functions.0));
+            groups[index].cookies.push(site.cookie());
         }
     }
     let path = multi_uprobes::c_path(&plan.path)
