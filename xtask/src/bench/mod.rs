@@ -37,6 +37,7 @@ mod empty_probes;
 mod fleet;
 mod latency;
 mod map_memory;
+mod mprotect_calls;
 mod overhead;
 mod process;
 mod python_allocator;
@@ -113,7 +114,7 @@ pub enum Part {
     Save,
     /// What Python frames cost.
     Python,
-    /// What a stack's depth costs.
+    /// What a stack's depth costs, and an mprotect call.
     Depth,
 }
 
@@ -230,12 +231,15 @@ fn python_section(memleak: &std::path::Path, plan: &python_frames::Plan) {
     python_frames::print(&python_frames::measure(memleak, plan));
 }
 
-/// What a stack's depth costs, against heaptrack.
+/// What a stack's depth costs, against heaptrack, and what memleak adds
+/// to an mprotect call.
 fn depth_section(memleak: &std::path::Path, runs: usize, heaptrack_installed: bool) -> Result<()> {
     let workload =
         build_fixture_without_frame_pointers("workload", "workload-nofp", &["-O2", "-fomit-frame-pointer"])?;
     eprintln!("bench: stack depths {:?}", stack_depth::DEPTHS);
     stack_depth::print(&stack_depth::measure(memleak, &workload, runs, heaptrack_installed));
+    let mprotect_loop = build_fixture_with("mprotect_loop", &["-O2"])?;
+    mprotect_calls::print(&mprotect_calls::measure(memleak, &mprotect_loop, runs));
     Ok(())
 }
 
