@@ -284,4 +284,8 @@ pub struct WalkState {
     /// 1 while the frames taken from the last walk are not copied into
     /// the key yet (see `unwind::tables::take_unchanged`).
     pub copy_pending: u32,
+    /// The executable mapping the walk found last, `[start, end)`: a
+    /// frame-pointer step landing there is in known code without a search.
+    pub code_start: u64,
+    pub code_end: u64,
 }

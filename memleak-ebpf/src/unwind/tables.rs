@@ -95,6 +95,8 @@ pub fn walk<C: EbpfContext>(
         limit,
         python_frames: u32::from(python_frames),
         copy_pending: 0,
+        code_start: 0,
+        code_end: 0,
     };
     let mut walking = Walking { mappings, key };
     reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 });
@@ -202,7 +204,7 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
             let caller = frame_pointer_step(walk)?;
             // No unwind information vouches for it: only a frame in code
             // the process maps is kept.
-            if find_mapping(mappings, caller.pc.wrapping_sub(1)).is_none() {
+            if !in_known_code(walk, mappings, caller.pc.wrapping_sub(1)) {
                 return end(walk, WalkEnd::NoUnwindInfo);
             }
             caller
@@ -241,6 +243,7 @@ fn rule_at(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> Option<
         end(walk, WalkEnd::UnknownCode);
         return None;
     };
+    (walk.code_start, walk.code_end) = (mapping.start, mapping.end);
     let rule = if mapping.row_count == 0 {
         Rule::of(RuleKind::FramePointer)
     } else {
@@ -330,6 +333,19 @@ fn frame_pointer_step(walk: &mut WalkState) -> Option<Caller> {
     };
     // The caller's rbp was the word at its stack pointer - 16.
     Some(Caller { pc, sp: bp + 16, bp: caller_bp, slot: 2 })
+}
+
+/// Whether `pc` lies in an executable mapping of the process. Most
+/// frame-pointer steps land in the object of the frame before (a JIT's
+/// code calling itself, a library without unwind rows): the last mapping
+/// found is tried before the search, which took most of such a step.
+fn in_known_code(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> bool {
+    if (walk.code_start..walk.code_end).contains(&pc) {
+        return true;
+    }
+    let Some(mapping) = find_mapping(mappings, pc) else { return false };
+    (walk.code_start, walk.code_end) = (mapping.start, mapping.end);
+    true
 }
 
 /// The executable mapping holding `pc`.
