@@ -54,13 +54,6 @@ const WINDOW_BYTES: u64 = (STACK_WINDOW_WORDS * 8) as u64;
 /// address and rbp slots 1 to 7.
 const BELOW_SP: u64 = 8 * (MAX_CHECKED_SLOT + 1);
 
-/// Cached frames skipped per frame walked while looking for the one at
-/// the walk's stack pointer. One: a walk that has more to skip finds its
-/// match frames later, or not at all, and walks those frames instead.
-/// Each more step had the verifier check the walk's step as many times
-/// again: at 8, loading took 500 ms instead of 320.
-const CURSOR_STEPS: u32 = 1;
-
 impl Frame {
     /// The slot of a frame whose rbp a step found at CFA - 8 × `rbp_slot`
     /// (0: unchanged).
@@ -190,15 +183,16 @@ pub fn matches(index: u32, frame: &Frame) -> bool {
     if progress.usable == 0 {
         return false;
     }
-    // The cached frames' stack pointers rise from the leaf: skip those
-    // below the walk's.
-    for _ in 0..CURSOR_STEPS {
-        let cursor = progress.cursor;
-        if cursor >= previous.depth || previous.frames[cursor as usize & (CACHED_FRAMES - 1)].sp >= frame.sp {
-            break;
-        }
-        progress.cursor = cursor + 1;
+    // The cached frames' stack pointers rise from the leaf: those below
+    // the walk's are skipped, as many as lie there (a walk whose frames
+    // below the shared ones are fewer than the last walk's must skip
+    // several at once, or never meet them).
+    let cursor = progress.cursor;
+    if cursor < previous.depth && previous.frames[cursor as usize & (CACHED_FRAMES - 1)].sp < frame.sp {
+        skip_below(frame.sp);
     }
+    // Afresh: the skipping moved the cursor.
+    let Some(Caches { previous, progress, .. }) = caches() else { return false };
     let cursor = progress.cursor;
     let matched = &previous.frames[cursor as usize & (CACHED_FRAMES - 1)];
     if cursor >= previous.depth
@@ -213,6 +207,33 @@ pub fn matches(index: u32, frame: &Frame) -> bool {
     progress.next = cursor + 1;
     progress.index = index + 1;
     true
+}
+
+/// Moves the cursor past the cached frames whose stack pointers lie below
+/// `sp`. A loop of its own, one frame an iteration: unrolled in the step,
+/// each more frame had the verifier check the step as many times again
+/// (loading took 500 ms at 8 frames, 320 at 1).
+fn skip_below(sp: u64) {
+    let mut sp = sp;
+    // SAFETY: the helper calls `skip_step` at most CACHED_FRAMES times
+    // with a pointer to `sp`, which outlives the call.
+    unsafe {
+        bpf_loop(CACHED_FRAMES as u32, skip_step as *mut c_void, (&raw mut sp).cast(), 0);
+    }
+}
+
+/// Skips the cached frame at the cursor if its stack pointer is below
+/// the one `ctx` points at: on (0), or the end (1).
+extern "C" fn skip_step(_iteration: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `skip_below` passed its own stack pointer.
+    let sp = unsafe { *ctx.cast::<u64>() };
+    let Some(Caches { previous, progress, .. }) = caches() else { return 1 };
+    let cursor = progress.cursor;
+    if cursor >= previous.depth || previous.frames[cursor as usize & (CACHED_FRAMES - 1)].sp >= sp {
+        return 1;
+    }
+    progress.cursor = cursor + 1;
+    0
 }
 
 /// Checks the cached frames above the matched one, up to `limit` frames
