@@ -127,7 +127,9 @@ pub struct SelfTest {
     pub frames: usize,
     /// Thread states of threads starting or ending, whose slot held none,
     /// or whose `thread_id` was still that of a thread that passed (the
-    /// thread that creates another fills in the new state, before 3.12).
+    /// thread that creates another fills in the new state, before 3.12),
+    /// or that could not be read through (a thread that ended, its memory
+    /// freed under the walk).
     pub in_transit: usize,
 }
 
@@ -162,39 +164,37 @@ pub fn self_test(subject: &Subject<'_>, layout: LibcLayout) -> Result<SelfTest, 
     let mut result = SelfTest { threads: 0, frames: 0, in_transit: 0 };
     let mut passed = Vec::new();
     let mut others = Vec::new();
+    // The first thread state that could not be read through: the error,
+    // if no thread passes (wrong offsets fail on every thread).
+    let mut unreadable = None;
     let mut walked = 0;
     while tstate != 0 && walked < MAX_THREADS {
         walked += 1;
         let fsbase = read(tstate + offsets.thread.thread_id, "a thread state's thread_id")?;
         let next = read(tstate + offsets.thread.tstate_next, "a thread state's next")?;
-        if fsbase == 0 {
-            // Created for a thread that has not started yet (3.12+ binds a
-            // thread state in the thread itself): no thread looks it up.
-            tstate = next;
-            continue;
-        }
-        if matches!(layout, LibcLayout::Glibc { .. }) {
-            let own = read(fsbase + GLIBC_HEADER_SELF, "a thread's glibc header")?;
-            if own != fsbase {
-                return Err(format!(
-                    "thread state {tstate:#x}: thread_id {fsbase:#x} is not a glibc thread (header.self {own:#x})"
-                ));
+        // 0: created for a thread that has not started yet (3.12+ binds a
+        // thread state in the thread itself): no thread looks it up.
+        if fsbase != 0 {
+            match check_thread(subject, layout, tstate, fsbase)? {
+                Thread::Passed { frames } => {
+                    result.frames += frames;
+                    result.threads += 1;
+                    passed.push(fsbase);
+                }
+                Thread::Starting => result.in_transit += 1,
+                Thread::Other { found } => others.push((tstate, fsbase, found)),
+                Thread::Unreadable(failure) => {
+                    unreadable.get_or_insert(failure);
+                    result.in_transit += 1;
+                }
             }
-        }
-        let found = tsd_value(memory, layout, fsbase, key)
-            .map_err(|error| format!("cannot read the TSS slot of thread {fsbase:#x}: {error}"))?;
-        if found == tstate {
-            result.frames += check_frames(subject, tstate)?;
-            result.threads += 1;
-            passed.push(fsbase);
-        } else if found == 0 {
-            result.in_transit += 1;
-        } else {
-            others.push((tstate, fsbase, found));
         }
         tstate = next;
     }
     if result.threads == 0 {
+        if let Some(failure) = unreadable {
+            return Err(failure);
+        }
         return Err(match others.first() {
             Some(&(tstate, fsbase, found)) => {
                 format!("thread {fsbase:#x}: its TSS key {key} slot holds {found:#x}, not its thread state {tstate:#x}")
@@ -213,13 +213,95 @@ pub fn self_test(subject: &Subject<'_>, layout: LibcLayout) -> Result<SelfTest, 
     Ok(result)
 }
 
+/// What one thread state of the list showed.
+enum Thread {
+    /// The lookup leads back to it, and its first frames run code objects.
+    Passed { frames: usize },
+    /// Its thread's slot holds no thread state yet.
+    Starting,
+    /// Its thread's slot holds thread state `found`.
+    Other { found: u64 },
+    /// Something on the way could not be read, or its `thread_id` led to
+    /// no glibc thread: a thread that ended, its memory freed under the
+    /// walk, or wrong offsets.
+    Unreadable(String),
+}
+
+/// Follows the lookup from thread state `tstate`, whose `thread_id` is
+/// `fsbase`, and checks its frames. An error is a frame that runs no code
+/// object, or that cannot be read again and again: wrong offsets.
+fn check_thread(
+    subject: &Subject<'_>,
+    layout: LibcLayout,
+    tstate: u64,
+    fsbase: u64,
+) -> Result<Thread, String> {
+    let Subject { memory, key, .. } = *subject;
+    if matches!(layout, LibcLayout::Glibc { .. }) {
+        match memory.u64(fsbase + GLIBC_HEADER_SELF) {
+            Ok(own) if own == fsbase => {}
+            Ok(own) => {
+                return Ok(Thread::Unreadable(format!(
+                    "thread state {tstate:#x}: thread_id {fsbase:#x} is not a glibc thread (header.self {own:#x})"
+                )));
+            }
+            Err(error) => {
+                let at = fsbase + GLIBC_HEADER_SELF;
+                return Ok(Thread::Unreadable(format!(
+                    "cannot read a thread's glibc header at {at:#x}: {error}"
+                )));
+            }
+        }
+    }
+    let found = match tsd_value(memory, layout, fsbase, key) {
+        Ok(found) => found,
+        Err(error) => {
+            return Ok(Thread::Unreadable(format!(
+                "cannot read the TSS slot of thread {fsbase:#x}: {error}"
+            )));
+        }
+    };
+    if found == 0 {
+        return Ok(Thread::Starting);
+    }
+    if found != tstate {
+        return Ok(Thread::Other { found });
+    }
+    // A running thread's frames change under the reads: a frame freed
+    // meanwhile is read again from the thread's frames as they are then.
+    let mut outcome = check_frames(subject, tstate);
+    for _ in 1..FRAME_CHECK_ATTEMPTS {
+        if !matches!(outcome, Err(FrameCheck::Unreadable(_))) {
+            break;
+        }
+        outcome = check_frames(subject, tstate);
+    }
+    match outcome {
+        Ok(frames) => Ok(Thread::Passed { frames }),
+        Err(FrameCheck::Unreadable(failure) | FrameCheck::NotCode(failure)) => Err(failure),
+    }
+}
+
+/// Checks of a thread's frames before a read that fails counts.
+const FRAME_CHECK_ATTEMPTS: usize = 5;
+
+/// Why a thread's frames did not check out.
+enum FrameCheck {
+    /// A read failed.
+    Unreadable(String),
+    /// A frame runs something that is not a code object.
+    NotCode(String),
+}
+
 /// Checks that the first frames of thread state `tstate` run code objects
 /// (the 3.12+ shim frame, owned by the C stack, runs none), and returns how
 /// many were checked.
-fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, String> {
+fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, FrameCheck> {
     let Subject { memory, offsets, pycode_type, .. } = *subject;
     let read = |address: u64, what: &str| {
-        memory.u64(address).map_err(|error| format!("cannot read {what} at {address:#x}: {error}"))
+        memory
+            .u64(address)
+            .map_err(|error| FrameCheck::Unreadable(format!("cannot read {what} at {address:#x}: {error}")))
     };
     let mut frame = read(tstate + offsets.thread.tstate_frame, "a thread state's frame")?;
     if let Some(current) = offsets.thread.cframe_current {
@@ -232,9 +314,9 @@ fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, String> {
         if frame == 0 {
             break;
         }
-        let bytes = memory
-            .bytes(frame, usize::from(offsets.frame.read_size))
-            .map_err(|error| format!("cannot read the frame at {frame:#x}: {error}"))?;
+        let bytes = memory.bytes(frame, usize::from(offsets.frame.read_size)).map_err(|error| {
+            FrameCheck::Unreadable(format!("cannot read the frame at {frame:#x}: {error}"))
+        })?;
         let word = |offset: u8| {
             let at = usize::from(offset);
             u64::from_le_bytes(bytes[at..at + 8].try_into().expect("eight bytes"))
@@ -245,9 +327,9 @@ fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, String> {
             let code = word(offsets.frame.code);
             let code_type = read(code + 8, "a frame's code object")?;
             if code_type != pycode_type {
-                return Err(format!(
+                return Err(FrameCheck::NotCode(format!(
                     "the frame at {frame:#x} runs {code:#x}, whose type {code_type:#x} is not PyCode_Type"
-                ));
+                )));
             }
             checked += 1;
         }
