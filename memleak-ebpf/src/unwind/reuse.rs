@@ -73,6 +73,7 @@ struct Caches<'a> {
     previous: &'a mut WalkCache,
     fresh: &'a mut WalkCache,
     progress: &'a mut ReuseProgress,
+    window: &'a mut [u64; STACK_WINDOW_WORDS],
 }
 
 /// Looked up afresh wherever needed (an array lookup, inlined): pointers
@@ -83,13 +84,13 @@ fn caches<'a>() -> Option<Caches<'a>> {
     let caches: &mut WalkCaches = unsafe { &mut *caches };
     let [first, second] = &mut caches.caches;
     let (previous, fresh) = if caches.current & 1 == 0 { (first, second) } else { (second, first) };
-    Some(Caches { previous, fresh, progress: &mut caches.progress })
+    Some(Caches { previous, fresh, progress: &mut caches.progress, window: &mut caches.window })
 }
 
 /// Starts a walk of the current thread of `tgid` under table
 /// `generation`.
 pub fn begin(tgid: u32, generation: u32) {
-    let Some(Caches { previous, fresh, progress }) = caches() else { return };
+    let Some(Caches { previous, fresh, progress, .. }) = caches() else { return };
     // SAFETY: a helper without arguments.
     let thread = unsafe { bpf_get_current_pid_tgid() } as u32;
     let usable = previous.depth != 0
@@ -302,11 +303,8 @@ pub fn copy_last_walk(key: *mut StackKey) {
 extern "C" fn check_step(_iteration: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `check_unchanged` passed its own limit.
     let limit = unsafe { *ctx.cast::<u32>() };
-    let Some(caches) = WALK_CACHES.get_ptr_mut(0) else { return 1 };
-    // SAFETY: as in `caches`.
-    let caches: &mut WalkCaches = unsafe { &mut *caches };
-    let previous = &caches.caches[(caches.current & 1) as usize];
-    i64::from(!check_frames(previous, &mut caches.progress, &mut caches.window, limit))
+    let Some(Caches { previous, progress, window, .. }) = caches() else { return 1 };
+    i64::from(!check_frames(previous, progress, window, limit))
 }
 
 /// Frames one iteration of `check_step` checks at most. The lookup and
@@ -416,7 +414,7 @@ fn window_holds(
 extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `copy_checked` passed its own key pointer.
     let key = unsafe { &mut **ctx.cast::<*mut StackKey>() };
-    let Some(Caches { previous, fresh, progress }) = caches() else { return 1 };
+    let Some(Caches { previous, fresh, progress, .. }) = caches() else { return 1 };
     let iteration = iteration as u32;
     let cached = progress.first_cached + iteration;
     if cached >= progress.next {

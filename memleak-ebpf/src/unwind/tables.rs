@@ -136,10 +136,8 @@ fn take_unchanged(walk: &mut WalkState, walking: &Walking, index: u32) {
     if !reuse::matches(index, &Frame { pc: walk.pc, sp: walk.sp, bp: walk.bp, slot }) {
         return;
     }
-    let Some(taken) = reuse::check_unchanged(walk.limit) else {
-        reuse::copy_checked(walking.key);
-        return;
-    };
+    // None: no frame held, so none to copy either.
+    let Some(taken) = reuse::check_unchanged(walk.limit) else { return };
     // SAFETY: the scratch key, valid for this program run.
     set_depth(unsafe { &mut *walking.key }, taken.depth);
     walk.pc = taken.frame.pc;

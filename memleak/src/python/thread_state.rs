@@ -148,14 +148,17 @@ const FRAMES_CHECKED: usize = 8;
 /// rewritten is cut short.
 const MAX_THREADS: usize = 100_000;
 
+/// The word at `address`, or a line saying it could not read `what` there.
+fn read(memory: &ProcessMemory, address: u64, what: &str) -> Result<u64, String> {
+    memory.u64(address).map_err(|error| format!("cannot read {what} at {address:#x}: {error}"))
+}
+
 /// Walks `interpreters.head`'s thread states and checks, for each, that
 /// the lookup the BPF walk does leads back to it, and that its first
 /// frames hold code objects. The first failure is the error, in a line.
 pub fn self_test(subject: &Subject<'_>, layout: LibcLayout) -> Result<SelfTest, String> {
     let Subject { memory, runtime, offsets, key, .. } = *subject;
-    let read = |address: u64, what: &str| {
-        memory.u64(address).map_err(|error| format!("cannot read {what} at {address:#x}: {error}"))
-    };
+    let read = |address: u64, what: &str| read(memory, address, what);
     let interpreter = read(runtime + offsets.thread.interpreters_head, "_PyRuntime.interpreters.head")?;
     if interpreter == 0 {
         return Err("the interpreter has no interpreter state".to_owned());
@@ -238,19 +241,14 @@ fn check_thread(
 ) -> Result<Thread, String> {
     let Subject { memory, key, .. } = *subject;
     if matches!(layout, LibcLayout::Glibc { .. }) {
-        match memory.u64(fsbase + GLIBC_HEADER_SELF) {
+        match read(memory, fsbase + GLIBC_HEADER_SELF, "a thread's glibc header") {
             Ok(own) if own == fsbase => {}
             Ok(own) => {
                 return Ok(Thread::Unreadable(format!(
                     "thread state {tstate:#x}: thread_id {fsbase:#x} is not a glibc thread (header.self {own:#x})"
                 )));
             }
-            Err(error) => {
-                let at = fsbase + GLIBC_HEADER_SELF;
-                return Ok(Thread::Unreadable(format!(
-                    "cannot read a thread's glibc header at {at:#x}: {error}"
-                )));
-            }
+            Err(failure) => return Ok(Thread::Unreadable(failure)),
         }
     }
     let found = match tsd_value(memory, layout, fsbase, key) {
@@ -298,11 +296,7 @@ enum FrameCheck {
 /// many were checked.
 fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, FrameCheck> {
     let Subject { memory, offsets, pycode_type, .. } = *subject;
-    let read = |address: u64, what: &str| {
-        memory
-            .u64(address)
-            .map_err(|error| FrameCheck::Unreadable(format!("cannot read {what} at {address:#x}: {error}")))
-    };
+    let read = |address: u64, what: &str| read(memory, address, what).map_err(FrameCheck::Unreadable);
     let mut frame = read(tstate + offsets.thread.tstate_frame, "a thread state's frame")?;
     if let Some(current) = offsets.thread.cframe_current {
         if frame != 0 {

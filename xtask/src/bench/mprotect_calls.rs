@@ -7,7 +7,7 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context as _, Result};
 
-use super::process::run_to_end;
+use super::{process::run_to_end, redis::median};
 
 /// Calls per run.
 const CALLS: u32 = 200_000;
@@ -27,7 +27,8 @@ pub fn measure(memleak: &Path, program: &Path, rounds: usize) -> Result<(f64, f6
         let under = run_to_end(Command::new(memleak).args(["-c", &command, "3600"]))?;
         traced.push(call_ns(&under.stderr)?);
     }
-    Ok((median(untraced), median(traced)))
+    let medians = median(&untraced).zip(median(&traced));
+    medians.context("no rounds run")
 }
 
 /// The number on the program's `mprotect_ns N` line.
@@ -37,11 +38,6 @@ fn call_ns(stderr: &str) -> Result<f64> {
         .find_map(|line| line.strip_prefix("mprotect_ns "))
         .and_then(|ns| ns.trim().parse().ok())
         .with_context(|| format!("no mprotect_ns line in: {stderr}"))
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 pub fn print(measured: &Result<(f64, f64)>) {

@@ -185,7 +185,8 @@ pub fn print(results: &[Throughput]) {
     }
 }
 
-fn median(values: &[f64]) -> Option<f64> {
+/// The median of `values` (the upper one of an even count).
+pub fn median(values: &[f64]) -> Option<f64> {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     sorted.get(sorted.len() / 2).copied()
