@@ -139,9 +139,10 @@ pub const MAX_EXEC_MAPPINGS: usize = 512;
 pub struct ProcessMappings {
     /// Mappings in use, at most [`MAX_EXEC_MAPPINGS`].
     pub count: u32,
-    /// Raised with every new table of the process, so that the walkers'
-    /// cache of rules by pc ([`RuleCacheEntry`]) never serves a rule of
-    /// code since unmapped.
+    /// New with every new table of any process, so that the walkers'
+    /// caches (of rules by pc, [`RuleCacheEntry`], and of the last walk)
+    /// never serve a rule of code since unmapped, nor a stack of an exited
+    /// process whose pid a new one took.
     pub generation: u32,
     pub mappings: [ExecMapping; MAX_EXEC_MAPPINGS],
 }

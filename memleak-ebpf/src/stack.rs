@@ -93,10 +93,12 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // SAFETY: as above.
     unsafe { core::ptr::write_volatile(&raw mut key.python_depth, python) };
     if walked.unchanged {
-        if let Some(id) = unchanged_stack(tgid, depth) {
+        // Still stored: a stack is forgotten only with its process, and
+        // the walk cache takes no process whose pid an exited one had
+        // (table generations are unique across processes).
+        if let Some(id) = unwind::last_stack_id() {
             return Some(id);
         }
-        // Its stack is gone with its process: the frames are needed.
         unwind::copy_last_walk(key);
     }
     let id = stored_id(key);
@@ -104,18 +106,6 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
         unwind::remember_stack_id(id.filter(|_| python == 0));
     }
     id
-}
-
-/// The id of the stack the last walk found, when this walk found the same
-/// frames (and no Python ones: see `unwind::tables::walk`), if it is still
-/// stored as that process's stack of `depth` frames. A stack is forgotten
-/// only with its process, whose pid a new one may take.
-fn unchanged_stack(tgid: u32, depth: u32) -> Option<u64> {
-    let id = unwind::last_stack_id()?;
-    // SAFETY: the value of a live entry, written once before its id was
-    // published.
-    let stored = unsafe { &*STACKS.get_ptr(id)? };
-    (stored.tgid == tgid && depth_of(stored) == depth as usize && python_depth_of(stored) == 0).then_some(id)
 }
 
 /// The id of stack `key`: this CPU's last stack's, or the id it is stored
@@ -223,11 +213,12 @@ fn announce_python_stack(id: u64) {
 /// FNV-1a over the process and the frames in use.
 fn hash_of(key: &StackKey) -> u64 {
     let mut pass = FramePass::new(key, core::ptr::null_mut());
-    pass.hash = (0xcbf2_9ce4_8422_2325 ^ u64::from(key.tgid)).wrapping_mul(FNV_PRIME);
+    pass.hash = (pass.hash ^ u64::from(key.tgid)).wrapping_mul(FNV_PRIME);
     pass.run(frames_of(key), hash_step);
     pass.hash
 }
 
+const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x100_0000_01b3;
 
 /// `key.depth`, read from memory (see `store_current_stack`).
@@ -273,7 +264,10 @@ type FrameStep = extern "C" fn(u64, *mut c_void) -> i64;
 
 impl FramePass {
     fn new(frames: &StackKey, other: *mut StackKey) -> Self {
-        Self { frames, other, hash: 0, differs: 0 }
+        // The hash starts at FNV's offset basis, which `hash_of` goes on
+        // from, not 0: zero fields side by side are cleared by a call to
+        // a memset that writes a byte per iteration.
+        Self { frames, other, hash: FNV_OFFSET_BASIS, differs: 0 }
     }
 
     /// Calls `step` for frames `0..depth`, until it returns 1.

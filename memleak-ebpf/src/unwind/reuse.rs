@@ -55,6 +55,16 @@ const WINDOW_BYTES: u64 = (STACK_WINDOW_WORDS * 8) as u64;
 const BELOW_SP: u64 = 8 * (MAX_CHECKED_SLOT + 1);
 
 impl Frame {
+    /// `*to = *self`, a field at a time: copied whole between two maps'
+    /// frames, which the compiler cannot tell apart, it became a call to
+    /// a memmove that moves a byte per iteration.
+    fn copy_to(&self, to: &mut Frame) {
+        to.pc = self.pc;
+        to.sp = self.sp;
+        to.bp = self.bp;
+        to.slot = self.slot;
+    }
+
     /// The slot of a frame whose rbp a step found at CFA - 8 × `rbp_slot`
     /// (0: unchanged).
     pub fn slot_of(rbp_slot: u32) -> u64 {
@@ -245,7 +255,9 @@ extern "C" fn skip_step(_iteration: u64, ctx: *mut c_void) -> i64 {
 pub fn check_unchanged(limit: u32) -> Option<Taken> {
     let Caches { progress, .. } = caches()?;
     progress.usable = 0;
-    progress.low = 0;
+    // No window read yet: an empty range (zeros side by side would be
+    // cleared by a call to a byte-by-byte memset).
+    progress.low = u64::MAX;
     progress.high = 0;
     progress.first_cached = progress.next;
     progress.first_index = progress.index;
@@ -423,7 +435,8 @@ extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
     let index = progress.first_index + iteration;
     let Some(frame_in_key) = key.frames.get_mut(index as usize) else { return 1 };
     let (from, to) = (cached as usize & (CACHED_FRAMES - 1), index as usize & (CACHED_FRAMES - 1));
-    *frame_in_key = previous.frames[from].pc;
-    fresh.frames[to] = previous.frames[from];
+    let frame = &previous.frames[from];
+    *frame_in_key = frame.pc;
+    frame.copy_to(&mut fresh.frames[to]);
     0
 }

@@ -95,7 +95,10 @@ pub fn walk<C: EbpfContext>(
         limit,
         python_frames: u32::from(python_frames),
         copy_pending: 0,
-        code_start: 0,
+        // No mapping found yet: an empty range, and not zeros, which
+        // beside `copy_pending` would be cleared by a call to a memset
+        // that writes a byte per iteration.
+        code_start: u64::MAX,
         code_end: 0,
     };
     let mut walking = Walking { mappings, key };

@@ -1040,8 +1040,8 @@ fn update_unwind_table(
     if target.unwind_table.as_ref() == Some(&table) {
         return Ok(());
     }
-    // A new table: the walkers' cached rules of the old one no longer hold.
-    table.generation = table.generation.wrapping_add(1);
+    // A new table: the walkers' caches of the old one no longer hold.
+    table.generation = tables.new_generation();
     tracer.set_process_mappings(target.pid, &table)?;
     log::debug!("pid {}: unwind table of {} executable mappings in use", target.pid, table.count);
     target.unwind_table = Some(table);

@@ -108,6 +108,8 @@ pub struct UnwindTables {
     /// The objects each process's table points at.
     users: HashMap<u32, Vec<ObjectKey>>,
     stats: UnwindStats,
+    /// The last generation handed out (see `new_generation`).
+    generation: u32,
 }
 
 impl UnwindTables {
@@ -122,7 +124,19 @@ impl UnwindTables {
             objects: HashMap::new(),
             users: HashMap::new(),
             stats: UnwindStats::default(),
+            generation: 0,
         }
+    }
+
+    /// A generation for a new table (`ProcessMappings::generation`), of
+    /// any process: unique across them, so that a table of a process that
+    /// took an exited one's pid never passes for the old one's. The
+    /// walkers' caches rely on it: the rules cached by pc, and the last
+    /// walk of each CPU with its stack's id, which is taken without
+    /// looking the stack up. 0 is never handed out: no table has it.
+    pub fn new_generation(&mut self) -> u32 {
+        self.generation = self.generation.wrapping_add(1).max(1);
+        self.generation
     }
 
     pub fn unwinding(&self) -> Unwinding {
