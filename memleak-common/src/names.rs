@@ -49,6 +49,13 @@ pub const UNWIND_RESCANS_MAP: &str = "UNWIND_RESCANS";
 /// Process id (u32) -> [`PyProcConfig`](crate::PyProcConfig): the CPython
 /// processes whose stacks get their Python frames.
 pub const PY_PROCS_MAP: &str = "PY_PROCS";
+/// Array of one u32: 1 from before user space first puts a process in
+/// [`PY_PROCS_MAP`], 0 until then. A stack walk looks a process up there
+/// only when it is 1: most processes traced run no Python, and the
+/// lookup cost each allocation a hash of its pid. BPF adds entries only
+/// for the children of processes in the map, so it is never 0 while the
+/// map holds one.
+pub const PY_WALKING_MAP: &str = "PY_WALKING";
 /// Per-CPU [`WalkCounts`](crate::WalkCounts): how much of their stacks
 /// the table walks took from the last walk of their thread.
 pub const WALK_COUNTS_MAP: &str = "WALK_COUNTS";

@@ -54,6 +54,11 @@ pub static FOLLOWED: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
 #[map(name = "CGROUP_FILTER")]
 pub static CGROUP_FILTER: Array<u64> = Array::with_max_entries(1, 0);
 
+/// Slot 0: whether `PY_PROCS` may hold a process; see
+/// `memleak_common::PY_WALKING_MAP`.
+#[map(name = "PY_WALKING")]
+pub static PY_WALKING: Array<u32> = Array::with_max_entries(1, 0);
+
 /// Process id -> how to walk its Python frames; see
 /// `memleak_common::PY_PROCS_MAP`. Sized at load from --max-processes.
 #[map(name = "PY_PROCS")]
@@ -170,8 +175,10 @@ pub struct LastStack {
 pub const CACHED_FRAMES: usize = 128;
 const _: () = assert!(CACHED_FRAMES >= MAX_STACK_DEPTH && CACHED_FRAMES.is_power_of_two());
 
-/// Words of `WalkCaches::window`: 4 KiB, a power of two.
-pub const STACK_WINDOW_WORDS: usize = 512;
+/// Words of `WalkCaches::window`: 8 KiB, a power of two. A stack 100
+/// frames deep spans about 8 KiB, read at once: each read costs about
+/// 40 ns besides the bytes.
+pub const STACK_WINDOW_WORDS: usize = 1024;
 
 /// One table walk's frames, innermost first: each one's registers as the
 /// walk found them, and where its rbp came from (see `unwind::reuse`).

@@ -28,7 +28,7 @@ use memleak_common::{
 };
 
 use crate::{
-    maps::{PyFrameWords, PyScratch, PY_FRAME_BYTES, PY_PROCS, PY_SCRATCH},
+    maps::{PyFrameWords, PyScratch, PY_FRAME_BYTES, PY_PROCS, PY_SCRATCH, PY_WALKING},
     tunables,
 };
 
@@ -52,6 +52,11 @@ pub fn walk(tgid: u32, slots: u32) -> u32 {
     }
     let fsbase_offset = tunables::py_fsbase_offset();
     if fsbase_offset == 0 {
+        return 0;
+    }
+    // An array's lookup, which the verifier inlines, where PY_PROCS's
+    // would hash the pid.
+    if PY_WALKING.get(0).is_none_or(|&walking| walking == 0) {
         return 0;
     }
     // SAFETY: the value of a live entry, copied at once.

@@ -347,41 +347,43 @@ fn check_frames(
     // one comparison tells whether a frame's are all in it.
     let base = progress.low + BELOW_SP;
     let span = progress.high - base;
-    // Whole words, which need no zero extension on each use.
-    let (mut next, last) = (first as usize, last as usize);
-    // Each way out stores where checking stands itself: a flag carried
-    // through the loop took a register the loop had none to spare for.
-    let stop = |progress: &mut ReuseProgress, next: usize, more: bool| {
-        let checked = (next - first as usize) as u32;
-        progress.next = first + checked;
-        progress.index = index + checked;
-        more
+    let count = (last - first) as usize;
+    // Masked once: each frame is then at a constant offset from it in the
+    // unrolled loop, where masking `first + checked` took six
+    // instructions a frame.
+    let frames = previous.frames.as_ptr().wrapping_add(first as usize & (CACHED_FRAMES - 1));
+    let (checked, more) = 'check: {
+        for checked in 0..FRAMES_PER_CHECK as usize {
+            if checked >= count {
+                break 'check (checked, false);
+            }
+            // SAFETY: frame `first + checked` of the cache, below `last`,
+            // which is at most the cache's depth, at most CACHED_FRAMES.
+            let frame = unsafe { &*frames.wrapping_add(checked) };
+            let offset = frame.sp.wrapping_sub(base);
+            // Past the window: the next iteration reads on. (The stack
+            // pointers rise, so below it is only a frame through a signal,
+            // whose slot ends the checking anyway.)
+            if offset > span {
+                break 'check (checked, true);
+            }
+            // The word `bytes` below the stack pointer. The pointers checked
+            // are aligned (see `note`), like the window: the mask changes no
+            // offset, and bounds it for the verifier.
+            let word = |bytes: u64| window[((offset + BELOW_SP - bytes) & (WINDOW_BYTES - 8)) as usize / 8];
+            if frame.slot > MAX_CHECKED_SLOT
+                || word(8) != frame.pc
+                || (frame.slot != 0 && word(8 * frame.slot) != frame.bp)
+            {
+                break 'check (checked, false);
+            }
+        }
+        (FRAMES_PER_CHECK as usize, true)
     };
-    for _ in 0..FRAMES_PER_CHECK {
-        if next >= last {
-            return stop(progress, next, false);
-        }
-        let frame = &previous.frames[next & (CACHED_FRAMES - 1)];
-        let offset = frame.sp.wrapping_sub(base);
-        // Past the window: the next iteration reads on. (The stack
-        // pointers rise, so below it is only a frame through a signal,
-        // whose slot ends the checking anyway.)
-        if offset > span {
-            return stop(progress, next, true);
-        }
-        // The word `bytes` below the stack pointer. The pointers checked
-        // are aligned (see `note`), like the window: the mask changes no
-        // offset, and bounds it for the verifier.
-        let word = |bytes: u64| window[((offset + BELOW_SP - bytes) & (WINDOW_BYTES - 8)) as usize / 8];
-        if frame.slot > MAX_CHECKED_SLOT
-            || word(8) != frame.pc
-            || (frame.slot != 0 && word(8 * frame.slot) != frame.bp)
-        {
-            return stop(progress, next, false);
-        }
-        next += 1;
-    }
-    stop(progress, next, true)
+    let checked = checked as u32;
+    progress.next = first + checked;
+    progress.index = index + checked;
+    more
 }
 
 /// Whether `window` holds the words that cached frame `next`'s check

@@ -17,8 +17,8 @@ use memleak_common::{
     ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, WalkCounts,
     ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP,
     MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
-    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
-    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
+    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, STACKS_MAP, STACK_IDS_MAP,
+    STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
 };
 
 use super::{
@@ -204,6 +204,9 @@ pub struct Tracer {
     /// loaded with the kernel's fsbase offset. Each takes two of a stack's
     /// frames, and the walk leaves one for the native frames.
     python_max_frames: Option<u16>,
+    /// Whether `PY_WALKING_MAP` says to look processes up in
+    /// `PY_PROCS_MAP`: from the first process put there on.
+    python_walking: bool,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -349,6 +352,7 @@ impl Tracer {
                     let room = config.settings.stack_depth.saturating_sub(1) / 2;
                     max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
                 }),
+            python_walking: false,
         })
     }
 
@@ -489,6 +493,10 @@ impl Tracer {
     /// allows.
     pub fn set_python_process(&mut self, pid: u32, config: PyProcConfig) -> Result<(), TracerError> {
         let Some(max_frames) = self.python_max_frames else { return Ok(()) };
+        if !self.python_walking {
+            write_python_walking(&mut self.ebpf)?;
+            self.python_walking = true;
+        }
         let config = PyProcConfig { max_frames, ..config };
         let mut map: HashMap<&mut MapData, u32, PyProcConfig> = self.map_mut(PY_PROCS_MAP)?;
         map.insert(pid, config, 0).map_err(|source| TracerError::WriteMap { map: PY_PROCS_MAP, source })
@@ -752,6 +760,14 @@ fn write_cgroup_filter(ebpf: &mut Ebpf, id: u64) -> Result<(), TracerError> {
     let mut filter: Array<&mut MapData, u64> =
         Array::try_from(map).map_err(|source| TracerError::ReadMap { map: CGROUP_FILTER_MAP, source })?;
     filter.set(0, id, 0).map_err(|source| TracerError::WriteMap { map: CGROUP_FILTER_MAP, source })
+}
+
+/// Has the stack walks look processes up in `PY_PROCS_MAP`, from now on.
+fn write_python_walking(ebpf: &mut Ebpf) -> Result<(), TracerError> {
+    let map = ebpf.map_mut(PY_WALKING_MAP).ok_or(TracerError::Missing(PY_WALKING_MAP))?;
+    let mut walking: Array<&mut MapData, u32> =
+        Array::try_from(map).map_err(|source| TracerError::ReadMap { map: PY_WALKING_MAP, source })?;
+    walking.set(0, 1, 0).map_err(|source| TracerError::WriteMap { map: PY_WALKING_MAP, source })
 }
 
 fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, TracerError> {
