@@ -463,6 +463,16 @@ mod tests {
     }
 
     #[test]
+    fn table_generations_are_handed_out_once_each_and_never_zero() {
+        let mut tables = UnwindTables::new(RowArray::for_tests(), Unwinding::Dwarf);
+        let first: Vec<u32> = (0..3).map(|_| tables.new_generation()).collect();
+        assert_eq!(first, [1, 2, 3], "one counter for every process's tables");
+        tables.generation = u32::MAX - 1;
+        let wrapped: Vec<u32> = (0..3).map(|_| tables.new_generation()).collect();
+        assert_eq!(wrapped, [u32::MAX, 1, 2], "0 is no table's, even after the counter wraps");
+    }
+
+    #[test]
     fn freed_rows_are_reused_after_the_grace_period_and_merged() {
         let start = Instant::now();
         let mut space = RowSpace::new(1..100);
