@@ -15,6 +15,7 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 
 use super::{
+    median,
     process::{last_line, run_to_end, spawn_with_pipe},
     stats::Record,
     workload::{Build, Summary, Workload},
@@ -109,15 +110,15 @@ pub fn print_lifecycle(rows: &[Lifecycle]) {
     println!("| uprobes | start until the first is attached | SIGINT until exit |");
     println!("|---|---|---|");
     for row in rows {
-        let (attached, exit) = (median(&row.attached_ms), median(&row.exit_ms));
+        let (attached, exit) = (median_ms(&row.attached_ms), median_ms(&row.exit_ms));
         println!("| {} | {attached:.0} ms | {exit:.0} ms |", row.links.label());
     }
     println!();
     if let Some(multi) = rows.iter().find(|row| matches!(row.links, Links::Multi)) {
         println!(
             "start until the first uprobe: {:.0} ms (goal < 150 ms); SIGINT until exit: {:.0} ms (goal < 300 ms)",
-            median(&multi.attached_ms),
-            median(&multi.exit_ms)
+            median_ms(&multi.attached_ms),
+            median_ms(&multi.exit_ms)
         );
     }
 }
@@ -272,12 +273,11 @@ fn millis(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+/// The median of `values` in ms, NaN (printed as such) of none.
+fn median_ms(values: &[f64]) -> f64 {
+    median(values).unwrap_or(f64::NAN)
 }
 
 fn median_ns(values: &[u64]) -> f64 {
-    median(&values.iter().map(|&ns| ns as f64).collect::<Vec<_>>())
+    median(values).map_or(f64::NAN, |ns| ns as f64)
 }

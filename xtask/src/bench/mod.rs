@@ -64,6 +64,14 @@ use crate::{
     root, run as run_command, setup,
 };
 
+/// The median of `values` (the upper one of an even count), `None` of
+/// none: every table of the bench gives medians of its rounds.
+pub fn median<T: Copy + PartialOrd>(values: &[T]) -> Option<T> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    sorted.get(sorted.len() / 2).copied()
+}
+
 /// How much to measure.
 struct Settings {
     threads: u32,

@@ -7,7 +7,7 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context as _, Result};
 
-use super::{process::run_to_end, redis::median};
+use super::{median, process::run_to_end};
 
 /// Calls per run.
 const CALLS: u32 = 200_000;

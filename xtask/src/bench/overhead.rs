@@ -9,6 +9,7 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     empty_probes::{EmptyProbes, Site},
+    median,
     process::{run_attached, run_to_end, Finished, Usage},
     workload::{Build, Summary, Workload},
 };
@@ -70,7 +71,7 @@ impl Contender {
     }
 
     fn median_ns(&self) -> Option<u64> {
-        median(self.runs.iter().map(|run| run.elapsed_ns).collect())
+        median(&self.runs.iter().map(|run| run.elapsed_ns).collect::<Vec<_>>())
     }
 
     fn is_full_memleak(&self) -> bool {
@@ -367,18 +368,13 @@ pub fn print_memleak_usage(contenders: &[Contender]) {
     println!("memleak's own CPU (user+sys, without the workload's) and peak RSS per workload run, medians:");
     for contender in contenders {
         let usages: Vec<Usage> = contender.runs.iter().filter_map(|run| run.memleak_usage).collect();
-        let cpu_ns = median(usages.iter().map(|usage| usage.cpu_ns).collect());
-        let rss_kib = median(usages.iter().map(|usage| usage.max_rss_kib).collect());
+        let cpu_ns = median(&usages.iter().map(|usage| usage.cpu_ns).collect::<Vec<_>>());
+        let rss_kib = median(&usages.iter().map(|usage| usage.max_rss_kib).collect::<Vec<_>>());
         if let (Some(cpu_ns), Some(rss_kib)) = (cpu_ns, rss_kib) {
             let (cpu_millis, memory_mib) = (cpu_ns as f64 / 1e6, rss_kib as f64 / 1024.0);
             println!("- {}: {cpu_millis:.0} ms CPU, {memory_mib:.1} MiB RSS", contender.label);
         }
     }
-}
-
-fn median(mut values: Vec<u64>) -> Option<u64> {
-    values.sort_unstable();
-    values.get(values.len() / 2).copied()
 }
 
 fn ratio(a: u64, b: u64) -> f64 {

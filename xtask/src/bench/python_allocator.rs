@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use super::{process::run_to_end, workload::Workload};
+use super::{median, process::run_to_end, workload::Workload};
 
 /// The interpreter: built from source without link-time optimisation.
 const PYTHON: &str = "/root/.pyenv/versions/3.11.7/bin/python3.11";
@@ -151,11 +151,6 @@ fn remove_heaptrack_data(scratch: &Path) {
     }
 }
 
-fn median(mut values: Vec<u64>) -> Option<u64> {
-    values.sort_unstable();
-    values.get(values.len() / 2).copied()
-}
-
 pub fn print(measured: &Measured) {
     println!();
     println!(
@@ -170,7 +165,7 @@ pub fn print(measured: &Measured) {
             .rows
             .iter()
             .find(|(row, _)| row.label() == runner.label())
-            .and_then(|(_, times)| times.as_ref().ok().and_then(|times| median(times.clone())))
+            .and_then(|(_, times)| times.as_ref().ok().and_then(|times| median(times)))
     };
     let untraced = median_of(&Runner::Untraced);
     for (runner, times) in &measured.rows {

@@ -14,6 +14,7 @@ use std::{
 use anyhow::{Context as _, Result};
 
 use super::{
+    median,
     process::{run_to_end, wait_for_line},
     unwind_tables::RedisServer,
 };
@@ -183,11 +184,4 @@ pub fn print(results: &[Throughput]) {
             memleak / libbpf
         );
     }
-}
-
-/// The median of `values` (the upper one of an even count).
-pub fn median(values: &[f64]) -> Option<f64> {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted.get(sorted.len() / 2).copied()
 }

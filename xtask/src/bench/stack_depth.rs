@@ -22,6 +22,7 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     bpf_stats::{self, RunTime},
+    median,
     process::{release, run_to_end, wait_for_line},
     tracer::Tracer,
     workload::Summary,
@@ -237,11 +238,6 @@ fn leak_one_stack(report: &serde_json::Value, leaked: u64) -> Result<(usize, boo
     Ok((frames.len(), frames.iter().any(|frame| frame["function"] == "main")))
 }
 
-fn median(mut values: Vec<u64>) -> Option<u64> {
-    values.sort_unstable();
-    values.get(values.len() / 2).copied()
-}
-
 impl AtDepth {
     /// The runs of `mode`, unless it failed.
     fn runs_of(&self, mode: Mode) -> Option<&Vec<Run>> {
@@ -253,7 +249,7 @@ impl AtDepth {
 
     /// The median CPU of `mode`'s runs.
     fn cpu(&self, mode: Mode) -> Option<u64> {
-        median(self.runs_of(mode)?.iter().map(|run| run.cpu_ns).collect())
+        median(&self.runs_of(mode)?.iter().map(|run| run.cpu_ns).collect::<Vec<_>>())
     }
 
     /// The median over rounds of memleak's CPU over heaptrack's in the
@@ -271,7 +267,7 @@ impl AtDepth {
 
     /// The median BPF time of `mode`'s runs.
     fn bpf(&self, mode: Mode) -> Option<u64> {
-        median(self.runs_of(mode)?.iter().filter_map(|run| run.bpf).map(|bpf| bpf.ns).collect())
+        median(&self.runs_of(mode)?.iter().filter_map(|run| run.bpf).map(|bpf| bpf.ns).collect::<Vec<_>>())
     }
 
     fn print_row(&self) {
