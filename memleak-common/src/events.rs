@@ -91,3 +91,26 @@ pub struct MappingEvent {
     pub flags: u32,
     pub _padding: u32,
 }
+
+/// No access: address space reserved, not memory.
+pub const PROT_NONE: u32 = 0;
+/// mmap's flag for a thread's stack (glibc's `allocate_stack` sets it).
+pub const MAP_STACK: u32 = 0x20000;
+
+impl MappingEvent {
+    /// Whether this is a region's change that moves its bytes between
+    /// memory and reserved address space: a region reserved by the
+    /// program's own mmap, or one an mprotect takes all access from. The
+    /// allocator's mappings and thread stacks are counted whole whatever
+    /// their protection. An mprotect that gives access is news only in a
+    /// process that reserved address space of its own before.
+    pub fn reserves_address_space(&self) -> bool {
+        match MappingChange::try_from(self.change) {
+            Ok(MappingChange::Map) => {
+                self.prot == PROT_NONE && self.inside_allocator == 0 && self.flags & MAP_STACK == 0
+            }
+            Ok(MappingChange::Protect) => self.prot == PROT_NONE,
+            _ => false,
+        }
+    }
+}

@@ -269,6 +269,9 @@ pub struct MappingFunction {
     pub name: &'static str,
     pub entry_program: &'static str,
     pub return_program: Option<&'static str>,
+    /// Whether the kernel's `programs::MAPPING_LOCK_TAKEN` sees its calls,
+    /// where that program is attached: its uprobe is then left out.
+    pub seen_in_kernel: bool,
 }
 
 /// The mapping functions memleak probes (mmap64 is mmap on 64-bit
@@ -278,19 +281,32 @@ pub const MAPPING_FUNCTIONS: [MappingFunction; 5] = [
         name: "mmap",
         entry_program: programs::MMAP_ENTER,
         return_program: Some(programs::MAPPING_RETURN),
+        seen_in_kernel: false,
     },
     MappingFunction {
         name: "mmap64",
         entry_program: programs::MMAP_ENTER,
         return_program: Some(programs::MAPPING_RETURN),
+        seen_in_kernel: false,
     },
-    MappingFunction { name: "munmap", entry_program: programs::MUNMAP_ENTER, return_program: None },
+    MappingFunction {
+        name: "munmap",
+        entry_program: programs::MUNMAP_ENTER,
+        return_program: None,
+        seen_in_kernel: true,
+    },
     // Turns a PROT_NONE reservation into memory that can be touched, or back.
-    MappingFunction { name: "mprotect", entry_program: programs::MPROTECT_ENTER, return_program: None },
+    MappingFunction {
+        name: "mprotect",
+        entry_program: programs::MPROTECT_ENTER,
+        return_program: None,
+        seen_in_kernel: true,
+    },
     MappingFunction {
         name: "mremap",
         entry_program: programs::MREMAP_ENTER,
         return_program: Some(programs::MAPPING_RETURN),
+        seen_in_kernel: false,
     },
 ];
 

@@ -19,6 +19,17 @@ pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
 /// Process id (u32) -> 1 (u32): processes whose new children are
 /// followed; the fork tracepoint adds each child it reports.
 pub const FOLLOWED_MAP: &str = "FOLLOWED";
+/// Process id (u32) -> flags (u32): the processes memleak traces, from
+/// before their probes are attached until they are forgotten.
+/// [`programs::MAPPING_LOCK_TAKEN`] fires for every process on the
+/// machine, and sends only these processes' calls. Flag
+/// [`RESERVES_ADDRESS_SPACE`]: the process has reserved address space of
+/// its own (see [`crate::MappingEvent::reserves_address_space`]); until then,
+/// an mprotect that gives access changes nothing memleak tracks, and is
+/// not sent (a JIT flipping its pages between writable and executable).
+pub const TRACED_PROCESSES_MAP: &str = "TRACED_PROCESSES";
+/// See [`TRACED_PROCESSES_MAP`].
+pub const RESERVES_ADDRESS_SPACE: u32 = 1;
 /// Array of one u64: with --cgroup (or `memleak serve` following one
 /// cgroup and nothing else), the cgroup v2 id whose tasks, and those of
 /// its descendant cgroups, are recorded; 0 records every task the probes
@@ -134,6 +145,11 @@ pub mod programs {
     /// probes through [`crate::USER_STACK_RECORDER_MAP`]; never attached.
     pub const RECORD_WITH_USER_STACK: &str = "record_with_user_stack";
     pub const MPROTECT_ENTER: &str = "mprotect_enter";
+    /// The `mmap_lock_acquire_returned` tracepoint: munmap and mprotect
+    /// seen from the kernel, where a uprobe costs a trap per call (see
+    /// memleak-ebpf's `probes::mmap`). Program and tracepoint share the
+    /// name.
+    pub const MAPPING_LOCK_TAKEN: &str = "mmap_lock_acquire_returned";
     /// Kernel allocations: program name and tracepoint name are the same.
     pub const KERNEL: [&str; 6] =
         ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];

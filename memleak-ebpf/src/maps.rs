@@ -49,6 +49,11 @@ pub static PROCESS_COUNTERS: PerCpuHashMap<u32, ProcessCounters> = PerCpuHashMap
 #[map(name = "FOLLOWED")]
 pub static FOLLOWED: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
 
+/// Process id -> 1: the processes memleak traces; see
+/// `memleak_common::TRACED_PROCESSES_MAP`.
+#[map(name = "TRACED_PROCESSES")]
+pub static TRACED_PROCESSES: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
+
 /// Slot 0: the id of the cgroup whose tasks are recorded, 0 for all; see
 /// `memleak_common::CGROUP_FILTER_MAP`.
 #[map(name = "CGROUP_FILTER")]

@@ -14,6 +14,11 @@ fn bytes(stacks: &[&Value]) -> u64 {
     stacks.iter().map(|stack| stack["bytes"].as_u64().unwrap()).sum()
 }
 
+/// How many regions `stacks` hold: a region cut in pieces counts each.
+fn regions(stacks: &[&Value]) -> u64 {
+    stacks.iter().map(|stack| stack["allocations"].as_u64().unwrap()).sum()
+}
+
 #[test]
 fn an_arena_that_free_maps_is_the_allocators() {
     // glibc 2.36: a thread whose first allocator call is free sets up its
@@ -45,16 +50,52 @@ fn thread_stacks_of_a_static_glibc_program_are_not_leaks() {
 
 #[test]
 fn reserved_address_space_is_not_memory_until_made_usable() {
-    // 256 pages reserved PROT_NONE, 2 of them opened with mprotect; an
-    // mprotect that fails (EINVAL) opens none of 4 more.
-    let report = trace_command("reservations", &[]);
-    let usable = mapped(&report, "mmap");
-    assert_eq!((bytes(&usable), usable.len()), (2 * 4096, 1), "{report:#}");
-    assert_eq!(usable[0]["frames"][0]["line"], marker_line("leaker", "reserve"));
-    assert_eq!(report["hidden_mappings"]["reserved_bytes"], 254 * 4096, "{report:#}");
+    // Seen from the kernel's mmap_lock tracepoint (this kernel has it),
+    // and through uprobes, as on kernels without it.
+    for env in [&[][..], &[("MEMLEAK_MAPPING_UPROBES", "1")][..]] {
+        let report = memleak_tests::trace_fixture_output_with_env("leaker", "reservations", &[], env)
+            .pop()
+            .expect("a final report");
+        let usable = mapped(&report, "mmap");
+        let at = |marker| -> Vec<&Value> {
+            let line = marker_line("leaker", marker);
+            usable.iter().copied().filter(|stack| stack["frames"][0]["line"] == line).collect()
+        };
+        // 256 pages reserved PROT_NONE, 2 of them opened with mprotect; an
+        // mprotect that fails (EINVAL) opens none of 4 more.
+        let opened = at("reserve");
+        assert_eq!((bytes(&opened), regions(&opened)), (2 * 4096, 1), "{env:?}: {report:#}");
+        // 4 pages, one taken back and given again, one taken back for good:
+        // 3 in two pieces, around the one taken.
+        let taken_back = at("take-back");
+        assert_eq!((bytes(&taken_back), regions(&taken_back)), (3 * 4096, 2), "{env:?}: {report:#}");
+        assert_eq!(usable.len(), 2, "{env:?}: {report:#}");
+        assert_eq!(report["hidden_mappings"]["reserved_bytes"], 255 * 4096, "{env:?}: {report:#}");
+    }
     let all = trace_command("reservations", &["--all-mmaps"]);
-    assert_eq!(bytes(&mapped(&all, "reservation")), 254 * 4096, "{all:#}");
+    assert_eq!(bytes(&mapped(&all, "reservation")), 255 * 4096, "{all:#}");
     assert_eq!(all["hidden_mappings"]["reserved_bytes"], 0);
+}
+
+#[test]
+fn munmap_and_mprotect_are_seen_from_the_kernel_where_it_can() {
+    // This kernel's mmap_lock_acquire_returned passes (mm, write, success):
+    // the tracepoint serves, and the C library's functions keep no uprobe.
+    let command = format!("{} reservations", memleak_tests::fixture("leaker").display());
+    let mut memleak = Memleak::start(&["-v", "-c", &command, "--format", "json", "-T", "1000", "3600"]);
+    let said =
+        memleak.stderr.wait_for("the tracepoint attached", |line| line.contains("munmap and mprotect"));
+    assert_eq!(
+        said,
+        "memleak: debug: munmap and mprotect seen from the kernel's mmap_lock_acquire_returned tracepoint"
+    );
+    memleak.stderr.wait_for("the fixture to finish", |line| {
+        assert!(!line.contains("uprobe on munmap") && !line.contains("uprobe on mprotect"), "{line}");
+        line == "done"
+    });
+    memleak.close_stdin();
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "memleak exited with {status}");
 }
 
 /// (child, parent) from "memleak: tracing pid CHILD, forked by pid PARENT".

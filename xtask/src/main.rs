@@ -82,9 +82,13 @@ enum Task {
         /// Only what Python frames cost, on Debian's python3.11.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only"])]
         python_only: bool,
-        /// Only what a stack's depth costs, against heaptrack.
+        /// Only what a stack's depth costs, against heaptrack, and an
+        /// mprotect call.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only"])]
         depth_only: bool,
+        /// Only what memleak adds to an mprotect call.
+        #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only"])]
+        mprotect_only: bool,
     },
 }
 
@@ -94,12 +98,13 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
         Task::Dist { debug } => dist::run(if debug { dist::Profile::Test } else { dist::Profile::Release }),
-        Task::Bench { quick, serve_only, save_only, python_only, depth_only } => {
-            let part = match (serve_only, save_only, python_only, depth_only) {
+        Task::Bench { quick, serve_only, save_only, python_only, depth_only, mprotect_only } => {
+            let part = match (serve_only, save_only, python_only, depth_only, mprotect_only) {
                 (true, ..) => bench::Part::Serve,
                 (_, true, ..) => bench::Part::Save,
-                (_, _, true, _) => bench::Part::Python,
-                (.., true) => bench::Part::Depth,
+                (_, _, true, ..) => bench::Part::Python,
+                (_, _, _, true, _) => bench::Part::Depth,
+                (.., true) => bench::Part::Mprotect,
                 _ => bench::Part::All,
             };
             bench::run(quick, part)

@@ -1,17 +1,25 @@
 //! mmap, munmap, mremap and mprotect: sent to user space as events, which
 //! keeps the regions (a partial munmap splits them, which a hash map
-//! cannot do).
+//! cannot do). munmap and mprotect are seen from a kernel tracepoint where
+//! it has one to spare the calls a trap, through uprobes elsewhere.
 
 use aya_ebpf::{
     bindings::pt_regs,
-    helpers::generated::bpf_get_attach_cookie,
-    macros::{uprobe, uretprobe},
-    programs::{ProbeContext, RetProbeContext},
+    helpers::generated::{bpf_get_attach_cookie, bpf_get_current_task_btf, bpf_task_pt_regs},
+    macros::{btf_tracepoint, uprobe, uretprobe},
+    programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
     EbpfContext as _,
 };
-use memleak_common::{MappingChange, MappingEvent, PendingMapping, PROBED_AFTER_SYSTEM_CALL};
+use memleak_common::{
+    MappingChange, MappingEvent, PendingMapping, PROBED_AFTER_SYSTEM_CALL, PROT_NONE, RESERVES_ADDRESS_SPACE,
+};
 
-use crate::{calls, deferred, maps::PENDING_MAPPINGS, process_events::send, tunables};
+use crate::{
+    calls, deferred,
+    maps::{PENDING_MAPPINGS, TRACED_PROCESSES},
+    process_events::send,
+    tunables,
+};
 
 /// mmap's and mremap's failure value.
 const MAP_FAILED: u64 = u64::MAX;
@@ -73,6 +81,11 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
         event.flags = call.flags;
         // malloc & co. in progress on this thread: the allocator's own mapping.
         event.inside_allocator = u32::from(calls::inside_allocator());
+        if event.reserves_address_space() {
+            if let Some(flags) = traced_process() {
+                mark_reserving(flags);
+            }
+        }
         deferred::send_mapping(&ctx, event);
     } else {
         event.address = call.address;
@@ -87,7 +100,9 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
 /// `munmap(address, length)`.
 #[uprobe]
 pub fn munmap_enter(ctx: ProbeContext) -> u32 {
-    send_range_change(&ctx, MappingChange::Unmap, 0);
+    if tunables::in_scope() {
+        send_range_change(ctx.arg(0).unwrap_or(0), ctx.arg(1).unwrap_or(0), MappingChange::Unmap, 0);
+    }
     0
 }
 
@@ -103,19 +118,91 @@ pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
     if cookie & PROBED_AFTER_SYSTEM_CALL != 0 && unsafe { (*regs).rax } != 0 {
         return 0;
     }
-    send_range_change(&ctx, MappingChange::Protect, ctx.arg(2).unwrap_or(0));
+    let prot = ctx.arg(2).unwrap_or(0);
+    if traced_process().is_some_and(|flags| protect_matters(flags, prot)) {
+        send_range_change(ctx.arg(0).unwrap_or(0), ctx.arg(1).unwrap_or(0), MappingChange::Protect, prot);
+    }
     0
 }
 
-/// Sends `change` of the range the call's first two arguments name, as
-/// the call begins: munmap and mprotect return nothing memleak needs.
-fn send_range_change(ctx: &ProbeContext, change: MappingChange, prot: u32) {
-    if !tunables::in_scope() {
-        return;
+/// x86-64's system call numbers of munmap, mprotect and `pkey_mprotect`.
+const SYS_MUNMAP: u64 = 11;
+const SYS_MPROTECT: u64 = 10;
+const SYS_PKEY_MPROTECT: u64 = 329;
+
+/// The kernel's `mmap_lock_acquire_returned(mm, write, success)`: munmap
+/// and mprotect seen from the kernel, for the processes memleak traces,
+/// in place of their uprobes. A uprobe traps on every call: 0.8 µs more
+/// an mprotect here, 8 µs a munmap, whose first instruction the kernel
+/// single-steps; this tracepoint adds 0.1 µs (`cargo xtask bench
+/// --mprotect-only`). Both calls take
+/// their process's mmap lock for writing once, after checking their
+/// arguments, before changing anything, and hold it until done: the
+/// event is in the ring before any other thread can map the range again.
+/// An mprotect whose range has a hole fails after changing what is before
+/// the hole: it is sent, and user space changes the regions it knows in
+/// the whole range. Also fires for every other taker of any process's
+/// mmap lock (page faults that miss the per-VMA lock, /proc readers...),
+/// which the system call number sends away first.
+#[btf_tracepoint(function = "mmap_lock_acquire_returned")]
+pub fn mmap_lock_acquire_returned(_ctx: BtfTracePointContext) -> i32 {
+    // SAFETY: the current task is always valid, and the helper gives its
+    // user registers (saved at kernel entry) as a pointer the verifier
+    // checks each load through.
+    let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
+    // SAFETY: as above; orig_rax is the system call's number, or -1
+    // outside one (a page fault).
+    let change = match unsafe { (*regs).orig_rax } {
+        SYS_MUNMAP => MappingChange::Unmap,
+        SYS_MPROTECT | SYS_PKEY_MPROTECT => MappingChange::Protect,
+        _ => return 0,
+    };
+    let Some(flags) = traced_process() else { return 0 };
+    // SAFETY: as above: the call's arguments, which its registers keep.
+    let (address, length, prot) = unsafe { ((*regs).rdi, (*regs).rsi, (*regs).rdx as u32) };
+    if change == MappingChange::Unmap {
+        send_range_change(address, length, change, 0);
+    } else if protect_matters(flags, prot) {
+        send_range_change(address, length, change, prot);
     }
+    0
+}
+
+/// The flags in `TRACED_PROCESSES` of the current process, if memleak
+/// traces it and it is in scope: a kernel tracepoint fires for every
+/// process on the machine, and a uprobe with --cgroup for every process
+/// mapping the file.
+fn traced_process() -> Option<*mut u32> {
+    let flags = TRACED_PROCESSES.get_ptr_mut(calls::process_id())?;
+    tunables::in_scope().then_some(flags)
+}
+
+/// Whether an mprotect to `prot` by the process whose flags are at
+/// `flags` may change what memleak tracks (see
+/// `memleak_common::TRACED_PROCESSES_MAP`); one that takes all access
+/// marks the process as reserving.
+fn protect_matters(flags: *mut u32, prot: u32) -> bool {
+    if prot == PROT_NONE {
+        mark_reserving(flags);
+        return true;
+    }
+    // SAFETY: a live entry's value, read once.
+    unsafe { *flags & RESERVES_ADDRESS_SPACE != 0 }
+}
+
+/// Marks the process whose flags are at `flags` as reserving address
+/// space of its own. Threads that race here set the same bit.
+fn mark_reserving(flags: *mut u32) {
+    // SAFETY: a live entry's value; the flag is only ever set.
+    unsafe { *flags |= RESERVES_ADDRESS_SPACE };
+}
+
+/// Sends `change` of `[address, address + length)` by the current
+/// process: munmap and mprotect return nothing memleak needs.
+fn send_range_change(address: u64, length: u64, change: MappingChange, prot: u32) {
     send(MappingEvent {
-        address: ctx.arg(0).unwrap_or(0),
-        length: ctx.arg(1).unwrap_or(0),
+        address,
+        length,
         prot,
         tgid: calls::process_id(),
         change: change as u32,

@@ -1,10 +1,11 @@
 //! What kernel tracing needs to know of the running kernel.
 //!
-//! Reads one fact from the kernel's BTF: where a struct keeps a field. The
-//! `kmem_cache_alloc` tracepoint passes the cache, not the object size, so
-//! the BPF side needs the offset of `size` in `struct kmem_cache`, which
-//! differs between kernel builds. aya keeps its BTF type walker private,
-//! and this walk is short.
+//! Reads two facts from the kernel's BTF. Where a struct keeps a field:
+//! the `kmem_cache_alloc` tracepoint passes the cache, not the object
+//! size, so the BPF side needs the offset of `size` in `struct
+//! kmem_cache`, which differs between kernel builds. And how many
+//! arguments a tracepoint passes, which tells kernels apart where one
+//! changed. aya keeps its BTF type walker private, and this walk is short.
 
 use std::path::Path;
 
@@ -44,51 +45,129 @@ pub fn nested_member_offset(path: &Path, fields: &[(&str, &str)]) -> Result<u32,
     Ok(total)
 }
 
+/// How many arguments the kernel's BTF-enabled tracepoint `name` passes
+/// (its `btf_trace_NAME` prototype, less the leading `void *`), from the
+/// BTF at `path`; `None` if the kernel has no such tracepoint.
+pub fn tracepoint_arguments(path: &Path, name: &str) -> Result<Option<usize>, BtfError> {
+    let data =
+        std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
+    let btf = Btf::parse(&data)?;
+    let typedef = format!("btf_trace_{name}");
+    let Some(pointer) =
+        btf.types.iter().find(|t| t.kind() == KIND_TYPEDEF && btf.name(t) == typedef.as_bytes())
+    else {
+        return Ok(None);
+    };
+    // typedef -> pointer -> function prototype.
+    let prototype = btf.get(pointer.size_or_type).and_then(|pointer| btf.get(pointer.size_or_type));
+    match prototype {
+        Some(prototype) if prototype.kind() == KIND_FUNC_PROTO => {
+            Ok(Some(prototype.vlen().saturating_sub(1)))
+        }
+        _ => Err(BtfError::Malformed("a tracepoint's typedef is not a function pointer")),
+    }
+}
+
 const KIND_STRUCT: u32 = 4;
+const KIND_TYPEDEF: u32 = 8;
+const KIND_FUNC_PROTO: u32 = 13;
+
+/// One type of a BTF blob: its common header, and where the data of its
+/// kind follows.
+struct BtfType {
+    name_offset: u32,
+    info: u32,
+    size_or_type: u32,
+    data_at: usize,
+}
+
+impl BtfType {
+    fn kind(&self) -> u32 {
+        (self.info >> 24) & 0x1f
+    }
+
+    fn vlen(&self) -> usize {
+        (self.info & 0xffff) as usize
+    }
+}
+
+/// A BTF blob's types, in id order (id 0 is void, not listed).
+struct Btf<'a> {
+    data: &'a [u8],
+    strings: usize,
+    types: Vec<BtfType>,
+}
+
+impl<'a> Btf<'a> {
+    fn parse(data: &'a [u8]) -> Result<Self, BtfError> {
+        if data.get(0..2) != Some(&[0x9f, 0xeb]) {
+            return Err(BtfError::Malformed("bad magic"));
+        }
+        let header_len = word(data, 4)? as usize;
+        let first = header_len + word(data, 8)? as usize;
+        let end = first + word(data, 12)? as usize;
+        let strings = header_len + word(data, 16)? as usize;
+        let mut types = Vec::new();
+        let mut at = first;
+        while at < end {
+            let info = word(data, at + 4)?;
+            let found = BtfType {
+                name_offset: word(data, at)?,
+                info,
+                size_or_type: word(data, at + 8)?,
+                data_at: at + 12,
+            };
+            let vlen = found.vlen();
+            // The kind-specific data that follows each type.
+            at = found.data_at
+                + match found.kind() {
+                    1 | 14 | 17 => 4,             // int, var, decl_tag
+                    3 => 12,                      // array
+                    4 | 5 | 15 | 19 => 12 * vlen, // struct, union, datasec, enum64
+                    6 | 13 => 8 * vlen,           // enum, func_proto
+                    2 | 7..=12 | 16 | 18 => 0,
+                    _ => return Err(BtfError::Malformed("unknown type kind")),
+                };
+            types.push(found);
+        }
+        Ok(Self { data, strings, types })
+    }
+
+    /// The type of id `id`; `None` for void or past the last.
+    fn get(&self, id: u32) -> Option<&BtfType> {
+        self.types.get((id as usize).checked_sub(1)?)
+    }
+
+    fn name(&self, found: &BtfType) -> &'a [u8] {
+        self.string(found.name_offset)
+    }
+
+    fn string(&self, offset: u32) -> &'a [u8] {
+        let rest = self.data.get(self.strings + offset as usize..).unwrap_or(&[]);
+        &rest[..rest.iter().position(|&byte| byte == 0).unwrap_or(rest.len())]
+    }
+}
+
+fn word(data: &[u8], at: usize) -> Result<u32, BtfError> {
+    let bytes = data.get(at..at + 4).ok_or(BtfError::Malformed("truncated"))?;
+    Ok(u32::from_le_bytes(bytes.try_into().expect("four bytes")))
+}
 
 fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Option<u32>, BtfError> {
-    let word = |at: usize| -> Result<u32, BtfError> {
-        let bytes = data.get(at..at + 4).ok_or(BtfError::Malformed("truncated"))?;
-        Ok(u32::from_le_bytes(bytes.try_into().expect("four bytes")))
-    };
-    if data.get(0..2) != Some(&[0x9f, 0xeb]) {
-        return Err(BtfError::Malformed("bad magic"));
-    }
-    let header_len = word(4)? as usize;
-    let types = header_len + word(8)? as usize;
-    let types_end = types + word(12)? as usize;
-    let strings = header_len + word(16)? as usize;
-    let name = |offset: u32| -> &[u8] {
-        let start = strings + offset as usize;
-        let rest = data.get(start..).unwrap_or(&[]);
-        &rest[..rest.iter().position(|&byte| byte == 0).unwrap_or(rest.len())]
-    };
-    let mut at = types;
-    while at < types_end {
-        let (name_offset, info) = (word(at)?, word(at + 4)?);
-        let kind = (info >> 24) & 0x1f;
-        let vlen = (info & 0xffff) as usize;
-        at += 12;
-        if kind == KIND_STRUCT && name(name_offset) == structure.as_bytes() {
-            let bitfields = info >> 31 == 1;
-            for index in 0..vlen {
-                let entry = at + index * 12;
-                if name(word(entry)?) == member.as_bytes() {
-                    let offset = word(entry + 8)?;
-                    let bits = if bitfields { offset & 0x00ff_ffff } else { offset };
-                    return Ok(Some(bits / 8));
-                }
+    let btf = Btf::parse(data)?;
+    for found in &btf.types {
+        if found.kind() != KIND_STRUCT || btf.name(found) != structure.as_bytes() {
+            continue;
+        }
+        let bitfields = found.info >> 31 == 1;
+        for index in 0..found.vlen() {
+            let entry = found.data_at + index * 12;
+            if btf.string(word(data, entry)?) == member.as_bytes() {
+                let offset = word(data, entry + 8)?;
+                let bits = if bitfields { offset & 0x00ff_ffff } else { offset };
+                return Ok(Some(bits / 8));
             }
         }
-        // The kind-specific data that follows each type.
-        at += match kind {
-            1 | 14 | 17 => 4,             // int, var, decl_tag
-            3 => 12,                      // array
-            4 | 5 | 15 | 19 => 12 * vlen, // struct, union, datasec, enum64
-            6 | 13 => 8 * vlen,           // enum, func_proto
-            2 | 7..=12 | 16 | 18 => 0,
-            _ => return Err(BtfError::Malformed("unknown type kind")),
-        };
     }
     Ok(None)
 }
@@ -144,6 +223,14 @@ mod tests {
         let fsbase = member_offset(path, "thread_struct", "fsbase").unwrap();
         let nested = [("task_struct", "thread"), ("thread_struct", "fsbase")];
         assert_eq!(nested_member_offset(path, &nested).unwrap(), thread + fsbase);
+    }
+
+    #[test]
+    fn counts_the_arguments_of_the_running_kernels_tracepoints() {
+        let path = Path::new(VMLINUX_BTF);
+        // sched_process_fork(parent, child) since Linux 4.x.
+        assert_eq!(tracepoint_arguments(path, "sched_process_fork").unwrap(), Some(2));
+        assert_eq!(tracepoint_arguments(path, "no_such_tracepoint").unwrap(), None);
     }
 
     #[test]

@@ -17,7 +17,9 @@
 //!   probed instruction, which would fire the probe without a call;
 //! - the probed instruction is one the kernel emulates.
 //!
-//! mprotect's probe may also go past its system call (glibc's is `mov
+//! mprotect's probe (where the kernel's tracepoint does not see the call
+//! instead: see memleak-ebpf's `probes::mmap`) may also go past its
+//! system call (glibc's is `mov
 //! $10,%eax; syscall; cmp; jae`, nothing emulated before the call): the
 //! kernel gives back every register but rax, rcx and r11, so the program
 //! reads the same arguments, and sees in rax whether the call succeeded.

@@ -18,10 +18,12 @@ use memleak_common::{
     ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP,
     MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
     PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, STACKS_MAP, STACK_IDS_MAP,
-    STACK_TOTALS_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
+    STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
+    WALK_COUNTS_MAP,
 };
 
 use super::{
+    kernel_probes,
     map_costs::{self, MapCost},
     multi_uprobes::{self, LoadError, MultiUprobePrograms},
     privileges::{self, Traced},
@@ -207,6 +209,9 @@ pub struct Tracer {
     /// Whether `PY_WALKING_MAP` says to look processes up in
     /// `PY_PROCS_MAP`: from the first process put there on.
     python_walking: bool,
+    /// The entry programs of the C library's mapping functions probed in
+    /// the kernel instead (`kernel_probes`): no `attach` places them.
+    probed_in_kernel: Vec<&'static str>,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -353,6 +358,7 @@ impl Tracer {
                     max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
                 }),
             python_walking: false,
+            probed_in_kernel: Vec::new(),
         })
     }
 
@@ -366,7 +372,7 @@ impl Tracer {
     /// process outside the targets never takes their trap.
     pub fn attach(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
         let links = match &self.multi {
-            Some(programs) => attach_multi(programs, plan, scope)?,
+            Some(programs) => attach_multi(programs, plan, scope, &self.probed_in_kernel)?,
             None => self.attach_perf_events(plan, scope)?,
         };
         self.first_attached.get_or_insert_with(std::time::Instant::now);
@@ -383,8 +389,11 @@ impl Tracer {
         let fail = |function, source| attach_error(function, &plan.display_path, scope, source);
         // Frees (and munmap) first: an allocation recorded while its free is
         // not probed yet would stay outstanding for good.
-        let (frees, allocations): (Vec<_>, Vec<_>) =
-            plan.sites.iter().partition(|site| site.return_program.is_none());
+        let (frees, allocations): (Vec<_>, Vec<_>) = plan
+            .sites
+            .iter()
+            .filter(|site| !self.probed_in_kernel.contains(&site.entry_program))
+            .partition(|site| site.return_program.is_none());
         let mut links = Links::default();
         for site in frees.into_iter().chain(allocations) {
             // The cookie tells the shared programs which function fired.
@@ -535,6 +544,7 @@ impl Tracer {
             let _ = counters.remove(&pid);
         }
         self.remove_entries::<u32, u32>(FOLLOWED_MAP, |pid, _| by_pid(pid))?;
+        self.remove_entries::<u32, u32>(TRACED_PROCESSES_MAP, |pid, _| by_pid(pid))?;
         Ok(())
     }
 
@@ -566,11 +576,17 @@ impl Tracer {
         Ok(keys)
     }
 
-    /// Attaches the exec tracepoint: an execve by a traced process comes
-    /// as a `MappingChange::Exec` event, and its table of mappings is
-    /// dropped.
-    pub fn watch_execs(&mut self) -> Result<(), TracerError> {
-        self.attach_tracepoint(programs::PROCESS_EXEC)
+    /// Attaches what every process traced needs besides its uprobes: the
+    /// exec tracepoint (an execve by a traced process comes as a
+    /// `MappingChange::Exec` event, and its table of mappings is dropped)
+    /// and munmap's and mprotect's probes in the kernel, where it has
+    /// them; before the first `attach`, which leaves their uprobes out.
+    pub fn watch_processes(&mut self) -> Result<(), TracerError> {
+        self.attach_tracepoint(programs::PROCESS_EXEC)?;
+        let btf = self.kernel_btf()?;
+        self.probed_in_kernel = kernel_probes::attach(&mut self.ebpf, &btf);
+        self.btf = Some(btf);
+        Ok(())
     }
 
     /// Attaches the fork tracepoint: a process made by a followed one (see
@@ -604,6 +620,19 @@ impl Tracer {
             // The thread panicked: parse here, to fail here if it must.
             Some(Err(_)) | None => kernel_btf(),
         }
+    }
+
+    /// Counts process `tgid` among those traced, for the probes that fire
+    /// for every process (see `memleak_common::TRACED_PROCESSES_MAP`).
+    /// A process marked already keeps the flags BPF gave it.
+    pub fn mark_traced(&mut self, tgid: u32) -> Result<(), TracerError> {
+        let mut traced: HashMap<&mut MapData, u32, u32> = self.map_mut(TRACED_PROCESSES_MAP)?;
+        if traced.get(&tgid, 0).is_ok() {
+            return Ok(());
+        }
+        traced
+            .insert(tgid, 0, 0)
+            .map_err(|source| TracerError::WriteMap { map: TRACED_PROCESSES_MAP, source })
     }
 
     /// Follows the children process `tgid` makes from now on.
@@ -829,6 +858,7 @@ fn size_maps<'a, 'b>(loader: &'a mut EbpfLoader<'b>, settings: &TracerSettings) 
         // beyond --max-processes, children not followed yet.
         .map_max_entries(PROCESS_COUNTERS_MAP, settings.max_processes.saturating_mul(2))
         .map_max_entries(FOLLOWED_MAP, settings.max_processes.saturating_mul(2))
+        .map_max_entries(TRACED_PROCESSES_MAP, settings.max_processes)
 }
 
 /// The ignored processes as the BPF global holds them: 0 past the last.
@@ -858,13 +888,17 @@ fn attach_multi(
     programs: &MultiUprobePrograms,
     plan: &AttachPlan,
     scope: UProbeScope,
+    probed_in_kernel: &[&'static str],
 ) -> Result<Links, TracerError> {
     let pid = match scope {
         UProbeScope::OneProcess(pid) => Some(pid.get()),
         UProbeScope::AllProcesses | UProbeScope::CallingProcess => None,
     };
-    let (frees, allocations): (Vec<_>, Vec<_>) =
-        plan.sites.iter().partition(|site| site.return_program.is_none());
+    let (frees, allocations): (Vec<_>, Vec<_>) = plan
+        .sites
+        .iter()
+        .filter(|site| !probed_in_kernel.contains(&site.entry_program))
+        .partition(|site| site.return_program.is_none());
     // Each program's sites, in the order first seen.
     let mut groups: Vec<LinkGroup> = Vec::new();
     for site in frees.into_iter().chain(allocations) {
@@ -899,7 +933,7 @@ fn attach_multi(
         links.multi.push(link);
     }
     for other in plan.other_objects() {
-        let mut more = attach_multi(programs, other, scope)?;
+        let mut more = attach_multi(programs, other, scope, probed_in_kernel)?;
         links.multi.append(&mut more.multi);
     }
     Ok(links)

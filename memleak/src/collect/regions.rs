@@ -7,16 +7,12 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use memleak_common::{MappingChange, MappingEvent};
+use memleak_common::{MappingChange, MappingEvent, MAP_STACK, PROT_NONE};
 
 use crate::model::{Frame, MappingKind};
 
 /// The kernel maps whole pages.
 const PAGE_SIZE: u64 = 4096;
-/// mmap's flag for a thread's stack (glibc's `allocate_stack` sets it).
-const MAP_STACK: u32 = 0x20000;
-/// No access: address space reserved, not memory.
-const PROT_NONE: u32 = 0;
 
 /// A mapped region, `[start, end)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -332,7 +332,7 @@ impl Session {
     fn start_processes(pids: &[u32], config: &SessionConfig) -> Result<Self, SessionError> {
         let planned = plan_named(pids, config)?;
         let mut tracer = Tracer::load(&process_tracer_config(config)?)?;
-        tracer.watch_execs()?;
+        tracer.watch_processes()?;
         let mut session = Self::new(tracer, config)?;
         session.add_named(planned)?;
         Ok(session)
@@ -409,7 +409,7 @@ impl Session {
             tracer_config.cgroup_level = cgroup.level;
         }
         let mut tracer = Tracer::load(&tracer_config)?;
-        tracer.watch_execs()?;
+        tracer.watch_processes()?;
         let mut session = Self::new(tracer, config)?;
         session.add_named(planned)?;
         session.cgroup2_root = if cgroups.is_empty() && cgroups_to_come == CgroupsToCome::No {
@@ -437,7 +437,7 @@ impl Session {
             ..process_tracer_config(config)?
         };
         let mut tracer = Tracer::load(&tracer_config)?;
-        tracer.watch_execs()?;
+        tracer.watch_processes()?;
         let mut session = Self::new(tracer, config)?;
         session.cgroups.push(cgroup);
         session.cgroup_filter = true;
@@ -459,7 +459,7 @@ impl Session {
             .map_err(SessionError::from)
             .and_then(|plan| {
                 let mut tracer = Tracer::load(&process_tracer_config(config)?)?;
-                tracer.watch_execs()?;
+                tracer.watch_processes()?;
                 let links = tracer.attach(&plan, UProbeScope::OneProcess(nonzero(gated.pid)))?;
                 let mut session = Self::new(tracer, config)?;
                 // Before the command runs: its first fork is followed too.
@@ -591,8 +591,10 @@ impl Session {
     }
 
     /// Gives the walkers `target`'s table of executable mappings, and the
-    /// free probe where its allocator's code lies.
+    /// free probe where its allocator's code lies; counts it as traced for
+    /// the probes in the kernel, which fire for every process.
     fn load_process_tables(&mut self, target: &mut Target) -> Result<(), SessionError> {
+        self.tracer.mark_traced(target.pid)?;
         target.unwinding = self.unwind.as_ref().map(UnwindTables::unwinding);
         if let Some(tables) = self.unwind.as_mut() {
             update_unwind_table(tables, &mut self.tracer, target)?;

@@ -8,7 +8,7 @@
 use std::{
     io::{BufRead as _, Read as _},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -16,7 +16,7 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     median,
-    process::{last_line, run_to_end, spawn_with_pipe},
+    process::{last_line, run_to_end, spawn_with_pipe, tracing, Killed},
     stats::Record,
     workload::{Build, Summary, Workload},
 };
@@ -166,10 +166,10 @@ pub fn measure_bystander(workload: &Workload, runs: usize) -> Result<Vec<Bystand
             let pid = sleeper.0.id().to_string();
             let _tracer = match row.neighbour {
                 Neighbour::Alone => None,
-                Neighbour::ByPid => Some(tracing(&workload.memleak, &["-p", &pid])?),
+                Neighbour::ByPid => Some(tracing(Command::new(&workload.memleak).args(["-p", &pid]))?),
                 Neighbour::ByCgroup => {
                     cgroup.join(sleeper.0.id())?;
-                    Some(tracing(&workload.memleak, &["--cgroup", &cgroup.path()?])?)
+                    Some(tracing(Command::new(&workload.memleak).args(["--cgroup", &cgroup.path()?]))?)
                 }
             };
             let path = workload.path(Build::FramePointers);
@@ -178,24 +178,6 @@ pub fn measure_bystander(workload: &Workload, runs: usize) -> Result<Vec<Bystand
         }
     }
     Ok(rows)
-}
-
-/// memleak tracing per `args`, once it says it is.
-fn tracing(memleak: &Path, args: &[&str]) -> Result<Killed> {
-    let mut command = Command::new(memleak);
-    command.args(args).args(["-T", "1000", "3600"]).stdout(Stdio::null()).stderr(Stdio::piped());
-    let mut child = Killed(command.spawn().context("cannot run memleak")?);
-    let stderr = child.0.stderr.take().context("no stderr")?;
-    let mut lines = std::io::BufReader::new(stderr).lines();
-    loop {
-        let Some(line) = lines.next() else { bail!("memleak {} ended before tracing", args.join(" ")) };
-        if line?.starts_with("memleak: tracing ") {
-            break;
-        }
-    }
-    // Drained, so that memleak never blocks on a full pipe.
-    std::thread::spawn(move || lines.for_each(drop));
-    Ok(child)
 }
 
 pub fn print_bystander(rows: &[Bystander]) {
@@ -226,16 +208,6 @@ fn sleeper() -> Result<Killed> {
         std::thread::sleep(Duration::from_millis(1));
     }
     Ok(sleeper)
-}
-
-/// A child killed and reaped when dropped, however the measurement went.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A cgroup v2 directory of the bench's own, removed when dropped.

@@ -124,6 +124,8 @@ pub enum Part {
     Python,
     /// What a stack's depth costs, and an mprotect call.
     Depth,
+    /// What an mprotect call costs.
+    Mprotect,
 }
 
 pub fn run(quick: bool, part: Part) -> Result<()> {
@@ -144,6 +146,9 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
     if part == Part::Depth {
         depth_section(&memleak, settings.runs, heaptrack_installed)?;
         return Ok(());
+    }
+    if part == Part::Mprotect {
+        return mprotect_section(&memleak, settings.runs);
     }
     let spread = build_fixture_with("spread", &["-O2"])?;
     if part == Part::Serve {
@@ -246,6 +251,11 @@ fn depth_section(memleak: &std::path::Path, runs: usize, heaptrack_installed: bo
         build_fixture_without_frame_pointers("workload", "workload-nofp", &["-O2", "-fomit-frame-pointer"])?;
     eprintln!("bench: stack depths {:?}", stack_depth::DEPTHS);
     stack_depth::print(&stack_depth::measure(memleak, &workload, runs, heaptrack_installed));
+    mprotect_section(memleak, runs)
+}
+
+/// What memleak adds to an mprotect call, each way it can see the call.
+fn mprotect_section(memleak: &std::path::Path, runs: usize) -> Result<()> {
     let mprotect_loop = build_fixture_with("mprotect_loop", &["-O2"])?;
     mprotect_calls::print(&mprotect_calls::measure(memleak, &mprotect_loop, runs));
     Ok(())

@@ -1,52 +1,115 @@
 //! What memleak adds to an mprotect call: a program flips one page
 //! between read-write and read-only, as a JIT flips its code pages, and
-//! times its calls itself, untraced and under memleak. Nothing a leak
-//! report shows changes, yet every call takes memleak's probe.
+//! times its calls itself, chunk after chunk. memleak attaches to it and
+//! detaches in turns: seeing mprotect from the kernel's tracepoint, as it
+//! does where it can, and through a uprobe, as it does elsewhere. Nothing
+//! a leak report shows changes, so nothing should be sent.
+//!
+//! One process throughout: a call's cost depends on the mappings around
+//! the page (whether the kernel splits and merges them on every flip),
+//! which differ between runs by more than memleak adds.
 
-use std::{path::Path, process::Command};
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+    sync::mpsc::{Receiver, RecvTimeoutError},
+    time::{Duration, Instant},
+};
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 
-use super::{median, process::run_to_end};
+use super::{
+    median,
+    process::{lines_as_they_come, tracing, Killed},
+};
 
-/// Calls per run.
-const CALLS: u32 = 200_000;
+/// Calls per line the program prints: tens of milliseconds.
+const CHUNK: u32 = 20_000;
+/// How long each way of running is timed, per round.
+const WINDOW: Duration = Duration::from_secs(2);
 /// Goal: what memleak adds to a call.
 const GOAL_NS: f64 = 1000.0;
+/// memleak's switch to keep munmap's and mprotect's uprobes.
+const MAPPING_UPROBES: &str = "MEMLEAK_MAPPING_UPROBES";
 
-/// Median ns a call took, untraced and under memleak, over `rounds`
-/// interleaved rounds.
-pub fn measure(memleak: &Path, program: &Path, rounds: usize) -> Result<(f64, f64)> {
-    let (mut untraced, mut traced) = (Vec::new(), Vec::new());
+/// Median ns a call took, each way.
+pub struct CallCosts {
+    pub untraced: f64,
+    pub tracepoint: f64,
+    pub uprobe: f64,
+}
+
+/// Medians over `rounds` rounds, each timing the program untraced, then
+/// under memleak each way.
+pub fn measure(memleak: &Path, program: &Path, rounds: usize) -> Result<CallCosts> {
+    let mut flipper = Killed(
+        Command::new(program)
+            .arg(CHUNK.to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot run {}", program.display()))?,
+    );
+    let pid = flipper.0.id().to_string();
+    let chunks = lines_as_they_come(flipper.0.stdout.take().context("no stdout")?);
+    let (mut untraced, mut tracepoint, mut uprobe) = (Vec::new(), Vec::new(), Vec::new());
     for round in 1..=rounds {
         eprintln!("bench: mprotect, run {round}/{rounds}");
-        let alone = run_to_end(Command::new(program).arg(CALLS.to_string()))?;
-        untraced.push(call_ns(&alone.stderr)?);
-        // memleak passes its command's stderr on as its own.
-        let command = format!("{} {CALLS}", program.display());
-        let under = run_to_end(Command::new(memleak).args(["-c", &command, "3600"]))?;
-        traced.push(call_ns(&under.stderr)?);
+        untraced.push(time_window(&chunks)?);
+        let memleak_by_pid = || {
+            let mut command = Command::new(memleak);
+            command.args(["-p", &pid]);
+            command
+        };
+        let traced = tracing(&mut memleak_by_pid())?;
+        tracepoint.push(time_window(&chunks)?);
+        drop(traced);
+        let traced = tracing(memleak_by_pid().env(MAPPING_UPROBES, "1"))?;
+        uprobe.push(time_window(&chunks)?);
+        drop(traced);
     }
-    let medians = median(&untraced).zip(median(&traced));
-    medians.context("no rounds run")
+    let medians = (median(&untraced), median(&tracepoint), median(&uprobe));
+    let (Some(untraced), Some(tracepoint), Some(uprobe)) = medians else { bail!("no rounds run") };
+    Ok(CallCosts { untraced, tracepoint, uprobe })
 }
 
-/// The number on the program's `mprotect_ns N` line.
-fn call_ns(stderr: &str) -> Result<f64> {
-    stderr
-        .lines()
-        .find_map(|line| line.strip_prefix("mprotect_ns "))
+/// The median ns a call took in the chunks the program ends within the
+/// next `WINDOW`, those it ended before left out.
+fn time_window(chunks: &Receiver<(Instant, String)>) -> Result<f64> {
+    while chunks.try_recv().is_ok() {}
+    let end = Instant::now() + WINDOW;
+    let mut ns = Vec::new();
+    loop {
+        match chunks.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok((_, line)) => ns.push(call_ns(&line)?),
+            Err(RecvTimeoutError::Timeout) => break,
+            Err(RecvTimeoutError::Disconnected) => bail!("mprotect_loop ended"),
+        }
+    }
+    median(&ns).context("mprotect_loop printed nothing in two seconds")
+}
+
+/// The number on a `mprotect_ns N` line.
+fn call_ns(line: &str) -> Result<f64> {
+    line.strip_prefix("mprotect_ns ")
         .and_then(|ns| ns.trim().parse().ok())
-        .with_context(|| format!("no mprotect_ns line in: {stderr}"))
+        .with_context(|| format!("not an mprotect_ns line: {line}"))
 }
 
-pub fn print(measured: &Result<(f64, f64)>) {
-    println!("\nmprotect: {CALLS} calls flipping one page, ns a call as the program times it, medians");
+pub fn print(measured: &Result<CallCosts>) {
+    println!(
+        "\nmprotect: one page flipped in one process, memleak attached and detached in turns; ns a call as the program times it, medians"
+    );
     match measured {
-        Ok((untraced, traced)) => println!(
-            "  untraced {untraced:.0} ns, under memleak {traced:.0} ns: memleak adds {:.0} ns (goal: under {GOAL_NS:.0})",
-            traced - untraced
-        ),
+        Ok(CallCosts { untraced, tracepoint, uprobe }) => {
+            println!("| memleak sees mprotect | ns a call | memleak adds |");
+            println!("|---|---:|---:|");
+            println!("| not attached | {untraced:.0} | |");
+            println!(
+                "| from the kernel's tracepoint (default) | {tracepoint:.0} | {:.0} (goal: under {GOAL_NS:.0}) |",
+                tracepoint - untraced
+            );
+            println!("| through a uprobe ({MAPPING_UPROBES}=1) | {uprobe:.0} | {:.0} |", uprobe - untraced);
+        }
         Err(error) => println!("  not measured: {error:#}"),
     }
 }

@@ -196,3 +196,34 @@ pub fn process_cpu_ns(pid: u32) -> Result<u64> {
     }
     Ok(time.tv_sec as u64 * 1_000_000_000 + time.tv_nsec as u64)
 }
+
+/// A child killed and reaped when dropped, however the measurement went.
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// memleak as `memleak` (a command with its target's flags) sets it up,
+/// reporting once an hour, once it says it is tracing.
+pub fn tracing(memleak: &mut Command) -> Result<Killed> {
+    memleak.args(["-T", "1000", "3600"]).stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut child = Killed(memleak.spawn().context("cannot run memleak")?);
+    let stderr = child.0.stderr.take().context("no stderr")?;
+    let mut lines = BufReader::new(stderr).lines();
+    loop {
+        let Some(line) = lines.next() else {
+            let args: Vec<_> = memleak.get_args().map(|arg| arg.to_string_lossy()).collect();
+            bail!("memleak {} ended before tracing", args.join(" "))
+        };
+        if line?.starts_with("memleak: tracing ") {
+            break;
+        }
+    }
+    // Drained, so that memleak never blocks on a full pipe.
+    thread::spawn(move || lines.for_each(drop));
+    Ok(child)
+}
