@@ -60,6 +60,9 @@ static MASKS: LazyLock<Vec<(Regex, &'static str)>> = LazyLock::new(|| {
         // between, meets another walk there. The walks and their frames
         // are the same each run.
         (r#""(reusing_walks|frames_reused)":\d+"#, r#""$1":N"#),
+        // Whether `serve --exe` met a newcomer at its execve, or first in
+        // its look through /proc, which runs on its own timer.
+        (r", found at its execve", ""),
         // Ports a run found free, and ids the kernel gave.
         (r"127\.0\.0\.1:\d+", "127.0.0.1:PORT"),
         (r"--port \d+", "--port PORT"),
@@ -140,13 +143,15 @@ mod tests {
                    {\"pid\":21159,\"time_unix_ms\":1796055410578,\"load_ms\":105.458971}\n\
                    {\"event\":\"stack_walks\",\"walks\":17,\"reusing_walks\":16,\"frames\":102,\"frames_reused\":59}\n\
                    [14:16:45.554] 5293/5293 malloc(10) = 0x563ec410d2a0\n\
-                   $ sudo memleak serve --pid 4677,3856\n";
+                   $ sudo memleak serve --pid 4677,3856\n\
+                   memleak: tracing pid 7 (readme-leaker) through /usr/lib/libc.so.6 (13 functions probed)\n";
         let two = "[09:01:02] Top 1 stacks with outstanding allocations in pid 4242 (/tmp/x/leaker) through /usr/lib/libc.so.6:\n\
                    \t\t[unknown] 0x7f0400000010 [anonymous executable memory]\n\
                    {\"pid\":7,\"time_unix_ms\":1,\"load_ms\":99.1}\n\
                    {\"event\":\"stack_walks\",\"walks\":17,\"reusing_walks\":15,\"frames\":102,\"frames_reused\":55}\n\
                    [01:02:03.004] 12/13 malloc(10) = 0x563e00000000\n\
-                   $ sudo memleak serve --pid 22,23\n";
+                   $ sudo memleak serve --pid 22,23\n\
+                   memleak: tracing pid 7 (readme-leaker) through /usr/lib/libc.so.6 (13 functions probed), found at its execve\n";
         assert_eq!(difference(Check::Exact, one, two), "");
     }
 
