@@ -135,15 +135,15 @@ const SYS_PKEY_MPROTECT: u64 = 329;
 /// in place of their uprobes. A uprobe traps on every call: 0.8 µs more
 /// an mprotect here, 8 µs a munmap, whose first instruction the kernel
 /// single-steps; this tracepoint adds 0.1 µs (`cargo xtask bench
-/// --mprotect-only`). Both calls take
-/// their process's mmap lock for writing once, after checking their
-/// arguments, before changing anything, and hold it until done: the
-/// event is in the ring before any other thread can map the range again.
-/// An mprotect whose range has a hole fails after changing what is before
-/// the hole: it is sent, and user space changes the regions it knows in
-/// the whole range. Also fires for every other taker of any process's
-/// mmap lock (page faults that miss the per-VMA lock, /proc readers...),
-/// which the system call number sends away first.
+/// --mprotect-only`). Both calls take their process's mmap lock for
+/// writing once, after checking their arguments, before changing
+/// anything, and hold it until done: the event is in the ring before any
+/// other thread can map the range again. An mprotect whose range has a
+/// hole fails after changing what is before the hole: it is sent, and
+/// user space changes the regions it knows in the whole range. Also fires
+/// for every other taker of any process's mmap lock (page faults that
+/// miss the per-VMA lock, /proc readers...), which the system call number
+/// sends away first.
 #[btf_tracepoint(function = "mmap_lock_acquire_returned")]
 pub fn mmap_lock_acquire_returned(_ctx: BtfTracePointContext) -> i32 {
     // SAFETY: the current task is always valid, and the helper gives its

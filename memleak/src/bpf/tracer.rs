@@ -23,8 +23,8 @@ use memleak_common::{
 };
 
 use super::{
-    kernel_probes,
     map_costs::{self, MapCost},
+    mapping_tracepoint,
     multi_uprobes::{self, LoadError, MultiUprobePrograms},
     privileges::{self, Traced},
 };
@@ -209,8 +209,9 @@ pub struct Tracer {
     /// Whether `PY_WALKING_MAP` says to look processes up in
     /// `PY_PROCS_MAP`: from the first process put there on.
     python_walking: bool,
-    /// The entry programs of the C library's mapping functions probed in
-    /// the kernel instead (`kernel_probes`): no `attach` places them.
+    /// The entry programs of the C library's mapping functions whose calls
+    /// a kernel tracepoint sees instead (`mapping_tracepoint`): no
+    /// `attach` places them.
     probed_in_kernel: Vec<&'static str>,
 }
 
@@ -579,12 +580,13 @@ impl Tracer {
     /// Attaches what every process traced needs besides its uprobes: the
     /// exec tracepoint (an execve by a traced process comes as a
     /// `MappingChange::Exec` event, and its table of mappings is dropped)
-    /// and munmap's and mprotect's probes in the kernel, where it has
-    /// them; before the first `attach`, which leaves their uprobes out.
+    /// and the tracepoint that sees munmap and mprotect, where the kernel
+    /// has it; before the first `attach`, which then leaves their uprobes
+    /// out.
     pub fn watch_processes(&mut self) -> Result<(), TracerError> {
         self.attach_tracepoint(programs::PROCESS_EXEC)?;
         let btf = self.kernel_btf()?;
-        self.probed_in_kernel = kernel_probes::attach(&mut self.ebpf, &btf);
+        self.probed_in_kernel = mapping_tracepoint::attach(&mut self.ebpf, &btf);
         self.btf = Some(btf);
         Ok(())
     }
