@@ -95,7 +95,7 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
 fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result<(), RunError> {
     for traced in session.targets() {
         if !traced.is_kernel() {
-            stats.probes(traced.pid, &traced.plan)?;
+            stats.probes(traced.pid, &traced.plan, session.seen_in_kernel())?;
             write_unwind_stats(session, traced, stats)?;
         }
         match target {
@@ -260,7 +260,7 @@ async fn next_round(
                 let targets = session.targets();
                 for target in &targets[targets.len() - added..] {
                     say_joined(target);
-                    sinks.stats.probes(target.pid, &target.plan)?;
+                    sinks.stats.probes(target.pid, &target.plan, session.seen_in_kernel())?;
                     write_unwind_stats(session, target, sinks.stats)?;
                 }
                 continue;
@@ -300,13 +300,14 @@ async fn next_round(
 
 /// Traces the new program of process `pid` after its execve, and says so.
 fn restart(session: &mut Session, sinks: &mut Sinks<'_>, pid: u32) -> Result<(), RunError> {
+    let seen_in_kernel = session.seen_in_kernel().to_vec();
     if let Some(target) = session.restart_target(pid)? {
         status::say(&format!(
             "pid {pid} now runs {}: tracing it through {}",
             target.program,
             target.plan.describe()
         ));
-        sinks.stats.probes(target.pid, &target.plan)?;
+        sinks.stats.probes(target.pid, &target.plan, &seen_in_kernel)?;
     }
     Ok(())
 }

@@ -21,7 +21,7 @@ use std::{
     time::Duration,
 };
 
-use memleak_common::{WalkCount, WalkCounts};
+use memleak_common::{programs, WalkCount, WalkCounts};
 use serde::Serialize;
 
 use crate::{
@@ -105,6 +105,10 @@ struct Probe<'a> {
     in_object: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     in_path: Option<PathBuf>,
+    /// The kernel tracepoint that sees the function's calls instead of
+    /// its uprobes, which were left out (munmap and mprotect).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tracepoint: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -122,7 +126,9 @@ fn kernel_path(plan: &AttachPlan) -> PathBuf {
 
 /// The probes of `plan`, each naming its object when it is `elsewhere`
 /// than the record's.
-fn probes_of(plan: &AttachPlan, elsewhere: bool) -> Vec<Probe<'_>> {
+/// `plan`'s probes; `seen_in_kernel`: the entry programs whose uprobes a
+/// kernel tracepoint stands in for (see `Tracer::seen_in_kernel`).
+fn probes_of<'a>(plan: &'a AttachPlan, elsewhere: bool, seen_in_kernel: &[&str]) -> Vec<Probe<'a>> {
     let in_path = elsewhere.then(|| kernel_path(plan));
     plan.sites
         .iter()
@@ -133,6 +139,7 @@ fn probes_of(plan: &AttachPlan, elsewhere: bool) -> Vec<Probe<'_>> {
             on_return: site.return_program.is_some(),
             in_object: elsewhere.then_some(plan.display_path.as_str()),
             in_path: in_path.clone(),
+            tracepoint: seen_in_kernel.contains(&site.entry_program).then_some(programs::MAPPING_LOCK_TAKEN),
         })
         .collect()
 }
@@ -144,13 +151,14 @@ impl Stats {
         Ok(Self { sink: Some((path.to_path_buf(), BufWriter::new(file))) })
     }
 
-    /// Where the probes for process `pid` went.
-    pub fn probes(&mut self, pid: u32, plan: &AttachPlan) -> Result<(), StatsError> {
-        let mut probes = probes_of(plan, false);
+    /// Where the probes for process `pid` went; `seen_in_kernel` as
+    /// `Tracer::seen_in_kernel` says.
+    pub fn probes(&mut self, pid: u32, plan: &AttachPlan, seen_in_kernel: &[&str]) -> Result<(), StatsError> {
+        let mut probes = probes_of(plan, false, seen_in_kernel);
         // C++'s operators and CPython's allocator, probed in objects of
         // their own.
         for other in plan.operator_objects.iter().chain(plan.interpreter_object.as_deref()) {
-            probes.extend(probes_of(other, true));
+            probes.extend(probes_of(other, true, seen_in_kernel));
         }
         let not_probed = plan
             .not_probed

@@ -82,7 +82,12 @@ fn munmap_and_mprotect_are_seen_from_the_kernel_where_it_can() {
     // This kernel's mmap_lock_acquire_returned passes (mm, write, success):
     // the tracepoint serves, and the C library's functions keep no uprobe.
     let command = format!("{} reservations", memleak_tests::fixture("leaker").display());
-    let mut memleak = Memleak::start(&["-v", "-c", &command, "--format", "json", "-T", "1000", "3600"]);
+    let dir = memleak_tests::workspace_root().join("target/fixtures/seen-in-kernel");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stats = dir.join("stats.jsonl");
+    let stats_path = stats.to_str().unwrap();
+    let args = ["-v", "-c", &command, "--format", "json", "--stats", stats_path, "-T", "1000", "3600"];
+    let mut memleak = Memleak::start(&args);
     let said =
         memleak.stderr.wait_for("the tracepoint attached", |line| line.contains("munmap and mprotect"));
     assert_eq!(
@@ -96,6 +101,21 @@ fn munmap_and_mprotect_are_seen_from_the_kernel_where_it_can() {
     memleak.close_stdin();
     let (status, _) = memleak.finish();
     assert!(status.success(), "memleak exited with {status}");
+    // --stats names the tracepoint for both, and for no other function.
+    let records = std::fs::read_to_string(&stats).unwrap();
+    let probes: Value = records
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .find(|record| record["event"] == "probes")
+        .expect("a probes record");
+    let seen_by_tracepoint: Vec<&str> = probes["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|probe| probe["tracepoint"] == "mmap_lock_acquire_returned")
+        .map(|probe| probe["function"].as_str().unwrap())
+        .collect();
+    assert_eq!(seen_by_tracepoint, ["munmap", "mprotect"], "{probes:#}");
 }
 
 /// (child, parent) from "memleak: tracing pid CHILD, forked by pid PARENT".

@@ -212,7 +212,7 @@ pub struct Tracer {
     /// The entry programs of the C library's mapping functions whose calls
     /// a kernel tracepoint sees instead (`mapping_tracepoint`): no
     /// `attach` places them.
-    probed_in_kernel: Vec<&'static str>,
+    seen_in_kernel: Vec<&'static str>,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -359,7 +359,7 @@ impl Tracer {
                     max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
                 }),
             python_walking: false,
-            probed_in_kernel: Vec::new(),
+            seen_in_kernel: Vec::new(),
         })
     }
 
@@ -373,7 +373,7 @@ impl Tracer {
     /// process outside the targets never takes their trap.
     pub fn attach(&mut self, plan: &AttachPlan, scope: UProbeScope) -> Result<Links, TracerError> {
         let links = match &self.multi {
-            Some(programs) => attach_multi(programs, plan, scope, &self.probed_in_kernel)?,
+            Some(programs) => attach_multi(programs, plan, scope, &self.seen_in_kernel)?,
             None => self.attach_perf_events(plan, scope)?,
         };
         self.first_attached.get_or_insert_with(std::time::Instant::now);
@@ -393,7 +393,7 @@ impl Tracer {
         let (frees, allocations): (Vec<_>, Vec<_>) = plan
             .sites
             .iter()
-            .filter(|site| !self.probed_in_kernel.contains(&site.entry_program))
+            .filter(|site| !self.seen_in_kernel.contains(&site.entry_program))
             .partition(|site| site.return_program.is_none());
         let mut links = Links::default();
         for site in frees.into_iter().chain(allocations) {
@@ -586,7 +586,7 @@ impl Tracer {
     pub fn watch_processes(&mut self) -> Result<(), TracerError> {
         self.attach_tracepoint(programs::PROCESS_EXEC)?;
         let btf = self.kernel_btf()?;
-        self.probed_in_kernel = mapping_tracepoint::attach(&mut self.ebpf, &btf);
+        self.seen_in_kernel = mapping_tracepoint::attach(&mut self.ebpf, &btf);
         self.btf = Some(btf);
         Ok(())
     }
@@ -622,6 +622,12 @@ impl Tracer {
             // The thread panicked: parse here, to fail here if it must.
             Some(Err(_)) | None => kernel_btf(),
         }
+    }
+
+    /// The entry programs of the mapping functions whose calls a kernel
+    /// tracepoint sees, their uprobes left out (see `mapping_tracepoint`).
+    pub fn seen_in_kernel(&self) -> &[&'static str] {
+        &self.seen_in_kernel
     }
 
     /// Counts process `tgid` among those traced, for the probes that fire
@@ -890,7 +896,7 @@ fn attach_multi(
     programs: &MultiUprobePrograms,
     plan: &AttachPlan,
     scope: UProbeScope,
-    probed_in_kernel: &[&'static str],
+    seen_in_kernel: &[&'static str],
 ) -> Result<Links, TracerError> {
     let pid = match scope {
         UProbeScope::OneProcess(pid) => Some(pid.get()),
@@ -899,7 +905,7 @@ fn attach_multi(
     let (frees, allocations): (Vec<_>, Vec<_>) = plan
         .sites
         .iter()
-        .filter(|site| !probed_in_kernel.contains(&site.entry_program))
+        .filter(|site| !seen_in_kernel.contains(&site.entry_program))
         .partition(|site| site.return_program.is_none());
     // Each program's sites, in the order first seen.
     let mut groups: Vec<LinkGroup> = Vec::new();
@@ -935,7 +941,7 @@ fn attach_multi(
         links.multi.push(link);
     }
     for other in plan.other_objects() {
-        let mut more = attach_multi(programs, other, scope, probed_in_kernel)?;
+        let mut more = attach_multi(programs, other, scope, seen_in_kernel)?;
         links.multi.append(&mut more.multi);
     }
     Ok(links)

@@ -672,6 +672,12 @@ impl Session {
         &self.targets
     }
 
+    /// The entry programs whose uprobes a kernel tracepoint stands in for
+    /// (`Tracer::seen_in_kernel`).
+    pub fn seen_in_kernel(&self) -> &[&'static str] {
+        self.tracer.seen_in_kernel()
+    }
+
     /// How long loading the BPF programs took.
     pub fn load_time(&self) -> std::time::Duration {
         self.tracer.load_time()
@@ -982,6 +988,9 @@ impl Session {
             }
         };
         let mut target = Target::process(pid, plan, space);
+        // Before its uprobes, as `add` does: the tracepoint that sees
+        // munmap sends only the calls of processes marked.
+        self.tracer.mark_traced(pid)?;
         target.links = Some(self.tracer.attach(&target.plan, UProbeScope::OneProcess(nonzero(pid)))?);
         if watched {
             target.exit_watch = Some(
