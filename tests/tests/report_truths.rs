@@ -84,8 +84,8 @@ fn munmap_and_mprotect_are_seen_from_the_kernel_where_it_can() {
     let command = format!("{} reservations", memleak_tests::fixture("leaker").display());
     let dir = memleak_tests::workspace_root().join("target/fixtures/seen-in-kernel");
     std::fs::create_dir_all(&dir).unwrap();
-    let stats = dir.join("stats.jsonl");
-    let stats_path = stats.to_str().unwrap();
+    let stats_file = dir.join("stats.jsonl");
+    let stats_path = stats_file.to_str().unwrap();
     let args = ["-v", "-c", &command, "--format", "json", "--stats", stats_path, "-T", "1000", "3600"];
     let mut memleak = Memleak::start(&args);
     let said =
@@ -102,7 +102,7 @@ fn munmap_and_mprotect_are_seen_from_the_kernel_where_it_can() {
     let (status, _) = memleak.finish();
     assert!(status.success(), "memleak exited with {status}");
     // --stats names the tracepoint for both, and for no other function.
-    let records = std::fs::read_to_string(&stats).unwrap();
+    let records = std::fs::read_to_string(&stats_file).unwrap();
     let probes: Value = records
         .lines()
         .map(|line| serde_json::from_str::<Value>(line).unwrap())
