@@ -51,15 +51,20 @@ pub fn nested_member_offset(path: &Path, fields: &[(&str, &str)]) -> Result<u32,
 pub fn tracepoint_arguments(path: &Path, name: &str) -> Result<Option<usize>, BtfError> {
     let data =
         std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
-    let btf = Btf::parse(&data)?;
+    let btf = Btf::new(&data)?;
     let typedef = format!("btf_trace_{name}");
-    let Some(pointer) =
-        btf.types.iter().find(|t| t.kind() == KIND_TYPEDEF && btf.name(t) == typedef.as_bytes())
-    else {
-        return Ok(None);
-    };
+    let mut typedefs = btf.types().filter(|found| {
+        found
+            .as_ref()
+            .map_or(true, |found| found.kind() == KIND_TYPEDEF && btf.name(found) == typedef.as_bytes())
+    });
+    let Some(typedef) = typedefs.next().transpose()? else { return Ok(None) };
     // typedef -> pointer -> function prototype.
-    let prototype = btf.get(pointer.size_or_type).and_then(|pointer| btf.get(pointer.size_or_type));
+    let pointer = btf.get(typedef.size_or_type)?;
+    let prototype = match pointer {
+        Some(pointer) => btf.get(pointer.size_or_type)?,
+        None => None,
+    };
     match prototype {
         Some(prototype) if prototype.kind() == KIND_FUNC_PROTO => {
             Ok(Some(prototype.vlen().saturating_sub(1)))
@@ -89,17 +94,35 @@ impl BtfType {
     fn vlen(&self) -> usize {
         (self.info & 0xffff) as usize
     }
+
+    /// Bytes of the kind-specific data that follows the header.
+    fn data_len(&self) -> Result<usize, BtfError> {
+        let vlen = self.vlen();
+        Ok(match self.kind() {
+            1 | 14 | 17 => 4,             // int, var, decl_tag
+            3 => 12,                      // array
+            4 | 5 | 15 | 19 => 12 * vlen, // struct, union, datasec, enum64
+            6 | 13 => 8 * vlen,           // enum, func_proto
+            2 | 7..=12 | 16 | 18 => 0,
+            _ => return Err(BtfError::Malformed("unknown type kind")),
+        })
+    }
 }
 
-/// A BTF blob's types, in id order (id 0 is void, not listed).
+/// A BTF blob, whose types are read in id order as they are asked for:
+/// each question reads no further than its answer. A kernel's BTF holds
+/// over 100,000 types: reading them all for each question (in a debug
+/// build) held up the first look at a Python interpreter, which needs
+/// the fsbase offset, until after its script's first line had run.
 struct Btf<'a> {
     data: &'a [u8],
+    first: usize,
+    end: usize,
     strings: usize,
-    types: Vec<BtfType>,
 }
 
 impl<'a> Btf<'a> {
-    fn parse(data: &'a [u8]) -> Result<Self, BtfError> {
+    fn new(data: &'a [u8]) -> Result<Self, BtfError> {
         if data.get(0..2) != Some(&[0x9f, 0xeb]) {
             return Err(BtfError::Malformed("bad magic"));
         }
@@ -107,35 +130,42 @@ impl<'a> Btf<'a> {
         let first = header_len + word(data, 8)? as usize;
         let end = first + word(data, 12)? as usize;
         let strings = header_len + word(data, 16)? as usize;
-        let mut types = Vec::new();
-        let mut at = first;
-        while at < end {
-            let info = word(data, at + 4)?;
-            let found = BtfType {
-                name_offset: word(data, at)?,
-                info,
-                size_or_type: word(data, at + 8)?,
-                data_at: at + 12,
-            };
-            let vlen = found.vlen();
-            // The kind-specific data that follows each type.
-            at = found.data_at
-                + match found.kind() {
-                    1 | 14 | 17 => 4,             // int, var, decl_tag
-                    3 => 12,                      // array
-                    4 | 5 | 15 | 19 => 12 * vlen, // struct, union, datasec, enum64
-                    6 | 13 => 8 * vlen,           // enum, func_proto
-                    2 | 7..=12 | 16 | 18 => 0,
-                    _ => return Err(BtfError::Malformed("unknown type kind")),
+        Ok(Self { data, first, end, strings })
+    }
+
+    /// The types from id 1 on (id 0 is void, not listed).
+    fn types(&self) -> impl Iterator<Item = Result<BtfType, BtfError>> + '_ {
+        let mut at = self.first;
+        std::iter::from_fn(move || {
+            if at >= self.end {
+                return None;
+            }
+            let read = (|| {
+                let found = BtfType {
+                    name_offset: word(self.data, at)?,
+                    info: word(self.data, at + 4)?,
+                    size_or_type: word(self.data, at + 8)?,
+                    data_at: at + 12,
                 };
-            types.push(found);
-        }
-        Ok(Self { data, strings, types })
+                Ok((found.data_at + found.data_len()?, found))
+            })();
+            match read {
+                Ok((next, found)) => {
+                    at = next;
+                    Some(Ok(found))
+                }
+                Err(error) => {
+                    at = self.end;
+                    Some(Err(error))
+                }
+            }
+        })
     }
 
     /// The type of id `id`; `None` for void or past the last.
-    fn get(&self, id: u32) -> Option<&BtfType> {
-        self.types.get((id as usize).checked_sub(1)?)
+    fn get(&self, id: u32) -> Result<Option<BtfType>, BtfError> {
+        let Some(index) = (id as usize).checked_sub(1) else { return Ok(None) };
+        self.types().nth(index).transpose()
     }
 
     fn name(&self, found: &BtfType) -> &'a [u8] {
@@ -154,9 +184,10 @@ fn word(data: &[u8], at: usize) -> Result<u32, BtfError> {
 }
 
 fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Option<u32>, BtfError> {
-    let btf = Btf::parse(data)?;
-    for found in &btf.types {
-        if found.kind() != KIND_STRUCT || btf.name(found) != structure.as_bytes() {
+    let btf = Btf::new(data)?;
+    for found in btf.types() {
+        let found = found?;
+        if found.kind() != KIND_STRUCT || btf.name(&found) != structure.as_bytes() {
             continue;
         }
         let bitfields = found.info >> 31 == 1;
