@@ -404,7 +404,7 @@ fn self_test_settled(subject: &thread_state::Subject<'_>, layout: LibcLayout) ->
 
 /// `offsetof(task_struct, thread.fsbase)`, read once from the kernel's
 /// BTF: where BPF finds the current thread's fsbase.
-fn fsbase_offset() -> Result<u32, String> {
+pub fn fsbase_offset() -> Result<u32, String> {
     static OFFSET: OnceLock<Result<u32, String>> = OnceLock::new();
     OFFSET
         .get_or_init(|| {

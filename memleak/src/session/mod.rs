@@ -65,6 +65,9 @@ pub enum SessionError {
     Selector(String),
     #[error(transparent)]
     Btf(#[from] kernel_btf::BtfError),
+    /// Where the kernel keeps a thread's fsbase, not found.
+    #[error("{0}")]
+    Fsbase(String),
     #[error("cannot read the mappings of pid {pid}: {source}")]
     Maps { pid: u32, source: io::Error },
     #[error("cannot watch pid {pid} for its exit: {source}")]
@@ -1203,9 +1206,9 @@ fn process_tracer_config(config: &SessionConfig) -> Result<TracerConfig, Session
         tracer_config.task_tgid_offset = kernel_btf::member_offset(btf, "task_struct", "tgid")?;
     }
     if config.tracer.python_max_frames.is_some() {
-        let btf = Path::new(kernel_btf::VMLINUX_BTF);
-        tracer_config.py_fsbase_offset =
-            kernel_btf::nested_member_offset(btf, &[("task_struct", "thread"), ("thread_struct", "fsbase")])?;
+        // Found here, before any process runs, and kept: the first look at
+        // an interpreter needs it too, and races its script's first line.
+        tracer_config.py_fsbase_offset = crate::python::fsbase_offset().map_err(SessionError::Fsbase)?;
     }
     Ok(tracer_config)
 }
