@@ -114,3 +114,27 @@ impl MappingEvent {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(change: MappingChange, prot: u32, inside_allocator: u32, flags: u32) -> MappingEvent {
+        MappingEvent { change: change as u32, prot, inside_allocator, flags, ..MappingEvent::default() }
+    }
+
+    #[test]
+    fn only_the_programs_own_reservations_and_taking_access_reserve_address_space() {
+        const PROT_READ_WRITE: u32 = 3;
+        assert!(event(MappingChange::Map, PROT_NONE, 0, 0).reserves_address_space());
+        assert!(!event(MappingChange::Map, PROT_NONE, 1, 0).reserves_address_space(), "the allocator's");
+        assert!(
+            !event(MappingChange::Map, PROT_NONE, 0, MAP_STACK).reserves_address_space(),
+            "a thread's stack"
+        );
+        assert!(!event(MappingChange::Map, PROT_READ_WRITE, 0, 0).reserves_address_space());
+        assert!(event(MappingChange::Protect, PROT_NONE, 0, 0).reserves_address_space());
+        assert!(!event(MappingChange::Protect, PROT_READ_WRITE, 0, 0).reserves_address_space());
+        assert!(!event(MappingChange::Unmap, PROT_NONE, 0, 0).reserves_address_space());
+    }
+}
