@@ -75,6 +75,53 @@ fn a_cxx_leak_is_named_by_the_code_that_made_it_not_by_operator_new() {
     assert_eq!(held_by(&report, "make_session(int)"), (5_600, 100), "{report:#}");
 }
 
+/// The culprit of each stack holding `count` allocations whose frames go
+/// through `function_name`, as (function, line).
+fn culprits_through(report: &Value, function_name: &str, count: u64) -> Vec<(String, u64)> {
+    let stacks = memleak_tests::stacks_through(report, function_name);
+    let held: u64 = stacks.iter().map(|stack| stack["allocations"].as_u64().unwrap()).sum();
+    assert_eq!(held, count, "{count} allocations through {function_name}: {report:#}");
+    let culprit = |stack: &&Value| {
+        let culprit = &stack["culprit"];
+        (function(culprit).to_owned(), culprit["line"].as_u64().unwrap_or(0))
+    };
+    stacks.iter().map(culprit).collect()
+}
+
+#[test]
+fn what_the_c_library_allocates_for_a_caller_is_named_by_the_caller_on_every_allocator() {
+    let libraries = Path::new("/usr/lib/x86_64-linux-gnu");
+    let programs = [
+        ("glibc", memleak_tests::optimized("libc_callers"), None),
+        (
+            "tcmalloc",
+            memleak_tests::optimized_linked("libc_callers", &libraries.join("libtcmalloc_minimal.so.4")),
+            None,
+        ),
+        (
+            "mimalloc",
+            memleak_tests::optimized_linked("libc_callers", &libraries.join("libmimalloc.so.2")),
+            None,
+        ),
+        ("jemalloc", memleak_tests::optimized("libc_callers"), Some(libraries.join("libjemalloc.so.2"))),
+    ];
+    for (allocator, program, preload) in programs {
+        let mut command = Command::new(program);
+        command.args(["7", "--wait"]);
+        if let Some(library) = preload {
+            command.env("LD_PRELOAD", library);
+        }
+        let report = final_report(command, &[]);
+        // opendir's buffer, made in libc; the new thread's vector of
+        // thread-local storage, made in the dynamic loader.
+        let opened = ("open_directories".to_owned(), memleak_tests::marker_line("libc_callers", "opendir"));
+        assert_eq!(culprits_through(&report, "open_directories", 7), [opened], "{allocator}: {report:#}");
+        let started =
+            ("start_threads".to_owned(), memleak_tests::marker_line("libc_callers", "pthread_create"));
+        assert_eq!(culprits_through(&report, "start_threads", 7), [started], "{allocator}: {report:#}");
+    }
+}
+
 #[test]
 fn the_text_report_says_the_culprit_first() {
     let mut target = Leaker::start_command(service());

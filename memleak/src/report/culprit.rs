@@ -22,9 +22,9 @@ use crate::{model::Frame, symbolize::WordMap};
 pub struct SkipRules {
     /// Searched in each frame's qualified name; `None` when there are none.
     names: Option<RegexSet>,
-    /// Whether frames in the allocator's own object are passed over (with
-    /// the built-in table).
-    allocator_internals: bool,
+    /// Whether frames in the allocator's own object and in the C
+    /// library's are passed over (with the built-in table).
+    library_internals: bool,
 }
 
 impl Default for SkipRules {
@@ -41,7 +41,7 @@ impl SkipRules {
         let built_in = DEFAULT_SKIPS.iter().filter(|_| defaults).map(|rule| rule.pattern);
         let patterns: Vec<&str> = built_in.chain(extra.iter().map(String::as_str)).collect();
         let names = if patterns.is_empty() { None } else { Some(RegexSet::new(patterns)?) };
-        Ok(Self { names, allocator_internals: defaults })
+        Ok(Self { names, library_internals: defaults })
     }
 
     /// The culprit of a stack whose frames are `frames` (innermost first),
@@ -70,8 +70,12 @@ impl SkipRules {
         // A program that links its allocator in (a Rust binary with
         // tikv-jemallocator) is the allocator's object: its own frames
         // are not the allocator's internals.
-        if self.allocator_internals && allocator != program && frame.module.as_deref() == Some(allocator) {
-            return true;
+        if self.library_internals {
+            if let Some(module) = frame.module.as_deref().filter(|module| *module != program) {
+                if module == allocator || is_c_library(module) {
+                    return true;
+                }
+            }
         }
         let (Some(names), Some(function)) = (&self.names, frame.function.as_deref()) else { return false };
         names.is_match(qualified_name(function))
@@ -98,6 +102,28 @@ impl Culprits<'_> {
                     .or_insert_with(|| rules.passes_over(frame, allocator, program))
         })
     }
+}
+
+/// Whether `module` is one of the C library's own objects: glibc's libc
+/// and dynamic loader, the parts split from libc before glibc 2.34
+/// (libpthread, libdl, librt), its resolver and NSS modules, or musl's
+/// libc. None of them holds a reader's code: what they allocate, they
+/// allocate for their caller (`opendir`'s buffer, `getaddrinfo`'s and
+/// `iconv_open`'s tables, a new thread's thread-local storage, `dlopen`'s
+/// link map), under whichever allocator the program uses. A program
+/// that links its C library in statically is the program, and goes by
+/// the table's names.
+fn is_c_library(module: &str) -> bool {
+    let file = module.rsplit('/').next().unwrap_or(module);
+    if !file.contains(".so") {
+        return false;
+    }
+    // libc.so.6, libc-2.31.so, libc.musl-x86_64.so.1, ld-linux-x86-64.so.2,
+    // ld-musl-x86_64.so.1, libnss_files.so.2: the name before its first
+    // dot or dash.
+    let stem = file.split(['.', '-']).next().unwrap_or(file);
+    matches!(stem, "libc" | "ld" | "libpthread" | "libdl" | "librt" | "libresolv" | "libanl")
+        || stem.starts_with("libnss_")
 }
 
 fn holds_python(frames: &[Arc<Frame>]) -> bool {
@@ -276,6 +302,55 @@ mod tests {
         let frames = [named("_rjem_malloc", "/srv/app"), named("handle", "/srv/app")];
         let culprit = rules.culprit(&frames, "/srv/app", "/srv/app").and_then(|frame| frame.function.clone());
         assert_eq!(culprit.as_deref(), Some("handle"));
+    }
+
+    #[test]
+    fn the_c_library_allocates_for_its_caller_under_any_allocator() {
+        let rules = SkipRules::default();
+        let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+        let loader = "/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2";
+        let directory = [("__alloc_dir", libc), ("opendir_tail", libc), ("open_directories", "/srv/app")];
+        assert_eq!(culprit_of(&rules, &directory).as_deref(), Some("open_directories"));
+        let thread = [
+            ("allocate_dtv", loader),
+            ("__GI__dl_allocate_tls", loader),
+            ("__pthread_create_2_1", libc),
+            ("start_threads", "/srv/app"),
+        ];
+        assert_eq!(culprit_of(&rules, &thread).as_deref(), Some("start_threads"));
+        let none = SkipRules::new(false, &[]).unwrap();
+        assert_eq!(culprit_of(&none, &thread).as_deref(), Some("allocate_dtv"), "--no-default-skips");
+        // Linked in statically, the C library is the program's own object.
+        let frames = [named("__alloc_dir", "/srv/static-app"), named("open_directories", "/srv/static-app")];
+        let culprit = rules.culprit(&frames, "/srv/static-app", "/srv/static-app");
+        assert_eq!(culprit.and_then(|frame| frame.function.as_deref()), Some("__alloc_dir"));
+    }
+
+    #[test]
+    fn the_c_librarys_objects_are_known_by_their_file_names() {
+        let c_library = [
+            "/usr/lib/x86_64-linux-gnu/libc.so.6",
+            "/lib64/ld-linux-x86-64.so.2",
+            "/lib/x86_64-linux-gnu/libc-2.31.so",
+            "/lib/x86_64-linux-gnu/libpthread.so.0",
+            "/lib/ld-musl-x86_64.so.1",
+            "/usr/lib/libc.musl-x86_64.so.1",
+            "/lib/x86_64-linux-gnu/libnss_files.so.2",
+            "libresolv.so.2",
+        ];
+        for module in c_library {
+            assert!(is_c_library(module), "{module}");
+        }
+        let others = [
+            "/usr/lib/x86_64-linux-gnu/libc++.so.1",
+            "/usr/lib/x86_64-linux-gnu/libcrypto.so.3",
+            "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+            "/usr/bin/ld",
+            "/srv/libc",
+        ];
+        for module in others {
+            assert!(!is_c_library(module), "{module}");
+        }
     }
 
     #[test]

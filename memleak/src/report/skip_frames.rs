@@ -14,7 +14,9 @@
 //! Besides these names, every frame in the allocator's own object (the
 //! library memleak probes, when it is not the program itself) is skipped:
 //! jemalloc's, tcmalloc's and mimalloc's internals, whatever they are
-//! called.
+//! called; and every frame in the C library's shared objects, whatever
+//! the allocator (`culprit::is_c_library`). The C library's names below
+//! matter where it is linked in statically.
 //!
 //! To add a wrapper: one line below, in its group, with the functions
 //! that do nothing but allocate (or grow, or copy into new memory) for
