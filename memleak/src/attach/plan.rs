@@ -209,7 +209,7 @@ impl AttachPlan {
         let objects_tracked = python_allocator && probing == Probing::Sound;
         if let Probing::Inlined { copies } = probing {
             log::warn!(
-                "--python-allocator: {display} has its small-object allocator inlined into {copies} places (a build with link-time optimisation), which PyObject_Malloc & co.'s probes would not see: not probed; its arenas are reported as its own"
+                "--python-allocator: {display} has its small-object allocator inlined into {copies} places (a build with link-time optimisation), which PyObject_Malloc & co.'s probes would not see: not probed; its arenas are reported as its own (started with PYTHONMALLOC=malloc, it makes each object with malloc, which memleak sees)"
             );
         }
         let object = Arc::new(object);

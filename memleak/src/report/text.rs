@@ -179,7 +179,7 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         (hidden.reserved_bytes, "of address space reserved with PROT_NONE, not memory"),
         (
             hidden.python_arena_bytes,
-            "of CPython's small-object arenas, whose objects only --python-allocator tracks",
+            "of CPython's small-object arenas, whose objects only --python-allocator or PYTHONMALLOC=malloc show",
         ),
     ]
     .iter()
@@ -434,7 +434,7 @@ mod tests {
         let line = text.lines().find(|line| line.starts_with("Not shown: ")).unwrap();
         assert_eq!(
             line,
-            "Not shown: 2097152 bytes of CPython's small-object arenas, whose objects only --python-allocator tracks (--all-mmaps)"
+            "Not shown: 2097152 bytes of CPython's small-object arenas, whose objects only --python-allocator or PYTHONMALLOC=malloc show (--all-mmaps)"
         );
     }
 }
