@@ -34,6 +34,12 @@ pub enum RuleKind {
     /// another register, a return address elsewhere): a frame-pointer
     /// step with the same checks.
     Unsupported = 5,
+    /// Go's `runtime.asmcgocall`, where a cgo call left the goroutine's
+    /// stack to run C on the system stack: rbp still holds the frame
+    /// pointer of its Go caller, on the goroutine's stack, where Go's
+    /// frame pointers lead on. One frame-pointer step that may move to
+    /// another stack, trusted only if it lands in code.
+    GoStackSwitch = 6,
 }
 
 impl TryFrom<u32> for RuleKind {
@@ -47,6 +53,7 @@ impl TryFrom<u32> for RuleKind {
             3 => Ok(RuleKind::Signal),
             4 => Ok(RuleKind::FramePointer),
             5 => Ok(RuleKind::Unsupported),
+            6 => Ok(RuleKind::GoStackSwitch),
             _ => Err(raw),
         }
     }
@@ -250,5 +257,6 @@ mod tests {
             assert_eq!(RuleKind::try_from(raw).map(|kind| kind as u32), Ok(raw));
             assert_eq!(WalkEnd::try_from(raw).map(|end| end as u32), Ok(raw));
         }
+        assert_eq!(RuleKind::try_from(6), Ok(RuleKind::GoStackSwitch));
     }
 }

@@ -206,33 +206,56 @@ fn a_go_program_without_cgo_is_told_why_there_is_nothing_to_trace() {
     );
 }
 
-#[test]
-fn a_cgo_programs_c_leaks_are_found_and_go_reservations_are_not_memory() {
-    let reports = trace_program(&memleak_tests::go_program("go-cgo"), "", &[]);
-    let report = reports.last().expect("a final report");
-    let leaks: Vec<&Value> = report["stacks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|stack| stack["mapping"].is_null() && stack["frames"][0]["function"] == "c_leak")
-        .collect();
-    assert_eq!(bytes(&leaks), 15_000, "{report:#}");
-    // 30 goroutines, whose walks past runtime.asmcgocall each read another
-    // system stack's leftovers: one call path, one stack.
-    assert_eq!(leaks.len(), 1, "{report:#}");
-    assert_eq!(leaks[0]["allocations"], 30);
-    assert_eq!(leaks[0]["truncated"], "stack_switch", "{:#}", leaks[0]);
-    let functions: Vec<&str> = leaks[0]["frames"]
+/// The function names of a stack's frames, innermost first.
+fn functions(stack: &Value) -> Vec<&str> {
+    stack["frames"]
         .as_array()
         .unwrap()
         .iter()
         .map(|frame| frame["function"].as_str().unwrap_or("?"))
-        .collect();
-    assert_eq!(functions.last(), Some(&"runtime.asmcgocall"), "cut where the stack was left: {functions:?}");
-    // Inlined into the wrapper cgo writes for each C function Go calls.
-    let caller = leaks[0]["frames"][1]["function"].as_str().unwrap();
-    assert!(caller.ends_with("_Cfunc_c_leak"), "{caller}");
+        .collect()
+}
+
+#[test]
+fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
+    let reports = trace_program(&memleak_tests::go_program("go-cgo"), "", &[]);
+    let report = reports.last().expect("a final report");
+    let stacks_through = |function: &str| -> Vec<&Value> {
+        let stacks = memleak_tests::stacks_through(report, function);
+        stacks.into_iter().filter(|stack| stack["mapping"].is_null()).collect()
+    };
+    // 30 goroutines, each leaking 500 bytes in C: one call path, one
+    // stack, walked from the system stack back onto the goroutine's.
+    let leaks = stacks_through("c_leak");
+    assert_eq!(
+        (leaks.len(), bytes(&leaks), leaks[0]["allocations"].as_u64()),
+        (1, 15_000, Some(30)),
+        "{report:#}"
+    );
+    let frames = functions(leaks[0]);
+    let after_switch = frames.iter().position(|name| *name == "runtime.asmcgocall").expect("the switch") + 1;
+    assert_eq!(
+        frames[after_switch..],
+        ["main._Cfunc_c_leak", "main.main.func1", "runtime.goexit"],
+        "{frames:?}"
+    );
+    assert!(leaks[0]["truncated"].is_null(), "{:#}", leaks[0]);
     assert_eq!(leaks[0]["culprit"]["function"], "c_leak");
+    // 20 C strings from one Go line: past cgo's wrappers and the runtime,
+    // the culprit is that line.
+    let strings = stacks_through("main.remember");
+    assert_eq!(
+        (strings.len(), bytes(&strings), strings[0]["allocations"].as_u64()),
+        (1, 260, Some(20)),
+        "{report:#}"
+    );
+    let source =
+        std::fs::read_to_string(memleak_tests::workspace_root().join("tests/fixtures/go-cgo/main.go"))
+            .unwrap();
+    let line = source.lines().position(|line| line.contains("ALLOC(cstring)")).unwrap() as u64 + 1;
+    let culprit = &strings[0]["culprit"];
+    assert_eq!((culprit["function"].as_str(), culprit["line"].as_u64()), (Some("main.remember"), Some(line)));
+    assert_eq!(functions(strings[0]).last(), Some(&"runtime.goexit"), "{:#}", strings[0]);
     // Go reserves its heap's address space up front: hundreds of MB that
     // no page backs.
     let reserved = report["hidden_mappings"]["reserved_bytes"].as_u64().unwrap();

@@ -362,8 +362,10 @@ fn check_frames(
             let frame = unsafe { &*frames.wrapping_add(checked) };
             let offset = frame.sp.wrapping_sub(base);
             // Past the window: the next iteration reads on. (The stack
-            // pointers rise, so below it is only a frame through a signal,
-            // whose slot ends the checking anyway.)
+            // pointers rise, so below it is only a frame on another stack:
+            // through a signal, whose slot ends the checking anyway, or
+            // back on a goroutine's stack from a cgo call, which the next
+            // iteration reads the window at.)
             if offset > span {
                 break 'check (checked, true);
             }

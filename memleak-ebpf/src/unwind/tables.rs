@@ -201,8 +201,17 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
         Ok(RuleKind::CfaRsp | RuleKind::CfaRbp) => cfa_step(walk, rule)?,
         Ok(RuleKind::Stop) => return end(walk, WalkEnd::Root),
         Ok(RuleKind::Signal) => signal_step(walk)?,
+        Ok(RuleKind::GoStackSwitch) => {
+            // Back from the system stack to the goroutine's, lower or
+            // higher: only the landing in code vouches for the step.
+            let caller = frame_pointer_step(walk, 0)?;
+            if !in_known_code(walk, mappings, caller.pc.wrapping_sub(1)) {
+                return end(walk, WalkEnd::NoUnwindInfo);
+            }
+            caller
+        }
         Ok(RuleKind::FramePointer | RuleKind::Unsupported) | Err(_) => {
-            let caller = frame_pointer_step(walk)?;
+            let caller = frame_pointer_step(walk, walk.sp)?;
             // No unwind information vouches for it: only a frame in code
             // the process maps is kept.
             if !in_known_code(walk, mappings, caller.pc.wrapping_sub(1)) {
@@ -316,14 +325,15 @@ fn signal_step(walk: &mut WalkState) -> Option<Caller> {
 }
 
 /// A step through the frame pointer: the saved rbp, then the return
-/// address, at rbp.
-fn frame_pointer_step(walk: &mut WalkState) -> Option<Caller> {
+/// address, at rbp, which must not lie below `lowest` (the stack pointer,
+/// but for a step to another stack).
+fn frame_pointer_step(walk: &mut WalkState, lowest: u64) -> Option<Caller> {
     let bp = walk.bp;
     if bp == 0 {
         end(walk, WalkEnd::Root);
         return None;
     }
-    if !bp.is_multiple_of(8) || bp < walk.sp {
+    if !bp.is_multiple_of(8) || bp < lowest {
         end(walk, WalkEnd::NoUnwindInfo);
         return None;
     }

@@ -228,7 +228,7 @@ mod tests {
     fn the_culprit_is_past_the_plumbing_of_each_language() {
         let rules = SkipRules::default();
         let app = "/srv/app";
-        let cases: [&[(&str, &str)]; 5] = [
+        let cases: [&[(&str, &str)]; 6] = [
             &[("operator new(unsigned long)", "/usr/lib/libstdc++.so.6"), ("Session::Session(int)", app)],
             &[
                 ("std::__new_allocator<char>::allocate(unsigned long, void const*)", app),
@@ -245,6 +245,13 @@ mod tests {
             ],
             &[("zmalloc_usable", "/usr/bin/redis-server"), ("_sdsnewlen", "/usr/bin/redis-server"), ("Session::Session(int)", app)],
             &[("tcmalloc::ThreadCache::FetchFromCentralCache", "/usr/lib/libtcmalloc.so.4"), ("internal_only", "/usr/lib/libtcmalloc.so.4"), ("Session::Session(int)", app)],
+            &[
+                ("_cgo_598f940fc3ef_Cfunc__Cmalloc", app),
+                ("runtime.asmcgocall", app),
+                ("main._cgo_cmalloc", app),
+                ("main._Cfunc_CString", app),
+                ("Session::Session(int)", app),
+            ],
         ];
         for frames in cases {
             assert_eq!(culprit_of(&rules, frames).as_deref(), Some("Session::Session(int)"), "{frames:?}");

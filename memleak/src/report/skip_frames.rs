@@ -76,6 +76,13 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
     rule("Rust", r"^(__rust_(alloc|alloc_zeroed|realloc|dealloc|no_alloc_shim_is_unstable)|__rdl_|__rg_)"),
     rule("Rust", r" as core::alloc::global::GlobalAlloc>::"),
     rule("Rust", r"^<?(tikv_jemallocator|tikv_jemalloc_sys|mimalloc|libmimalloc_sys)::"),
+    // Go with cgo: the runtime (its heap, its threads, its switch to the
+    // system stack for a C call) and the standard library's internal
+    // packages, and the wrappers cgo writes around each C function
+    // (`main._Cfunc_CString`, `_cgo_<hash>_Cfunc__Cmalloc`): the culprit
+    // is the Go code that called C.
+    rule("Go", r"^(runtime|internal/[\w/]+)\."),
+    rule("Go", r"(^|\.)_(Cfunc|cgo)_|^x_cgo_"),
     // CPython's memory API and object allocation: the culprit is the
     // interpreter code, or the extension, that made the object.
     rule("CPython", r"^_?(PyMem|PyObject)_(Raw)?(Malloc|Calloc|Realloc)"),

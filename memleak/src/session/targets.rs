@@ -375,8 +375,8 @@ fn native_truncation(
     unwinding: Option<Unwinding>,
     frames: &[Arc<Frame>],
 ) -> Option<Truncation> {
-    // A walk through Go's runtime.asmcgocall ends in junk, cut off when
-    // symbolized, whatever the walk said.
+    // A walk that could not follow Go's switch back to the goroutine's
+    // stack (a program without a symbol table, --unwind fp) says so.
     if frames.last().is_some_and(|last| symbolize::ends_at_stack_switch(last)) {
         return Some(Truncation::StackSwitch);
     }

@@ -166,9 +166,6 @@ impl StackSymbolizer {
             let skip = frames.iter().take_while(|frame| is_tracing(frame)).count();
             frames.drain(..skip);
         }
-        if let Some(switch) = frames.iter().position(|frame| ends_at_stack_switch(frame)) {
-            frames.truncate(switch + 1);
-        }
         let frames: Arc<[Arc<Frame>]> = frames.into();
         self.cache.insert(stack_id, Arc::clone(&frames));
         frames
@@ -291,15 +288,13 @@ impl StackSymbolizer {
     }
 }
 
-/// Functions where a stack is left for another that a walk cannot follow:
-/// a Go program's cgo call runs its C code on the system stack, and past
-/// `runtime.asmcgocall` a walk reads whatever that stack last held, a
-/// different junk frame from call to call.
-const STACK_SWITCHES: [&str; 2] = ["runtime.asmcgocall", "runtime.asmcgocall_no_g"];
-
-/// Whether a stack's frames past `frame` are another stack's.
+/// Whether `frame` is where a stack was left for another: a Go
+/// program's cgo call runs its C code on the system stack, as does the
+/// runtime's own work there. The walk follows the frame pointer its Go
+/// caller left back to the goroutine's stack (`RuleKind::GoStackSwitch`);
+/// a walk that ends at one of them ended at the switch.
 pub fn ends_at_stack_switch(frame: &Frame) -> bool {
-    !frame.inlined && frame.function.as_deref().is_some_and(|name| STACK_SWITCHES.contains(&name))
+    !frame.inlined && frame.function.as_deref().is_some_and(crate::unwind::eh_frame::is_go_stack_switch)
 }
 
 /// Where a symbol-table entry puts an address.

@@ -38,7 +38,8 @@ use object::{
     elf::{EM_X86_64, PF_X, PT_LOAD},
     read::elf::{ElfFile64, FileHeader as _, ProgramHeader as _},
     read::ReadCache,
-    CompressedData, CompressionFormat, Endianness, Object as _, ObjectSection as _, ReadRef,
+    CompressedData, CompressionFormat, Endianness, Object as _, ObjectSection as _, ObjectSymbol as _,
+    ReadRef,
 };
 
 /// A gap of at most this many bytes between two FDEs is alignment padding
@@ -180,6 +181,7 @@ pub fn build_with_debug_file(
 ) -> Result<ObjectTable, TableError> {
     let object = parse_x86_64_elf(path, elf)?;
     let mut builder = Builder::new(ExecutableCode::of(path, &object)?);
+    builder.add_go_runtime_rules(&object);
     if let Some(section) = section_bytes(path, &object, ".eh_frame")? {
         let mut eh_frame = EhFrame::new(&section.bytes, LittleEndian);
         eh_frame.set_address_size(8);
@@ -371,10 +373,48 @@ impl ExecutableCode {
     }
 }
 
+/// Go's runtime functions whose call frame information does not say how
+/// to leave them, and the rule that does. Go's linker writes one rule
+/// for a whole assembly function, from its declared frame size, whatever
+/// it does to the stack pointer.
+const GO_RUNTIME_RULES: [(&str, RuleKind); 11] = [
+    // The roots of Go's stacks: each goroutine's, the main thread's, each
+    // other thread's. Go marks them TOPFRAME, but says so in .debug_frame
+    // only on architectures with a link register: past them, a walk read
+    // whatever lay above the stack.
+    ("runtime.goexit", RuleKind::Stop),
+    ("runtime.rt0_go", RuleKind::Stop),
+    ("runtime.mstart", RuleKind::Stop),
+    // Calls that leave the goroutine's stack for the system stack: a cgo
+    // call, and the runtime's own work there (growing the heap, starting
+    // a goroutine, growing a goroutine's stack, scheduling). Each leaves
+    // its caller's frame pointer in rbp; a step through it reaches the
+    // caller's caller, as the caller's own return address is only in the
+    // goroutine's saved state.
+    ("runtime.asmcgocall", RuleKind::GoStackSwitch),
+    ("runtime.asmcgocall_no_g", RuleKind::GoStackSwitch),
+    ("runtime.systemstack", RuleKind::GoStackSwitch),
+    ("runtime.morestack", RuleKind::GoStackSwitch),
+    ("runtime.mcall", RuleKind::GoStackSwitch),
+    // Calls into the C library's mmap, munmap and sigaction, which align
+    // the stack pointer for C: their frame pointers still hold.
+    ("runtime.callCgoMmap", RuleKind::FramePointer),
+    ("runtime.callCgoMunmap", RuleKind::FramePointer),
+    ("runtime.callCgoSigaction", RuleKind::FramePointer),
+];
+
+/// Whether `function` is one of Go's runtime functions that leave a
+/// goroutine's stack for the system stack.
+pub fn is_go_stack_switch(function: &str) -> bool {
+    GO_RUNTIME_RULES.iter().any(|&(name, kind)| kind == RuleKind::GoStackSwitch && name == function)
+}
+
 /// Where an FDE comes from, in order of preference where two describe the
-/// same code: `.eh_frame` is what the program's own unwinder trusts.
+/// same code: memleak's own rules for Go's runtime, then `.eh_frame`,
+/// which is what the program's own unwinder trusts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Source {
+    GoRuntime,
     EhFrame,
     DebugFrame,
     DebugFile,
@@ -410,6 +450,8 @@ struct Builder {
     fdes: Vec<FdeRows>,
     context: UnwindContext<usize>,
     stats: TableStats,
+    /// The object is Go's: its own `.debug_frame` describes Go code.
+    go: bool,
 }
 
 impl Builder {
@@ -420,6 +462,43 @@ impl Builder {
             fdes: Vec::new(),
             context: UnwindContext::new(),
             stats: TableStats::default(),
+            go: false,
+        }
+    }
+
+    /// In a Go program (or a library built with `-buildmode=c-shared`),
+    /// one rule over each of `GO_RUNTIME_RULES`' functions that its
+    /// symbol table names. Since Go 1.17 an assembly function's symbol
+    /// is `NAME.abi0`, and `NAME` a wrapper for Go callers with a frame
+    /// of its own, which keeps the rules its call frame information
+    /// gives.
+    fn add_go_runtime_rules<'data, R: ReadRef<'data>>(&mut self, object: &Elf<'data, R>) {
+        if object.section_by_name(".go.buildinfo").is_none() {
+            return;
+        }
+        self.go = true;
+        // Per function of the table: its code, and whether that is the
+        // `.abi0` symbol's.
+        let mut found: [Option<(Range<u64>, bool)>; GO_RUNTIME_RULES.len()] = Default::default();
+        for symbol in object.symbols() {
+            let Ok(name) = symbol.name() else { continue };
+            let (function, abi0) =
+                name.strip_suffix(".abi0").map_or((name, false), |function| (function, true));
+            let Some(index) = GO_RUNTIME_RULES.iter().position(|(known, _)| *known == function) else {
+                continue;
+            };
+            if found[index].as_ref().is_none_or(|(_, found_abi0)| abi0 && !found_abi0) {
+                found[index] = Some((symbol.address()..symbol.address().saturating_add(symbol.size()), abi0));
+            }
+        }
+        for (&(_, kind), found) in GO_RUNTIME_RULES.iter().zip(found) {
+            let Some((code, _)) = found.filter(|(code, _)| !code.is_empty() && self.code.contains(code))
+            else {
+                continue;
+            };
+            let row = self.rows.len();
+            self.rows.push((code.start, Rule::of(kind)));
+            self.fdes.push(FdeRows { code, rows: row..row + 1, source: Source::GoRuntime });
         }
     }
 
@@ -487,7 +566,7 @@ impl Builder {
             self.rows.push((code.start, Rule::of(RuleKind::Signal)));
             Ok(())
         } else {
-            self.add_fde_rows(section, bases, fde)
+            self.add_fde_rows(section, bases, fde, source)
         };
         match evaluated {
             Ok(()) if self.rows.len() > first_row => {
@@ -513,10 +592,12 @@ impl Builder {
         section: &S,
         bases: &BaseAddresses,
         fde: &FrameDescriptionEntry<Reader<'data>>,
+        source: Source,
     ) -> gimli::Result<()>
     where
         S: UnwindSection<Reader<'data>>,
     {
+        let go_code = self.go && source == Source::DebugFrame;
         let first_row = self.rows.len();
         let mut table = fde.rows(section, bases, &mut self.context)?;
         while let Some(row) = table.next_row()? {
@@ -529,6 +610,7 @@ impl Builder {
                 self.stats.count_unsupported(reason);
                 Rule::of(RuleKind::Unsupported)
             });
+            let rule = if go_code { with_go_saved_rbp(rule) } else { rule };
             let repeated =
                 self.rows.len() > first_row && self.rows.last().is_some_and(|&(_, last)| last == rule);
             if !repeated {
@@ -577,7 +659,7 @@ impl TableStats {
     fn count_fde(&mut self, source: Source) {
         self.fdes += 1;
         match source {
-            Source::EhFrame => {}
+            Source::GoRuntime | Source::EhFrame => {}
             Source::DebugFrame => self.debug_frame_fdes += 1,
             Source::DebugFile => self.debug_file_fdes += 1,
         }
@@ -622,6 +704,20 @@ fn rule_of(row: &UnwindTableRow<usize>) -> Result<Rule, Unsupported> {
     };
     let cfa_offset = u32::try_from(cfa_offset).map_err(|_| Unsupported::OffsetRange)?;
     Rule::new(kind, cfa_offset, rbp_slot).ok_or(Unsupported::OffsetRange)
+}
+
+/// A rule of Go's own `.debug_frame`, with where rbp was saved. Go's
+/// compiler saves its caller's rbp just below the return address in every
+/// frame it makes (`MOVQ BP, framesize-8(SP)`, since Go 1.7), but its
+/// call frame information says nothing of rbp. Without it, rbp would go
+/// up the Go frames unchanged, and a step through the frame pointer past
+/// them (`RuleKind::GoStackSwitch`) would start from a callee's.
+fn with_go_saved_rbp(rule: Rule) -> Rule {
+    let frame_made = rule.kind() == RuleKind::CfaRsp as u32 && rule.cfa_offset() > 8;
+    if !frame_made || rule.rbp_slot() != 0 {
+        return rule;
+    }
+    Rule::new(RuleKind::CfaRsp, rule.cfa_offset(), 2).unwrap_or(rule)
 }
 
 /// Pushes onto `free` the parts of `code` that none of the `covered`
@@ -934,6 +1030,39 @@ mod tests {
         assert_eq!(rule_at(&table, call_site), rule(RuleKind::CfaRbp, 16, 2));
         let entry = symbol(&fs::read(&program).unwrap(), "walker");
         assert_eq!(rule_at(&table, entry), rule(RuleKind::CfaRsp, 8, 0));
+    }
+
+    #[test]
+    fn go_runtime_switches_and_roots_get_rules_of_their_own() {
+        let scratch = Scratch::new("go");
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/go-cgo/main.go");
+        fs::copy(fixture, scratch.0.join("main.go")).unwrap();
+        let status = Command::new("go")
+            .current_dir(&scratch.0)
+            .env("GO111MODULE", "off")
+            .env("GOCACHE", scratch.0.join("cache"))
+            .args(["build", "-o", "gocgo", "main.go"])
+            .status();
+        assert!(
+            status.is_ok_and(|status| status.success()),
+            "go build (cargo xtask test installs golang-go)"
+        );
+        let path = scratch.0.join("gocgo").display().to_string();
+        let data = read(&path);
+        let table = table_of(&path);
+        assert_well_formed(&path, &table);
+        // Since Go 1.17 the assembly function is NAME.abi0; NAME is the
+        // wrapper Go code calls, with a frame of its own and its rules.
+        let switch = symbol(&data, "runtime.asmcgocall.abi0");
+        assert_eq!(kind_at(&table, first_return_address(&data, switch)), RuleKind::GoStackSwitch);
+        let wrapper = symbol(&data, "runtime.asmcgocall");
+        assert_eq!(kind_at(&table, first_return_address(&data, wrapper) - 1), RuleKind::CfaRsp);
+        assert_eq!(kind_at(&table, symbol(&data, "runtime.systemstack.abi0")), RuleKind::GoStackSwitch);
+        assert_eq!(kind_at(&table, symbol(&data, "runtime.goexit.abi0")), RuleKind::Stop);
+        // A Go function's call site: rbp two slots below the CFA, as Go
+        // saves it, though its .debug_frame does not say so.
+        let remember = rule_at(&table, first_return_address(&data, symbol(&data, "main.remember")) - 1);
+        assert_eq!((RuleKind::try_from(remember.kind()), remember.rbp_slot()), (Ok(RuleKind::CfaRsp), 2));
     }
 
     #[test]

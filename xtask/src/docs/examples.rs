@@ -45,6 +45,7 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "jit", check: Check::Exact, make: jit },
     Example { name: "redis", check: Check::Outline, make: redis },
     Example { name: "go-static", check: Check::Exact, make: go_static },
+    Example { name: "go-cgo", check: Check::Numbers, make: go_cgo },
     Example { name: "flame-graph", check: Check::Exact, make: flame_graph },
     Example { name: "pprof", check: Check::Exact, make: pprof },
     Example { name: "diff", check: Check::Exact, make: diff },
@@ -514,6 +515,40 @@ fn go_static(workshop: &mut Workshop) -> Result<Made> {
     let (_, lines) = output(&mut workshop.memleak(&args))?;
     let mut transcript = Transcript::default();
     transcript.command(&typed(&args)).lines(&lines);
+    Ok(Made::text(&transcript))
+}
+
+/// tests/fixtures/go-cgo, whose Go function `remember` keeps 20 C strings
+/// from `C.CString`: its report, cut to that stack (`-Z 1000` leaves out
+/// the Go heap's mappings).
+fn go_cgo(workshop: &mut Workshop) -> Result<Made> {
+    workshop.go_program("go-cgo")?;
+    std::fs::rename(workshop.dir().join("go-cgo"), workshop.dir().join("gocgo"))?;
+    let args = ["-c", "./gocgo", "-Z", "1000"];
+    let lines = memleak_to_end(workshop, &args)?;
+    let header = lines
+        .iter()
+        .position(|line| line.contains(" stacks with outstanding allocations "))
+        .context("no report")?;
+    // A stack is its "\tN bytes in" line and the frames under it.
+    let starts: Vec<usize> = (header + 1..lines.len())
+        .filter(|&at| lines[at].starts_with('\t') && !lines[at].starts_with("\t\t"))
+        .collect();
+    let totals = lines.iter().position(|line| line.starts_with("Outstanding: ")).context("no totals")?;
+    let stack = starts
+        .iter()
+        .map(|&start| {
+            let end = lines[start + 1..]
+                .iter()
+                .position(|line| !line.starts_with("\t\t"))
+                .map_or(totals, |at| start + 1 + at);
+            &lines[start..end]
+        })
+        .find(|stack| stack.iter().any(|line| line.contains("main.remember")))
+        .context("no stack through main.remember")?;
+    let mut transcript = Transcript::default();
+    transcript.command(&typed(&args)).lines(&lines[..=header]).line("...").lines(stack).line("...");
+    transcript.lines(&lines[totals..]);
     Ok(Made::text(&transcript))
 }
 
