@@ -376,7 +376,7 @@ fn native_truncation(
     frames: &[Arc<Frame>],
 ) -> Option<Truncation> {
     // A walk that could not follow Go's switch back to the goroutine's
-    // stack (a program without a symbol table, --unwind fp) says so.
+    // stack (its caller's frame pointer led to no code) says so.
     if frames.last().is_some_and(|last| symbolize::ends_at_stack_switch(last)) {
         return Some(Truncation::StackSwitch);
     }
