@@ -404,8 +404,10 @@ const GO_RUNTIME_RULES: [(&str, RuleKind); 11] = [
 ];
 
 /// Whether `function` is one of Go's runtime functions that leave a
-/// goroutine's stack for the system stack.
+/// goroutine's stack for the system stack, by its name in DWARF or in the
+/// symbol table (`.abi0`).
 pub fn is_go_stack_switch(function: &str) -> bool {
+    let function = function.strip_suffix(".abi0").unwrap_or(function);
     GO_RUNTIME_RULES.iter().any(|&(name, kind)| kind == RuleKind::GoStackSwitch && name == function)
 }
 
@@ -1059,6 +1061,8 @@ mod tests {
         assert_eq!(kind_at(&table, first_return_address(&data, wrapper) - 1), RuleKind::CfaRsp);
         assert_eq!(kind_at(&table, symbol(&data, "runtime.systemstack.abi0")), RuleKind::GoStackSwitch);
         assert_eq!(kind_at(&table, symbol(&data, "runtime.goexit.abi0")), RuleKind::Stop);
+        assert!(is_go_stack_switch("runtime.asmcgocall") && is_go_stack_switch("runtime.mcall.abi0"));
+        assert!(!is_go_stack_switch("runtime.goexit") && !is_go_stack_switch("main.main"));
         // A Go function's call site: rbp two slots below the CFA, as Go
         // saves it, though its .debug_frame does not say so.
         let remember = rule_at(&table, first_return_address(&data, symbol(&data, "main.remember")) - 1);
