@@ -236,7 +236,8 @@ fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
     let after_switch = frames.iter().position(|name| *name == "runtime.asmcgocall").expect("the switch") + 1;
     assert_eq!(
         frames[after_switch..],
-        ["main._Cfunc_c_leak", "main.main.func1", "runtime.goexit"],
+        // main's second closure, the goroutine's body.
+        ["main._Cfunc_c_leak", "main.main.func2", "runtime.goexit"],
         "{frames:?}"
     );
     assert!(leaks[0]["truncated"].is_null(), "{:#}", leaks[0]);
@@ -256,6 +257,24 @@ fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
     let culprit = &strings[0]["culprit"];
     assert_eq!((culprit["function"].as_str(), culprit["line"].as_u64()), (Some("main.remember"), Some(line)));
     assert_eq!(functions(strings[0]).last(), Some(&"runtime.goexit"), "{:#}", strings[0]);
+    // 8 goroutines at once, 500 C strings each, from 0 to 39 calls of
+    // `deep` down: every one at its depth, each stack whole.
+    let mut expected = [0u64; 40];
+    for goroutine in 0..8 {
+        for round in 0..500 {
+            expected[(7 * goroutine + round) % 40] += 1;
+        }
+    }
+    let mut found = [0u64; 40];
+    for stack in stacks_through("main.deep") {
+        let frames = functions(stack);
+        assert_eq!(frames.last(), Some(&"runtime.goexit"), "{frames:?}");
+        assert!(stack["truncated"].is_null() && stack["culprit"]["function"] == "main.deep", "{stack:#}");
+        let depth = frames.iter().filter(|name| **name == "main.deep").count() - 1;
+        found[depth] += stack["allocations"].as_u64().unwrap();
+        assert_eq!(stack["bytes"], 11 * stack["allocations"].as_u64().unwrap());
+    }
+    assert_eq!(found, expected);
     // Go reserves its heap's address space up front: hundreds of MB that
     // no page backs.
     let reserved = report["hidden_mappings"]["reserved_bytes"].as_u64().unwrap();

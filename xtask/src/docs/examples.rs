@@ -524,7 +524,8 @@ fn go_static(workshop: &mut Workshop) -> Result<Made> {
 fn go_cgo(workshop: &mut Workshop) -> Result<Made> {
     workshop.go_program("go-cgo")?;
     std::fs::rename(workshop.dir().join("go-cgo"), workshop.dir().join("gocgo"))?;
-    let args = ["-c", "./gocgo", "-Z", "1000"];
+    // Its 40 depths of `deep` hold more than `remember`: all stacks shown.
+    let args = ["-c", "./gocgo", "-Z", "1000", "-T", "100"];
     let lines = memleak_to_end(workshop, &args)?;
     let header = lines
         .iter()
