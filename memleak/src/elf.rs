@@ -41,7 +41,7 @@ pub fn function_symbols(
 
 /// Whether the Go toolchain built it: Go's linker always writes the
 /// build information section.
-pub fn is_go_program(file: &object::File) -> bool {
+pub fn is_go_program<'data>(file: &impl object::Object<'data>) -> bool {
     file.section_by_name(".go.buildinfo").is_some()
 }
 

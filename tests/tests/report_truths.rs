@@ -2,7 +2,9 @@
 //! for itself (even from a free), thread stacks, reservations that are not
 //! memory, the processes a command forks, and what sampling counts.
 
-use memleak_tests::{marker_line, static_leaker, trace_command, trace_program, usage_at, Memleak};
+use memleak_tests::{
+    frame_functions, marker_line, static_leaker, trace_command, trace_program, usage_at, Memleak,
+};
 use serde_json::Value;
 
 /// The stacks of a report that hold mmap regions of `kind`.
@@ -206,16 +208,6 @@ fn a_go_program_without_cgo_is_told_why_there_is_nothing_to_trace() {
     );
 }
 
-/// The function names of a stack's frames, innermost first.
-fn functions(stack: &Value) -> Vec<&str> {
-    stack["frames"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|frame| frame["function"].as_str().unwrap_or("?"))
-        .collect()
-}
-
 #[test]
 fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
     let reports = trace_program(&memleak_tests::go_program("go-cgo"), "", &[]);
@@ -232,7 +224,7 @@ fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
         (1, 15_000, Some(30)),
         "{report:#}"
     );
-    let frames = functions(leaks[0]);
+    let frames = frame_functions(leaks[0]);
     let after_switch = frames.iter().position(|name| *name == "runtime.asmcgocall").expect("the switch") + 1;
     assert_eq!(
         frames[after_switch..],
@@ -256,7 +248,7 @@ fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
     let line = source.lines().position(|line| line.contains("ALLOC(cstring)")).unwrap() as u64 + 1;
     let culprit = &strings[0]["culprit"];
     assert_eq!((culprit["function"].as_str(), culprit["line"].as_u64()), (Some("main.remember"), Some(line)));
-    assert_eq!(functions(strings[0]).last(), Some(&"runtime.goexit"), "{:#}", strings[0]);
+    assert_eq!(frame_functions(strings[0]).last(), Some(&"runtime.goexit"), "{:#}", strings[0]);
     // 8 goroutines at once, 500 C strings each, from 0 to 39 calls of
     // `deep` down: every one at its depth, each stack whole.
     let mut expected = [0u64; 40];
@@ -267,7 +259,7 @@ fn a_cgo_programs_c_leaks_are_found_with_the_go_code_that_called_c() {
     }
     let mut found = [0u64; 40];
     for stack in stacks_through("main.deep") {
-        let frames = functions(stack);
+        let frames = frame_functions(stack);
         assert_eq!(frames.last(), Some(&"runtime.goexit"), "{frames:?}");
         assert!(stack["truncated"].is_null() && stack["culprit"]["function"] == "main.deep", "{stack:#}");
         let depth = frames.iter().filter(|name| **name == "main.deep").count() - 1;

@@ -201,17 +201,11 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
         Ok(RuleKind::CfaRsp | RuleKind::CfaRbp) => cfa_step(walk, rule)?,
         Ok(RuleKind::Stop) => return end(walk, WalkEnd::Root),
         Ok(RuleKind::Signal) => signal_step(walk)?,
-        Ok(RuleKind::GoStackSwitch) => {
-            // Back from the system stack to the goroutine's, lower or
-            // higher: only the landing in code vouches for the step.
-            let caller = frame_pointer_step(walk, 0)?;
-            if !in_known_code(walk, mappings, caller.pc.wrapping_sub(1)) {
-                return end(walk, WalkEnd::NoUnwindInfo);
-            }
-            caller
-        }
-        Ok(RuleKind::FramePointer | RuleKind::Unsupported) | Err(_) => {
-            let caller = frame_pointer_step(walk, walk.sp)?;
+        Ok(RuleKind::FramePointer | RuleKind::Unsupported | RuleKind::GoStackSwitch) | Err(_) => {
+            // Back from the system stack to a goroutine's, the frame
+            // pointer may lie anywhere, below the stack pointer or above.
+            let switching = rule.kind() == RuleKind::GoStackSwitch as u32;
+            let caller = frame_pointer_step(walk, if switching { 0 } else { walk.sp })?;
             // No unwind information vouches for it: only a frame in code
             // the process maps is kept.
             if !in_known_code(walk, mappings, caller.pc.wrapping_sub(1)) {

@@ -475,7 +475,7 @@ impl Builder {
     /// of its own, which keeps the rules its call frame information
     /// gives.
     fn add_go_runtime_rules<'data, R: ReadRef<'data>>(&mut self, object: &Elf<'data, R>) {
-        if object.section_by_name(".go.buildinfo").is_none() {
+        if !crate::elf::is_go_program(object) {
             return;
         }
         self.go = true;

@@ -531,24 +531,17 @@ fn go_cgo(workshop: &mut Workshop) -> Result<Made> {
         .iter()
         .position(|line| line.contains(" stacks with outstanding allocations "))
         .context("no report")?;
-    // A stack is its "\tN bytes in" line and the frames under it.
-    let starts: Vec<usize> = (header + 1..lines.len())
-        .filter(|&at| lines[at].starts_with('\t') && !lines[at].starts_with("\t\t"))
-        .collect();
-    let totals = lines.iter().position(|line| line.starts_with("Outstanding: ")).context("no totals")?;
-    let stack = starts
+    // The stack is its "\tN bytes in" line, its culprit, and its frames.
+    let culprit = lines
         .iter()
-        .map(|&start| {
-            let end = lines[start + 1..]
-                .iter()
-                .position(|line| !line.starts_with("\t\t"))
-                .map_or(totals, |at| start + 1 + at);
-            &lines[start..end]
-        })
-        .find(|stack| stack.iter().any(|line| line.contains("main.remember")))
-        .context("no stack through main.remember")?;
+        .position(|line| line.starts_with("\t\tculprit: main.remember"))
+        .context("no stack named by main.remember")?;
+    let end =
+        lines[culprit..].iter().position(|line| !line.starts_with("\t\t")).context("no totals")? + culprit;
+    let totals = lines.iter().position(|line| line.starts_with("Outstanding: ")).context("no totals")?;
     let mut transcript = Transcript::default();
-    transcript.command(&typed(&args)).lines(&lines[..=header]).line("...").lines(stack).line("...");
+    transcript.command(&typed(&args)).lines(&lines[..=header]).line("...").lines(&lines[culprit - 1..end]);
+    transcript.line("...");
     transcript.lines(&lines[totals..]);
     Ok(Made::text(&transcript))
 }
