@@ -27,6 +27,7 @@
 )]
 
 mod calls;
+mod checked;
 mod counters;
 mod deferred;
 mod events;

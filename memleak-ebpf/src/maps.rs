@@ -300,4 +300,9 @@ pub struct WalkState {
     /// frame-pointer step landing there is in known code without a search.
     pub code_start: u64,
     pub code_end: u64,
+    /// The words just below a CFA, read at once by a CFA step. Here and
+    /// not on the BPF stack: the saved rbp is picked among them by an
+    /// index known only at run time, which verifiers before 6.x allow in
+    /// map memory only. Written by each step before it is read.
+    pub below_cfa: core::mem::MaybeUninit<[u64; 8]>,
 }

@@ -16,7 +16,10 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{pt_regs, BPF_NOEXIST},
-    helpers::{bpf_probe_read_user, generated::bpf_ktime_get_ns},
+    helpers::{
+        bpf_probe_read_user,
+        generated::{bpf_ktime_get_ns, bpf_probe_read_user as bpf_probe_read_user_raw},
+    },
     EbpfContext,
 };
 use memleak_common::{
@@ -28,7 +31,10 @@ use super::{
     reuse::{self, SLOT_SIGNAL},
     Walked,
 };
-use crate::maps::{Frame, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE};
+use crate::{
+    checked::{non_null, opaque},
+    maps::{Frame, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE},
+};
 
 /// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
 const MAPPING_SEARCH_STEPS: u32 = 10;
@@ -100,6 +106,7 @@ pub fn walk<C: EbpfContext>(
         // that writes a byte per iteration.
         code_start: u64::MAX,
         code_end: 0,
+        below_cfa: core::mem::MaybeUninit::uninit(),
     };
     let mut walking = Walking { mappings, key };
     reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 });
@@ -234,7 +241,7 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
 /// the walk ends, and a rescan is asked for.
 fn rule_at(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> Option<Rule> {
     let owner = u64::from(walk.tgid) << 32 | u64::from(mappings.generation);
-    let slot = RULE_CACHE.get_ptr_mut(0).map(|cache| {
+    let slot = non_null(RULE_CACHE.get_ptr_mut(0)).map(|cache| {
         let index = (pc ^ (pc >> 12)) as usize & (RULE_CACHE_ENTRIES - 1);
         // SAFETY: this CPU's cache; an index masked into its bounds.
         unsafe { &mut (*cache)[index] }
@@ -285,22 +292,30 @@ fn cfa_step(walk: &mut WalkState, rule: Rule) -> Option<Caller> {
     // One read for the return address and a saved rbp, which sit just
     // below the CFA in all but huge frames: each read is a helper call.
     let slot = rule.rbp_slot();
-    // SAFETY: a read of user memory, which the helper makes fault-safe.
-    let below = unsafe { bpf_probe_read_user((cfa - 8 * u64::from(WORDS_BELOW_CFA)) as *const [u64; 8]) };
-    let (pc, bp) = match below {
-        Ok(words) if slot < WORDS_BELOW_CFA => {
-            (words[7], if slot == 0 { walk.bp } else { words[(8 - slot) as usize & 7] })
-        }
+    let words = (&raw mut walk.below_cfa).cast::<[u64; WORDS_BELOW_CFA as usize]>();
+    // SAFETY: a fault-safe read of user memory into the walk's own words,
+    // map memory as large as the read.
+    let status = unsafe {
+        bpf_probe_read_user_raw(
+            words.cast(),
+            8 * WORDS_BELOW_CFA,
+            (cfa - 8 * u64::from(WORDS_BELOW_CFA)) as *const c_void,
+        )
+    };
+    let (pc, bp) = if status == 0 && slot < WORDS_BELOW_CFA {
+        // SAFETY: the words the read above has just filled.
+        let words = unsafe { &*words };
+        let index = opaque(u64::from(WORDS_BELOW_CFA - slot)) as usize & (WORDS_BELOW_CFA as usize - 1);
+        let bp = if slot == 0 { walk.bp } else { words[index] };
+        (words[7], bp)
+    } else {
         // Near the stack's end, or rbp saved further down: word by word.
-        _ => {
-            let Some(pc) = read(cfa - 8) else {
-                end(walk, WalkEnd::BadFrame);
-                return None;
-            };
-            let bp =
-                if slot == 0 { walk.bp } else { read(cfa.wrapping_sub(8 * u64::from(slot))).unwrap_or(0) };
-            (pc, bp)
-        }
+        let Some(pc) = read(cfa - 8) else {
+            end(walk, WalkEnd::BadFrame);
+            return None;
+        };
+        let bp = if slot == 0 { walk.bp } else { read(cfa.wrapping_sub(8 * u64::from(slot))).unwrap_or(0) };
+        (pc, bp)
     };
     Some(Caller { pc, sp: cfa, bp, slot: Frame::slot_of(slot) })
 }
