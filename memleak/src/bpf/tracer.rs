@@ -8,7 +8,7 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues, ProgramArray, RingBuf},
     programs::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
-        BtfTracePoint, ProgramError, UProbe,
+        BtfTracePoint, ProgramError, RawTracePoint, UProbe,
     },
     Ebpf, EbpfError, EbpfLoader, Pod,
 };
@@ -665,8 +665,7 @@ impl Tracer {
     /// Attaches the kernel allocation tracepoints (and the per-CPU ones).
     pub fn attach_kernel(&mut self, percpu: bool) -> Result<(), TracerError> {
         let btf = self.kernel_btf()?;
-        let percpu_programs: &[&'static str] = if percpu { &programs::KERNEL_PERCPU } else { &[] };
-        let wanted: Vec<&'static str> = programs::KERNEL.iter().chain(percpu_programs).copied().collect();
+        let sites = kernel_tracepoints(&btf, percpu);
         let missing = |tracepoint: &str, error: ProgramError| TracerError::KernelFeature {
             feature: format!("the {tracepoint} tracepoint"),
             detail: error.to_string(),
@@ -674,16 +673,19 @@ impl Tracer {
         // All loaded before any is attached, and frees attached first: an
         // allocation recorded while its free is not traced yet would stay
         // outstanding for good.
-        for &tracepoint in &wanted {
-            let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
-            program.load(tracepoint, &btf).map_err(|error| missing(tracepoint, error))?;
+        for &(program, _) in &sites {
+            let loaded = raw_tracepoint(&mut self.ebpf, program)?;
+            if loaded.fd().is_err() {
+                loaded.load().map_err(|error| missing(program, error))?;
+            }
         }
         let (frees, allocations): (Vec<_>, Vec<_>) =
-            wanted.iter().partition(|name| programs::KERNEL_RELEASES.contains(name));
-        for &tracepoint in frees.into_iter().chain(allocations) {
-            let program = btf_tracepoint(&mut self.ebpf, tracepoint)?;
-            program.attach().map_err(|error| missing(tracepoint, error))?;
-            log::debug!("attached to the {tracepoint} tracepoint");
+            sites.iter().partition(|(program, _)| programs::KERNEL_RELEASES.contains(program));
+        for &(program, tracepoint) in frees.into_iter().chain(allocations) {
+            raw_tracepoint(&mut self.ebpf, program)?
+                .attach(tracepoint)
+                .map_err(|error| missing(tracepoint, error))?;
+            log::debug!("attached {program} to the {tracepoint} tracepoint");
         }
         Ok(())
     }
@@ -824,6 +826,36 @@ fn btf_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut 
     ebpf.program_mut(name)
         .and_then(|program| <&mut BtfTracePoint>::try_from(program).ok())
         .ok_or(TracerError::Missing(name))
+}
+
+fn raw_tracepoint<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut RawTracePoint, TracerError> {
+    ebpf.program_mut(name)
+        .and_then(|program| <&mut RawTracePoint>::try_from(program).ok())
+        .ok_or(TracerError::Missing(name))
+}
+
+/// Each kernel allocation program with a tracepoint it attaches to. Before
+/// 6.1, `kmalloc_node`, `kmem_cache_alloc` and `kmem_cache_alloc_node`
+/// were tracepoints of their own with `kmalloc`'s arguments (the size
+/// where 6.1's `kmem_cache_alloc` gives the cache): `kmalloc` serves them
+/// all there. Told apart by `kmalloc_node`'s BTF type, which 6.1 dropped.
+fn kernel_tracepoints(btf: &aya::Btf, percpu: bool) -> Vec<(&'static str, &'static str)> {
+    let before_6_1 =
+        btf.id_by_type_name_kind("btf_trace_kmalloc_node", aya_obj::btf::BtfKind::Typedef).is_ok();
+    let mut sites: Vec<(&'static str, &'static str)> = Vec::new();
+    for &program in programs::KERNEL.iter().chain(if percpu { &programs::KERNEL_PERCPU[..] } else { &[] }) {
+        if before_6_1 && program == "kmem_cache_alloc" {
+            continue;
+        }
+        sites.push((program, program));
+    }
+    if before_6_1 {
+        sites.extend(
+            ["kmalloc_node", "kmem_cache_alloc", "kmem_cache_alloc_node"]
+                .map(|tracepoint| ("kmalloc", tracepoint)),
+        );
+    }
+    sites
 }
 
 /// Why the kernel refused to load the object: privileges, or a map.
