@@ -51,6 +51,7 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
             Traced::Processes
         }
     };
+    Tracer::check_kernel()?;
     Tracer::check_privileges(traced)?;
     // Before anything is attached too: a file that may not be overwritten
     // or cannot be written is an error now, not after the run.
@@ -73,7 +74,7 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
     }
     let mut session = Session::start(&config.target, &session_config)?;
     let attached = session.first_attached().map(|at| at.saturating_duration_since(starting));
-    stats.started(session.load_time(), attached, starting.elapsed())?;
+    stats.started(session.load_time(), attached, starting.elapsed(), &session.kernel_paths())?;
     announce(&session, &config.target, &mut stats)?;
     let mut sinks = Sinks { output: &mut output, saves: saves.as_mut(), stats: &mut stats };
     let ended = drive(config, &mut session, &mut sinks, &mut stop).await;

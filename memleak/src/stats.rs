@@ -2,7 +2,8 @@
 //! benchmark, say) instead of log lines meant for people. One object per
 //! line, each with an `event` naming what it records:
 //!
-//! - `started`: how long loading the BPF programs and starting took;
+//! - `started`: how long loading the BPF programs and starting took, and
+//!   the path each part of the tracer takes on this kernel (`kernel`);
 //! - `probes`: where the probes for a process went;
 //! - `report`: a report's size, and how long it took from reading the maps
 //!   to the report;
@@ -26,6 +27,7 @@ use serde::Serialize;
 
 use crate::{
     attach::AttachPlan,
+    bpf::kernel_features,
     report::Report,
     unwind::tables::{TableBuilt, UnwindStats},
 };
@@ -69,6 +71,8 @@ enum Record<'a> {
         #[serde(skip_serializing_if = "Option::is_none")]
         attached_ms: Option<f64>,
         start_ms: f64,
+        /// The path each part of the tracer takes on this kernel.
+        kernel: &'a kernel_features::Paths,
     },
     StackWalks {
         walks: u64,
@@ -206,11 +210,13 @@ impl Stats {
         load: Duration,
         attached: Option<Duration>,
         start: Duration,
+        kernel: &kernel_features::Paths,
     ) -> Result<(), StatsError> {
         self.write(&Record::Started {
             load_ms: load.as_secs_f64() * 1000.0,
             attached_ms: attached.map(|attached| attached.as_secs_f64() * 1000.0),
             start_ms: start.as_secs_f64() * 1000.0,
+            kernel,
         })
     }
 

@@ -73,7 +73,29 @@ pub fn tracepoint_arguments(path: &Path, name: &str) -> Result<Option<usize>, Bt
     }
 }
 
+/// Whether enum `name` of the kernel's BTF at `path` has a value named
+/// `value`: `bpf_func_id` lists every BPF helper the kernel has.
+pub fn enum_has_value(path: &Path, name: &str, value: &str) -> Result<bool, BtfError> {
+    let data =
+        std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
+    let btf = Btf::new(&data)?;
+    for found in btf.types() {
+        let found = found?;
+        if found.kind() != KIND_ENUM || btf.name(&found) != name.as_bytes() {
+            continue;
+        }
+        for index in 0..found.vlen() {
+            if btf.string(word(&data, found.data_at + index * 8)?) == value.as_bytes() {
+                return Ok(true);
+            }
+        }
+        return Ok(false);
+    }
+    Ok(false)
+}
+
 const KIND_STRUCT: u32 = 4;
+const KIND_ENUM: u32 = 6;
 const KIND_TYPEDEF: u32 = 8;
 const KIND_FUNC_PROTO: u32 = 13;
 

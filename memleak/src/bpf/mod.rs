@@ -2,11 +2,14 @@
 //! (`tracer`), reading its maps once per report round (`contents`), its
 //! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`);
 //! munmap and mprotect seen from a kernel tracepoint (`mapping_tracepoint`);
-//! what all that takes of privileges on this kernel (`privileges`), the
+//! what this kernel offers of the features the programs use
+//! (`kernel_features`), what all that takes of privileges on this kernel
+//! (`privileges`), the
 //! multi-uprobe links it attaches through (`multi_uprobes`), and what each
 //! sized map asks of the kernel's memory (`map_costs`).
 
 pub mod contents;
+pub mod kernel_features;
 pub mod map_costs;
 pub mod mapping_tracepoint;
 pub mod multi_uprobes;

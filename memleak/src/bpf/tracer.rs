@@ -23,6 +23,7 @@ use memleak_common::{
 };
 
 use super::{
+    kernel_features,
     map_costs::{self, MapCost},
     mapping_tracepoint,
     multi_uprobes::{self, LoadError, MultiUprobePrograms},
@@ -59,6 +60,8 @@ pub enum TracerError {
     ReadMap { map: &'static str, source: aya::maps::MapError },
     #[error("this kernel lacks {feature}, which memleak needs: {detail}")]
     KernelFeature { feature: String, detail: String },
+    #[error("{0}")]
+    Kernel(#[from] kernel_features::KernelError),
     #[error("the BPF object lacks {0}: memleak was built wrongly")]
     Missing(&'static str),
     #[error("failed to write BPF map {map}: {source}")]
@@ -213,6 +216,9 @@ pub struct Tracer {
     /// a kernel tracepoint sees instead (`mapping_tracepoint`): no
     /// `attach` places them.
     seen_in_kernel: Vec<&'static str>,
+    /// Whether `attach_kernel` attached the kernel's allocation
+    /// tracepoints.
+    traces_kernel: bool,
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
@@ -229,6 +235,15 @@ fn uprobe_programs() -> Vec<&'static str> {
         }
     }
     programs
+}
+
+/// How many Python frames a stack may hold, if the BPF side walks them:
+/// two slots a frame, and one native frame at least.
+fn python_frame_limit(config: &TracerConfig) -> Option<u16> {
+    config.settings.python_max_frames.filter(|_| config.py_fsbase_offset != 0).map(|max_frames| {
+        let room = config.settings.stack_depth.saturating_sub(1) / 2;
+        max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
+    })
 }
 
 /// Loads the uprobe programs through aya, for perf-event uprobes, and
@@ -284,6 +299,37 @@ impl Tracer {
     /// `traced` takes on this kernel, with what to do (`privileges`).
     pub fn check_privileges(traced: Traced) -> Result<(), TracerError> {
         privileges::check(traced).map_err(TracerError::NotPermitted)
+    }
+
+    /// Fails early, with one line, on a kernel whose verifier or helpers
+    /// cannot run memleak's programs (`kernel_features`).
+    pub fn check_kernel() -> Result<(), TracerError> {
+        kernel_features::check().map_err(TracerError::Kernel)
+    }
+
+    /// Whether the kernel's allocation tracepoints are attached.
+    pub fn traces_kernel(&self) -> bool {
+        self.traces_kernel
+    }
+
+    /// The path each part of the tracer takes on this kernel.
+    pub fn kernel_paths(&self, kernel_mode: bool) -> kernel_features::Paths {
+        let uprobes = match (&self.multi, kernel_mode) {
+            (_, true) => "none",
+            (Some(_), false) => "multi-uprobe links",
+            (None, false) => "perf-event uprobes",
+        };
+        let munmap_mprotect = match (self.seen_in_kernel.is_empty(), kernel_mode) {
+            (_, true) => "none",
+            (false, false) => "mmap_lock tracepoint",
+            (true, false) => "uprobes",
+        };
+        kernel_features::Paths {
+            release: kernel_features::release(),
+            uprobes,
+            munmap_mprotect,
+            loops: "bpf_loop",
+        }
     }
 
     /// Loads the programs with SIGINT and SIGTERM held since memleak's
@@ -349,17 +395,10 @@ impl Tracer {
             btf_parsing,
             first_attached: None,
             closer: None,
-            python_max_frames: config
-                .settings
-                .python_max_frames
-                .filter(|_| config.py_fsbase_offset != 0)
-                .map(|max_frames| {
-                    // Two slots a frame, and one native frame at least.
-                    let room = config.settings.stack_depth.saturating_sub(1) / 2;
-                    max_frames.min(u16::try_from(room).unwrap_or(u16::MAX))
-                }),
+            python_max_frames: python_frame_limit(config),
             python_walking: false,
             seen_in_kernel: Vec::new(),
+            traces_kernel: false,
         })
     }
 
@@ -687,6 +726,7 @@ impl Tracer {
                 .map_err(|error| missing(tracepoint, error))?;
             log::debug!("attached {program} to the {tracepoint} tracepoint");
         }
+        self.traces_kernel = true;
         Ok(())
     }
 

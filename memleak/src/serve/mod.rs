@@ -102,6 +102,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
     let (mut containers, found) = FollowedContainers::start(&config.containers)?;
     let selectors: Vec<Selector> = config.selectors.iter().cloned().chain(found).collect();
+    Tracer::check_kernel()?;
     Tracer::check_privileges(Traced::Processes)?;
     let listener = TcpListener::bind(config.listen)
         .map_err(|source| ServeError::Listen { address: config.listen, source })?;
@@ -112,6 +113,8 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let session_config =
         SessionConfig { excluded: feedback::excluded(false, None), ..config.session.clone() };
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
+    // Said with -v, as the one-shot runs say it.
+    let _ = session.kernel_paths();
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
     let mut collector = Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()));
     collector.sync(&session);

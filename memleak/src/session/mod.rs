@@ -681,6 +681,21 @@ impl Session {
         self.tracer.seen_in_kernel()
     }
 
+    /// The path each part of the tracer takes on this kernel, also said
+    /// with -v.
+    pub fn kernel_paths(&self) -> crate::bpf::kernel_features::Paths {
+        let kernel_mode = self.tracer.traces_kernel();
+        let paths = self.tracer.kernel_paths(kernel_mode);
+        log::debug!(
+            "kernel {}: uprobes through {}, munmap and mprotect through {}, stack walks looping with {}",
+            paths.release,
+            paths.uprobes,
+            paths.munmap_mprotect,
+            paths.loops
+        );
+        paths
+    }
+
     /// How long loading the BPF programs took.
     pub fn load_time(&self) -> std::time::Duration {
         self.tracer.load_time()

@@ -1,0 +1,94 @@
+//! What the running kernel offers of what memleak's BPF programs use,
+//! asked of the kernel itself at start (its BTF, a probe load), never
+//! guessed from its version: distributions backport features, and a
+//! version says nothing of a kernel built without BTF.
+//!
+//! Two things are required: the kernel's BTF, and the `bpf_loop` helper,
+//! which the stack walker runs on (Linux 5.17). A kernel without either
+//! is refused with one line saying what it lacks. The rest have a path
+//! on every kernel, and `-v` and `--stats` say which one runs: see
+//! [`Paths`].
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::attach::kernel_btf;
+
+/// The oldest kernel release memleak's programs load on.
+pub const OLDEST_KERNEL: &str = "5.17";
+
+/// The kernels memleak's suite runs on (`cargo xtask test`): Debian's.
+pub const TESTED_KERNELS: &str = "Debian's 6.1, 6.12 and newer";
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(
+        "this kernel ({release}) has no BTF at {path}: memleak needs a kernel built with \
+         CONFIG_DEBUG_INFO_BTF (as Debian's, Ubuntu's, RHEL's and Amazon Linux's are), {OLDEST_KERNEL} or later"
+    )]
+    NoBtf { release: String, path: &'static str },
+    #[error(
+        "this kernel ({release}) lacks the BPF helper {helper}, which memleak's stack walker needs: \
+         memleak runs on Linux {OLDEST_KERNEL} or later (tested on {TESTED_KERNELS})"
+    )]
+    MissingHelper { release: String, helper: &'static str },
+}
+
+/// Fails with one line when this kernel cannot run memleak's programs.
+pub fn check() -> Result<(), KernelError> {
+    check_btf(Path::new(kernel_btf::VMLINUX_BTF), &release())
+}
+
+fn check_btf(btf: &Path, release: &str) -> Result<(), KernelError> {
+    let no_btf = || KernelError::NoBtf { release: release.to_owned(), path: kernel_btf::VMLINUX_BTF };
+    // An empty or unreadable file is no BTF either: a container may mask it.
+    match kernel_btf::enum_has_value(btf, "bpf_func_id", "BPF_FUNC_loop") {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(KernelError::MissingHelper { release: release.to_owned(), helper: "bpf_loop" }),
+        Err(_) => Err(no_btf()),
+    }
+}
+
+/// The running kernel's release (`uname -r`).
+pub fn release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| "unknown".to_owned(), |r| r.trim().to_owned())
+}
+
+/// The path each part of the tracer takes on this kernel, for `-v` and
+/// `--stats`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Paths {
+    /// `uname -r`.
+    pub release: String,
+    /// "multi-uprobe links" (6.6) or "perf-event uprobes".
+    pub uprobes: &'static str,
+    /// "`mmap_lock` tracepoint" or "uprobes": how munmap and mprotect are
+    /// seen.
+    pub munmap_mprotect: &'static str,
+    /// How the BPF programs loop over frames: "`bpf_loop`".
+    pub loops: &'static str,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_kernels_btf_has_bpf_loop() {
+        let checked = check_btf(Path::new(kernel_btf::VMLINUX_BTF), "6.18");
+        assert!(checked.is_ok(), "the development kernel has bpf_loop, but: {checked:?}");
+    }
+
+    #[test]
+    fn an_empty_btf_is_no_btf_in_one_line() {
+        let error = check_btf(Path::new("/dev/null"), "6.1.0-57-amd64").expect_err("/dev/null holds no BTF");
+        let line = error.to_string();
+        assert!(matches!(error, KernelError::NoBtf { .. }), "{line}");
+        assert!(
+            line.contains("6.1.0-57-amd64") && line.contains("CONFIG_DEBUG_INFO_BTF") && !line.contains('\n'),
+            "{line}"
+        );
+    }
+}
