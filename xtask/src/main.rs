@@ -5,6 +5,7 @@ mod bench;
 mod dist;
 mod docs;
 mod setup;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -90,6 +91,10 @@ enum Task {
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only"])]
         mprotect_only: bool,
     },
+    /// Boot another Linux kernel (a Debian package, or a series such as
+    /// 5.10, 6.1, 6.12, newest) under qemu with this machine's / and run
+    /// a command in it as root: `cargo xtask vm 6.1 -- uname -r`.
+    Vm(vm::Args),
 }
 
 fn main() -> Result<()> {
@@ -112,6 +117,7 @@ fn main() -> Result<()> {
         Task::Docs { examples, check, fresh, names } => {
             docs::run(&docs::Options { examples, check, fresh, only: names })
         }
+        Task::Vm(args) => vm::run(&args),
     }
 }
 

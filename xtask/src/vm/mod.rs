@@ -1,0 +1,553 @@
+//! `cargo xtask vm KERNEL -- COMMAND`: boots another Linux kernel under
+//! qemu and runs one command in it as root. memleak's BPF programs meet
+//! each kernel's verifier and helpers, and what loads on the host's kernel
+//! may be refused by the older ones fleets run (Debian's 5.10, 6.1, 6.12):
+//! this is how to see it without such a machine.
+//!
+//! Inside, `/` is this machine's, shared read-only over virtio-9p under a
+//! tmpfs overlay, so the host's programs and files (memleak's build
+//! included) are at their usual paths; writes stay in the VM but for the
+//! directories shared read-write (`--rw`). The kernels are Debian's
+//! packages, unpacked under target/vm/ (kernels.rs), booted with an
+//! initramfs made here (initramfs.rs). Where the host's KVM cannot run a
+//! distribution kernel (no `kvm_intel` or `kvm_amd`: a PVM sandbox), qemu
+//! emulates (TCG): slower, but the command starts in seconds.
+
+mod apt;
+mod initramfs;
+mod kernels;
+
+use std::{
+    fmt::Display,
+    fs,
+    io::{Read as _, Write as _},
+    os::unix::io::AsRawFd as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+
+pub use kernels::{resolve_kernel, resolve_kernel_with, Kernel};
+
+/// The exit status when the VM ran past its time, as timeout(1) has it.
+pub const TIMED_OUT: i32 = 124;
+
+/// The exit status when the command never ran to its end (no boot, a
+/// panic) or the harness failed: `git bisect run` takes it as "cannot
+/// test this one".
+pub const NEVER_RAN: i32 = 125;
+
+/// How many of the console's last lines are shown when the command did
+/// not run to its end.
+const CONSOLE_LINES: usize = 40;
+
+/// How often the run directory's files are looked at.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Whether the harness says what it does on stderr.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verbosity {
+    #[default]
+    Normal,
+    Quiet,
+}
+
+impl Verbosity {
+    fn say(self, message: impl Display) {
+        if self == Self::Normal {
+            eprintln!("xtask: vm: {message}");
+        }
+    }
+}
+
+/// How qemu runs the guest's CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Accel {
+    /// KVM where the host's can run any kernel (`kvm_intel` or `kvm_amd`
+    /// loaded, /dev/kvm writable), else TCG.
+    #[default]
+    Auto,
+    /// Hardware virtualisation.
+    Kvm,
+    /// qemu's emulation, multi-threaded.
+    Tcg,
+}
+
+/// How the VM is made and how long it may run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmOptions {
+    pub cpus: u32,
+    /// As qemu's -m takes it: 2G, 512M.
+    pub memory: String,
+    /// For the whole VM, boot included.
+    pub timeout: Duration,
+    /// Directories shared read-write, each at its own path.
+    pub read_write: Vec<PathBuf>,
+    pub accel: Accel,
+    /// More kernel command-line arguments.
+    pub append: String,
+    /// Keep the run directory (console log, dmesg, the command's output)
+    /// and say where it is.
+    pub keep: bool,
+    pub verbosity: Verbosity,
+}
+
+impl Default for VmOptions {
+    fn default() -> Self {
+        Self {
+            cpus: 2,
+            memory: "2G".to_owned(),
+            timeout: Duration::from_mins(15),
+            read_write: Vec::new(),
+            accel: Accel::Auto,
+            append: String::new(),
+            keep: false,
+            verbosity: Verbosity::Normal,
+        }
+    }
+}
+
+impl VmOptions {
+    /// These options with the workspace's target/ shared read-write, where
+    /// a test in the VM can leave what the host should see.
+    #[must_use]
+    pub fn sharing_target(mut self) -> Self {
+        self.read_write.push(crate::root().join("target"));
+        self
+    }
+}
+
+/// What `cargo xtask vm --help` ends with.
+const HELP_AFTER: &str = "\
+COMMAND runs with bash as root in the VM, in the current directory, with stdin from /dev/null; \
+its output comes back as it is written. / is this machine's, read-only under a tmpfs overlay: \
+writes stay in the VM but under --rw directories. proc, sysfs, devtmpfs, cgroup2, debugfs, \
+tracefs, bpffs and securityfs are mounted, and the kernel's modules are at /lib/modules/$(uname -r).
+
+Exit status: the command's; 124 when the VM ran past --timeout; 125 when it never ran the command \
+(no boot, a panic: the console's last lines are printed) or the harness failed.
+
+Kernels, busybox, initramfs images and run directories are kept under target/vm/.";
+
+/// `cargo xtask vm`'s command line.
+#[derive(clap::Args, Debug)]
+#[command(after_long_help = HELP_AFTER)]
+pub struct Args {
+    /// A linux-image-*.deb (A.deb,B.deb,C.deb for a kernel split in
+    /// parts, as Debian's 7.x), a directory holding one unpacked, a
+    /// package name, or a series fetched from Debian: 5.10, 6.1, 6.12,
+    /// ... or newest.
+    kernel: String,
+    /// Virtual CPUs.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    cpus: u32,
+    /// Memory, as qemu's -m takes it.
+    #[arg(long, default_value = "2G", value_name = "SIZE")]
+    mem: String,
+    /// Wall-clock limit for the whole VM, boot included.
+    #[arg(long, default_value_t = 900, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    timeout: u64,
+    /// Also share DIR read-write, at the same path (repeatable).
+    #[arg(long = "rw", value_name = "DIR")]
+    read_write: Vec<PathBuf>,
+    /// Share the workspace's target/ read-write.
+    #[arg(long)]
+    rw_target: bool,
+    /// How qemu runs the guest.
+    #[arg(long, value_enum, default_value_t = Accel::Auto)]
+    accel: Accel,
+    /// More kernel command-line arguments.
+    #[arg(long, default_value = "", value_name = "ARGS", allow_hyphen_values = true)]
+    append: String,
+    /// Keep the run directory (console log, dmesg, output) and say where.
+    #[arg(long)]
+    keep: bool,
+    /// No messages of the harness's own on stderr.
+    #[arg(short)]
+    quiet: bool,
+    /// Run by bash, its words joined by spaces.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<String>,
+}
+
+/// `cargo xtask vm`: exits with the command's status.
+pub fn run(args: &Args) -> ! {
+    let status = match run_cli(args) {
+        Ok(status) => status,
+        Err(error) => {
+            eprintln!("xtask: vm: error: {error:#}");
+            NEVER_RAN
+        }
+    };
+    std::process::exit(status)
+}
+
+fn run_cli(args: &Args) -> Result<i32> {
+    let verbosity = if args.quiet { Verbosity::Quiet } else { Verbosity::Normal };
+    let kernel = match verbosity {
+        Verbosity::Normal => resolve_kernel(&args.kernel)?,
+        Verbosity::Quiet => resolve_kernel_with(&args.kernel, verbosity)?,
+    };
+    let mut options = VmOptions {
+        cpus: args.cpus,
+        memory: args.mem.clone(),
+        timeout: Duration::from_secs(args.timeout),
+        read_write: args.read_write.clone(),
+        accel: args.accel,
+        append: args.append.clone(),
+        keep: args.keep,
+        verbosity,
+    };
+    if args.rw_target {
+        options = options.sharing_target();
+    }
+    run_in_vm(&kernel, &options, &args.command.join(" "))
+}
+
+/// Runs `command` with bash as root in a VM booted from `kernel`, in the
+/// current directory, its output passed on as it comes, and returns its
+/// exit status: `TIMED_OUT` when the VM ran past `options.timeout`,
+/// `NEVER_RAN` when the command did not run to its end (the console's last
+/// lines are printed). An error is the harness's own failure.
+pub fn run_in_vm(kernel: &Kernel, options: &VmOptions, command: &str) -> Result<i32> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the VM shares this machine's / and its initramfs has device files: \
+             run as root (sudo -E cargo xtask vm ...)"
+        );
+    }
+    install_host_tools()?;
+    let (accel, accel_arguments) = accel_arguments(options.accel)?;
+    let initrd = {
+        let _lock = lock_cache()?;
+        let busybox = kernels::busybox(options.verbosity)?;
+        initramfs::build(kernel, &busybox, options.verbosity)?
+    };
+    let read_write = options
+        .read_write
+        .iter()
+        .map(|dir| dir.canonicalize().with_context(|| format!("cannot share {}", dir.display())))
+        .collect::<Result<Vec<_>>>()?;
+    let run = RunDir::create(&kernel.release, options)?;
+    run.prepare(kernel, command, &read_write)?;
+    let mut qemu = Command::new("qemu-system-x86_64");
+    qemu.args(["-nodefaults", "-no-user-config"])
+        .args(accel_arguments)
+        .args(["-smp", &options.cpus.to_string(), "-m", &options.memory])
+        .args(["-display", "none", "-no-reboot", "-monitor", "none"])
+        .arg("-kernel")
+        .arg(&kernel.vmlinuz)
+        .arg("-initrd")
+        .arg(&initrd)
+        .arg("-append")
+        .arg(format!(
+            "console=ttyS0 panic=-1 loglevel=4 random.trust_cpu=on xtask.vm_run={} {}",
+            run.path.display(),
+            options.append
+        ))
+        .arg("-serial")
+        .arg(format!("file:{}", run.path.join("console.log").display()))
+        .args(shares(&run.path, &read_write));
+    let package = match (&kernel.package, &kernel.package_version) {
+        (Some(package), Some(version)) => format!("{package} {version}; "),
+        _ => String::new(),
+    };
+    options.verbosity.say(format!(
+        "booting {} ({package}{accel}, {} vCPU, {})",
+        kernel.release, options.cpus, options.memory
+    ));
+    let outcome = boot(qemu, &run.path, options.timeout)?;
+    Ok(outcome.report(&kernel.release, &run.path, options))
+}
+
+/// qemu's -virtfs arguments sharing the host's root (read-only), the run
+/// directory and the read-write directories, whose mount tags stage2.sh
+/// knows: hostroot, vmrun, rw0, rw1...
+fn shares(run: &Path, read_write: &[PathBuf]) -> Vec<String> {
+    let mut shares =
+        vec![("hostroot".to_owned(), Path::new("/"), ",readonly=on"), ("vmrun".to_owned(), run, "")];
+    shares
+        .extend(read_write.iter().enumerate().map(|(index, dir)| (format!("rw{index}"), dir.as_path(), "")));
+    shares
+        .into_iter()
+        .flat_map(|(tag, dir, read_only)| {
+            // qemu's options take a comma written twice as a comma.
+            let dir = dir.display().to_string().replace(',', ",,");
+            [
+                "-virtfs".to_owned(),
+                format!("local,path={dir},mount_tag={tag},security_model=none,multidevs=remap{read_only}"),
+            ]
+        })
+        .collect()
+}
+
+/// The Debian packages the VMs take: qemu, dpkg-deb to unpack kernels,
+/// xz and zstd for their modules, Debian's keys for the private apt
+/// configuration's lists.
+pub fn install_host_tools() -> Result<()> {
+    crate::install_missing_packages(
+        &["qemu-system-x86", "dpkg", "xz-utils", "zstd", "debian-archive-keyring"],
+        "the kernel VMs",
+    )
+}
+
+/// Holds target/vm/ for this process until dropped, so runs at once do
+/// not fetch, unpack or make the same files together.
+fn lock_cache() -> Result<fs::File> {
+    let dir = kernels::cache_dir();
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join("lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: the descriptor is the open file's; flock has no other
+    // preconditions.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        bail!("cannot lock {}: {}", path.display(), std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// Which accelerator to use, and qemu's arguments for it.
+fn accel_arguments(accel: Accel) -> Result<(&'static str, Vec<&'static str>)> {
+    let kvm_writable = || fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
+    // kvm_pvm, the KVM of some sandboxes, only runs kernels made for it:
+    // a distribution kernel never gets past its decompressor there.
+    let kvm_runs_any_kernel =
+        || Path::new("/sys/module/kvm_intel").exists() || Path::new("/sys/module/kvm_amd").exists();
+    let kvm = match accel {
+        Accel::Auto => kvm_writable() && kvm_runs_any_kernel(),
+        Accel::Kvm if kvm_writable() => true,
+        Accel::Kvm => bail!("--accel kvm: /dev/kvm is missing or not writable"),
+        Accel::Tcg => false,
+    };
+    Ok(if kvm {
+        ("kvm", vec!["-enable-kvm", "-cpu", "host", "-machine", "q35,accel=kvm"])
+    } else {
+        ("tcg", vec!["-accel", "tcg,thread=multi", "-cpu", "max", "-machine", "q35"])
+    })
+}
+
+/// The run's directory under target/vm/runs/, shared read-write with the
+/// VM at the same path: the command, where to run it, its output and
+/// status, the console log. Removed when dropped unless kept.
+struct RunDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl RunDir {
+    fn create(release: &str, options: &VmOptions) -> Result<Self> {
+        let runs = kernels::cache_dir().join("runs");
+        fs::create_dir_all(&runs).with_context(|| format!("cannot create {}", runs.display()))?;
+        // Its path goes on the kernel command line, split at spaces.
+        if runs.to_string_lossy().contains(char::is_whitespace) {
+            bail!("{} has a space in its path: the VM could not be told where it is", runs.display());
+        }
+        for attempt in 0..1000 {
+            let path = runs.join(format!("{release}.{}.{attempt}", std::process::id()));
+            match fs::create_dir(&path) {
+                Ok(()) => return Ok(Self { path, keep: options.keep }),
+                Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(error) => return Err(error).with_context(|| format!("cannot create {}", path.display())),
+            }
+        }
+        bail!("cannot make a run directory in {}", runs.display())
+    }
+
+    /// The files stage2.sh reads: the command, the directory to run it
+    /// in, the modules directory, the read-write directories (rw.N); and
+    /// the empty output files the host follows.
+    fn prepare(&self, kernel: &Kernel, command: &str, read_write: &[PathBuf]) -> Result<()> {
+        let cwd = std::env::current_dir().context("no current directory")?;
+        let mut files = vec![
+            ("command".to_owned(), format!("{command}\n")),
+            ("cwd".to_owned(), format!("{}\n", cwd.display())),
+            ("moddir".to_owned(), format!("{}\n", kernel.modules.display())),
+            ("stdout".to_owned(), String::new()),
+            ("stderr".to_owned(), String::new()),
+        ];
+        files.extend(
+            read_write
+                .iter()
+                .enumerate()
+                .map(|(index, dir)| (format!("rw.{index}"), format!("{}\n", dir.display()))),
+        );
+        for (name, contents) in files {
+            let path = self.path.join(name);
+            fs::write(&path, contents).with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if self.keep {
+            // Asked for, so said even with -q.
+            eprintln!("xtask: vm: run directory kept: {}", self.path.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// qemu, killed if still running when dropped (an error, a panic).
+struct Qemu(Child);
+
+impl Drop for Qemu {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// How a VM's run went.
+struct Outcome {
+    timed_out: bool,
+    /// When the command started, after qemu did: None if it never did.
+    command_started: Option<Duration>,
+    wall: Duration,
+}
+
+/// Runs qemu until it stops or `timeout` passes, passing the command's
+/// output on as the VM writes it.
+fn boot(mut qemu: Command, run: &Path, timeout: Duration) -> Result<Outcome> {
+    let log_path = run.join("qemu.log");
+    let log = fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
+    let started = Instant::now();
+    let mut qemu = Qemu(
+        qemu.stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("cannot run qemu-system-x86_64")?,
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let followers = [
+        follow(run.join("stdout"), Box::new(std::io::stdout()), Arc::clone(&stop)),
+        follow(run.join("stderr"), Box::new(std::io::stderr()), Arc::clone(&stop)),
+    ];
+    let mut command_started = None;
+    let mut timed_out = false;
+    let waited = loop {
+        match qemu.0.try_wait() {
+            Ok(None) => {}
+            Ok(Some(_)) => break Ok(()),
+            Err(error) => break Err(error).context("cannot wait for qemu"),
+        }
+        if command_started.is_none() && run.join("booted").exists() {
+            command_started = Some(started.elapsed());
+        }
+        if started.elapsed() >= timeout {
+            timed_out = true;
+            break Ok(());
+        }
+        thread::sleep(POLL);
+    };
+    drop(qemu);
+    stop.store(true, Ordering::Release);
+    for follower in followers {
+        let _ = follower.join();
+    }
+    waited?;
+    Ok(Outcome { timed_out, command_started, wall: started.elapsed() })
+}
+
+/// A thread copying what is appended to `path` to `output` until `stop`
+/// is set and all of it is copied: `tail -f`.
+fn follow(
+    path: PathBuf,
+    mut output: Box<dyn std::io::Write + Send>,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        let Ok(mut file) = fs::File::open(&path) else { return };
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            // Read before the last copy, so nothing written before qemu
+            // stopped is left.
+            let stopping = stop.load(Ordering::Acquire);
+            while let Ok(count) = file.read(&mut buffer) {
+                if count == 0 {
+                    break;
+                }
+                // A reader gone (`| head`) must not stop the VM.
+                let _ = output.write_all(&buffer[..count]);
+                let _ = output.flush();
+            }
+            if stopping {
+                return;
+            }
+            thread::sleep(POLL);
+        }
+    })
+}
+
+impl Outcome {
+    /// Says how long it took and, if the command did not run to its end,
+    /// why; returns the exit status to pass on.
+    fn report(&self, release: &str, run: &Path, options: &VmOptions) -> i32 {
+        let read = |name: &str| fs::read_to_string(run.join(name)).ok().map(|text| text.trim().to_owned());
+        // Kernel uptimes, written by stage2.sh.
+        let timing = match (self.command_started, read("booted"), read("ended")) {
+            (None, ..) => "the command never started".to_owned(),
+            (Some(started), booted, ended) => format!(
+                "the command started {:.1} s after qemu did ({} s of kernel uptime) and {}",
+                started.as_secs_f64(),
+                booted.as_deref().unwrap_or("?"),
+                ended.map_or_else(
+                    || "did not end".to_owned(),
+                    |ended| format!("ended at {ended} s of uptime")
+                )
+            ),
+        };
+        options.verbosity.say(format!("{release}: {timing}; {:.1} s in all", self.wall.as_secs_f64()));
+        if self.timed_out {
+            eprintln!(
+                "xtask: vm: timed out after {} s; the console's last lines:",
+                options.timeout.as_secs()
+            );
+            print_console_tail(run);
+            return TIMED_OUT;
+        }
+        let status = read("rc").and_then(|rc| rc.parse().ok());
+        if let Some(status) = status {
+            return status;
+        }
+        let qemu_said = fs::read_to_string(run.join("qemu.log")).unwrap_or_default();
+        let qemu_said = qemu_said.split_whitespace().collect::<Vec<_>>().join(" ");
+        if qemu_said.is_empty() {
+            eprintln!("xtask: vm: the command did not run to its end; the console's last lines:");
+        } else {
+            eprintln!("xtask: vm: the command did not run to its end (qemu said: {qemu_said}); the console's last lines:");
+        }
+        print_console_tail(run);
+        NEVER_RAN
+    }
+}
+
+fn print_console_tail(run: &Path) {
+    let console = fs::read(run.join("console.log")).unwrap_or_default();
+    let console = String::from_utf8_lossy(&console).replace('\r', "");
+    let lines: Vec<&str> = console.lines().collect();
+    if lines.is_empty() {
+        eprintln!("(none: the kernel printed nothing at loglevel 4)");
+    }
+    for line in &lines[lines.len().saturating_sub(CONSOLE_LINES)..] {
+        eprintln!("{line}");
+    }
+}
