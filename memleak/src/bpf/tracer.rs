@@ -444,12 +444,12 @@ impl Tracer {
             // The entry and return probes share one breakpoint, past the
             // first instructions when `placement` found that safe.
             let entry = site.file_offset + site.entry_skip;
-            let probe = uprobe(&mut self.ebpf, site.entry_program)?;
-            let link = probe
-                .attach(point(entry), &plan.path, scope)
-                .map_err(|source| fail(site.function, source))?;
-            links.links.push((site.entry_program, link));
-            log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
+            // The return probe before the entry's: an entry that fired
+            // before its return probe was placed would leave its thread
+            // inside a call that never returns for BPF, which then takes
+            // each of its later calls for one made inside that one (see
+            // memleak-ebpf's `calls::enter`) and counts none of them. A
+            // return probe alone records nothing.
             if let Some(return_program) = site.return_program {
                 let ret = uprobe(&mut self.ebpf, return_program)?;
                 let link = ret
@@ -457,6 +457,12 @@ impl Tracer {
                     .map_err(|source| fail(site.function, source))?;
                 links.links.push((return_program, link));
             }
+            let probe = uprobe(&mut self.ebpf, site.entry_program)?;
+            let link = probe
+                .attach(point(entry), &plan.path, scope)
+                .map_err(|source| fail(site.function, source))?;
+            links.links.push((site.entry_program, link));
+            log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
         }
         for other in plan.other_objects() {
             let mut more = self.attach_perf_events(other, scope)?;
@@ -962,8 +968,9 @@ struct LinkGroup {
     cookies: Vec<u64>,
 }
 
-/// `Tracer::attach` with one multi-uprobe link per program: frees first,
-/// as there.
+/// `Tracer::attach` with one multi-uprobe link per program, in the order
+/// `attach_perf_events` places its probes: frees first, then the return
+/// probes, then the entries of allocations.
 fn attach_multi(
     programs: &MultiUprobePrograms,
     plan: &AttachPlan,
@@ -981,7 +988,7 @@ fn attach_multi(
         .partition(|site| site.return_program.is_none());
     // Each program's sites, in the order first seen.
     let mut groups: Vec<LinkGroup> = Vec::new();
-    for site in frees.into_iter().chain(allocations) {
+    for &site in frees.iter().chain(&allocations) {
         let entry = site.file_offset + site.entry_skip;
         log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
         let programs =
@@ -998,6 +1005,12 @@ fn attach_multi(
             groups[index].cookies.push(site.cookie());
         }
     }
+    // The return programs' links before any entry program's but the
+    // frees' (which come first: see `attach_perf_events`): an entry that
+    // fires before its return probe is placed leaves a call in flight
+    // that never returns for BPF.
+    let free_programs: Vec<&'static str> = frees.iter().map(|site| site.entry_program).collect();
+    groups.sort_by_key(|group| (!free_programs.contains(&group.program), !group.on_return));
     let path = multi_uprobes::c_path(&plan.path)
         .map_err(|source| TracerError::AttachMulti { object: plan.display_path.clone(), source })?;
     let mut links = Links::default();
