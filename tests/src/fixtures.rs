@@ -148,6 +148,17 @@ fn compile(compiler: &str, flags: &[&str], source: &Path, name: &str) -> PathBuf
     compile_linked(compiler, flags, source, &[], name)
 }
 
+/// Set by `cargo xtask kernels`: a fixture built already (by the host's
+/// run of the tests, just before) and newer than its source is used as it
+/// is. In an emulated kernel, compiling it again took most of a test's
+/// time.
+pub const REUSE_FIXTURES: &str = "MEMLEAK_TESTS_REUSE_FIXTURES";
+
+fn newer_than(output: &Path, source: &Path) -> bool {
+    let modified = |path: &Path| fs::metadata(path).and_then(|metadata| metadata.modified()).ok();
+    matches!((modified(output), modified(source)), (Some(output), Some(source)) if output > source)
+}
+
 /// As `compile`, linking `libraries` after the source.
 fn compile_linked(compiler: &str, flags: &[&str], source: &Path, libraries: &[&Path], name: &str) -> PathBuf {
     static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
@@ -158,6 +169,10 @@ fn compile_linked(compiler: &str, flags: &[&str], source: &Path, libraries: &[&P
     let dir = workspace_root().join("target/fixtures");
     fs::create_dir_all(&dir).expect("create target/fixtures");
     let output = dir.join(name);
+    if std::env::var_os(REUSE_FIXTURES).is_some() && newer_than(&output, source) {
+        built.insert(name.to_owned(), output.clone());
+        return output;
+    }
     let private = dir.join(format!("{name}.{}.{:?}", std::process::id(), thread::current().id()));
     let status = Command::new(compiler)
         .args(flags)

@@ -4,6 +4,7 @@
 mod bench;
 mod dist;
 mod docs;
+mod kernel_tests;
 mod setup;
 mod vm;
 
@@ -30,7 +31,7 @@ enum Task {
     /// Build memleak and run it on the bundled leaking example.
     Demo,
     /// Run clippy and every test: unit tests and, as root, the end-to-end
-    /// tests.
+    /// tests, here and then in other kernels (see `kernels`).
     Test {
         /// Passed to the test binaries (a test name filter, --nocapture...).
         #[arg(trailing_var_arg = true)]
@@ -90,6 +91,21 @@ enum Task {
         /// Only what memleak adds to an mprotect call.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only"])]
         mprotect_only: bool,
+        /// Only the workload untraced and under memleak, in each of these
+        /// kernels (comma-separated; the test matrix's if none), booted
+        /// with `vm`: the slowdown on each kernel's paths.
+        #[arg(long, num_args = 0.., value_delimiter = ',', conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only"])]
+        kernels: Option<Vec<String>>,
+        /// Inside a kernel's VM: the part `--kernels` runs there.
+        #[arg(long, hide = true)]
+        in_vm: bool,
+    },
+    /// Run the end-to-end set in other kernels (Debian's 6.1, 6.12, the
+    /// newest, and 5.10 for memleak's refusal), each booted with `vm`, as
+    /// root; `cargo xtask test` ends with it.
+    Kernels {
+        /// Only these kernels (a series such as 6.1, `newest`, or a .deb).
+        kernels: Vec<String>,
     },
     /// Boot another Linux kernel (a Debian package, or a series such as
     /// 5.10, 6.1, 6.12, newest) under qemu with this machine's / and run
@@ -103,7 +119,9 @@ fn main() -> Result<()> {
         Task::Demo => demo(),
         Task::Test { test_args } => test(&test_args),
         Task::Dist { debug } => dist::run(if debug { dist::Profile::Test } else { dist::Profile::Release }),
-        Task::Bench { quick, serve_only, save_only, python_only, depth_only, mprotect_only } => {
+        Task::Bench { in_vm: true, .. } => bench::in_vm(),
+        Task::Bench { kernels: Some(kernels), .. } => bench::on_kernels(&kernels),
+        Task::Bench { quick, serve_only, save_only, python_only, depth_only, mprotect_only, .. } => {
             let part = match (serve_only, save_only, python_only, depth_only, mprotect_only) {
                 (true, ..) => bench::Part::Serve,
                 (_, true, ..) => bench::Part::Save,
@@ -116,6 +134,13 @@ fn main() -> Result<()> {
         }
         Task::Docs { examples, check, fresh, names } => {
             docs::run(&docs::Options { examples, check, fresh, only: names })
+        }
+        Task::Kernels { kernels } => {
+            setup::run()?;
+            require_root("the kernel tests")?;
+            install_missing_packages(&TEST_PACKAGES, "the tests")?;
+            run(cargo().args(["build", "--package", "memleak"]))?;
+            kernel_tests::run(&kernels)
         }
         Task::Vm(args) => vm::run(&args),
     }
@@ -309,7 +334,13 @@ fn test(test_args: &[String]) -> Result<()> {
     docs::run(&docs::Options { examples: false, check: false, fresh: false, only: Vec::new() })?;
     let checked: Vec<String> = docs::CHECKED_BY_TEST.iter().map(|name| (*name).to_owned()).collect();
     docs::examples_in_docs(&checked, true, false)?;
-    run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))
+    run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))?;
+    // The other kernels after the host's tests, whose failures say more
+    // and sooner; a filter given asks for those tests alone.
+    if test_args.is_empty() {
+        kernel_tests::run(&[])?;
+    }
+    Ok(())
 }
 
 /// Clippy over every crate and target, the BPF crate's host build

@@ -26,6 +26,8 @@
 //! descriptors and map entries taken at its start and end. And the time
 //! one `--save` snapshot of 65,536 deep stacks takes (`--save-only` runs
 //! that alone).
+//! `--kernels` runs the workload's part in other kernels instead (see
+//! `kernels`).
 //! Ratios, not absolute times, are what carry across machines. CI does not
 //! run this.
 
@@ -35,6 +37,9 @@ mod bpf_stats;
 mod deep_stacks;
 mod empty_probes;
 mod fleet;
+mod kernels;
+
+pub use kernels::{in_vm, run as on_kernels};
 mod latency;
 mod map_memory;
 mod mprotect_calls;

@@ -1,0 +1,215 @@
+//! The end-to-end tests again in other kernels: Debian's, booted by
+//! `vm` with this machine's / shared, so the same test binaries, fixtures
+//! and memleak run there, and assert the same exact bytes, frames and
+//! lines as on the host.
+//!
+//! Each kernel of `KERNELS` runs `CASES`, the set the kernels page
+//! promises: a C leak's bytes and `file:line`, a C++ -O2 stack without frame
+//! pointers to `main`, Python frames of a live python3, `serve` scraped,
+//! kernel mode and a cgroup followed. Kernels memleak refuses run
+//! `REFUSALS`: its one line, not a verifier's log. Under emulation (no KVM
+//! for distribution kernels here) a test takes about 30 times its time on
+//! the host, so the set is small and the VMs run one after the other.
+
+use std::{fmt::Write as _, fs, path::PathBuf, process::Stdio, time::Instant};
+
+use anyhow::{bail, Context as _, Result};
+use serde::Deserialize;
+
+use crate::{cargo, root, vm};
+
+/// The kernels the tests run in: Debian 12's, Debian 13's, and the newest
+/// backport, which the host's generation should match.
+pub const KERNELS: [&str; 3] = ["6.1", "6.12", "newest"];
+
+/// Kernels memleak refuses: Debian 11's 5.10 has no `bpf_loop`.
+pub const REFUSING_KERNELS: [&str; 1] = ["5.10"];
+
+/// (test target, test name): one test of each kind the kernels page
+/// promises.
+const CASES: [(&str, &str); 7] = [
+    ("allocations", "every_allocation_function_is_recorded_exactly"),
+    ("allocations", "frames_name_function_file_line_and_module"),
+    ("unwind", "a_cxx_release_build_has_whole_stacks_and_one_path_is_one_stack"),
+    ("python_frames", "debian_python_attached_with_p_shows_the_methods_that_keep_memory"),
+    ("serve", "metrics_show_the_exact_outstanding_bytes_of_the_followed_process"),
+    ("kernel", "open_files_show_up_as_kmem_cache_objects"),
+    ("cgroup", "processes_that_join_later_are_traced_and_others_are_not"),
+];
+
+/// A check of memleak's own refusal: after `setup`, `memleak -c true`
+/// exits 2 with one line holding `expected_line`.
+struct Refusal {
+    name: &'static str,
+    /// Run before memleak, to take something away from the kernel.
+    setup: &'static str,
+    expected_line: &'static str,
+}
+
+/// In the refusing kernels: the missing helper. In every kernel: BTF
+/// hidden by a mount, as a container without /sys/kernel/btf would.
+const MISSING_BPF_LOOP: Refusal = Refusal {
+    name: "a_kernel_without_bpf_loop_is_refused_in_one_line",
+    setup: "",
+    expected_line: "lacks the BPF helper bpf_loop, which memleak's stack walker needs: memleak runs on Linux 5.17 or later",
+};
+const MISSING_BTF: Refusal = Refusal {
+    name: "a_kernel_without_btf_is_refused_in_one_line",
+    setup: "mount --bind /dev/null /sys/kernel/btf/vmlinux",
+    expected_line:
+        "has no BTF at /sys/kernel/btf/vmlinux: memleak needs a kernel built with CONFIG_DEBUG_INFO_BTF",
+};
+
+/// Runs the cases in each of `kernels` (all of `KERNELS` and
+/// `REFUSING_KERNELS` when empty), after building the test binaries;
+/// fails naming each kernel where a case failed.
+pub fn run(kernels: &[String]) -> Result<()> {
+    let kernels: Vec<String> = if kernels.is_empty() {
+        KERNELS.iter().chain(&REFUSING_KERNELS).map(|&kernel| kernel.to_owned()).collect()
+    } else {
+        kernels.to_vec()
+    };
+    let binaries = test_binaries()?;
+    let dir = root().join("target/vm/kernel-tests");
+    fs::create_dir_all(&dir)?;
+    let (mut passed_in_all, mut failed) = (0, Vec::new());
+    for kernel in &kernels {
+        let started = Instant::now();
+        let refusing = REFUSING_KERNELS.contains(&kernel.as_str());
+        let results = dir.join(format!("{kernel}.results"));
+        let _ = fs::remove_file(&results);
+        let script = dir.join(format!("{kernel}.sh"));
+        fs::write(&script, script_for(&binaries, refusing, &results)?)?;
+        eprintln!(
+            "xtask: kernel {kernel}: {}",
+            if refusing { "memleak's refusal" } else { "the end-to-end set" }
+        );
+        let resolved = vm::resolve_kernel(kernel)?;
+        let status = vm::run_in_vm(
+            &resolved,
+            &vm::VmOptions::default().sharing_target(),
+            &format!("bash {}", script.display()),
+        )?;
+        let outcome = fs::read_to_string(&results).unwrap_or_default();
+        let failures: Vec<&str> = outcome.lines().filter_map(|line| line.strip_prefix("FAIL ")).collect();
+        let passed = outcome.lines().filter(|line| line.starts_with("PASS ")).count();
+        let expected = if refusing { 2 } else { CASES.len() + 1 };
+        eprintln!(
+            "xtask: kernel {kernel} ({}): {passed} passed, {} failed in {:.0} s",
+            resolved.release,
+            failures.len(),
+            started.elapsed().as_secs_f64()
+        );
+        passed_in_all += passed;
+        if status != 0 || !failures.is_empty() || passed != expected {
+            failed.push(format!(
+                "{kernel}: {} (the VM's command exited {status}, {passed} of {expected} passed)",
+                if failures.is_empty() { "not every case ran".to_owned() } else { failures.join(", ") }
+            ));
+        }
+    }
+    println!("kernels: {passed_in_all} passed, {} failed", failed.len());
+    if !failed.is_empty() {
+        bail!("the end-to-end set failed in other kernels:\n  {}", failed.join("\n  "));
+    }
+    Ok(())
+}
+
+/// The script a VM runs: each case, its outcome appended to `results`
+/// as `PASS NAME` or `FAIL NAME`.
+fn script_for(binaries: &[(String, PathBuf)], refusing: bool, results: &std::path::Path) -> Result<String> {
+    let memleak = root().join("target/debug/memleak");
+    // The setup runs in a mount namespace of its own: a mount it makes
+    // stays out of the tests.
+    let mut script = format!(
+        "cd {root}\nresults={results}\nexport MEMLEAK_TESTS_REUSE_FIXTURES=1\n\
+         refusal() {{ # NAME SETUP EXPECTED\n\
+         \x20 err=$(unshare --mount bash -c \"$2\nexec {memleak} -c true\" 2>&1 >/dev/null); status=$?\n\
+         \x20 if [ $status = 2 ] && [ \"$(printf '%s\\n' \"$err\" | wc -l)\" = 1 ] && [[ \"$err\" == *\"$3\"* ]]; then\n\
+         \x20   echo \"PASS $1\" >>$results; echo \"test $1 ... ok\"\n\
+         \x20 else\n\
+         \x20   echo \"FAIL $1\" >>$results; echo \"test $1 ... FAILED: status $status, stderr: $err\"\n\
+         \x20 fi\n}}\n",
+        root = root().display(),
+        results = results.display(),
+        memleak = memleak.display(),
+    );
+    let refusals: &[&Refusal] = if refusing { &[&MISSING_BPF_LOOP, &MISSING_BTF] } else { &[&MISSING_BTF] };
+    for refusal in refusals {
+        let quoted = |text: &str| format!("'{}'", text.replace('\'', "'\\''"));
+        writeln!(
+            script,
+            "refusal {} {} {}",
+            refusal.name,
+            quoted(refusal.setup),
+            quoted(refusal.expected_line)
+        )?;
+    }
+    if refusing {
+        return Ok(script);
+    }
+    for (target, name) in CASES {
+        let binary = binaries
+            .iter()
+            .find(|(found, _)| found == target)
+            .map(|(_, binary)| binary)
+            .with_context(|| format!("no test binary {target}"))?;
+        writeln!(
+            script,
+            "if {binary} --exact {name} --test-threads=1; then echo \"PASS {name}\" >>$results; \
+             else echo \"FAIL {name}\" >>$results; fi",
+            binary = binary.display()
+        )?;
+    }
+    Ok(script)
+}
+
+#[derive(Deserialize)]
+struct Artifact {
+    reason: String,
+    target: Option<Target>,
+    executable: Option<PathBuf>,
+}
+
+#[derive(Deserialize)]
+struct Target {
+    name: String,
+    kind: Vec<String>,
+}
+
+/// Builds the end-to-end test binaries and returns (target, executable)
+/// for each.
+fn test_binaries() -> Result<Vec<(String, PathBuf)>> {
+    let output = cargo()
+        .args(["test", "--package", "memleak-tests", "--no-run", "--message-format=json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot run cargo test --no-run")?;
+    if !output.status.success() {
+        bail!("cargo test --no-run failed");
+    }
+    let mut binaries = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(artifact) = serde_json::from_str::<Artifact>(line) else { continue };
+        if let (Some(target), Some(executable)) = (artifact.target, artifact.executable) {
+            if artifact.reason == "compiler-artifact" && target.kind == ["test"] {
+                binaries.push((target.name, executable));
+            }
+        }
+    }
+    Ok(binaries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_case_names_a_test_that_exists() {
+        for (target, name) in CASES {
+            let source = fs::read_to_string(root().join(format!("tests/tests/{target}.rs")))
+                .unwrap_or_else(|error| panic!("tests/tests/{target}.rs: {error}"));
+            assert!(source.contains(&format!("fn {name}()")), "no test {name} in tests/tests/{target}.rs");
+        }
+    }
+}
