@@ -270,9 +270,11 @@ fn demo() -> Result<()> {
 /// the Python tools `install_python_tools` puts in a venv, and what the
 /// tests of `cargo xtask dist`'s files use: file and readelf (binutils)
 /// to see the binary is static, man-db to render the man pages, and
-/// systemd for systemd-analyze.
-const TEST_PACKAGES: [&str; 24] = [
+/// systemd for systemd-analyze, and strace, which slows memleak's
+/// system calls down as a slow machine would.
+const TEST_PACKAGES: [&str; 25] = [
     "bpftool",
+    "strace",
     "python3",
     "nodejs",
     "gcc",

@@ -60,6 +60,8 @@ static MASKS: LazyLock<Vec<(Regex, &'static str)>> = LazyLock::new(|| {
         // between, meets another walk there. The walks and their frames
         // are the same each run.
         (r#""(reusing_walks|frames_reused)":\d+"#, r#""$1":N"#),
+        // The kernel --stats' started record names: the machine's.
+        (r#""release":"[^"]*""#, r#""release":"RELEASE""#),
         // Whether `serve --exe` met a newcomer at its execve, or first in
         // its look through /proc, which runs on its own timer.
         (r", found at its execve", ""),
