@@ -52,13 +52,14 @@ fn assert_detached(leaker: &Leaker, offsets: &[u64]) {
 fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let mut leaker = Leaker::start_waiting(&["all"]);
     let (memleak, port) = serve_pid(leaker.pid());
-    // Before 6.6 (and in tests/kernels' 6.1) memleak places perf-event
-    // uprobes, whose sites their links do not list: then their links are
-    // counted, and the check that none is left below has no offsets.
-    let offsets: Vec<u64> =
-        multi_links(memleak.child.id()).iter().flat_map(|link| link.offsets.clone()).collect();
+    // Multi-uprobe links list their sites from 6.13 on; before 6.6 (the
+    // kernel tests' 6.1) memleak places perf-event uprobes, which list
+    // none either. Their links are counted then, and the check that no
+    // breakpoint is left below has no offsets.
+    let holder = memleak.child.id();
+    let offsets: Vec<u64> = multi_links(holder).iter().flat_map(|link| link.offsets.clone()).collect();
     assert!(
-        !offsets.is_empty() || links_of_type(memleak.child.id(), "perf") > 0,
+        !offsets.is_empty() || links_of_type(holder, "uprobe_multi") + links_of_type(holder, "perf") > 0,
         "memleak placed no uprobe, through multi-uprobe links or perf events"
     );
     let health = get(port, "/healthz").expect("GET /healthz");
@@ -142,13 +143,14 @@ fn an_exited_process_keeps_its_last_report() {
 fn sigint_detaches_every_probe_and_exits_0() {
     let leaker = Leaker::start_waiting(&["all"]);
     let (memleak, port) = serve_pid(leaker.pid());
-    // Before 6.6 (and in tests/kernels' 6.1) memleak places perf-event
-    // uprobes, whose sites their links do not list: then their links are
-    // counted, and the check that none is left below has no offsets.
-    let offsets: Vec<u64> =
-        multi_links(memleak.child.id()).iter().flat_map(|link| link.offsets.clone()).collect();
+    // Multi-uprobe links list their sites from 6.13 on; before 6.6 (the
+    // kernel tests' 6.1) memleak places perf-event uprobes, which list
+    // none either. Their links are counted then, and the check that no
+    // breakpoint is left below has no offsets.
+    let holder = memleak.child.id();
+    let offsets: Vec<u64> = multi_links(holder).iter().flat_map(|link| link.offsets.clone()).collect();
     assert!(
-        !offsets.is_empty() || links_of_type(memleak.child.id(), "perf") > 0,
+        !offsets.is_empty() || links_of_type(holder, "uprobe_multi") + links_of_type(holder, "perf") > 0,
         "memleak placed no uprobe, through multi-uprobe links or perf events"
     );
     let health = get(port, "/healthz").expect("GET /healthz");
