@@ -178,16 +178,7 @@ fn write_if_changed(path: &Path, contents: &str) -> Result<()> {
 
 /// Runs `command` with its output kept, shown only if it fails.
 pub fn run_quietly(command: &mut Command) -> Result<()> {
-    let output = command.output().with_context(|| format!("cannot run {}", describe(command)))?;
-    if !output.status.success() {
-        bail!(
-            "{} failed ({}): {}",
-            describe(command),
-            output.status,
-            last_lines(&String::from_utf8_lossy(&output.stderr), 5)
-        );
-    }
-    Ok(())
+    output_of(command).map(drop)
 }
 
 /// What `command` prints on its stdout, or an error with its stderr.
