@@ -6,8 +6,8 @@
 //! element's address first and test the base after; `non_null` puts the
 //! check where those verifiers need it.
 
-/// `value` once it is checked not to be null, through an empty assembly
-/// block the compiler cannot look into, so no address computed from it
+/// `value` once it is checked not to be null, passed through an assembly
+/// move the compiler cannot look into, so no address computed from it
 /// can move above the check.
 #[expect(clippy::inline_always, reason = "a call would hand the verifier a pointer it cannot follow back")]
 #[inline(always)]

@@ -36,8 +36,9 @@ pub fn kmem_cache_alloc(ctx: RawTracePointContext) -> i32 {
         return 0;
     }
     let cache: u64 = ctx.arg(2);
-    // From 6.1 the tracepoint gives the cache, not the size: read the cache's object
-    // size at the offset user space found in the kernel's BTF.
+    // From 6.1 the tracepoint gives the cache, not the size: read the
+    // cache's object size at the offset user space found in the kernel's
+    // BTF.
     let size_field = (cache + u64::from(tunables::cache_size_offset())) as *const u32;
     // SAFETY: a kernel read that fails cleanly on a bad address.
     let size = unsafe { bpf_probe_read_kernel(size_field) }.unwrap_or(0);
