@@ -70,7 +70,7 @@ impl Contender {
         Self { failure: Some(why.to_owned()), ..Self::new(label, build, tracer) }
     }
 
-    fn median_ns(&self) -> Option<u64> {
+    pub fn median_ns(&self) -> Option<u64> {
         median(&self.runs.iter().map(|run| run.elapsed_ns).collect::<Vec<_>>())
     }
 
@@ -317,7 +317,7 @@ fn slowdown(contenders: &[Contender], contender: &Contender) -> Option<f64> {
 
 /// Exactness for memleak; for a sampling memleak, the worst error over the
 /// runs.
-fn leak_accuracy(contender: &Contender) -> String {
+pub fn leak_accuracy(contender: &Contender) -> String {
     let sample_rate = match contender.tracer {
         Tracer::Untraced => return String::new(),
         Tracer::Memleak { sample_rate, .. } => sample_rate,
