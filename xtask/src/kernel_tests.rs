@@ -18,9 +18,12 @@ use serde::Deserialize;
 
 use crate::{cargo, root, vm};
 
-/// The kernels the tests run in: Debian 12's, Debian 13's, and the newest
-/// backport, which the host's generation should match.
-pub const KERNELS: [&str; 3] = ["6.1", "6.12", "newest"];
+/// The kernels the tests run in: Debian 12's, Debian 13's, and 6.18,
+/// the newest backport that boots reliably under emulation and the
+/// host's generation. The newest of all (7.3 today) is left out: under
+/// qemu's emulation with two CPUs it panicked at boot in 2 of its last
+/// 4 boots, and `cargo xtask kernels newest` still runs it.
+pub const KERNELS: [&str; 3] = ["6.1", "6.12", "6.18"];
 
 /// Kernels memleak refuses: Debian 11's 5.10 has no `bpf_loop`.
 pub const REFUSING_KERNELS: [&str; 1] = ["5.10"];

@@ -100,9 +100,9 @@ enum Task {
         #[arg(long, hide = true)]
         in_vm: bool,
     },
-    /// Run the end-to-end set in other kernels (Debian's 6.1, 6.12, the
-    /// newest, and 5.10 for memleak's refusal), each booted with `vm`, as
-    /// root; `cargo xtask test` ends with it.
+    /// Run the end-to-end set in other kernels (Debian's 6.1, 6.12, 6.18,
+    /// and 5.10 for memleak's refusal), each booted with `vm`, as root;
+    /// `cargo xtask test` ends with it.
     Kernels {
         /// Only these kernels (a series such as 6.1, `newest`, or a .deb).
         kernels: Vec<String>,

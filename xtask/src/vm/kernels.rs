@@ -228,7 +228,13 @@ fn from_registry(name: &str, verbosity: Verbosity) -> Result<Kernel> {
         .with_context(|| {
             format!("Debian has no kernel package for {name} (its lists are in target/vm/apt)")
         })?;
-    let parts = apt::same_version_dependencies(&newest.depends, &newest.version);
+    // The parts a split 7.x kernel keeps its vmlinuz and modules in: not
+    // linux-base-*, whose scripts a VM needs none of, and which the
+    // archive does not always have at the kernel's version (6.18.15).
+    let parts: Vec<String> = apt::same_version_dependencies(&newest.depends, &newest.version)
+        .into_iter()
+        .filter(|part| part.starts_with("linux-binary-") || part.starts_with("linux-modules-"))
+        .collect();
     let parts_said = if parts.is_empty() { String::new() } else { format!(" (with {})", parts.join(", ")) };
     verbosity.say(format!("{name} is {} {}{parts_said}", newest.package, newest.version));
     let unpacked = unpacked_dir(&newest.package, &newest.version);
