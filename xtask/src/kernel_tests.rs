@@ -75,7 +75,7 @@ pub fn run(kernels: &[String]) -> Result<()> {
     let binaries = test_binaries()?;
     let dir = root().join("target/vm/kernel-tests");
     fs::create_dir_all(&dir)?;
-    let (mut passed_in_all, mut failed) = (0, Vec::new());
+    let (mut passed_in_all, mut failed_in_all, mut failed) = (0, 0, Vec::new());
     for kernel in &kernels {
         let started = Instant::now();
         let refusing = REFUSING_KERNELS.contains(&kernel.as_str());
@@ -104,6 +104,8 @@ pub fn run(kernels: &[String]) -> Result<()> {
             started.elapsed().as_secs_f64()
         );
         passed_in_all += passed;
+        // A case that never ran (the VM panicked, timed out) fails too.
+        failed_in_all += expected.saturating_sub(passed).max(failures.len());
         if status != 0 || !failures.is_empty() || passed != expected {
             failed.push(format!(
                 "{kernel}: {} (the VM's command exited {status}, {passed} of {expected} passed)",
@@ -111,7 +113,7 @@ pub fn run(kernels: &[String]) -> Result<()> {
             ));
         }
     }
-    println!("kernels: {passed_in_all} passed, {} failed", failed.len());
+    println!("kernels: {passed_in_all} passed, {failed_in_all} failed");
     if !failed.is_empty() {
         bail!("the end-to-end set failed in other kernels:\n  {}", failed.join("\n  "));
     }
@@ -125,6 +127,7 @@ fn script_for(binaries: &[(String, PathBuf)], refusing: bool, results: &std::pat
     // The setup runs in a mount namespace of its own: a mount it makes
     // stays out of the tests.
     let mut script = format!(
+        // MEMLEAK_TESTS_REUSE_FIXTURES: the tests crate's REUSE_FIXTURES.
         "cd {root}\nresults={results}\nexport MEMLEAK_TESTS_REUSE_FIXTURES=1\n\
          refusal() {{ # NAME SETUP EXPECTED\n\
          \x20 err=$(unshare --mount bash -c \"$2\nexec {memleak} -c true\" 2>&1 >/dev/null); status=$?\n\
