@@ -307,13 +307,10 @@ impl Tracer {
         kernel_features::check().map_err(TracerError::Kernel)
     }
 
-    /// Whether the kernel's allocation tracepoints are attached.
-    pub fn traces_kernel(&self) -> bool {
-        self.traces_kernel
-    }
-
-    /// The path each part of the tracer takes on this kernel.
-    pub fn kernel_paths(&self, kernel_mode: bool) -> kernel_features::Paths {
+    /// The path each part of the tracer takes on this kernel ("none" for
+    /// the uprobes' parts when it traces the kernel's allocations).
+    pub fn kernel_paths(&self) -> kernel_features::Paths {
+        let kernel_mode = self.traces_kernel;
         let uprobes = match (&self.multi, kernel_mode) {
             (_, true) => "none",
             (Some(_), false) => "multi-uprobe links",

@@ -684,10 +684,9 @@ impl Session {
     /// The path each part of the tracer takes on this kernel, also said
     /// with -v.
     pub fn kernel_paths(&self) -> crate::bpf::kernel_features::Paths {
-        let kernel_mode = self.tracer.traces_kernel();
-        let paths = self.tracer.kernel_paths(kernel_mode);
+        let paths = self.tracer.kernel_paths();
         log::debug!(
-            "kernel {}: uprobes through {}, munmap and mprotect through {}, stack walks looping with {}",
+            "kernel {}: uprobes: {}; munmap and mprotect: {}; stack walks loop with {}",
             paths.release,
             paths.uprobes,
             paths.munmap_mprotect,
