@@ -189,11 +189,19 @@ pub enum WalkCount {
     Frames = 2,
     /// Of those, the frames taken unchanged, each checked on the stack.
     FramesReused = 3,
+    /// Stacks not walked because a run preempted mid-walk on the same CPU
+    /// held its memory: recorded under their process's lost stack.
+    CpuBusy = 4,
 }
 
 impl WalkCount {
-    pub const ALL: [WalkCount; 4] =
-        [WalkCount::Walks, WalkCount::ReusingWalks, WalkCount::Frames, WalkCount::FramesReused];
+    pub const ALL: [WalkCount; 5] = [
+        WalkCount::Walks,
+        WalkCount::ReusingWalks,
+        WalkCount::Frames,
+        WalkCount::FramesReused,
+        WalkCount::CpuBusy,
+    ];
 }
 
 /// How a stack walk ended, kept with the stack in

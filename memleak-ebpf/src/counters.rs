@@ -5,8 +5,9 @@ use memleak_common::{Counter, ProcessCounters};
 
 use crate::maps::PROCESS_COUNTERS;
 
-/// Adds one to process `tgid`'s `counter`, in this CPU's copy: no atomics,
-/// user space sums the copies. A function of its own, not inlined: at
+/// Adds one to process `tgid`'s `counter`, in this CPU's copy, which
+/// user space sums. Atomically even so: a uprobe program can be preempted
+/// by another thread's run on the same CPU (see `scratch`). A function of its own, not inlined: at
 /// each call site it tripled the verifier's time on the return probes.
 #[inline(never)]
 pub fn increment(tgid: u32, counter: Counter) {
@@ -20,10 +21,10 @@ pub fn increment(tgid: u32, counter: Counter) {
             None => return,
         }
     };
-    // SAFETY: this CPU's copy of a live entry, which only this program run
-    // touches now.
+    // SAFETY: this CPU's copy of a live entry.
     let counters: &mut ProcessCounters = unsafe { &mut *counters };
     if let Some(slot) = counters.get_mut(counter as usize) {
-        *slot += 1;
+        // SAFETY: a u64 of map memory, 8-byte aligned.
+        unsafe { crate::totals::atomic_add(slot, 1) };
     }
 }

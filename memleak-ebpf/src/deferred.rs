@@ -3,7 +3,8 @@
 //! stack; were the walker in each, the kernel would verify it twice, which
 //! was most of memleak's start-up. Instead each leaves what to record in a
 //! per-CPU slot and tail-calls `record_with_user_stack`, verified once.
-//! BPF programs run without migrating, so the slot is theirs until then.
+//! BPF programs run without migrating, and the slot is held (see
+//! `scratch`) from its filling to the recorder's end.
 
 use aya_ebpf::programs::RetProbeContext;
 use memleak_common::{lost_stack_id, AllocationKey, Counter, MappingEvent};
@@ -11,7 +12,7 @@ use memleak_common::{lost_stack_id, AllocationKey, Counter, MappingEvent};
 use crate::{
     counters,
     maps::{PendingRecord, PENDING_RECORD, USER_STACK_RECORDER},
-    process_events, record,
+    process_events, record, scratch,
 };
 
 /// What the slot asks for.
@@ -44,13 +45,18 @@ pub fn send_mapping(ctx: &RetProbeContext, event: MappingEvent) {
 }
 
 /// Fills this CPU's slot and tail-calls the recorder, which does not come
-/// back; returns only if that could not happen.
+/// back and releases the scratch; returns only if that could not happen.
 fn hand_over(ctx: &RetProbeContext, fill: impl FnOnce(&mut PendingRecord)) {
-    let Some(pending) = PENDING_RECORD.get_ptr_mut(0) else { return };
-    // SAFETY: this CPU's slot, used only until the tail call below.
-    fill(unsafe { &mut *pending });
-    // SAFETY: the recorder takes the same context: a return probe's.
-    unsafe { USER_STACK_RECORDER.tail_call(ctx, 0) };
-    // SAFETY: as above.
-    unsafe { (*pending).kind = NOTHING };
+    if !scratch::hold() {
+        return;
+    }
+    if let Some(pending) = scratch::slot().and_then(|slot| PENDING_RECORD.get_ptr_mut(slot.key())) {
+        // SAFETY: this CPU's slot, held until the recorder's end.
+        fill(unsafe { &mut *pending });
+        // SAFETY: the recorder takes the same context: a return probe's.
+        unsafe { USER_STACK_RECORDER.tail_call(ctx, 0) };
+        // SAFETY: as above.
+        unsafe { (*pending).kind = NOTHING };
+    }
+    scratch::release();
 }

@@ -10,6 +10,7 @@
 //! - `unwind`: the stack walkers; `python`: the Python frames; `stack`: storing a walked stack once;
 //!   `deferred`: handing work that needs the stack to the one program
 //!   that walks it;
+//!   `scratch`: holding the per-CPU memory they work in;
 //! - `maps`, `tunables`, `counters`, `events`: state and plumbing.
 #![no_std]
 #![no_main]
@@ -36,6 +37,7 @@ mod probes;
 mod process_events;
 mod python;
 mod record;
+mod scratch;
 mod stack;
 mod totals;
 mod tunables;

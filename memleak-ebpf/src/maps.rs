@@ -13,6 +13,8 @@ use memleak_common::{
     MAX_STACK_DEPTH, RULE_CACHE_ENTRIES,
 };
 
+use crate::scratch::SCRATCH_SLOTS;
+
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
 /// memory grows with what the targets really hold, not with --max-allocs.
 #[map(name = "ALLOCATIONS")]
@@ -71,16 +73,16 @@ pub static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(1024
 
 /// The Python frames of the stack being walked, before they join it.
 #[map(name = "PY_SCRATCH")]
-pub static PY_SCRATCH: PerCpuArray<PyScratch> = PerCpuArray::with_max_entries(1, 0);
+pub static PY_SCRATCH: PerCpuArray<PyScratch> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// Scratch space for one stack key: too big for the 512-byte BPF stack.
 #[map(name = "STACK_SCRATCH")]
-pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(1, 0);
+pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// The stack this CPU stored or found last, with its id: a loop that
 /// allocates from one place finds its stack here without a hash lookup.
 #[map(name = "LAST_STACK")]
-pub static LAST_STACK: PerCpuArray<LastStack> = PerCpuArray::with_max_entries(1, 0);
+pub static LAST_STACK: PerCpuArray<LastStack> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
 #[map(name = "STACK_ID_COUNTERS")]
@@ -131,24 +133,34 @@ pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0
 /// Each CPU's cache of unwind rules by pc; see `memleak_common::RuleCacheEntry`.
 #[map(name = "RULE_CACHE")]
 pub static RULE_CACHE: PerCpuArray<[RuleCacheEntry; RULE_CACHE_ENTRIES]> =
-    PerCpuArray::with_max_entries(1, 0);
+    PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// Each CPU's table walk under way: see `unwind::tables`.
 #[map(name = "WALK_STATE")]
-pub static WALK_STATE: PerCpuArray<WalkState> = PerCpuArray::with_max_entries(1, 0);
+pub static WALK_STATE: PerCpuArray<WalkState> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// Each CPU's last table walk and the one under way: see `unwind::reuse`.
 #[map(name = "WALK_CACHES")]
-pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(1, 0);
+pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// Each CPU's counts of its table walks: see `memleak_common::WalkCount`.
 #[map(name = "WALK_COUNTS")]
 pub static WALK_COUNTS: PerCpuArray<WalkCounts> = PerCpuArray::with_max_entries(1, 0);
 
+/// Which thread holds each slot of this CPU's scratch (0: none): see
+/// `scratch`.
+#[map(name = "SCRATCH_HOLDERS")]
+pub static SCRATCH_HOLDERS: PerCpuArray<[u64; SCRATCH_SLOTS]> = PerCpuArray::with_max_entries(1, 0);
+
+/// Never filled: see `scratch::own_stack`.
+#[map(name = "NO_PROGRAMS")]
+pub static NO_PROGRAMS: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
 /// What the return probes leave for `record_with_user_stack`: see
 /// `deferred`.
 #[map(name = "PENDING_RECORD")]
-pub static PENDING_RECORD: PerCpuArray<PendingRecord> = PerCpuArray::with_max_entries(1, 0);
+pub static PENDING_RECORD: PerCpuArray<PendingRecord> =
+    PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
 /// Slot 0: `record_with_user_stack`, which user space puts there.
 #[map(name = "USER_STACK_RECORDER")]
@@ -296,6 +308,12 @@ pub struct WalkState {
     /// 1 while the frames taken from the last walk are not copied into
     /// the key yet (see `unwind::tables::take_unchanged`).
     pub copy_pending: u32,
+    /// The scratch slot the walk is in (`scratch::Slot`), read from here
+    /// by each step: a value the verifier does not follow from step to
+    /// step, where the same value handed down the walk's calls tripled
+    /// the instructions it checked.
+    pub scratch: u32,
+    pub _padding: u32,
     /// The executable mapping the walk found last, `[start, end)`: a
     /// frame-pointer step landing there is in known code without a search.
     pub code_start: u64,

@@ -29,6 +29,7 @@ use memleak_common::{
 
 use crate::{
     maps::{PyFrameWords, PyScratch, PY_FRAME_BYTES, PY_PROCS, PY_SCRATCH, PY_WALKING},
+    scratch::Slot,
     tunables,
 };
 
@@ -39,11 +40,11 @@ const FRAME_BYTES: usize = PY_FRAME_BYTES;
 type Frame = PyFrameWords;
 
 /// Walks the current thread's Python frames into `PY_SCRATCH`, as many
-/// as `slots` frames of a stack hold with their checks (two each), and
+/// as `room` frames of a stack hold with their checks (two each), and
 /// returns how many it found: 0 for a process not in `PY_PROCS` or a
 /// thread that never ran Python.
-pub fn walk(tgid: u32, slots: u32) -> u32 {
-    let limit = slots / 2;
+pub fn walk(tgid: u32, room: u32, slot: Slot) -> u32 {
+    let limit = room / 2;
     // With --max-stack-depth 2 there is no room, known at load: a loop
     // of 0 iterations would leave its callback to the verifier as code
     // that never runs, which 6.18 rejects ("No program to jit").
@@ -61,7 +62,7 @@ pub fn walk(tgid: u32, slots: u32) -> u32 {
     }
     // SAFETY: the value of a live entry, copied at once.
     let Some(config) = (unsafe { PY_PROCS.get(tgid) }).copied() else { return 0 };
-    let Some(scratch) = PY_SCRATCH.get_ptr_mut(0) else { return 0 };
+    let Some(scratch) = PY_SCRATCH.get_ptr_mut(slot.key()) else { return 0 };
     let Some(frame) = current_frame(&config, fsbase_offset) else { return 0 };
     let limit = limit.min(u32::from(config.max_frames)).min(MAX_STACK_DEPTH as u32);
     let mut walk = PyWalk {
@@ -215,13 +216,13 @@ fn byte_at(frame: &Frame, offset: u32) -> u8 {
 /// Writes, after the `count` Python words of a stack stored for the first
 /// time, the check of each word's code object (`py_code_check`), read
 /// now: 0 where it cannot be read. The walk left room for them.
-pub fn check_frames(key: &mut StackKey, start: u32, count: u32) {
+pub fn check_frames(key: &mut StackKey, start: u32, count: u32, slot: Slot) {
     if count == 0 {
         return;
     }
     // SAFETY: the value of a live entry, copied at once.
     let Some(config) = (unsafe { PY_PROCS.get(key.tgid) }).copied() else { return };
-    let Some(scratch) = PY_SCRATCH.get_ptr_mut(0) else { return };
+    let Some(scratch) = PY_SCRATCH.get_ptr_mut(slot.key()) else { return };
     let mut checks = Checks {
         scratch,
         key,
@@ -281,11 +282,11 @@ extern "C" fn check_step(index: u64, ctx: *mut c_void) -> i64 {
 
 /// Copies `count` words from `PY_SCRATCH` into `key.frames` after its
 /// first `start` frames; returns how many fit.
-pub fn append(key: &mut StackKey, start: u32, count: u32) -> u32 {
+pub fn append(key: &mut StackKey, start: u32, count: u32, slot: Slot) -> u32 {
     if count == 0 {
         return 0;
     }
-    let Some(scratch) = PY_SCRATCH.get_ptr_mut(0) else { return 0 };
+    let Some(scratch) = PY_SCRATCH.get_ptr_mut(slot.key()) else { return 0 };
     let mut copy = Copy { scratch, key, start, copied: 0 };
     // SAFETY: as in `walk`.
     unsafe {

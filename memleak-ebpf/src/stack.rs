@@ -25,7 +25,10 @@ use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNE
 use crate::{
     counters,
     maps::{LastStack, LAST_STACK, PY_NEW_STACKS, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
-    python, tunables,
+    python,
+    scratch::{self, Slot},
+    totals::atomic_fetch_add,
+    tunables,
     unwind::{self, Walked},
 };
 
@@ -46,6 +49,9 @@ pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
     stack_id(ctx, KERNEL_TGID, false)
 }
 
+/// In the scratch slot the caller holds (see `scratch`), which each step
+/// below finds afresh rather than keep: a slot kept live across the walk
+/// more than doubled the instructions the verifier checks.
 fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
     if let Some(id) = store_current_stack(ctx, tgid, user) {
         id
@@ -56,15 +62,15 @@ fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
 }
 
 fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option<u64> {
-    let key: *mut StackKey = STACK_SCRATCH.get_ptr_mut(0)?;
-    // SAFETY: this CPU's scratch slot, which nothing else uses while this
-    // program runs; the maps copy it before returning.
+    let key: *mut StackKey = STACK_SCRATCH.get_ptr_mut(scratch::slot()?.key())?;
+    // SAFETY: this thread's scratch slot, which nothing else uses until
+    // it is released; the maps copy it before returning.
     let key: &mut StackKey = unsafe { &mut *key };
     key.tgid = tgid;
     // Python first, leaving at least one native frame: see `python`.
     // Each Python frame takes two slots: its word, and its code object's
     // check if the stack is new.
-    let python = if user { python::walk(tgid, tunables::stack_depth() - 1) } else { 0 };
+    let python = if user { python::walk(tgid, tunables::stack_depth() - 1, scratch::slot()?) } else { 0 };
     // SAFETY: a field of the scratch key. Through memory, like the depth
     // below: the walk's many ways to end would each have the native walk
     // checked again, past the verifier's budget.
@@ -73,7 +79,7 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
         core::ptr::read_volatile(&raw const key.python_depth)
     };
     let walked = if user {
-        unwind::user_stack(ctx, tgid, key, 2 * python)
+        unwind::user_stack(ctx, tgid, key, 2 * python, scratch::slot()?)
     } else {
         Walked {
             depth: unwind::kernel_stack(ctx, &mut key.frames)?,
@@ -89,41 +95,41 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
     // otherwise it checks all that follows once per way the walk can end,
     // which made loading take seconds.
     unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
-    let python = python::append(key, depth_of(key) as u32, python);
+    let python = python::append(key, depth_of(key) as u32, python, scratch::slot()?);
     // SAFETY: as above.
     unsafe { core::ptr::write_volatile(&raw mut key.python_depth, python) };
     if walked.unchanged {
         // Still stored: a stack is forgotten only with its process, and
         // the walk cache takes no process whose pid an exited one had
         // (table generations are unique across processes).
-        if let Some(id) = unwind::last_stack_id() {
+        if let Some(id) = unwind::last_stack_id(scratch::slot()?) {
             return Some(id);
         }
-        unwind::copy_last_walk(key);
+        unwind::copy_last_walk(key, scratch::slot()?);
     }
-    let id = stored_id(key);
+    let id = stored_id(key, scratch::slot()?);
     if walked.cached {
-        unwind::remember_stack_id(id.filter(|_| python == 0));
+        unwind::remember_stack_id(id.filter(|_| python == 0), scratch::slot()?);
     }
     id
 }
 
 /// The id of stack `key`: this CPU's last stack's, or the id it is stored
 /// under (stored now if new).
-fn stored_id(key: &mut StackKey) -> Option<u64> {
-    let last = LAST_STACK.get_ptr_mut(0)?;
+fn stored_id(key: &mut StackKey, slot: Slot) -> Option<u64> {
+    let last = LAST_STACK.get_ptr_mut(slot.key())?;
     // SAFETY: this CPU's slot, like the scratch key.
     let last: &mut LastStack = unsafe { &mut *last };
     if last.known != 0 && same_stack(&last.key, key) {
         return Some(last.id);
     }
-    let id = find_or_insert(key)?;
+    let id = find_or_insert(key, slot)?;
     remember(last, key, id);
     Some(id)
 }
 
 /// The id of stack `key`, stored under a new id if it is new.
-fn find_or_insert(key: &mut StackKey) -> Option<u64> {
+fn find_or_insert(key: &mut StackKey, scratch: Slot) -> Option<u64> {
     let (tgid, hash) = (key.tgid, hash_of(key));
     for slot in 0..PROBE_SLOTS {
         let slot = StackSlot { tgid, _padding: 0, hash: hash.wrapping_add(slot) };
@@ -135,7 +141,7 @@ fn find_or_insert(key: &mut StackKey) -> Option<u64> {
                 }
                 // Another stack holds the slot: try the next.
             }
-            None => match insert(&slot, key) {
+            None => match insert(&slot, key, scratch) {
                 Inserted::Stored(id) => return Some(id),
                 Inserted::Full => return None,
                 // Another CPU filled the slot first, maybe with this stack.
@@ -179,9 +185,9 @@ enum Inserted {
 }
 
 /// Stores `key` under a fresh id, then publishes the id in `slot`.
-fn insert(slot: &StackSlot, key: &mut StackKey) -> Inserted {
+fn insert(slot: &StackSlot, key: &mut StackKey, scratch: Slot) -> Inserted {
     let Some(id) = new_stack_id() else { return Inserted::Full };
-    python::check_frames(key, depth_of(key) as u32, python_depth_of(key) as u32);
+    python::check_frames(key, depth_of(key) as u32, python_depth_of(key) as u32, scratch);
     // By reference: a copy would not fit the BPF stack.
     let stored: &StackKey = key;
     if STACKS.insert(id, stored, u64::from(BPF_NOEXIST)).is_err() {
@@ -322,16 +328,14 @@ extern "C" fn copy_step(index: u64, ctx: *mut c_void) -> i64 {
     0
 }
 
-/// A fresh id, unique across CPUs without atomics: the CPU number in the
-/// low 16 bits, that CPU's own running count above them.
+/// A fresh id, unique across CPUs without contention: the CPU number in
+/// the low 16 bits, that CPU's own running count above them (taken
+/// atomically: walks in the CPU's other scratch slots take them too).
 fn new_stack_id() -> Option<u64> {
     let count = STACK_ID_COUNTERS.get_ptr_mut(0)?;
-    // SAFETY: this CPU's slot; BPF programs do not migrate mid-run.
-    let local = unsafe {
-        let local = *count;
-        *count = local + 1;
-        local
-    };
+    // SAFETY: this CPU's count, 8-byte aligned map memory; BPF programs do
+    // not migrate mid-run.
+    let local = unsafe { atomic_fetch_add(count, 1) };
     // SAFETY: a helper without arguments.
     let cpu = u64::from(unsafe { bpf_get_smp_processor_id() });
     Some((local << 16) | (cpu & 0xffff))

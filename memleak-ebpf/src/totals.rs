@@ -44,13 +44,27 @@ fn update(stack_id: u64, bytes: u64, allocations: u64, allocated: bool) {
     }
 }
 
+/// `*target += value`, atomically, giving the old value (`BPF_ATOMIC` |
+/// `BPF_ADD` | `BPF_FETCH`, Linux 5.12).
+///
+/// # Safety
+/// `target` must be valid for writes and 8-byte aligned.
+pub unsafe fn atomic_fetch_add(target: *mut u64, value: u64) -> u64 {
+    let mut value = value;
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        core::arch::asm!("{0} = atomic_fetch_add((u64 *)({1} + 0), {0})", inout(reg) value, in(reg) target);
+    };
+    value
+}
+
 /// `*target += value`, atomically (`BPF_ATOMIC` | `BPF_ADD`, which every
 /// kernel with BPF supports). Wrapping, so that adding `x.wrapping_neg()`
 /// subtracts `x`.
 ///
 /// # Safety
 /// `target` must be valid for writes and 8-byte aligned.
-unsafe fn atomic_add(target: *mut u64, value: u64) {
+pub unsafe fn atomic_add(target: *mut u64, value: u64) {
     // SAFETY: guaranteed by the caller.
     unsafe { core::arch::asm!("lock *(u64 *)({0} + 0) += {1}", in(reg) target, in(reg) value) };
 }

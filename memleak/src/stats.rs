@@ -79,6 +79,9 @@ enum Record<'a> {
         reusing_walks: u64,
         frames: u64,
         frames_reused: u64,
+        /// Stacks not walked: a walk preempted on the same CPU held its
+        /// memory (see the kernels page).
+        skipped_busy: u64,
     },
     UnwindTables {
         pid: u32,
@@ -199,6 +202,7 @@ impl Stats {
             reusing_walks: counts[WalkCount::ReusingWalks as usize],
             frames: counts[WalkCount::Frames as usize],
             frames_reused: counts[WalkCount::FramesReused as usize],
+            skipped_busy: counts[WalkCount::CpuBusy as usize],
         })
     }
 

@@ -13,12 +13,13 @@ use memleak_common::{AllocationKey, CallKind, Counter, OVERFLOWED_SIZE};
 
 use crate::{
     calls::{self, enter},
-    counters, deferred, events, record, tunables,
+    counters, deferred, events, record, scratch, tunables,
 };
 
 /// `malloc(size)`, `valloc(size)`, `pvalloc(size)`, `mallocx(size, flags)`.
 #[uprobe]
 pub fn malloc_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let size: u64 = ctx.arg(0).unwrap_or(0);
     enter(&ctx, size, 0, CallKind::Allocate);
     0
@@ -27,6 +28,7 @@ pub fn malloc_enter(ctx: ProbeContext) -> u32 {
 /// `calloc(count, size)`.
 #[uprobe]
 pub fn calloc_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let count: u64 = ctx.arg(0).unwrap_or(0);
     let size: u64 = ctx.arg(1).unwrap_or(0);
     enter(&ctx, array_size(count, size), 0, CallKind::Allocate);
@@ -36,6 +38,7 @@ pub fn calloc_enter(ctx: ProbeContext) -> u32 {
 /// `realloc(ptr, size)`, `rallocx(ptr, size, flags)`.
 #[uprobe]
 pub fn realloc_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let old: u64 = ctx.arg(0).unwrap_or(0);
     let size: u64 = ctx.arg(1).unwrap_or(0);
     enter(&ctx, size, old, CallKind::Reallocate);
@@ -45,6 +48,7 @@ pub fn realloc_enter(ctx: ProbeContext) -> u32 {
 /// `reallocarray(ptr, count, size)`.
 #[uprobe]
 pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let old: u64 = ctx.arg(0).unwrap_or(0);
     let count: u64 = ctx.arg(1).unwrap_or(0);
     let size: u64 = ctx.arg(2).unwrap_or(0);
@@ -55,6 +59,7 @@ pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
 /// `memalign(alignment, size)`, `aligned_alloc(alignment, size)`.
 #[uprobe]
 pub fn memalign_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let size: u64 = ctx.arg(1).unwrap_or(0);
     enter(&ctx, size, 0, CallKind::Allocate);
     0
@@ -63,6 +68,7 @@ pub fn memalign_enter(ctx: ProbeContext) -> u32 {
 /// `posix_memalign(out, alignment, size)`.
 #[uprobe]
 pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let out: u64 = ctx.arg(0).unwrap_or(0);
     let size: u64 = ctx.arg(2).unwrap_or(0);
     enter(&ctx, size, out, CallKind::AllocateThroughPointer);
@@ -72,6 +78,7 @@ pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
 /// The return of every function above.
 #[uretprobe]
 pub fn allocation_return(ctx: RetProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let returned: u64 = ctx.ret();
     let Some(call) = calls::leave() else { return 0 };
     let address = match CallKind::try_from(call.kind) {

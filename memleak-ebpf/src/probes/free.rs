@@ -12,7 +12,7 @@ use crate::{
     calls::{self, Release},
     events,
     maps::ALLOCATOR_CODE,
-    record, tunables,
+    record, scratch, tunables,
 };
 
 /// free(ptr), sdallocx(ptr, size, flags), operator delete(ptr, ...) and
@@ -21,6 +21,7 @@ use crate::{
 /// one too.
 #[uprobe]
 pub fn free_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let address: u64 = ctx.arg(0).unwrap_or(0);
     if address == 0 || !tunables::in_scope() {
         return 0;

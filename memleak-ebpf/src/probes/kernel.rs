@@ -5,9 +5,9 @@
 //! Recorded under tgid 0 with kernel stacks.
 
 use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::raw_tracepoint, programs::RawTracePointContext};
-use memleak_common::{AllocationKey, Counter, KERNEL_TGID};
+use memleak_common::{lost_stack_id, AllocationKey, Counter, KERNEL_TGID};
 
-use crate::{counters, record, stack, tunables};
+use crate::{counters, record, scratch, stack, tunables};
 
 const PAGE_SIZE: u64 = 4096;
 
@@ -94,7 +94,16 @@ fn record(ctx: &RawTracePointContext, address: u64, size: u64) {
         return;
     }
     let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };
-    record::store(key, size, stack::current_kernel_stack_id(ctx));
+    // An allocation in an interrupt may come in the middle of another's
+    // program run, which holds the scratch: see `scratch`.
+    if scratch::hold() {
+        let stack_id = stack::current_kernel_stack_id(ctx);
+        scratch::release();
+        record::store(key, size, stack_id);
+    } else {
+        counters::increment(KERNEL_TGID, Counter::StacksLost);
+        record::store(key, size, lost_stack_id(KERNEL_TGID));
+    }
 }
 
 fn release(address: u64) {

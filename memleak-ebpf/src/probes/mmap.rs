@@ -18,7 +18,7 @@ use crate::{
     calls, deferred,
     maps::{PENDING_MAPPINGS, TRACED_PROCESSES},
     process_events::send,
-    tunables,
+    scratch, tunables,
 };
 
 /// mmap's and mremap's failure value.
@@ -27,6 +27,7 @@ const MAP_FAILED: u64 = u64::MAX;
 /// `mmap(addr, length, prot, flags, fd, offset)`.
 #[uprobe]
 pub fn mmap_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     if !tunables::in_scope() {
         return 0;
     }
@@ -44,6 +45,7 @@ pub fn mmap_enter(ctx: ProbeContext) -> u32 {
 /// `mremap(old_address, old_length, new_length, flags, ...)`.
 #[uprobe]
 pub fn mremap_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     if !tunables::in_scope() {
         return 0;
     }
@@ -61,6 +63,7 @@ pub fn mremap_enter(ctx: ProbeContext) -> u32 {
 /// The return of mmap and mremap.
 #[uretprobe]
 pub fn mapping_return(ctx: RetProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     let returned: u64 = ctx.ret();
     let (thread, tgid) = (calls::thread_id(), calls::process_id());
     let Some(call) = PENDING_MAPPINGS.get_ptr(thread) else { return 0 };
@@ -100,6 +103,7 @@ pub fn mapping_return(ctx: RetProbeContext) -> u32 {
 /// `munmap(address, length)`.
 #[uprobe]
 pub fn munmap_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     if tunables::in_scope() {
         send_range_change(ctx.arg(0).unwrap_or(0), ctx.arg(1).unwrap_or(0), MappingChange::Unmap, 0);
     }
@@ -111,6 +115,7 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
 /// `attach::placement`): a call that failed then changes nothing.
 #[uprobe]
 pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
+    scratch::own_stack(&ctx);
     // SAFETY: reads this attachment's cookie.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
     let regs = ctx.as_ptr() as *const pt_regs;

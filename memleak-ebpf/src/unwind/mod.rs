@@ -11,7 +11,7 @@ mod tables;
 use aya_ebpf::EbpfContext;
 use memleak_common::{StackKey, WalkEnd};
 
-use crate::{maps::PROCESS_MAPPINGS, tunables};
+use crate::{maps::PROCESS_MAPPINGS, scratch::Slot, tunables};
 
 pub use kernel::kernel_stack;
 
@@ -38,11 +38,17 @@ pub use reuse::{copy_last_walk, last_stack_id, remember_stack_id};
 /// frame pointer, and is kept only if it lands in code), else through
 /// frame pointers alone.
 /// Leaves the last `reserved` frames of the depth limit to the Python
-/// frames walked before.
-pub fn user_stack<C: EbpfContext>(ctx: &C, tgid: u32, key: &mut StackKey, reserved: u32) -> Walked {
+/// frames walked before. The walk's state is in scratch `slot`.
+pub fn user_stack<C: EbpfContext>(
+    ctx: &C,
+    tgid: u32,
+    key: &mut StackKey,
+    reserved: u32,
+    slot: Slot,
+) -> Walked {
     let limit = tunables::stack_depth().saturating_sub(reserved).max(1);
     if let Some(mappings) = PROCESS_MAPPINGS.get_ptr(tgid) {
-        return tables::walk(ctx, tgid, mappings, key, limit, reserved != 0);
+        return tables::walk(ctx, tgid, mappings, key, limit, reserved != 0, slot);
     }
     // No table yet: the process has just been found, or just started.
     let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames, limit);

@@ -34,6 +34,8 @@ use crate::{
         Frame, ReuseProgress, WalkCache, WalkCaches, CACHED_FRAMES, STACK_WINDOW_WORDS, WALK_CACHES,
         WALK_COUNTS,
     },
+    scratch::Slot,
+    totals::atomic_add,
     tunables,
 };
 
@@ -88,19 +90,25 @@ struct Caches<'a> {
 
 /// Looked up afresh wherever needed (an array lookup, inlined): pointers
 /// kept on the BPF stack would not fit beside the walk's own.
-fn caches<'a>() -> Option<Caches<'a>> {
-    let caches = WALK_CACHES.get_ptr_mut(0)?;
-    // SAFETY: this CPU's value, which only this program run touches now.
+fn caches<'a>(slot: Slot) -> Option<Caches<'a>> {
+    WALK_CACHES.get_ptr_mut(slot.key()).map(caches_at)
+}
+
+/// The caches of a scratch slot, from their map value: what the loops'
+/// steps are handed, so that they look nothing up.
+fn caches_at<'a>(caches: *mut WalkCaches) -> Caches<'a> {
+    // SAFETY: a scratch slot's value, which only the program run holding
+    // the slot touches.
     let caches: &mut WalkCaches = unsafe { &mut *caches };
     let [first, second] = &mut caches.caches;
     let (previous, fresh) = if caches.current & 1 == 0 { (first, second) } else { (second, first) };
-    Some(Caches { previous, fresh, progress: &mut caches.progress, window: &mut caches.window })
+    Caches { previous, fresh, progress: &mut caches.progress, window: &mut caches.window }
 }
 
 /// Starts a walk of the current thread of `tgid` under table
 /// `generation`.
-pub fn begin(tgid: u32, generation: u32) {
-    let Some(Caches { previous, fresh, progress, .. }) = caches() else { return };
+pub fn begin(tgid: u32, generation: u32, slot: Slot) {
+    let Some(Caches { previous, fresh, progress, .. }) = caches(slot) else { return };
     // SAFETY: a helper without arguments.
     let thread = unsafe { bpf_get_current_pid_tgid() } as u32;
     let usable = previous.depth != 0
@@ -121,8 +129,8 @@ pub fn begin(tgid: u32, generation: u32) {
 }
 
 /// Notes the walk's frame `index` in the fresh cache.
-pub fn note(index: u32, frame: &Frame) {
-    let Some(Caches { fresh, .. }) = caches() else { return };
+pub fn note(index: u32, frame: &Frame, slot: Slot) {
+    let Some(Caches { fresh, .. }) = caches(slot) else { return };
     let cached = &mut fresh.frames[index as usize & (CACHED_FRAMES - 1)];
     *cached = *frame;
     // The check reads whole words of a window that starts 8-aligned, just
@@ -137,40 +145,43 @@ pub fn note(index: u32, frame: &Frame) {
 /// become the cache the next walk on this CPU looks at, unless it found
 /// the last walk's frames exactly (`unchanged`), which then stay. Takes
 /// the counts.
-pub fn end(depth: u32, end: u32, unchanged: bool) {
-    let Some(Caches { fresh, progress, .. }) = caches() else { return };
+pub fn end(depth: u32, end: u32, unchanged: bool, slot: Slot) {
+    let Some(Caches { fresh, progress, .. }) = caches(slot) else { return };
     let reused = progress.reused;
     if !unchanged {
         fresh.depth = depth;
         fresh.end = end;
-        if let Some(caches) = WALK_CACHES.get_ptr_mut(0) {
+        if let Some(caches) = WALK_CACHES.get_ptr_mut(slot.key()) {
             // SAFETY: as in `caches`.
             unsafe { (*caches).current ^= 1 };
         }
     }
     if let Some(counts) = WALK_COUNTS.get_ptr_mut(0) {
-        // SAFETY: this CPU's counts.
+        // SAFETY: this CPU's counts, which walks in its other scratch
+        // slots add to as well: atomically.
         let counts = unsafe { &mut *counts };
-        counts[WalkCount::Walks as usize] += 1;
-        counts[WalkCount::Frames as usize] += u64::from(depth);
-        if reused != 0 {
-            counts[WalkCount::ReusingWalks as usize] += 1;
-            counts[WalkCount::FramesReused as usize] += u64::from(reused);
+        unsafe {
+            atomic_add(&raw mut counts[WalkCount::Walks as usize], 1);
+            atomic_add(&raw mut counts[WalkCount::Frames as usize], u64::from(depth));
+            if reused != 0 {
+                atomic_add(&raw mut counts[WalkCount::ReusingWalks as usize], 1);
+                atomic_add(&raw mut counts[WalkCount::FramesReused as usize], u64::from(reused));
+            }
         }
     }
 }
 
 /// The id the last walk's stack was stored under, if known.
-pub fn last_stack_id() -> Option<u64> {
+pub fn last_stack_id(slot: Slot) -> Option<u64> {
     // The last walk is `previous` once `end` has swapped them, or kept it.
-    let Caches { previous, .. } = caches()?;
+    let Caches { previous, .. } = caches(slot)?;
     (previous.stack_known != 0).then_some(previous.stack_id)
 }
 
 /// Notes the id the last walk's stack was stored under, or that it is not
 /// known.
-pub fn remember_stack_id(id: Option<u64>) {
-    let Some(Caches { previous, .. }) = caches() else { return };
+pub fn remember_stack_id(id: Option<u64>, slot: Slot) {
+    let Some(Caches { previous, .. }) = caches(slot) else { return };
     previous.stack_known = u32::from(id.is_some());
     previous.stack_id = id.unwrap_or(0);
 }
@@ -186,11 +197,11 @@ pub struct Taken {
 /// Whether the walk's frame `index`, `frame`, is a frame of the last
 /// walk, with the same registers: then `check_unchanged` checks the
 /// frames above it. A walk checks once: after it, it looks for no more.
-pub fn matches(index: u32, frame: &Frame) -> bool {
+pub fn matches(index: u32, frame: &Frame, slot: Slot) -> bool {
     if frame.slot == SLOT_SIGNAL {
         return false;
     }
-    let Some(Caches { previous, progress, .. }) = caches() else { return false };
+    let Some(Caches { previous, progress, .. }) = caches(slot) else { return false };
     if progress.usable == 0 {
         return false;
     }
@@ -200,10 +211,10 @@ pub fn matches(index: u32, frame: &Frame) -> bool {
     // several at once, or never meet them).
     let cursor = progress.cursor;
     if cursor < previous.depth && previous.frames[cursor as usize & (CACHED_FRAMES - 1)].sp < frame.sp {
-        skip_below(frame.sp);
+        skip_below(frame.sp, slot);
     }
     // Afresh: the skipping moved the cursor.
-    let Some(Caches { previous, progress, .. }) = caches() else { return false };
+    let Some(Caches { previous, progress, .. }) = caches(slot) else { return false };
     let cursor = progress.cursor;
     let matched = &previous.frames[cursor as usize & (CACHED_FRAMES - 1)];
     if cursor >= previous.depth
@@ -224,21 +235,31 @@ pub fn matches(index: u32, frame: &Frame) -> bool {
 /// `sp`. A loop of its own, one frame an iteration: unrolled in the step,
 /// each more frame had the verifier check the step as many times again
 /// (loading took 500 ms at 8 frames, 320 at 1).
-fn skip_below(sp: u64) {
-    let mut sp = sp;
+fn skip_below(sp: u64, slot: Slot) {
+    let Some(caches) = WALK_CACHES.get_ptr_mut(slot.key()) else { return };
+    let mut skipping = Skipping { sp, caches };
     // SAFETY: the helper calls `skip_step` at most CACHED_FRAMES times
-    // with a pointer to `sp`, which outlives the call.
+    // with a pointer to `skipping`, which outlives the call.
     unsafe {
-        bpf_loop(CACHED_FRAMES as u32, skip_step as *mut c_void, (&raw mut sp).cast(), 0);
+        bpf_loop(CACHED_FRAMES as u32, skip_step as *mut c_void, (&raw mut skipping).cast(), 0);
     }
 }
 
+/// What `skip_step` is handed: the stack pointer to skip below, and the
+/// walk's caches.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Skipping {
+    sp: u64,
+    caches: *mut WalkCaches,
+}
+
 /// Skips the cached frame at the cursor if its stack pointer is below
-/// the one `ctx` points at: on (0), or the end (1).
+/// the one `ctx` gives: on (0), or the end (1).
 extern "C" fn skip_step(_iteration: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `skip_below` passed its own stack pointer.
-    let sp = unsafe { *ctx.cast::<u64>() };
-    let Some(Caches { previous, progress, .. }) = caches() else { return 1 };
+    // SAFETY: `skip_below` passed its own `Skipping`.
+    let Skipping { sp, caches } = unsafe { *ctx.cast::<Skipping>() };
+    let Caches { previous, progress, .. } = caches_at(caches);
     let cursor = progress.cursor;
     if cursor >= previous.depth || previous.frames[cursor as usize & (CACHED_FRAMES - 1)].sp >= sp {
         return 1;
@@ -252,8 +273,9 @@ extern "C" fn skip_step(_iteration: u64, ctx: *mut c_void) -> i64 {
 /// at the last one checked. They are in the key and the fresh cache only
 /// once `copy_checked` has put them there, which an unchanged stack need
 /// not wait for.
-pub fn check_unchanged(limit: u32) -> Option<Taken> {
-    let Caches { progress, .. } = caches()?;
+pub fn check_unchanged(limit: u32, slot: Slot) -> Option<Taken> {
+    let caches = WALK_CACHES.get_ptr_mut(slot.key())?;
+    let Caches { progress, .. } = caches_at(caches);
     progress.usable = 0;
     // No window read yet: an empty range (zeros side by side would be
     // cleared by a call to a byte-by-byte memset).
@@ -261,13 +283,13 @@ pub fn check_unchanged(limit: u32) -> Option<Taken> {
     progress.high = 0;
     progress.first_cached = progress.next;
     progress.first_index = progress.index;
-    let mut limit = limit.min(MAX_STACK_DEPTH as u32);
+    let mut checking = Checking { limit: limit.min(MAX_STACK_DEPTH as u32), caches };
     // SAFETY: the helper calls `check_step` at most MAX_STACK_DEPTH times
-    // with a pointer to `limit`, which outlives the call.
+    // with a pointer to `checking`, which outlives the call.
     unsafe {
-        bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, (&raw mut limit).cast(), 0);
+        bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, (&raw mut checking).cast(), 0);
     }
-    let Caches { previous, progress, .. } = caches()?;
+    let Caches { previous, progress, .. } = caches_at(caches);
     let depth = progress.index;
     let checked = depth.checked_sub(progress.first_index).filter(|&checked| checked != 0)?;
     progress.reused = checked;
@@ -278,45 +300,63 @@ pub fn check_unchanged(limit: u32) -> Option<Taken> {
 /// Whether the frames checked are all of the last walk's, from its first,
 /// and its stack's id is known: if the walk ends as the last one did, its
 /// stack is that one.
-pub fn whole_last_walk_checked() -> bool {
-    caches().is_some_and(|Caches { previous, progress, .. }| {
+pub fn whole_last_walk_checked(slot: Slot) -> bool {
+    caches(slot).is_some_and(|Caches { previous, progress, .. }| {
         progress.from_first != 0 && progress.next == previous.depth && previous.stack_known != 0
     })
 }
 
 /// Whether a walk of `depth` frames ending as `end` says ended as the
 /// last one did.
-pub fn ended_as_last(depth: u32, end: u32) -> bool {
-    caches().is_some_and(|Caches { previous, .. }| previous.depth == depth && previous.end == end)
+pub fn ended_as_last(depth: u32, end: u32, slot: Slot) -> bool {
+    caches(slot).is_some_and(|Caches { previous, .. }| previous.depth == depth && previous.end == end)
 }
 
 /// Puts the checked frames in `key` and the fresh cache.
-pub fn copy_checked(key: *mut StackKey) {
-    let mut key = key;
+pub fn copy_checked(key: *mut StackKey, slot: Slot) {
+    let Some(caches) = WALK_CACHES.get_ptr_mut(slot.key()) else { return };
+    let mut copying = Copying { key, caches };
     // SAFETY: the helper calls `copy_step` at most MAX_STACK_DEPTH times
-    // with a pointer to `key`, which outlives the call.
+    // with a pointer to `copying`, which outlives the call.
     unsafe {
-        bpf_loop(MAX_STACK_DEPTH as u32, copy_step as *mut c_void, (&raw mut key).cast(), 0);
+        bpf_loop(MAX_STACK_DEPTH as u32, copy_step as *mut c_void, (&raw mut copying).cast(), 0);
     }
+}
+
+/// What `copy_step` is handed: the key copied to, and the walk's caches.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Copying {
+    key: *mut StackKey,
+    caches: *mut WalkCaches,
 }
 
 /// Puts the last walk's frames in `key`: its stack, when the walk took
 /// them all without copying them (`whole_last_walk_checked`).
-pub fn copy_last_walk(key: *mut StackKey) {
-    if let Some(Caches { progress, .. }) = caches() {
+pub fn copy_last_walk(key: *mut StackKey, slot: Slot) {
+    if let Some(Caches { progress, .. }) = caches(slot) {
         progress.first_cached = 0;
         progress.first_index = 0;
-        copy_checked(key);
+        copy_checked(key, slot);
     }
 }
 
 /// Checks up to `FRAMES_PER_CHECK` cached frames from `progress.next`: on
 /// (0), or the end (1).
 extern "C" fn check_step(_iteration: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `check_unchanged` passed its own limit.
-    let limit = unsafe { *ctx.cast::<u32>() };
-    let Some(Caches { previous, progress, window, .. }) = caches() else { return 1 };
+    // SAFETY: `check_unchanged` passed its own `Checking`.
+    let Checking { limit, caches } = unsafe { *ctx.cast::<Checking>() };
+    let Caches { previous, progress, window, .. } = caches_at(caches);
     i64::from(!check_frames(previous, progress, window, limit))
+}
+
+/// What `check_step` is handed: the frames the walk may have in all, and
+/// its caches.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Checking {
+    limit: u32,
+    caches: *mut WalkCaches,
 }
 
 /// Frames one iteration of `check_step` checks at most. The lookup and
@@ -428,9 +468,12 @@ fn window_holds(
 
 /// Copies checked frame `first_cached + iteration` of the last walk.
 extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `copy_checked` passed its own key pointer.
-    let key = unsafe { &mut **ctx.cast::<*mut StackKey>() };
-    let Some(Caches { previous, fresh, progress, .. }) = caches() else { return 1 };
+    // SAFETY: `copy_checked` passed its own `Copying`, whose key is
+    // live for the program run.
+    let Copying { key, caches } = unsafe { *ctx.cast::<Copying>() };
+    // SAFETY: as above.
+    let key = unsafe { &mut *key };
+    let Caches { previous, fresh, progress, .. } = caches_at(caches);
     let iteration = iteration as u32;
     let cached = progress.first_cached + iteration;
     if cached >= progress.next {

@@ -34,6 +34,7 @@ use super::{
 use crate::{
     checked::{non_null, opaque},
     maps::{Frame, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE},
+    scratch::Slot,
 };
 
 /// Binary search steps: enough for 2^10 mappings and 2^21 rows per object.
@@ -64,6 +65,8 @@ const SIGNAL_RIP: u64 = 40 + 128;
 struct Walking {
     mappings: *const ProcessMappings,
     key: *mut StackKey,
+    /// The walk's state, in its scratch slot.
+    state: *mut WalkState,
 }
 
 /// Walks the user stack of process `tgid` from the registers of a return
@@ -77,6 +80,7 @@ pub fn walk<C: EbpfContext>(
     key: &mut StackKey,
     limit: u32,
     python_frames: bool,
+    scratch: Slot,
 ) -> Walked {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
@@ -85,8 +89,8 @@ pub fn walk<C: EbpfContext>(
     set_depth(key, 1);
     // SAFETY: a live map value, as in `next_frame`.
     let generation = unsafe { (*mappings).generation };
-    reuse::begin(tgid, generation);
-    let Some(state) = WALK_STATE.get_ptr_mut(0) else {
+    reuse::begin(tgid, generation, scratch);
+    let Some(state) = WALK_STATE.get_ptr_mut(scratch.key()) else {
         return Walked { depth: 1, end: WalkEnd::BadFrame as u32, cached: false, unchanged: false };
     };
     // SAFETY: this CPU's value, which only this program run touches now.
@@ -106,31 +110,32 @@ pub fn walk<C: EbpfContext>(
         // that writes a byte per iteration.
         code_start: u64::MAX,
         code_end: 0,
+        scratch: scratch.key(),
+        _padding: 0,
         below_cfa: core::mem::MaybeUninit::uninit(),
     };
-    let mut walking = Walking { mappings, key };
-    reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 });
+    let mut walking = Walking { mappings, key, state };
+    reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 }, scratch);
     // SAFETY: the helper calls `step` at most `limit` times with a pointer
     // to `walking`, which outlives the call. Each call takes a frame or
     // more, or ends.
     unsafe {
         aya_ebpf::helpers::generated::bpf_loop(limit, step as *mut c_void, (&raw mut walking).cast(), 0);
     }
-    let Some(state) = WALK_STATE.get_ptr(0) else {
-        return Walked { depth: 1, end: WalkEnd::BadFrame as u32, cached: false, unchanged: false };
-    };
     // SAFETY: as above.
-    let (end, copy_pending) = unsafe { ((*state).end, (*state).copy_pending != 0) };
+    let (end, copy_pending) = unsafe { ((*walking.state).end, (*walking.state).copy_pending != 0) };
+    // SAFETY: as above. From memory, like each step's (see `WalkState`).
+    let scratch = Slot::from_key(unsafe { (*walking.state).scratch });
     // SAFETY: the key `walking` pointed at, alive for this program run.
     let depth = depth(unsafe { &*walking.key });
     let mut unchanged = false;
     if copy_pending {
-        unchanged = reuse::ended_as_last(depth, end);
+        unchanged = reuse::ended_as_last(depth, end, scratch);
         if !unchanged {
-            reuse::copy_checked(walking.key);
+            reuse::copy_checked(walking.key, scratch);
         }
     }
-    reuse::end(depth, end, unchanged);
+    reuse::end(depth, end, unchanged, scratch);
     Walked { depth, end, cached: true, unchanged }
 }
 
@@ -143,21 +148,22 @@ pub fn walk<C: EbpfContext>(
 #[inline(always)]
 fn take_unchanged(walk: &mut WalkState, walking: &Walking, index: u32) {
     let slot = if walk.exact_pc != 0 { SLOT_SIGNAL } else { 0 };
-    if !reuse::matches(index, &Frame { pc: walk.pc, sp: walk.sp, bp: walk.bp, slot }) {
+    let scratch = Slot::from_key(walk.scratch);
+    if !reuse::matches(index, &Frame { pc: walk.pc, sp: walk.sp, bp: walk.bp, slot }, scratch) {
         return;
     }
     // None: no frame held, so none to copy either.
-    let Some(taken) = reuse::check_unchanged(walk.limit) else { return };
+    let Some(taken) = reuse::check_unchanged(walk.limit, scratch) else { return };
     // SAFETY: the scratch key, valid for this program run.
     set_depth(unsafe { &mut *walking.key }, taken.depth);
     walk.pc = taken.frame.pc;
     walk.sp = taken.frame.sp;
     walk.bp = taken.frame.bp;
     walk.exact_pc = 0;
-    if walk.python_frames == 0 && reuse::whole_last_walk_checked() {
+    if walk.python_frames == 0 && reuse::whole_last_walk_checked(scratch) {
         walk.copy_pending = 1;
     } else {
-        reuse::copy_checked(walking.key);
+        reuse::copy_checked(walking.key, scratch);
     }
 }
 
@@ -177,9 +183,9 @@ fn set_depth(key: &mut StackKey, depth: u32) {
 extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `walk` passed this pointer to its own `Walking`.
     let walking = unsafe { &*ctx.cast::<Walking>() };
-    let Some(state) = WALK_STATE.get_ptr_mut(0) else { return 1 };
-    // SAFETY: this CPU's value, which only this program run touches now.
-    let walk = unsafe { &mut *state };
+    // SAFETY: the walk's state, in the scratch slot this program run
+    // holds.
+    let walk = unsafe { &mut *walking.state };
     match next_frame(walk, walking) {
         Some(()) => 0,
         None => 1,
@@ -232,7 +238,7 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
     walk.bp = caller.bp;
     walk.exact_pc = u32::from(caller.slot == SLOT_SIGNAL);
     let frame = Frame { pc: caller.pc, sp: caller.sp, bp: caller.bp, slot: caller.slot };
-    reuse::note(taken, &frame);
+    reuse::note(taken, &frame, Slot::from_key(walk.scratch));
     Some(())
 }
 
@@ -241,7 +247,7 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
 /// the walk ends, and a rescan is asked for.
 fn rule_at(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> Option<Rule> {
     let owner = u64::from(walk.tgid) << 32 | u64::from(mappings.generation);
-    let slot = non_null(RULE_CACHE.get_ptr_mut(0)).map(|cache| {
+    let slot = non_null(RULE_CACHE.get_ptr_mut(Slot::from_key(walk.scratch).key())).map(|cache| {
         let index = (pc ^ (pc >> 12)) as usize & (RULE_CACHE_ENTRIES - 1);
         // SAFETY: this CPU's cache; an index masked into its bounds.
         unsafe { &mut (*cache)[index] }
