@@ -4,25 +4,16 @@
 //! their stack walks, on one CPU. On 7.3 that oopsed the kernel within
 //! seconds (the walks shared the CPU's private BPF stack), and the walks'
 //! per-CPU memory mixed their stacks. Here the host rarely preempts;
-//! `cargo xtask kernels` runs this test in 6.18 booted with
-//! `preempt=full`, where it does all the time.
+//! `cargo xtask kernels` runs this test in each kernel of its matrix
+//! booted with `preempt=full`, where it does all the time.
 
-use memleak_tests::{fixture, tempdir::TempDir, Memleak};
+use memleak_tests::{fixture, frame_functions, stacks_through, tempdir::TempDir, Memleak};
 use serde_json::Value;
 
 /// The workload's threads: at most as many as a CPU has scratch slots
 /// (memleak-ebpf's `scratch::SCRATCH_SLOTS`), so that no walk may find
 /// them all held, however the threads are preempted.
 const THREADS: u32 = 4;
-
-fn functions(stack: &Value) -> Vec<&str> {
-    stack["frames"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|frame| frame["function"].as_str().unwrap_or("?"))
-        .collect()
-}
 
 #[test]
 fn threads_preempted_mid_walk_keep_their_own_whole_stacks() {
@@ -47,16 +38,11 @@ fn threads_preempted_mid_walk_keep_their_own_whole_stacks() {
     let report = reports.last().expect("a final report");
 
     assert_eq!(report["health"]["stacks_lost"], 0, "{:#}", report["health"]);
-    let leaks: Vec<&Value> = report["stacks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|stack| functions(stack).contains(&"leak_one"))
-        .collect();
+    let leaks = stacks_through(report, "leak_one");
     // Every thread leaks through the same path: one stack, every frame
     // in place, holding exactly what the workload counted.
     assert_eq!(leaks.len(), 1, "{report:#}");
-    let names = functions(leaks[0]);
+    let names = frame_functions(leaks[0]);
     let descents = names.iter().filter(|&&name| name == "descend").count();
     assert!(
         names.starts_with(&["leak_one", "work", "descend"])
