@@ -13,8 +13,6 @@ use memleak_common::{
     MAX_STACK_DEPTH, RULE_CACHE_ENTRIES,
 };
 
-use crate::scratch::SCRATCH_SLOTS;
-
 /// (process, address) -> outstanding allocation. Not preallocated: kernel
 /// memory grows with what the targets really hold, not with --max-allocs.
 #[map(name = "ALLOCATIONS")]
@@ -146,6 +144,11 @@ pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(
 /// Each CPU's counts of its table walks: see `memleak_common::WalkCount`.
 #[map(name = "WALK_COUNTS")]
 pub static WALK_COUNTS: PerCpuArray<WalkCounts> = PerCpuArray::with_max_entries(1, 0);
+
+/// Slots of each CPU's scratch: entries of each per-CPU map a walk works
+/// in, one for each program run preempted mid-walk on the CPU, and one for
+/// the run going on (see `scratch`).
+pub const SCRATCH_SLOTS: usize = 4;
 
 /// Which thread holds each slot of this CPU's scratch (0: none): see
 /// `scratch`.

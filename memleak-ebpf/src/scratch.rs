@@ -27,12 +27,9 @@ use memleak_common::WalkCount;
 
 use crate::{
     checked::opaque,
-    maps::{NO_PROGRAMS, SCRATCH_HOLDERS, WALK_COUNTS},
+    maps::{NO_PROGRAMS, SCRATCH_HOLDERS, SCRATCH_SLOTS, WALK_COUNTS},
     totals::atomic_add,
 };
-
-/// Slots per CPU.
-pub const SCRATCH_SLOTS: usize = 4;
 
 /// Takes a slot of this CPU's scratch for the current thread: `false`,
 /// counted, if all are held or the thread holds one already. Whoever gets

@@ -11,7 +11,7 @@ use memleak_tests::{fixture, frame_functions, stacks_through, tempdir::TempDir, 
 use serde_json::Value;
 
 /// The workload's threads: at most as many as a CPU has scratch slots
-/// (memleak-ebpf's `scratch::SCRATCH_SLOTS`), so that no walk may find
+/// (memleak-ebpf's `maps::SCRATCH_SLOTS`), so that no walk may find
 /// them all held, however the threads are preempted.
 const THREADS: u32 = 4;
 
