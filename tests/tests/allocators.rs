@@ -167,6 +167,28 @@ fn a_program_built_against_musl() {
 }
 
 #[test]
+fn frees_of_blocks_from_before_the_attach_count_with_an_allocator_linked_in() {
+    // The program's own jemalloc is the allocator: a free called from the
+    // program's code is not the allocator's own, though both are in one
+    // object. All 1001 (1000 blocks and their vector) were allocated
+    // before memleak attached.
+    let program = memleak_tests::rust_jemalloc();
+    let mut target = Leaker::start_command({
+        let mut command = std::process::Command::new(&program);
+        command.arg("free-old");
+        command
+    });
+    let (reports, _) = memleak_tests::trace_running(&mut target, &[]);
+    target.exit();
+    let health = &reports.last().expect("a final report")["health"];
+    assert_eq!(
+        (health["frees"].as_u64(), health["unrecorded_frees"].as_u64()),
+        (Some(1001), Some(1001)),
+        "{health:#}"
+    );
+}
+
+#[test]
 fn a_rust_release_build_with_tikv_jemallocator() {
     // The default release profile: no frame pointers. jemalloc is linked
     // in with the _rjem_ prefix and keeps only what Rust calls (mallocx,

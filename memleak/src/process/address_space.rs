@@ -12,6 +12,7 @@
 use std::{
     collections::HashMap,
     fs::File,
+    ops::Range,
     os::fd::AsRawFd as _,
     path::{Component, PathBuf},
     sync::{Arc, OnceLock},
@@ -340,6 +341,28 @@ impl AddressSpace {
         Some((ranges.iter().map(|range| range.start).min()?, ranges.iter().map(|range| range.end).max()?))
     }
 
+    /// Where the bytes at file offsets `offsets` of the very file `file` is
+    /// are mapped as code, from the first to the end of the last, if the
+    /// process maps them now.
+    pub fn code_at_offsets(&self, file: &File, offsets: Range<u64>) -> Option<(u64, u64)> {
+        let object = self.object_of_file(file)?;
+        let address_of = |offset: u64| {
+            self.code.iter().find_map(|range| {
+                let mapped = range.object.as_ref().is_some_and(|mapped| Arc::ptr_eq(mapped, &object));
+                let length = range.end - range.start;
+                (mapped && (range.offset..range.offset + length).contains(&offset))
+                    .then(|| range.start + (offset - range.offset))
+            })
+        };
+        let last = offsets.end.checked_sub(1).filter(|&last| last >= offsets.start)?;
+        Some((address_of(offsets.start)?, address_of(last)? + 1))
+    }
+
+    /// Whether the very file `file` is is the program's own executable.
+    pub fn is_executable(&self, file: &File) -> bool {
+        self.object_of_file(file).is_some_and(|object| self.executable_name() == Some(object.name.as_str()))
+    }
+
     /// The object mapped now that is the very file `file` is (device and
     /// inode): how a file planned from before the process ran is named as
     /// the process maps it.
@@ -521,6 +544,22 @@ mod tests {
         let function = own_space as fn() -> AddressSpace as usize as u64;
         let mapping = space.find(function).expect("this function's code is mapped");
         assert!(mapping.executable && mapping.object.id == objects[0].id);
+    }
+
+    #[test]
+    fn file_offsets_of_the_executable_are_found_where_they_are_mapped() {
+        let space = own_space();
+        let exe = File::open("/proc/self/exe").unwrap();
+        assert!(space.is_executable(&exe));
+        let libc = space.objects().into_iter().find(|object| object.path.contains("libc.so")).unwrap();
+        assert!(!space.is_executable(&File::open(&libc.path).unwrap()));
+        let (start, end) = space.code_of_file(&exe).unwrap();
+        let range = space.code().iter().find(|range| range.start == start).unwrap();
+        let offsets = range.offset + 16..range.offset + 48;
+        assert_eq!(space.code_at_offsets(&exe, offsets), Some((start + 16, start + 48)));
+        assert!(start + 48 <= end);
+        // Not mapped as code: the ELF header, at offset 0.
+        assert_eq!(space.code_at_offsets(&exe, 0..4), None);
     }
 
     #[test]

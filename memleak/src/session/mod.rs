@@ -14,7 +14,8 @@ mod targets;
 use std::{collections::HashSet, io, path::Path, sync::Arc};
 
 use memleak_common::{
-    python::PY_DEFAULT_MAX_FRAMES, MappingChange, MappingEvent, TraceEvent, WalkCounts, KERNEL_TGID,
+    python::PY_DEFAULT_MAX_FRAMES, FunctionSet, MappingChange, MappingEvent, TraceEvent, WalkCounts,
+    KERNEL_TGID,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -1168,10 +1169,24 @@ fn update_python_frames(tracer: &mut Tracer, target: &mut Target) -> Result<(), 
 }
 
 /// Tells the free probe where `target`'s allocator code lies, once the
-/// process maps it (a newcomer probed at its execve maps it later).
+/// process maps it (a newcomer probed at its execve maps it later): a
+/// release of an unknown block called from there is the allocator's own,
+/// not counted as unrecorded. All the code of the allocator's library;
+/// for an allocator linked into the program itself (tikv-jemallocator's
+/// jemalloc), only its probed functions, from the first to the end of the
+/// last: all of the program's code would have made every free it calls
+/// the allocator's own.
 fn update_allocator_code(tracer: &mut Tracer, target: &Target) -> Result<(), TracerError> {
     let Some(object) = target.plan.object.as_deref().filter(|_| !target.is_kernel()) else { return Ok(()) };
-    match target.space.code_of_file(object) {
+    let code = if target.space.is_executable(object) {
+        let functions = target.plan.sites.iter().filter(|site| site.functions != FunctionSet::default());
+        let start = functions.clone().map(|site| site.file_offset).min();
+        let end = functions.map(|site| site.file_offset + site.code_length.max(1)).max();
+        start.zip(end).and_then(|(start, end)| target.space.code_at_offsets(object, start..end))
+    } else {
+        target.space.code_of_file(object)
+    };
+    match code {
         Some((start, end)) => {
             tracer.set_allocator_code(target.pid, memleak_common::AllocatorCode { start, end })
         }
