@@ -69,7 +69,8 @@ pub static PY_WALKING: Array<u32> = Array::with_max_entries(1, 0);
 #[map(name = "PY_PROCS")]
 pub static PY_PROCS: HashMap<u32, PyProcConfig> = HashMap::with_max_entries(1024, 0);
 
-/// The Python frames of the stack being walked, before they join it.
+/// The Python frames of the stack being walked, before they join it; one
+/// entry per scratch slot, as for each map that has `SCRATCH_SLOTS`.
 #[map(name = "PY_SCRATCH")]
 pub static PY_SCRATCH: PerCpuArray<PyScratch> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
@@ -77,8 +78,9 @@ pub static PY_SCRATCH: PerCpuArray<PyScratch> = PerCpuArray::with_max_entries(SC
 #[map(name = "STACK_SCRATCH")]
 pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
-/// The stack this CPU stored or found last, with its id: a loop that
-/// allocates from one place finds its stack here without a hash lookup.
+/// The stack this CPU's slot stored or found last, with its id: a loop
+/// that allocates from one place finds its stack here without a hash
+/// lookup.
 #[map(name = "LAST_STACK")]
 pub static LAST_STACK: PerCpuArray<LastStack> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
@@ -128,16 +130,18 @@ pub static ALLOCATOR_CODE: HashMap<u32, AllocatorCode> = HashMap::with_max_entri
 #[map(name = "UNWIND_RESCANS")]
 pub static UNWIND_RESCANS: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0);
 
-/// Each CPU's cache of unwind rules by pc; see `memleak_common::RuleCacheEntry`.
+/// Each CPU's cache of unwind rules by pc, per slot; see
+/// `memleak_common::RuleCacheEntry`.
 #[map(name = "RULE_CACHE")]
 pub static RULE_CACHE: PerCpuArray<[RuleCacheEntry; RULE_CACHE_ENTRIES]> =
     PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
-/// Each CPU's table walk under way: see `unwind::tables`.
+/// Each CPU's table walks under way, per slot: see `unwind::tables`.
 #[map(name = "WALK_STATE")]
 pub static WALK_STATE: PerCpuArray<WalkState> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
-/// Each CPU's last table walk and the one under way: see `unwind::reuse`.
+/// Each CPU's last table walk and the one under way, per slot: see
+/// `unwind::reuse`.
 #[map(name = "WALK_CACHES")]
 pub static WALK_CACHES: PerCpuArray<WalkCaches> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 

@@ -49,8 +49,8 @@ pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
     stack_id(ctx, KERNEL_TGID, false)
 }
 
-/// In the scratch slot the caller holds (see `scratch`), which each step
-/// below finds afresh rather than keep: a slot kept live across the walk
+/// In the scratch slot the caller holds (see `scratch`), found afresh at
+/// each use below rather than kept: a slot kept live across the walk
 /// more than doubled the instructions the verifier checks.
 fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
     if let Some(id) = store_current_stack(ctx, tgid, user) {
