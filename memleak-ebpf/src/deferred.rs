@@ -7,12 +7,11 @@
 //! `scratch`) from its filling to the recorder's end.
 
 use aya_ebpf::programs::RetProbeContext;
-use memleak_common::{lost_stack_id, AllocationKey, Counter, MappingEvent};
+use memleak_common::{AllocationKey, MappingEvent};
 
 use crate::{
-    counters,
     maps::{PendingRecord, PENDING_RECORD, USER_STACK_RECORDER},
-    process_events, record, scratch,
+    process_events, record, scratch, stack,
 };
 
 /// What the slot asks for.
@@ -28,9 +27,9 @@ pub fn store_allocation(ctx: &RetProbeContext, key: AllocationKey, size: u64) {
         pending.key = key;
         pending.size = size;
     });
-    // Not handed over (the recorder is missing): kept, without its stack.
-    counters::increment(key.tgid, Counter::StacksLost);
-    record::store(key, size, lost_stack_id(key.tgid));
+    // Not handed over (every scratch slot held, or the recorder missing):
+    // kept, without its stack.
+    record::store(key, size, stack::lost_stack(key.tgid));
 }
 
 /// Sends mapping `event` with the current user stack.
@@ -40,17 +39,14 @@ pub fn send_mapping(ctx: &RetProbeContext, event: MappingEvent) {
         pending.tgid = event.tgid;
         pending.mapping = event;
     });
-    counters::increment(event.tgid, Counter::StacksLost);
-    process_events::send(MappingEvent { stack_id: lost_stack_id(event.tgid), ..event });
+    process_events::send(MappingEvent { stack_id: stack::lost_stack(event.tgid), ..event });
 }
 
 /// Fills this CPU's slot and tail-calls the recorder, which does not come
 /// back and releases the scratch; returns only if that could not happen.
 fn hand_over(ctx: &RetProbeContext, fill: impl FnOnce(&mut PendingRecord)) {
-    if !scratch::hold() {
-        return;
-    }
-    if let Some(pending) = scratch::slot().and_then(|slot| PENDING_RECORD.get_ptr_mut(slot.key())) {
+    let Some(slot) = scratch::hold() else { return };
+    if let Some(pending) = PENDING_RECORD.get_ptr_mut(slot.key()) {
         // SAFETY: this CPU's slot, held until the recorder's end.
         fill(unsafe { &mut *pending });
         // SAFETY: the recorder takes the same context: a return probe's.

@@ -31,29 +31,29 @@ use crate::{
     totals::atomic_add,
 };
 
-/// Takes a slot of this CPU's scratch for the current thread: `false`,
+/// Takes a slot of this CPU's scratch for the current thread: `None`,
 /// counted, if all are held or the thread holds one already. Whoever gets
-/// `true` must `release` on every path.
-pub fn hold() -> bool {
-    let Some(holders) = SCRATCH_HOLDERS.get_ptr_mut(0) else { return false };
+/// a slot must `release` on every path.
+pub fn hold() -> Option<Slot> {
+    let holders = SCRATCH_HOLDERS.get_ptr_mut(0)?;
     let marker = marker();
     // SAFETY: this CPU's holders, 8-byte aligned map memory; each word is
     // changed only by compare and exchange, or by its holder.
     let holders = unsafe { &mut *holders };
     if holders.contains(&marker) {
         count_busy();
-        return false;
+        return None;
     }
-    for holder in holders.iter_mut() {
+    for (index, holder) in holders.iter_mut().enumerate() {
         // SAFETY: as above. Compare and exchange, so that a run preempted
         // between the test and the store cannot share a slot with the run
         // that preempted it.
         if unsafe { compare_exchange(holder, 0, marker) } == 0 {
-            return true;
+            return Some(Slot(index as u32));
         }
     }
     count_busy();
-    false
+    None
 }
 
 /// A slot of this CPU's scratch: the key of its entry in every per-CPU

@@ -53,12 +53,14 @@ pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
 /// each use below rather than kept: a slot kept live across the walk
 /// more than doubled the instructions the verifier checks.
 fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
-    if let Some(id) = store_current_stack(ctx, tgid, user) {
-        id
-    } else {
-        counters::increment(tgid, Counter::StacksLost);
-        lost_stack_id(tgid)
-    }
+    store_current_stack(ctx, tgid, user).unwrap_or_else(|| lost_stack(tgid))
+}
+
+/// Process `tgid`'s `lost_stack_id`, for an allocation recorded without
+/// its stack, counted.
+pub fn lost_stack(tgid: u32) -> u64 {
+    counters::increment(tgid, Counter::StacksLost);
+    lost_stack_id(tgid)
 }
 
 fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option<u64> {

@@ -5,7 +5,7 @@
 //! Recorded under tgid 0 with kernel stacks.
 
 use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::raw_tracepoint, programs::RawTracePointContext};
-use memleak_common::{lost_stack_id, AllocationKey, Counter, KERNEL_TGID};
+use memleak_common::{AllocationKey, Counter, KERNEL_TGID};
 
 use crate::{counters, record, scratch, stack, tunables};
 
@@ -96,14 +96,14 @@ fn record(ctx: &RawTracePointContext, address: u64, size: u64) {
     let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };
     // An allocation in an interrupt may come in the middle of another's
     // program run, which holds the scratch: see `scratch`.
-    if scratch::hold() {
+    let stack_id = if scratch::hold().is_some() {
         let stack_id = stack::current_kernel_stack_id(ctx);
         scratch::release();
-        record::store(key, size, stack_id);
+        stack_id
     } else {
-        counters::increment(KERNEL_TGID, Counter::StacksLost);
-        record::store(key, size, lost_stack_id(KERNEL_TGID));
-    }
+        stack::lost_stack(KERNEL_TGID)
+    };
+    record::store(key, size, stack_id);
 }
 
 fn release(address: u64) {
