@@ -28,15 +28,15 @@ pub use functions::{
 pub use names::{
     programs, tunables, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, CGROUP_FILTER_MAP, CGROUP_LEVEL_UNKNOWN,
     EVENTS_MAP, FOLLOWED_MAP, MAPPING_EVENTS_MAP, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
-    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, RESERVES_ADDRESS_SPACE,
-    STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
-    USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
+    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, REPLACEABLE_MAP,
+    RESERVES_ADDRESS_SPACE, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP,
+    UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
 };
 pub use python::PyProcConfig;
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, AllocatorCode, CallKind, Counter,
     PendingCall, PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals,
-    COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE,
+    COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE, REPLACEMENT_WINDOW_NS,
 };
 pub use unwind::{
     ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkCount, WalkCounts, WalkEnd,
@@ -72,7 +72,7 @@ mod pod {
     unsafe impl aya::Pod for super::PyProcConfig {}
 }
 
-const _: () = assert!(core::mem::size_of::<Allocation>() == 24);
+const _: () = assert!(core::mem::size_of::<Allocation>() == 32);
 const _: () = assert!(core::mem::size_of::<AllocatorCode>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 48);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
@@ -84,7 +84,7 @@ const _: () = assert!(core::mem::size_of::<RuleCacheEntry>() == 24);
 const _: () = assert!(RULE_CACHE_ENTRIES.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<AllocationKey>() == 16);
 const _: () = assert!(core::mem::size_of::<StackSlot>() == 16);
-const _: () = assert!(core::mem::size_of::<StackTotals>() == 32);
+const _: () = assert!(core::mem::size_of::<StackTotals>() == 56);
 const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<MappingEvent>() == 72);
 const _: () = assert!(core::mem::size_of::<PendingMapping>() == 40);

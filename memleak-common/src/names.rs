@@ -9,6 +9,10 @@ pub const STACKS_MAP: &str = "STACKS";
 pub const STACK_IDS_MAP: &str = "STACK_IDS";
 /// Stack id (u64) -> [`StackTotals`](crate::StackTotals).
 pub const STACK_TOTALS_MAP: &str = "STACK_TOTALS";
+/// [`AllocationKey`](crate::AllocationKey) -> release time (u64,
+/// `CLOCK_MONOTONIC` ns): blocks memleak never saw allocated, released
+/// lately.
+pub const REPLACEABLE_MAP: &str = "REPLACEABLE";
 /// Thread id (u32) -> [`PendingCall`](crate::PendingCall).
 pub const PENDING_MAP: &str = "PENDING";
 /// Program array whose slot 0 user space sets to
@@ -87,6 +91,10 @@ pub mod tunables {
     pub const SAMPLE_RATE: &str = "SAMPLE_RATE";
     /// u32: 1 to send a [`crate::TraceEvent`] per allocation and free.
     pub const TRACE: &str = "TRACE";
+    /// u32: 1 to tell the blocks that replace blocks from before the
+    /// attach from new memory, which only works when every allocation is
+    /// recorded.
+    pub const REPLACEMENTS: &str = "REPLACEMENTS";
     /// u32: the level of the cgroup in [`crate::CGROUP_FILTER_MAP`] below
     /// the cgroup2 root (the root is 0), or [`crate::CGROUP_LEVEL_UNKNOWN`]:
     /// then only tasks directly in it are recorded. A cgroup made again at

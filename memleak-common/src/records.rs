@@ -95,6 +95,18 @@ pub struct StackTotals {
     pub allocated_bytes: u64,
     /// Allocations ever made from the stack since attach (`alloc_objects`).
     pub allocated_count: u64,
+    /// Of `bytes`, those in blocks that took the place of a block memleak
+    /// never saw allocated ([`Allocation::replaced`]): a cache refilling
+    /// after the attach, not growth.
+    pub replacing_bytes: u64,
+    /// Of `allocations`, those that did.
+    pub replacing_allocations: u64,
+    /// Bytes from before the attach that replacing blocks of this stack
+    /// stood in for when they were released, not stood in for again yet:
+    /// the stack's next blocks take them over (a cache entry replaced a
+    /// second time), whatever addresses the allocator gives them. Wrapping:
+    /// threads taking at once may take it below zero, which counts as none.
+    pub replacement_owed: u64,
 }
 
 /// Stack id recorded when a stack of process `tgid` could not be stored
@@ -128,7 +140,21 @@ pub struct Allocation {
     /// Value of the stack in [`STACKS_MAP`](crate::STACKS_MAP), or a
     /// [`lost_stack_id`].
     pub stack_id: u64,
+    /// Bytes of a block from before the attach that this one took the
+    /// place of: the allocator handed out the address of a block whose
+    /// release memleak saw and whose allocation it never did, soon after
+    /// that release (see [`REPLACEABLE_MAP`](crate::REPLACEABLE_MAP)), or
+    /// its stack owed some ([`StackTotals::replacement_owed`]). At most
+    /// `size`; 0 for a block that is new memory.
+    pub replaced: u64,
 }
+
+/// How long after a release a block at the same address still counts as
+/// its replacement. Allocators hand a freed block of the same size class
+/// back within microseconds (glibc's, jemalloc's and tcmalloc's per-thread
+/// caches are last in, first out); an address taken long after is more
+/// likely another stack's new memory.
+pub const REPLACEMENT_WINDOW_NS: u64 = 10_000_000_000;
 
 /// What an allocation call does with its result; see [`PendingCall`].
 #[repr(u32)]

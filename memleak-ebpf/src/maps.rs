@@ -33,6 +33,13 @@ pub static STACK_IDS: HashMap<StackSlot, u64> = HashMap::with_max_entries(65_536
 #[map(name = "STACK_TOTALS")]
 pub static STACK_TOTALS: HashMap<u64, StackTotals> = HashMap::with_max_entries(65_537, BPF_F_NO_PREALLOC);
 
+/// (process, address) -> when a block memleak never saw allocated was
+/// released there; a block allocated at the address soon after takes its
+/// place (see `record`). LRU: the oldest releases make room, and their
+/// addresses are long handed out again.
+#[map(name = "REPLACEABLE")]
+pub static REPLACEABLE: LruHashMap<AllocationKey, u64> = LruHashMap::with_max_entries(16_384, 0);
+
 /// Thread id -> allocation call in flight, or the thread's idle entry
 /// (depth 0), which its next call reuses in place: no insert or delete per
 /// call. LRU, so that the entries of threads gone make room for new ones.

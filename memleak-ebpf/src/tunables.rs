@@ -17,6 +17,8 @@ static SAMPLE_RATE: u32 = 1;
 #[unsafe(no_mangle)]
 static TRACE: u32 = 0;
 #[unsafe(no_mangle)]
+static REPLACEMENTS: u32 = 0;
+#[unsafe(no_mangle)]
 static CACHE_SIZE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: u32 = 0;
@@ -71,6 +73,14 @@ pub fn sample() -> bool {
     let rate = unsafe { core::ptr::read_volatile(&raw const SAMPLE_RATE) };
     // SAFETY: a helper without arguments.
     rate <= 1 || unsafe { aya_ebpf::helpers::generated::bpf_get_prandom_u32() } % rate == 0
+}
+
+/// Whether to tell blocks that replace blocks from before the attach from
+/// new memory: only when every allocation is recorded, or a block left out
+/// by sampling would pass for one from before the attach.
+pub fn replacements() -> bool {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&raw const REPLACEMENTS) != 0 }
 }
 
 /// Whether to send a trace event per allocation and free (--trace).

@@ -16,7 +16,7 @@ use std::{
 use clap::{builder::PossibleValue, Parser, Subcommand, ValueEnum};
 use memleak_common::python::PY_DEFAULT_MAX_FRAMES;
 
-use crate::report::options::{Choice, Format, SortKey, Weight};
+use crate::report::options::{Choice, DiffOrder, Format, SortKey, Weight};
 
 /// Trace outstanding allocations of processes (or, without -p, -c and
 /// --cgroup, of the kernel) and print the call stacks that hold the most
@@ -428,6 +428,10 @@ pub struct DiffArgs {
     #[arg(value_name = "NEW")]
     pub new: PathBuf,
 
+    /// Order of the stacks.
+    #[arg(long, value_enum, default_value_t = DiffOrder::Growth)]
+    pub sort: DiffOrder,
+
     #[command(flatten)]
     pub rendering: Rendering,
 
@@ -470,7 +474,7 @@ macro_rules! choice_values {
     )*};
 }
 
-choice_values!(Format, SortKey, Weight);
+choice_values!(Format, SortKey, DiffOrder, Weight);
 
 /// What `--version` says after "memleak": the crate's version, the commit
 /// built (`-dirty` when the binary's sources differed from it, `unknown`

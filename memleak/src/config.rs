@@ -18,7 +18,7 @@ use crate::{
     process::kubernetes::WorkloadFilter,
     report::{
         culprit::SkipRules,
-        options::{Format, Rendering, ReportOptions},
+        options::{DiffOrder, Format, Rendering, ReportOptions},
     },
     session::{ReportRequest, Selector, SessionConfig, TargetSpec},
 };
@@ -116,6 +116,7 @@ pub struct DiffConfig {
     pub new: PathBuf,
     /// Stacks kept of those that grew, and of those that shrank.
     pub top: usize,
+    pub order: DiffOrder,
     pub output: OutputConfig,
     /// What each stack's culprit is looked for past.
     pub skips: SkipRules,
@@ -422,7 +423,14 @@ fn resolve_report(args: ReportArgs) -> Result<ReportConfig, String> {
 fn resolve_diff(args: DiffArgs) -> Result<DiffConfig, String> {
     let output = output_of(&args.rendering, false)?;
     let top = if output.rendering.format.wants_every_stack() { usize::MAX } else { args.rendering.top };
-    Ok(DiffConfig { base: args.base, new: args.new, top, output, skips: skip_rules(&args.culprits)? })
+    Ok(DiffConfig {
+        base: args.base,
+        new: args.new,
+        top,
+        order: args.sort,
+        output,
+        skips: skip_rules(&args.culprits)?,
+    })
 }
 
 #[cfg(test)]

@@ -22,11 +22,27 @@ pub struct Trend {
     /// Change in outstanding bytes since the previous report; `None` in the
     /// first report, which has nothing to compare with.
     pub delta_bytes: Option<i64>,
-    /// Reports in a row, this one included, in which the stack grew.
+    /// Reports in a row, this one included, in which the stack grew in
+    /// new memory: blocks that replace blocks from before the attach
+    /// (`Replacing`) are not growth.
     pub growing_reports: u32,
     /// While growing: the average growth per report over that streak, in
-    /// bytes. A slow steady leak shows here behind a big stable cache.
+    /// bytes of new memory. A slow steady leak shows here behind a big
+    /// stable cache.
     pub growth_per_report: Option<i64>,
+}
+
+impl Trend {
+    /// The amounts `scale` times: a sampled run's estimate of the whole.
+    #[must_use]
+    pub fn scaled(self, scale: u64) -> Self {
+        let scale = scale as i64;
+        Self {
+            delta_bytes: self.delta_bytes.map(|delta| delta * scale),
+            growth_per_report: self.growth_per_report.map(|growth| growth * scale),
+            ..self
+        }
+    }
 }
 
 /// Why a stack stops before its root: the frames shown are right, but
@@ -130,6 +146,49 @@ pub struct StackUsage {
     pub mapping: Option<MappingKind>,
     /// What the stack allocated since attach, when that is tracked.
     pub allocated: Option<Allocated>,
+    /// Of `bytes` and `allocations`, the blocks that took the place of
+    /// blocks from before the attach.
+    pub replacing: Replacing,
+}
+
+impl StackUsage {
+    /// Outstanding bytes that replacing blocks from before the attach does
+    /// not explain: what the stack's growth is measured in.
+    pub fn new_bytes(&self) -> u64 {
+        self.bytes.saturating_sub(self.replacing.bytes)
+    }
+}
+
+/// Of a stack's outstanding blocks, those that took the place of blocks
+/// memleak never saw allocated: the allocator handed out the address of
+/// one the program had just freed (a cache replacing entries it made
+/// before the attach), or of a block that had itself replaced one. Their
+/// bytes are outstanding, but not growth.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replacing {
+    pub bytes: u64,
+    pub allocations: u64,
+}
+
+impl std::iter::Sum for Replacing {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), |total, each| Self {
+            bytes: total.bytes + each.bytes,
+            allocations: total.allocations + each.allocations,
+        })
+    }
+}
+
+impl Replacing {
+    pub fn is_none(&self) -> bool {
+        self.allocations == 0
+    }
+
+    /// Both counts `scale` times: a sampled run's estimate of the whole.
+    #[must_use]
+    pub fn scaled(self, scale: u64) -> Self {
+        Self { bytes: self.bytes * scale, allocations: self.allocations * scale }
+    }
 }
 
 /// What a stack allocated since memleak attached, freed or not: pprof's

@@ -54,7 +54,7 @@ pub fn diff(config: &DiffConfig) -> Result<(), OfflineError> {
             new_report.sample_rate
         );
     }
-    let diff = Diff::of(&base, &new, config.top, &config.skips);
+    let diff = Diff::of(&base, &new, config.top, config.order, &config.skips);
     // The diff shares the frames it shows; the rest of both snapshots goes.
     drop((base, new));
     let mut output = Output::open(&config.output, Documents::One)?;

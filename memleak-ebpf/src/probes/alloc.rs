@@ -87,7 +87,7 @@ pub fn allocation_return(ctx: RetProbeContext) -> u32 {
             // realloc(p, n) that fails leaves p allocated. One that succeeds,
             // or realloc(p, 0), which glibc treats as free(p), releases it.
             if returned != 0 || call.size == 0 {
-                let _ = record::release(calls::process_id(), call.argument, || false);
+                record::release_resized(calls::process_id(), call.argument);
             }
             returned
         }

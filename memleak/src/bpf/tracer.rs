@@ -17,9 +17,9 @@ use memleak_common::{
     ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, WalkCounts,
     ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP,
     MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
-    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, STACKS_MAP, STACK_IDS_MAP,
-    STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP,
-    WALK_COUNTS_MAP,
+    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, REPLACEABLE_MAP, STACKS_MAP,
+    STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
+    USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
 };
 
 use super::{
@@ -112,6 +112,13 @@ pub struct TracerSettings {
 }
 
 impl TracerSettings {
+    /// Whether every allocation is recorded (no -s, -z or -Z): only then
+    /// can a block released unrecorded be told to be from before the
+    /// attach, and a block that replaces it from new memory.
+    pub fn records_every_allocation(&self) -> bool {
+        self.sample_rate <= 1 && self.min_size == 0 && self.max_size == u64::MAX
+    }
+
     /// The rows array's size: one row, unused, without unwind tables.
     pub fn unwind_rows(&self) -> u32 {
         match self.unwinding {
@@ -349,6 +356,11 @@ impl Tracer {
                 .override_global(tunables::STACK_DEPTH, &settings.stack_depth, true)
                 .override_global(tunables::SAMPLE_RATE, &settings.sample_rate, true)
                 .override_global(tunables::TRACE, &u32::from(settings.trace_events), true)
+                .override_global(
+                    tunables::REPLACEMENTS,
+                    &u32::from(settings.records_every_allocation()),
+                    true,
+                )
                 .override_global(tunables::STACK_REUSE, &u32::from(settings.stack_reuse), true)
                 .override_global(tunables::CACHE_SIZE_OFFSET, &config.cache_size_offset, true)
                 .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
@@ -565,6 +577,7 @@ impl Tracer {
     /// `forget_process` for each of `gone`, in one pass over each map.
     pub fn forget_processes(&mut self, gone: &HashSet<u32>) -> Result<(), TracerError> {
         self.remove_entries::<AllocationKey, Allocation>(ALLOCATIONS_MAP, |key, _| gone.contains(&key.tgid))?;
+        self.remove_entries::<AllocationKey, u64>(REPLACEABLE_MAP, |key, _| gone.contains(&key.tgid))?;
         let stacks: HashSet<u64> = self
             .remove_entries::<u64, StackKey>(STACKS_MAP, |_, key| gone.contains(&key.tgid))?
             .into_iter()

@@ -12,7 +12,7 @@ use memleak_common::{Allocation, AllocationKey, StackTotals};
 
 use crate::{
     bpf::MapContents,
-    model::{Allocated, HealthCounters, MappingKind, OutstandingAllocation, Snapshot, StackUsage},
+    model::{Allocated, HealthCounters, MappingKind, OutstandingAllocation, Replacing, Snapshot, StackUsage},
 };
 use regions::{Region, Regions};
 
@@ -103,7 +103,17 @@ impl ByStack {
         Self { usage: HashMap::new(), each_allocation: options.each_allocation }
     }
 
-    fn add(&mut self, stack_id: u64, mapping: Option<MappingKind>, address: u64, size: u64, age_ns: u64) {
+    /// Adds a block of `size` bytes at `address`, `age_ns` old, of which
+    /// `replaced` stand in for bytes from before the attach.
+    fn add(
+        &mut self,
+        stack_id: u64,
+        mapping: Option<MappingKind>,
+        address: u64,
+        size: u64,
+        age_ns: u64,
+        replaced: u64,
+    ) {
         let usage = self.usage.entry((stack_id, mapping)).or_insert_with(|| StackUsage {
             stack_id,
             mapping,
@@ -111,6 +121,10 @@ impl ByStack {
         });
         usage.bytes += size;
         usage.allocations += 1;
+        if replaced > 0 {
+            usage.replacing.bytes += replaced;
+            usage.replacing.allocations += 1;
+        }
         if self.each_allocation {
             usage.outstanding.push(OutstandingAllocation { address, size, age_ms: age_ns / 1_000_000 });
         }
@@ -138,7 +152,14 @@ pub fn aggregate(
     for (key, allocation) in allocations.iter().filter(|(key, _)| key.tgid == pid) {
         if options.counts(allocation.timestamp_ns, now_ns) {
             let age_ns = now_ns.saturating_sub(allocation.timestamp_ns);
-            by_stack.add(allocation.stack_id, None, key.address, allocation.size, age_ns);
+            by_stack.add(
+                allocation.stack_id,
+                None,
+                key.address,
+                allocation.size,
+                age_ns,
+                allocation.replaced,
+            );
         }
     }
     Snapshot { pid, time_unix_ms, stacks: by_stack.into_stacks().collect(), counters, ..Snapshot::default() }
@@ -167,7 +188,7 @@ pub fn add_regions(
             MappingKind::ThreadStack if !options.all_mmaps => snapshot.hidden.thread_stack_bytes += size,
             MappingKind::Reservation if !options.all_mmaps => snapshot.hidden.reserved_bytes += size,
             MappingKind::PythonArena if !options.all_mmaps => snapshot.hidden.python_arena_bytes += size,
-            kind => by_stack.add(region.stack_id, Some(kind), start, size, age_ns),
+            kind => by_stack.add(region.stack_id, Some(kind), start, size, age_ns, 0),
         }
     }
     snapshot.stacks.extend(by_stack.into_stacks());
@@ -193,6 +214,7 @@ pub fn from_totals(
             stack_id,
             bytes: totals.bytes,
             allocations: totals.allocations,
+            replacing: Replacing { bytes: totals.replacing_bytes, allocations: totals.replacing_allocations },
             ..StackUsage::default()
         })
         .collect();
@@ -234,7 +256,7 @@ mod tests {
     use super::*;
 
     fn allocation(size: u64, timestamp_ns: u64, stack_id: u64) -> Allocation {
-        Allocation { size, timestamp_ns, stack_id }
+        Allocation { size, timestamp_ns, stack_id, replaced: 0 }
     }
 
     fn key(tgid: u32, address: u64) -> AllocationKey {
@@ -288,9 +310,36 @@ mod tests {
     #[test]
     fn totals_keep_the_process_stacks_that_hold_memory() {
         let totals = [
-            (1, StackTotals { bytes: 300, allocations: 3, allocated_bytes: 500, allocated_count: 5 }),
-            (2, StackTotals { bytes: 0, allocations: 0, allocated_bytes: 64, allocated_count: 2 }), // all freed
-            (3, StackTotals { bytes: 64, allocations: 1, allocated_bytes: 64, allocated_count: 1 }), // another process
+            (
+                1,
+                StackTotals {
+                    bytes: 300,
+                    allocations: 3,
+                    allocated_bytes: 500,
+                    allocated_count: 5,
+                    ..StackTotals::default()
+                },
+            ),
+            (
+                2,
+                StackTotals {
+                    bytes: 0,
+                    allocations: 0,
+                    allocated_bytes: 64,
+                    allocated_count: 2,
+                    ..StackTotals::default()
+                },
+            ), // all freed
+            (
+                3,
+                StackTotals {
+                    bytes: 64,
+                    allocations: 1,
+                    allocated_bytes: 64,
+                    allocated_count: 1,
+                    ..StackTotals::default()
+                },
+            ), // another process
         ];
         let owner = |id| Some(if id == 3 { 8 } else { 7 });
         let mut snapshot = from_totals(7, 0, &totals, owner, HealthCounters::default());

@@ -1,6 +1,8 @@
 //! Leak or full cache? How each stack's outstanding bytes moved from one
 //! report to the next. A steady leak grows report after report; a cache
-//! grows, then holds still.
+//! grows, then holds still. Growth is counted in new memory: a cache
+//! replacing entries it made before the attach takes up outstanding bytes
+//! in memleak's eyes, but its blocks say they replace old ones.
 
 use std::collections::HashMap;
 
@@ -20,9 +22,11 @@ pub struct TrendTracker {
 #[derive(Clone, Copy, Debug, Default)]
 struct Seen {
     bytes: u64,
-    /// Reports in a row in which it grew.
+    /// Its bytes that replacing old blocks does not explain.
+    new_bytes: u64,
+    /// Reports in a row in which those grew.
     streak: u32,
-    /// Its bytes just before the streak began.
+    /// Its new bytes just before the streak began.
     streak_start: u64,
 }
 
@@ -56,21 +60,25 @@ impl TrendTracker {
         let mut trends = HashMap::with_capacity(snapshot.stacks.len());
         for stack in &snapshot.stacks {
             let (trend, seen) = match &self.previous {
-                None => (Trend::default(), Seen { bytes: stack.bytes, ..Seen::default() }),
+                None => (
+                    Trend::default(),
+                    Seen { bytes: stack.bytes, new_bytes: stack.new_bytes(), ..Seen::default() },
+                ),
                 Some(previous) => {
                     // A stack missing last time held nothing then.
                     let before = previous.get(&stack.stack_id).copied().unwrap_or_default();
-                    let delta = stack.bytes as i64 - before.bytes as i64;
-                    let streak = if delta > 0 { before.streak + 1 } else { 0 };
-                    let streak_start = if before.streak == 0 { before.bytes } else { before.streak_start };
+                    let new_bytes = stack.new_bytes();
+                    let streak = if new_bytes > before.new_bytes { before.streak + 1 } else { 0 };
+                    let streak_start =
+                        if before.streak == 0 { before.new_bytes } else { before.streak_start };
                     let growth =
-                        (streak > 0).then(|| (stack.bytes as i64 - streak_start as i64) / i64::from(streak));
+                        (streak > 0).then(|| (new_bytes as i64 - streak_start as i64) / i64::from(streak));
                     let trend = Trend {
-                        delta_bytes: Some(delta),
+                        delta_bytes: Some(stack.bytes as i64 - before.bytes as i64),
                         growing_reports: streak,
                         growth_per_report: growth,
                     };
-                    (trend, Seen { bytes: stack.bytes, streak, streak_start })
+                    (trend, Seen { bytes: stack.bytes, new_bytes, streak, streak_start })
                 }
             };
             current.insert(stack.stack_id, seen);
@@ -126,6 +134,34 @@ mod tests {
         tracker.observe(&snapshot(&[(1, 1400)]));
         let trend = tracker.observe(&snapshot(&[(1, 1600)]))[&1];
         assert_eq!((trend.growing_reports, trend.growth_per_report), (3, Some(200)));
+    }
+
+    #[test]
+    fn a_cache_replacing_old_blocks_is_not_growth() {
+        // Stack 1 replaces 100-byte blocks from before the attach, 10 a
+        // report; stack 2 leaks 50 bytes a report beside it.
+        let at = |report: u64| Snapshot {
+            stacks: vec![
+                StackUsage {
+                    stack_id: 1,
+                    bytes: report * 1000,
+                    allocations: report * 10,
+                    replacing: crate::model::Replacing { bytes: report * 1000, allocations: report * 10 },
+                    ..StackUsage::default()
+                },
+                StackUsage { stack_id: 2, bytes: report * 50, allocations: report, ..StackUsage::default() },
+            ],
+            ..Snapshot::default()
+        };
+        let mut tracker = TrendTracker::default();
+        tracker.observe(&at(1));
+        tracker.observe(&at(2));
+        let third = tracker.observe(&at(3));
+        assert_eq!(third[&1], Trend { delta_bytes: Some(1000), growing_reports: 0, growth_per_report: None });
+        assert_eq!(
+            third[&2],
+            Trend { delta_bytes: Some(50), growing_reports: 2, growth_per_report: Some(50) }
+        );
     }
 
     #[test]

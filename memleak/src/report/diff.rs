@@ -14,7 +14,7 @@ use std::{cmp::Ordering, collections::HashMap, sync::Arc};
 
 use serde::{Serialize, Serializer};
 
-use super::{culprit::SkipRules, saved::Saved, Report, ReportStack};
+use super::{culprit::SkipRules, options::DiffOrder, saved::Saved, Report, ReportStack};
 use crate::model::{Frame, MappingKind, ModuleMapping};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -22,7 +22,8 @@ pub struct Diff {
     pub base: Side,
     pub new: Side,
     /// Stacks whose outstanding bytes or count changed, largest growth
-    /// first, then largest shrink last.
+    /// first (in new memory, or in bytes, as `DiffOrder` says), then
+    /// largest shrink last.
     pub stacks: Vec<DiffStack>,
     /// Changed stacks before the cut to the top N.
     pub total_stacks: usize,
@@ -62,6 +63,15 @@ pub struct DiffStack {
     pub new_allocations: u64,
     pub delta_bytes: i64,
     pub delta_allocations: i64,
+    /// Of `base_bytes` and `new_bytes`, those in blocks that took the
+    /// place of blocks from before memleak attached (`Replacing`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub base_replacing_bytes: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub new_replacing_bytes: u64,
+    /// `delta_bytes` less what replacing blocks explain: the stack's
+    /// growth in new memory.
+    pub delta_new_bytes: i64,
     /// Innermost first, from the newer snapshot when the stack is in both;
     /// shared with the snapshot.
     #[serde(serialize_with = "frames_as_values")]
@@ -70,6 +80,11 @@ pub struct DiffStack {
     pub culprit: Option<Arc<Frame>>,
     pub stack_lost: bool,
     pub mapping: Option<MappingKind>,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if passes a reference")]
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 /// Frames as a list of frame objects, as a report's are.
@@ -86,25 +101,29 @@ impl Diff {
             &Saved::from_report(base.clone()),
             &Saved::from_report(new.clone()),
             top,
+            DiffOrder::Growth,
             &SkipRules::default(),
         )
     }
 
     /// Compares every stack of `base` and `new`; keeps the `top` that grew
-    /// most and the `top` that shrank most, each named by its culprit as
-    /// `skips` says.
-    pub fn of(base: &Saved, new: &Saved, top: usize, skips: &SkipRules) -> Self {
+    /// most and the `top` that shrank most, as `order` measures it, each
+    /// named by its culprit as `skips` says.
+    pub fn of(base: &Saved, new: &Saved, top: usize, order: DiffOrder, skips: &SkipRules) -> Self {
         let sides = Sides::new([base, new]);
         let mut changed = sides.changes();
         let total_stacks = changed.len();
+        // In new memory, a cache that replaced blocks from before the
+        // attach comes after every stack that grew; by how much it took
+        // up, before those that shrank.
+        let rank = |change: &Change| match order {
+            DiffOrder::Growth => (change.delta_new_bytes(), change.delta_bytes, change.delta_allocations),
+            DiffOrder::Bytes => (change.delta_bytes, change.delta_allocations, 0),
+        };
         // Ties broken by the frames, so that a diff prints the same twice.
-        changed.sort_by(|a, b| {
-            (b.delta_bytes, b.delta_allocations)
-                .cmp(&(a.delta_bytes, a.delta_allocations))
-                .then_with(|| sides.compare_frames(a.source, b.source))
-        });
-        let grew = changed.iter().take_while(|change| change.delta_bytes > 0).count().min(top);
-        let shrank = changed.iter().rev().take_while(|change| change.delta_bytes < 0).count().min(top);
+        changed.sort_by(|a, b| rank(b).cmp(&rank(a)).then_with(|| sides.compare_frames(a.source, b.source)));
+        let grew = changed.iter().take_while(|change| rank(change) > (0, 0, 0)).count().min(top);
+        let shrank = changed.iter().rev().take_while(|change| rank(change) < (0, 0, 0)).count().min(top);
         let shrank_from = changed.len() - shrank;
         let stacks = changed[..grew]
             .iter()
@@ -169,6 +188,8 @@ struct Source {
 struct Change {
     base_bytes: u64,
     new_bytes: u64,
+    base_replacing_bytes: u64,
+    new_replacing_bytes: u64,
     base_allocations: u64,
     new_allocations: u64,
     delta_bytes: i64,
@@ -177,6 +198,14 @@ struct Change {
     mapping: Option<MappingKind>,
     /// Whose frames the stack shows: the newer snapshot's when it is in both.
     source: Source,
+}
+
+impl Change {
+    /// The change less what replacing blocks explain.
+    fn delta_new_bytes(&self) -> i64 {
+        let replacing = self.new_replacing_bytes as i64 - self.base_replacing_bytes as i64;
+        self.delta_bytes - replacing
+    }
 }
 
 /// What makes two stacks of different snapshots the same stack: their
@@ -240,6 +269,8 @@ impl<'a> Sides<'a> {
                 let change = by_key.entry(self.key(source, stack)).or_insert_with(|| Change {
                     base_bytes: 0,
                     new_bytes: 0,
+                    base_replacing_bytes: 0,
+                    new_replacing_bytes: 0,
                     base_allocations: 0,
                     new_allocations: 0,
                     delta_bytes: 0,
@@ -250,10 +281,12 @@ impl<'a> Sides<'a> {
                 });
                 if side == NEW {
                     change.new_bytes += stack.bytes;
+                    change.new_replacing_bytes += stack.replacing.bytes;
                     change.new_allocations += stack.allocations;
                     change.source = source;
                 } else {
                     change.base_bytes += stack.bytes;
+                    change.base_replacing_bytes += stack.replacing.bytes;
                     change.base_allocations += stack.allocations;
                 }
             }
@@ -304,6 +337,9 @@ impl<'a> Sides<'a> {
             new_allocations: change.new_allocations,
             delta_bytes: change.delta_bytes,
             delta_allocations: change.delta_allocations,
+            base_replacing_bytes: change.base_replacing_bytes,
+            new_replacing_bytes: change.new_replacing_bytes,
+            delta_new_bytes: change.delta_new_bytes(),
             frames,
             culprit,
             stack_lost: change.stack_lost,
@@ -345,6 +381,7 @@ pub(crate) mod tests {
             trend: crate::model::Trend::default(),
             mapping: None,
             allocated: None,
+            replacing: crate::model::Replacing::default(),
             outstanding: Vec::new(),
         }
     }
@@ -361,6 +398,7 @@ pub(crate) mod tests {
             sample_rate: 1,
             total_bytes: stacks.iter().map(|s| s.bytes).sum(),
             total_allocations: stacks.iter().map(|s| s.allocations).sum(),
+            total_replacing: crate::model::Replacing::default(),
             total_stacks: stacks.len(),
             stacks,
             unwinding: None,

@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
-    Snapshot, StackUsage, Trend, Truncation, Unwinding, Workload,
+    Replacing, Snapshot, StackUsage, Trend, Truncation, Unwinding, Workload,
 };
 use crate::symbolize::{missing::MissingSymbols, stable_id::StableIds};
 use culprit::SkipRules;
@@ -92,6 +92,10 @@ pub struct Report {
     /// Over all stacks, not only those shown.
     pub total_bytes: u64,
     pub total_allocations: u64,
+    /// Of those, the blocks that took the place of blocks from before the
+    /// attach (see `Replacing`), over all stacks.
+    #[serde(default, skip_serializing_if = "Replacing::is_none")]
+    pub total_replacing: Replacing,
     /// Stacks that hold memory, before the cut to the top N.
     pub total_stacks: usize,
     /// Largest first (most allocations first with --sort count).
@@ -154,6 +158,10 @@ pub struct ReportStack {
     /// What the stack allocated since attach, freed or not, when tracked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocated: Option<Allocated>,
+    /// Of `bytes` and `allocations`, the blocks that took the place of
+    /// blocks from before the attach: outstanding, but not growth.
+    #[serde(default, skip_serializing_if = "Replacing::is_none")]
+    pub replacing: Replacing,
     /// Each allocation, with -a.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub outstanding: Vec<OutstandingAllocation>,
@@ -237,6 +245,7 @@ impl Report {
         let scale = |usage: &StackUsage| if usage.mapping.is_some() { 1 } else { sampled };
         let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
         let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
+        let total_replacing = snapshot.stacks.iter().map(|stack| stack.replacing.scaled(scale(stack))).sum();
         let total_stacks = snapshot.stacks.iter().filter(|stack| stack.allocations > 0).count();
         let truncated_stacks = truncations(&snapshot, &stack_source);
         let mut stacks: Vec<ReportStack> = snapshot
@@ -244,9 +253,7 @@ impl Report {
             .into_iter()
             .map(|usage| {
                 let scale = scale(&usage);
-                let mut trend = trends.get(&usage.stack_id).copied().unwrap_or_default();
-                trend.delta_bytes = trend.delta_bytes.map(|delta| delta * scale as i64);
-                trend.growth_per_report = trend.growth_per_report.map(|growth| growth * scale as i64);
+                let trend = trends.get(&usage.stack_id).copied().unwrap_or_default().scaled(scale);
                 ReportStack {
                     stack_id: usage.stack_id,
                     bytes: usage.bytes * scale,
@@ -259,6 +266,7 @@ impl Report {
                     trend,
                     mapping: usage.mapping,
                     allocated: usage.allocated.map(|allocated| allocated.scaled(scale)),
+                    replacing: usage.replacing.scaled(scale),
                     outstanding: usage.outstanding,
                 }
             })
@@ -280,6 +288,7 @@ impl Report {
             unwinding: context.unwinding,
             total_bytes,
             total_allocations,
+            total_replacing,
             total_stacks,
             stacks,
             health: snapshot.counters,
@@ -291,6 +300,12 @@ impl Report {
         };
         report.name_stacks(context.skips);
         report
+    }
+
+    /// Outstanding bytes that replacing blocks from before the attach does
+    /// not explain.
+    pub fn total_new_bytes(&self) -> u64 {
+        self.total_bytes.saturating_sub(self.total_replacing.bytes)
     }
 
     /// Names each stack: its culprit, as `skips` says, and its stable id.

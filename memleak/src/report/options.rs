@@ -151,6 +151,33 @@ impl Choice for SortKey {
     }
 }
 
+/// The order of a diff's stacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiffOrder {
+    Growth,
+    Bytes,
+}
+
+impl Choice for DiffOrder {
+    const ALL: &'static [Self] = &[DiffOrder::Growth, DiffOrder::Bytes];
+
+    fn name(self) -> &'static str {
+        match self {
+            DiffOrder::Growth => "growth",
+            DiffOrder::Bytes => "bytes",
+        }
+    }
+
+    fn description(self) -> &'static str {
+        match self {
+            DiffOrder::Growth => {
+                "Growth in new memory, largest first: blocks that took the place of blocks from before memleak attached (a cache refilling) are not growth"
+            }
+            DiffOrder::Bytes => "Change in outstanding bytes, largest first, replacing blocks included",
+        }
+    }
+}
+
 /// How a report is written: its format, and for flame graphs the weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rendering {

@@ -26,6 +26,13 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
             source(stack.mapping),
             describe_trend(&stack.trend)
         )?;
+        if !stack.replacing.is_none() {
+            writeln!(
+                out,
+                "\t\treplacing: {} bytes in {} of them took the place of blocks from before memleak attached: not growth",
+                stack.replacing.bytes, stack.replacing.allocations
+            )?;
+        }
         write_culprit(stack.culprit.as_ref(), &stack.frames, out)?;
         write_frames(stack.stack_lost, &stack.frames, out)?;
         if let Some(truncation) = stack.truncated {
@@ -116,6 +123,14 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         "Outstanding: {} bytes in {} allocations{older}{shown}",
         report.total_bytes, report.total_allocations,
     )?;
+    if !report.total_replacing.is_none() {
+        writeln!(
+            out,
+            "Of those, {} bytes in {} allocations replace blocks allocated before memleak attached (a cache \
+             refilling): outstanding, but not growth",
+            report.total_replacing.bytes, report.total_replacing.allocations
+        )?;
+    }
     let health = &report.health;
     // Every call is seen; with -s only some allocations are recorded,
     // while every free is looked up. Say which figure counts what.
@@ -151,8 +166,9 @@ fn write_unrecorded_frees(report: &Report, out: &mut (impl Write + ?Sized)) -> i
     if let Some(frees @ 1..) = report.delta_unrecorded_frees {
         writeln!(
             out,
-            "Since the last report: {frees} frees of blocks memleak never saw allocated; a stack that \
-             replaces such blocks (a cache refilling) looks like growth until the old blocks are gone"
+            "Since the last report: {frees} frees of blocks memleak never saw allocated; the blocks \
+             allocated in their places count as replacing them, not as growth (unless -s, -z or -Z left \
+             blocks out)"
         )?;
     }
     Ok(())
@@ -229,6 +245,15 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
             stack.base_bytes,
             stack.new_bytes
         )?;
+        let replacing = stack.new_replacing_bytes as i64 - stack.base_replacing_bytes as i64;
+        if replacing != 0 {
+            writeln!(
+                out,
+                "\t\treplacing: {replacing:+} bytes of blocks that took the place of blocks from before memleak \
+                 attached; {:+} bytes of new memory",
+                stack.delta_new_bytes
+            )?;
+        }
         write_culprit(stack.culprit.as_ref(), &stack.frames, out)?;
         write_frames(stack.stack_lost, &stack.frames, out)?;
     }
@@ -251,8 +276,8 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
         writeln!(
             out,
             "Between these snapshots the program freed {frees} blocks memleak never saw allocated, of sizes \
-             unknown: a stack that replaces such blocks (a cache refilling) looks like growth until the old \
-             blocks are gone"
+             unknown; the blocks allocated in their places count as replacing them, not as growth (unless -s, \
+             -z or -Z left blocks out)"
         )?;
     }
     Ok(())

@@ -62,17 +62,25 @@ const PROCESS_METRICS: &[Metric] = &[
         value: |followed| of_report(followed, |report| report.total_allocations),
     },
     Metric {
+        name: "memleak_outstanding_replacing_bytes",
+        kind: Kind::Gauge,
+        help: "Of memleak_outstanding_bytes, those in blocks that took the place of blocks allocated before \
+               memleak attached (a cache refilling): outstanding, but not growth.",
+        value: |followed| of_report(followed, |report| report.total_replacing.bytes),
+    },
+    Metric {
         name: "memleak_outstanding_growth_bytes",
         kind: Kind::Gauge,
-        help: "memleak_outstanding_bytes now less what it was in the first report after memleak attached \
-               (or the process ran a new program); negative when blocks allocated before that report were freed.",
+        help: "New memory (memleak_outstanding_bytes less memleak_outstanding_replacing_bytes) now less what it \
+               was in the first report after memleak attached (or the process ran a new program); negative when \
+               blocks allocated before that report were freed.",
         value: |followed| followed.growth.bytes_since_first_report(),
     },
     Metric {
         name: "memleak_growing_reports",
         kind: Kind::Gauge,
-        help: "Reports in a row, the latest included, in which memleak_outstanding_bytes grew; 0 after one in \
-               which it did not.",
+        help: "Reports in a row, the latest included, in which the new memory of memleak_outstanding_growth_bytes \
+               grew; 0 after one in which it did not.",
         value: |followed| i128::from(followed.growth.growing_reports),
     },
     Metric {
@@ -119,18 +127,24 @@ struct StackMetric {
 }
 
 /// The series of each process's largest stacks.
-const STACK_METRICS: [StackMetric; 2] = [
+const STACK_METRICS: [StackMetric; 3] = [
     StackMetric {
         name: "memleak_stack_outstanding_bytes",
         help: "Bytes allocated and not freed from one stack, for the --metrics-top-stacks stacks of each process \
-         holding the most; stack is an id stable across restarts for the same stack of the same binary, \
-         frame its first named frame.",
+         holding the most new memory (bytes less memleak_stack_replacing_bytes), then the most bytes; stack is \
+         an id stable across restarts for the same stack of the same binary, frame its culprit.",
         value: |stack| stack.bytes,
     },
     StackMetric {
         name: "memleak_stack_outstanding_allocations",
         help: "Allocations not freed from one stack, for the stacks memleak_stack_outstanding_bytes shows.",
         value: |stack| stack.allocations,
+    },
+    StackMetric {
+        name: "memleak_stack_replacing_bytes",
+        help: "Of memleak_stack_outstanding_bytes, those in blocks that took the place of blocks allocated before \
+               memleak attached (a cache refilling): outstanding, but not growth.",
+        value: |stack| stack.replacing_bytes,
     },
 ];
 

@@ -60,9 +60,10 @@ impl Followed {
     /// first report after none (memleak attached, or the process ran a
     /// new program) is the baseline growth is counted from.
     pub fn take_report(&mut self, report: Report) {
+        let new_memory = report.total_new_bytes();
         self.growth = match self.report {
-            None => Growth::from_first(report.total_bytes),
-            Some(_) => self.growth.after(report.total_bytes),
+            None => Growth::from_first(new_memory),
+            Some(_) => self.growth.after(new_memory),
         };
         self.report = Some(Arc::new(report));
     }

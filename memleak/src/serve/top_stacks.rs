@@ -30,11 +30,23 @@ pub struct ShownStack {
     pub frame: String,
     pub bytes: u64,
     pub allocations: u64,
+    /// Of `bytes`, those in blocks that took the place of blocks from
+    /// before memleak attached.
+    pub replacing_bytes: u64,
 }
 
-/// The `top` stacks of `report` holding the most bytes, stacks under the
-/// same id added together; ties in id order, so that a scrape lists them
-/// as the one before did.
+impl ShownStack {
+    /// Bytes that replacing old blocks does not explain.
+    fn new_bytes(&self) -> u64 {
+        self.bytes.saturating_sub(self.replacing_bytes)
+    }
+}
+
+/// The `top` stacks of `report` holding the most new memory (bytes that
+/// replacing blocks from before the attach does not explain), then the
+/// most bytes, stacks under the same id added together; ties in id order,
+/// so that a scrape lists them as the one before did. A big cache
+/// refilling after a late attach does not push a leak out.
 pub fn top_stacks(report: &Report, top: usize) -> Vec<ShownStack> {
     if top == 0 {
         return Vec::new();
@@ -47,13 +59,17 @@ pub fn top_stacks(report: &Report, top: usize) -> Vec<ShownStack> {
             frame: frame_label(stack),
             bytes: 0,
             allocations: 0,
+            replacing_bytes: 0,
         });
         shown.bytes += stack.bytes;
         shown.allocations += stack.allocations;
+        shown.replacing_bytes += stack.replacing.bytes;
     }
     let mut shown: Vec<ShownStack> = by_id.into_values().collect();
     // Stable: equal amounts keep the id order of the map.
-    shown.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.allocations.cmp(&a.allocations)));
+    shown.sort_by(|a, b| {
+        (b.new_bytes(), b.bytes, b.allocations).cmp(&(a.new_bytes(), a.bytes, a.allocations))
+    });
     shown.truncate(top);
     shown
 }

@@ -27,7 +27,7 @@ use serde::Deserialize;
 
 use crate::model::{
     Allocated, Frame, HealthCounters, HiddenMappings, MappingKind, ModuleMapping, OutstandingAllocation,
-    Trend, Truncation, Unwinding, Workload,
+    Replacing, Trend, Truncation, Unwinding, Workload,
 };
 use crate::{
     report::{Report, ReportStack},
@@ -187,6 +187,7 @@ enum ReportField {
     Unwinding,
     TotalBytes,
     TotalAllocations,
+    TotalReplacing,
     TotalStacks,
     Stacks,
     Health,
@@ -213,6 +214,7 @@ struct ReportFields {
     unwinding: Option<Unwinding>,
     total_bytes: Option<u64>,
     total_allocations: Option<u64>,
+    total_replacing: Option<Replacing>,
     total_stacks: Option<usize>,
     stacks: Option<Stacks>,
     health: Option<HealthCounters>,
@@ -257,6 +259,7 @@ impl<'de> Visitor<'de> for ReportSeed<'_> {
                 ReportField::Unwinding => fields.unwinding = map.next_value()?,
                 ReportField::TotalBytes => fields.total_bytes = Some(map.next_value()?),
                 ReportField::TotalAllocations => fields.total_allocations = Some(map.next_value()?),
+                ReportField::TotalReplacing => fields.total_replacing = Some(map.next_value()?),
                 ReportField::TotalStacks => fields.total_stacks = Some(map.next_value()?),
                 ReportField::Stacks => fields.stacks = Some(map.next_value_seed(StacksSeed(&mut *self.0))?),
                 ReportField::Health => fields.health = Some(map.next_value()?),
@@ -296,6 +299,7 @@ impl ReportFields {
             unwinding: self.unwinding,
             total_bytes: required(self.total_bytes, "total_bytes")?,
             total_allocations: required(self.total_allocations, "total_allocations")?,
+            total_replacing: self.total_replacing.unwrap_or_default(),
             total_stacks: required(self.total_stacks, "total_stacks")?,
             stacks,
             health: required(self.health, "health")?,
@@ -375,6 +379,7 @@ enum StackField {
     GrowthPerReport,
     Mapping,
     Allocated,
+    Replacing,
     Outstanding,
     #[serde(other)]
     Other,
@@ -394,6 +399,7 @@ struct StackFields {
     growth_per_report: Option<i64>,
     mapping: Option<MappingKind>,
     allocated: Option<Allocated>,
+    replacing: Option<Replacing>,
     outstanding: Vec<OutstandingAllocation>,
 }
 
@@ -427,6 +433,7 @@ impl<'de> Visitor<'de> for StackSeed<'_> {
                 StackField::GrowthPerReport => fields.growth_per_report = map.next_value()?,
                 StackField::Mapping => fields.mapping = map.next_value()?,
                 StackField::Allocated => fields.allocated = map.next_value()?,
+                StackField::Replacing => fields.replacing = Some(map.next_value()?),
                 StackField::Outstanding => {
                     fields.outstanding =
                         map.next_value_seed(Counted::new(&mut self.0.budget, allocation_cost))?;
@@ -458,6 +465,9 @@ impl StackFields {
             },
             mapping: self.mapping,
             allocated: self.allocated,
+            // Snapshots saved before memleak told replacement apart have
+            // none.
+            replacing: self.replacing.unwrap_or_default(),
             outstanding: self.outstanding,
         };
         Ok((stack, required(self.frames, "frames")?))
