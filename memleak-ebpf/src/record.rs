@@ -8,7 +8,8 @@ use memleak_common::{Allocation, AllocationKey, Counter, REPLACEMENT_WINDOW_NS};
 use crate::{
     counters,
     maps::{ALLOCATIONS, REPLACEABLE},
-    totals, tunables,
+    totals::Totals,
+    tunables,
 };
 
 /// The map helpers' "key exists" error.
@@ -16,9 +17,11 @@ const EEXIST: i32 = 17;
 
 /// Records an allocation under `key`, with its stack.
 pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
+    let totals = Totals::of(stack_id);
     // SAFETY: a helper without arguments.
     let timestamp_ns = unsafe { bpf_ktime_get_ns() };
-    let replaced = if tunables::replacements() { replaced_by(&key, size, stack_id, timestamp_ns) } else { 0 };
+    let replaced =
+        if tunables::replacements() { replaced_by(&key, size, totals.as_ref(), timestamp_ns) } else { 0 };
     let mut allocation = Allocation { size, timestamp_ns, stack_id, replaced };
     // One map operation in the common case. Only when the address is
     // still recorded does it take more: the allocator handed it out again,
@@ -36,7 +39,9 @@ pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
         counters::increment(key.tgid, Counter::AllocationsNotTracked);
         return;
     }
-    totals::add(allocation.stack_id, size, allocation.replaced);
+    if let Some(totals) = totals {
+        totals.add(size, allocation.replaced);
+    }
 }
 
 /// A release of the block at `address` by process `tgid` (0: the kernel):
@@ -98,7 +103,9 @@ fn forget(key: &AllocationKey) -> Option<Allocation> {
     // Only the caller that really removed it updates the totals, so a block
     // freed twice at once is not subtracted twice.
     ALLOCATIONS.remove(key).ok()?;
-    totals::subtract(allocation.stack_id, allocation.size, allocation.replaced);
+    if let Some(totals) = Totals::find(allocation.stack_id) {
+        totals.subtract(allocation.size, allocation.replaced);
+    }
     Some(allocation)
 }
 
@@ -114,13 +121,13 @@ fn remember_unrecorded(key: &AllocationKey) {
     let _ = REPLACEABLE.insert(key, released_ns, 0);
 }
 
-/// The bytes from before the attach that a block of `size` bytes from
-/// stack `stack_id`, allocated at `key` at `now_ns`, takes the place of,
-/// at most `size`; 0 for new memory. Either the block took the address of
-/// one memleak never saw allocated, released within
+/// The bytes from before the attach that a block of `size` bytes,
+/// allocated at `key` at `now_ns` by the stack of `totals`, takes the
+/// place of, at most `size`; 0 for new memory. Either the block took the
+/// address of one memleak never saw allocated, released within
 /// `REPLACEMENT_WINDOW_NS`, or its stack released a block that replaced
-/// one and has not made up for it yet (see `totals::take_replacement`).
-fn replaced_by(key: &AllocationKey, size: u64, stack_id: u64, now_ns: u64) -> u64 {
+/// one and has not made up for it yet (see `Totals::take_replacement`).
+fn replaced_by(key: &AllocationKey, size: u64, totals: Option<&Totals>, now_ns: u64) -> u64 {
     // SAFETY: a lookup in a map of plain values, copied out.
     if let Some(released_ns) = unsafe { REPLACEABLE.get(key) }.copied() {
         let _ = REPLACEABLE.remove(key);
@@ -129,5 +136,5 @@ fn replaced_by(key: &AllocationKey, size: u64, stack_id: u64, now_ns: u64) -> u6
             return size;
         }
     }
-    totals::take_replacement(stack_id, size)
+    totals.map_or(0, |totals| totals.take_replacement(size))
 }

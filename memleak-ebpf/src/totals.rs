@@ -8,67 +8,78 @@ use memleak_common::StackTotals;
 
 use crate::maps::STACK_TOTALS;
 
-/// Adds an allocation of `size` bytes to its stack, `replaced` of them
-/// standing in for bytes from before the attach.
-pub fn add(stack_id: u64, size: u64, replaced: u64) {
-    update(stack_id, size, 1, replaced, true);
-}
+/// One stack's entry in `STACK_TOTALS`.
+pub struct Totals(*mut StackTotals);
 
-/// Takes an allocation of `size` bytes off its stack.
-pub fn subtract(stack_id: u64, size: u64, replaced: u64) {
-    update(stack_id, size.wrapping_neg(), 1u64.wrapping_neg(), replaced.wrapping_neg(), false);
-}
-
-/// Adds to the outstanding amounts, and for a new allocation to the
-/// amounts ever allocated too: the same cache line, two more adds, and
-/// two for a block that replaces one from before the attach.
-fn update(stack_id: u64, bytes: u64, allocations: u64, replaced: u64, allocated: bool) {
-    let totals = if let Some(totals) = STACK_TOTALS.get_ptr_mut(stack_id) {
-        totals
-    } else {
-        // First allocation from this stack. Another CPU may insert it at
-        // the same moment; NOEXIST keeps whichever came first.
+impl Totals {
+    /// The entry of stack `stack_id`, made if it is its first allocation.
+    pub fn of(stack_id: u64) -> Option<Self> {
+        if let Some(totals) = Self::find(stack_id) {
+            return Some(totals);
+        }
+        // Another CPU may insert it at the same moment; NOEXIST keeps
+        // whichever came first.
         let _ = STACK_TOTALS.insert(stack_id, StackTotals::default(), u64::from(BPF_NOEXIST));
-        match STACK_TOTALS.get_ptr_mut(stack_id) {
-            Some(totals) => totals,
-            None => return,
+        Self::find(stack_id)
+    }
+
+    /// The entry of stack `stack_id`, if it has one.
+    pub fn find(stack_id: u64) -> Option<Self> {
+        STACK_TOTALS.get_ptr_mut(stack_id).map(Self)
+    }
+
+    /// Adds an allocation of `size` bytes, `replaced` of them standing in
+    /// for bytes from before the attach.
+    pub fn add(&self, size: u64, replaced: u64) {
+        self.update(size, 1, replaced, true);
+    }
+
+    /// Takes off an allocation of `size` bytes.
+    pub fn subtract(&self, size: u64, replaced: u64) {
+        self.update(size.wrapping_neg(), 1u64.wrapping_neg(), replaced.wrapping_neg(), false);
+    }
+
+    /// Takes up to `size` bytes of what the stack owes
+    /// (`StackTotals::replacement_owed`) for a new block; returns them.
+    pub fn take_replacement(&self, size: u64) -> u64 {
+        let totals = self.0;
+        // SAFETY: a live map value, 8-byte aligned, so never read torn; a
+        // stale read only moves bytes between the stack's blocks.
+        let owed = unsafe { core::ptr::read_volatile(&raw const (*totals).replacement_owed) } as i64;
+        if owed <= 0 {
+            return 0;
         }
-    };
-    // SAFETY: `totals` points at a live map value, 8-byte aligned, and
-    // atomic adds are the only writes to it.
-    unsafe {
-        atomic_add(&raw mut (*totals).bytes, bytes);
-        atomic_add(&raw mut (*totals).allocations, allocations);
-        if allocated {
-            atomic_add(&raw mut (*totals).allocated_bytes, bytes);
-            atomic_add(&raw mut (*totals).allocated_count, 1);
-        }
-        if replaced != 0 {
-            atomic_add(&raw mut (*totals).replacing_bytes, replaced);
-            atomic_add(&raw mut (*totals).replacing_allocations, allocations);
-            if !allocated {
-                // Released (`replaced` is negative here): the stack's next
-                // block takes its place.
-                atomic_add(&raw mut (*totals).replacement_owed, replaced.wrapping_neg());
+        let taken = size.min(owed as u64);
+        // SAFETY: as above.
+        unsafe { atomic_add(&raw mut (*totals).replacement_owed, taken.wrapping_neg()) };
+        taken
+    }
+
+    /// Adds to the outstanding amounts, and for a new allocation to the
+    /// amounts ever allocated too: the same cache line, two more adds, and
+    /// two for a block that replaces one from before the attach.
+    fn update(&self, bytes: u64, allocations: u64, replaced: u64, allocated: bool) {
+        let totals = self.0;
+        // SAFETY: `totals` points at a live map value, 8-byte aligned, and
+        // atomic adds are the only writes to it.
+        unsafe {
+            atomic_add(&raw mut (*totals).bytes, bytes);
+            atomic_add(&raw mut (*totals).allocations, allocations);
+            if allocated {
+                atomic_add(&raw mut (*totals).allocated_bytes, bytes);
+                atomic_add(&raw mut (*totals).allocated_count, 1);
+            }
+            if replaced != 0 {
+                atomic_add(&raw mut (*totals).replacing_bytes, replaced);
+                atomic_add(&raw mut (*totals).replacing_allocations, allocations);
+                if !allocated {
+                    // Released (`replaced` is negative here): the stack's
+                    // next block takes its place.
+                    atomic_add(&raw mut (*totals).replacement_owed, replaced.wrapping_neg());
+                }
             }
         }
     }
-}
-
-/// Takes up to `size` bytes of what stack `stack_id` owes
-/// (`StackTotals::replacement_owed`) for a new block; returns them.
-pub fn take_replacement(stack_id: u64, size: u64) -> u64 {
-    let Some(totals) = STACK_TOTALS.get_ptr_mut(stack_id) else { return 0 };
-    // SAFETY: a live map value, 8-byte aligned; a torn read is impossible
-    // for an aligned u64, and a stale one only moves bytes between blocks.
-    let owed = unsafe { core::ptr::read_volatile(&raw const (*totals).replacement_owed) } as i64;
-    if owed <= 0 {
-        return 0;
-    }
-    let taken = size.min(owed as u64);
-    // SAFETY: as above.
-    unsafe { atomic_add(&raw mut (*totals).replacement_owed, taken.wrapping_neg()) };
-    taken
 }
 
 /// `*target += value`, atomically, giving the old value (`BPF_ATOMIC` |

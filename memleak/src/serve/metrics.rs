@@ -79,7 +79,7 @@ const PROCESS_METRICS: &[Metric] = &[
     Metric {
         name: "memleak_growing_reports",
         kind: Kind::Gauge,
-        help: "Reports in a row, the latest included, in which the new memory of memleak_outstanding_growth_bytes \
+        help: "Reports in a row, the latest included, in which new memory (see memleak_outstanding_growth_bytes) \
                grew; 0 after one in which it did not.",
         value: |followed| i128::from(followed.growth.growing_reports),
     },
@@ -99,8 +99,8 @@ const PROCESS_METRICS: &[Metric] = &[
         name: "memleak_unrecorded_frees_total",
         kind: Kind::Counter,
         help: "Of memleak_frees_total, releases of blocks memleak never saw allocated: allocated before it \
-               attached, or left out by -s, -z, -Z or --max-allocs. Their sizes are unknown: while they rise, \
-               a stack that replaces such blocks looks like growth.",
+               attached, or left out by -s, -z, -Z or --max-allocs. Their sizes are unknown; the blocks \
+               allocated in their places count in memleak_outstanding_replacing_bytes, not as growth.",
         value: |followed| {
             of_report(followed, |report| report.health.unrecorded_frees.unwrap_or_default())
         },

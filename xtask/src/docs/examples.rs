@@ -405,20 +405,36 @@ fn unrecorded_frees(workshop: &mut Workshop) -> Result<Made> {
     let leaker = workshop.fixture("leaker")?;
     let mut cache = target(workshop, &leaker, &["cache"], "ready")?;
     let pid = cache.pid().to_string();
-    let args = ["-p", pid.as_str(), "3"];
+    let args = ["-p", pid.as_str(), "--save", "heap.snap", "2"];
     let mut memleak = memleak_running(workshop, &args)?;
     memleak.wait_for_start("memleak: tracing ")?;
     memleak.wait_for("a first report", |line| line.starts_with("Seen: "))?;
-    // Well within the 3 s to the next report: the final one follows it.
     cache.send("replace")?;
     cache.wait_for("the replacement", |line| line == "replaced")?;
+    // The report that shows the whole replacement may have read the
+    // counters before it ended; the one after it has all of it.
+    memleak.wait_for("the replacement reported", |line| line.starts_with("Outstanding: 41000 bytes"))?;
+    memleak.wait_for("the end of that report", |line| line.starts_with("Seen: "))?;
+    memleak.wait_for("the report after it", |line| line.starts_with("Seen: "))?;
     memleak.signal(libc::SIGINT);
     let (_, lines) = memleak.finish()?;
+    let saved = reports(&lines).len();
     let last = reports(&lines).pop().context("a final report")?;
+    let newest = format!("heap.{saved}.snap");
+    let diff_args = ["diff", "heap.1.snap", newest.as_str()];
+    let (_, diff) = output(&mut workshop.memleak(&diff_args))?;
     let mut transcript = Transcript::default();
-    transcript.command(&typed(&args)).kept(&last, |line| {
-        line.starts_with("Outstanding:") || line.starts_with("Seen:") || line.contains("never saw allocated")
-    });
+    transcript
+        .command(&typed(&args))
+        .kept(&last, |line| {
+            line.starts_with("Outstanding:")
+                || line.starts_with("Of those")
+                || line.starts_with("Seen:")
+                || line.contains("never saw allocated")
+        })
+        .line("^C")
+        .command(&format!("memleak {}", diff_args.join(" ")))
+        .lines(&diff);
     Ok(Made::text(&transcript))
 }
 

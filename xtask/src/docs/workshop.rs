@@ -396,8 +396,9 @@ pub fn reports(lines: &[String]) -> Vec<Vec<String>> {
 
 /// A line of a text report after its header.
 fn is_report_line(line: &str) -> bool {
-    const STARTS: [&str; 8] = [
+    const STARTS: [&str; 9] = [
         "Outstanding: ",
+        "Of those, ",
         "Seen: ",
         "Not shown: ",
         "Truncated stacks: ",
