@@ -122,3 +122,17 @@ fn every_form_of_new_and_delete_is_counted_once() {
         assert_eq!(report["health"]["unrecorded_frees"], 0, "{allocator:?}: {report:#}");
     }
 }
+
+#[test]
+fn every_form_of_delete_counts_a_block_from_before_the_attach() {
+    for allocator in ALLOCATORS {
+        // 12 blocks allocated through every form of new before memleak
+        // attached, freed through every form of delete after: each is a
+        // free of a block memleak never saw allocated, counted once, from
+        // the program's call (not taken for the allocator's own free
+        // inside a delete that calls another function to free).
+        let report = allocator.report(&["0", "--free-old"]);
+        assert_eq!(seen(&report), (0, 12), "{allocator:?}: {report:#}");
+        assert_eq!(report["health"]["unrecorded_frees"], 12, "{allocator:?}: {report:#}");
+    }
+}
