@@ -96,6 +96,8 @@ pub struct MappingEvent {
 pub const PROT_NONE: u32 = 0;
 /// mmap's flag for a thread's stack (glibc's `allocate_stack` sets it).
 pub const MAP_STACK: u32 = 0x20000;
+/// mmap's flag for memory that no file backs.
+pub const MAP_ANONYMOUS: u32 = 0x20;
 
 impl MappingEvent {
     /// Whether this is a region's change that moves its bytes between

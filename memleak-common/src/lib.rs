@@ -19,7 +19,7 @@ pub mod python;
 pub mod records;
 pub mod unwind;
 
-pub use events::{MappingChange, MappingEvent, TraceEvent, MAP_STACK, PROT_NONE};
+pub use events::{MappingChange, MappingEvent, TraceEvent, MAP_ANONYMOUS, MAP_STACK, PROT_NONE};
 pub use functions::{
     AllocatorFunction, CxxForm, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
     OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS, PROBED_AFTER_SYSTEM_CALL,
@@ -36,7 +36,7 @@ pub use python::PyProcConfig;
 pub use records::{
     lost_stack_id, lost_stack_owner, Allocation, AllocationKey, AllocatorCode, CallKind, Counter,
     PendingCall, PendingMapping, ProcessCounters, StackFrames, StackKey, StackSlot, StackTotals,
-    COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE, REPLACEMENT_WINDOW_NS,
+    COUNTER_SLOTS, KERNEL_TGID, MAX_STACK_DEPTH, OVERFLOWED_SIZE, REPLACEMENT_WINDOW_NS, UPROBES_PAGE,
 };
 pub use unwind::{
     ExecMapping, ProcessMappings, Rule, RuleCacheEntry, RuleKind, UnwindRow, WalkCount, WalkCounts, WalkEnd,
@@ -74,7 +74,7 @@ mod pod {
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 32);
 const _: () = assert!(core::mem::size_of::<AllocatorCode>() == 16);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 48);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
 const _: () = assert!(core::mem::size_of::<UnwindRow>() == 8);
 const _: () = assert!(core::mem::size_of::<ExecMapping>() == 32);

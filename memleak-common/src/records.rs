@@ -215,7 +215,18 @@ pub struct PendingCall {
     /// again. Releases have no return probe, so this is cleared by the
     /// thread's next allocator call rather than by the delete's return.
     pub releasing: u64,
+    /// Where the outermost call returns to, read at its entry: its return
+    /// probe puts the uretprobe trampoline in that slot of the stack, and
+    /// a walk from inside the call (an mmap the allocator makes for
+    /// itself) takes this address instead of the trampoline's.
+    pub return_address: u64,
 }
+
+/// The page the kernel maps for uprobes in every traced process (x86-64,
+/// 4-level page tables: the page below `TASK_SIZE`), whose first bytes are
+/// the uretprobe trampoline: what a return address hijacked by a return
+/// probe reads as.
+pub const UPROBES_PAGE: u64 = 0x7fff_ffff_e000;
 
 /// Value of [`ALLOCATOR_CODE_MAP`](crate::ALLOCATOR_CODE_MAP): where the
 /// probed allocator's code lies in a process. A free called from there

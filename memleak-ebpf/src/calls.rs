@@ -5,11 +5,11 @@
 //! program's allocation.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, generated::bpf_get_attach_cookie},
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user, generated::bpf_get_attach_cookie},
     programs::ProbeContext,
     EbpfContext as _,
 };
-use memleak_common::{CallKind, FunctionSet, PendingCall};
+use memleak_common::{CallKind, FunctionSet, PendingCall, UPROBES_PAGE};
 
 use crate::{maps::PENDING, tunables};
 
@@ -44,6 +44,11 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
         return;
     }
     let sampled = u32::from(tunables::sample());
+    let regs = ctx.as_ptr() as *const aya_ebpf::bindings::pt_regs;
+    // SAFETY: the probe's registers, which the kernel hands over; then a
+    // read of user memory, which the helper makes fault-safe. At the
+    // entry, before anything is pushed, the return address is at rsp.
+    let return_address = unsafe { bpf_probe_read_user((*regs).rsp as *const u64) }.unwrap_or(0);
     // SAFETY: reads this attachment's cookie: which function was called.
     let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let call = PendingCall {
@@ -57,6 +62,7 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
         _padding: 0,
         // A new call: the thread's last operator delete has returned.
         releasing: 0,
+        return_address,
     };
     match pending {
         // SAFETY: as above.
@@ -84,6 +90,25 @@ pub fn leave() -> Option<PendingCall> {
                 None
             }
         }
+    }
+}
+
+/// Where the allocator call this thread is inside returns to, when the
+/// walk of its stack meets `pc` in the uprobes page: the return probe of
+/// that call put its trampoline in the return address's place. Only for
+/// a call made from outside the allocator (depth 1): a nested call's own
+/// return address is not kept.
+pub fn real_return_address(pc: u64) -> u64 {
+    if pc & !0xfff != UPROBES_PAGE {
+        return pc;
+    }
+    let Some(call) = PENDING.get_ptr(thread_id()) else { return pc };
+    // SAFETY: this thread's own entry, read once.
+    let call = unsafe { *call };
+    if call.depth == 1 && call.return_address != 0 {
+        call.return_address
+    } else {
+        pc
     }
 }
 

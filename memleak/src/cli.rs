@@ -258,6 +258,13 @@ pub struct Rendering {
     /// For --format folded and svg: weigh stacks by bytes or by count.
     #[arg(long, value_enum, default_value_t = Weight::Bytes)]
     pub weight: Weight,
+
+    /// In text, show every frame of each stack: runs of allocation
+    /// plumbing (alloc::, core::, std::rt, __libc_start_main...) are
+    /// otherwise folded into one line. JSON, folded, SVG and pprof always
+    /// hold every frame.
+    #[arg(long)]
+    pub full_stacks: bool,
 }
 
 /// What a stack is named by: its culprit, the first frame of the
@@ -635,7 +642,8 @@ pub fn describe_error(error: &clap::Error) -> String {
     message.replace('\'', "`")
 }
 
-/// `; did you mean 'X'?` or `; 'X' is a flag of 'memleak serve'`.
+/// `; did you mean 'X'?`, `; `--x` is a flag of `memleak serve`` or `;
+/// did you mean `--x` of `memleak serve`?`.
 fn suggestion(error: &clap::Error) -> Option<String> {
     use clap::error::{ContextKind, ContextValue};
     let text = |kind| match error.get(kind) {
@@ -644,43 +652,84 @@ fn suggestion(error: &clap::Error) -> Option<String> {
         _ => None,
     };
     let quoted = |names: Vec<String>| names.iter().map(|name| format!("'{name}'")).collect::<Vec<_>>();
+    let invalid = text(ContextKind::InvalidArg).and_then(|mut names| names.pop());
+    // A mistyped flag: memleak's own measure, not clap's, which offers
+    // `--output` for `--tpo` and nothing for `--pdi`.
+    if let (clap::error::ErrorKind::UnknownArgument, Some(invalid)) = (error.kind(), &invalid) {
+        return flag_suggestion(invalid, subcommand_in_usage(error).as_deref());
+    }
     let clap_suggests =
-        [ContextKind::SuggestedArg, ContextKind::SuggestedValue, ContextKind::SuggestedSubcommand]
-            .into_iter()
-            .find_map(text);
+        [ContextKind::SuggestedValue, ContextKind::SuggestedSubcommand].into_iter().find_map(text);
     if let Some(names) = clap_suggests {
         return Some(format!("; did you mean {}?", quoted(names).join(" or ")));
     }
-    let invalid = text(ContextKind::InvalidArg)?.pop()?;
-    match error.kind() {
-        // A word where INTERVAL goes: a subcommand mistyped, most likely.
-        clap::error::ErrorKind::ValueValidation if invalid == "[INTERVAL]" => {
-            let word = text(ContextKind::InvalidValue)?.pop()?;
-            let command = <Args as clap::CommandFactory>::command();
-            let close: Vec<String> = command
-                .get_subcommands()
-                .map(|subcommand| subcommand.get_name().to_owned())
-                .filter(|name| is_close(&word, name))
-                .collect();
-            (!close.is_empty()).then(|| format!("; did you mean {}?", quoted(close).join(" or ")))
-        }
-        // A flag of a subcommand given without it: `memleak --listen`.
-        clap::error::ErrorKind::UnknownArgument => {
-            let flag = invalid.split_once('=').map_or(invalid.as_str(), |(flag, _)| flag);
-            let long = flag.strip_prefix("--")?;
-            let command = <Args as clap::CommandFactory>::command();
-            if command.get_arguments().any(|arg| arg.get_long() == Some(long)) {
-                return None;
-            }
-            let owners: Vec<String> = command
-                .get_subcommands()
-                .filter(|subcommand| subcommand.get_arguments().any(|arg| arg.get_long() == Some(long)))
-                .map(|subcommand| format!("memleak {}", subcommand.get_name()))
-                .collect();
-            (!owners.is_empty()).then(|| format!("; '{flag}' is a flag of {}", quoted(owners).join(" and ")))
-        }
-        _ => None,
+    // A word where INTERVAL goes: a subcommand mistyped, most likely.
+    if error.kind() == clap::error::ErrorKind::ValueValidation && invalid.as_deref() == Some("[INTERVAL]") {
+        let word = text(ContextKind::InvalidValue)?.pop()?;
+        let command = <Args as clap::CommandFactory>::command();
+        let close: Vec<String> = command
+            .get_subcommands()
+            .map(|subcommand| subcommand.get_name().to_owned())
+            .filter(|name| is_close(&word, name))
+            .collect();
+        return (!close.is_empty()).then(|| format!("; did you mean {}?", quoted(close).join(" or ")));
     }
+    None
+}
+
+/// What `--flag` (maybe `--flag=value`), unknown to memleak's `subcommand`
+/// (`None`: tracing), was meant to be: the command's flags close to it,
+/// else the other commands' flags it is or is close to (`memleak
+/// --containr x` meant `memleak serve --container`).
+fn flag_suggestion(invalid: &str, subcommand: Option<&str>) -> Option<String> {
+    let flag = invalid.split_once('=').map_or(invalid, |(flag, _)| flag);
+    let long = flag.strip_prefix("--")?;
+    let root = <Args as clap::CommandFactory>::command();
+    let command = subcommand.and_then(|name| root.find_subcommand(name)).unwrap_or(&root);
+    let close_flags = |command: &clap::Command| -> Vec<String> {
+        let longs: Vec<&str> = command.get_arguments().filter_map(clap::Arg::get_long).collect();
+        // The flag itself first, where another command has it.
+        let mut close: Vec<&str> = longs.iter().copied().filter(|name| *name == long).collect();
+        if close.is_empty() {
+            close = longs.into_iter().filter(|name| is_close(long, name)).collect();
+        }
+        close.iter().map(|name| format!("--{name}")).collect()
+    };
+    let quoted =
+        |names: &[String]| names.iter().map(|name| format!("`{name}`")).collect::<Vec<_>>().join(" or ");
+    let own = close_flags(command);
+    if !own.is_empty() {
+        return Some(format!("; did you mean {}?", quoted(&own)));
+    }
+    let others: Vec<(String, Vec<String>)> = std::iter::once(("memleak".to_owned(), &root))
+        .chain(root.get_subcommands().map(|other| (format!("memleak {}", other.get_name()), other)))
+        .filter(|(_, other)| other.get_name() != command.get_name())
+        .map(|(name, other)| (name, close_flags(other)))
+        .filter(|(_, flags)| !flags.is_empty())
+        .collect();
+    if others.is_empty() {
+        return None;
+    }
+    if others.iter().all(|(_, flags)| flags.iter().all(|other| other == flag)) {
+        let owners: Vec<String> = others.iter().map(|(name, _)| format!("`{name}`")).collect();
+        return Some(format!("; `{flag}` is a flag of {}", owners.join(" and ")));
+    }
+    let meant: Vec<String> =
+        others.iter().map(|(name, flags)| format!("{} of `{name}`", quoted(flags))).collect();
+    Some(format!("; did you mean {}?", meant.join(" or ")))
+}
+
+/// The subcommand whose usage a clap error shows (`Usage: memleak serve
+/// [OPTIONS]`): the one whose flags were being parsed.
+fn subcommand_in_usage(error: &clap::Error) -> Option<String> {
+    let usage = match error.get(clap::error::ContextKind::Usage)? {
+        clap::error::ContextValue::StyledStr(usage) => usage.to_string(),
+        _ => return None,
+    };
+    let after = usage.split_once("memleak ")?.1;
+    let word = after.split_whitespace().next()?;
+    let root = <Args as clap::CommandFactory>::command();
+    root.find_subcommand(word).map(|subcommand| subcommand.get_name().to_owned())
 }
 
 /// `word` is a mistyping of `name`: a prefix of it, or at most one edit
@@ -742,6 +791,45 @@ mod tests {
             "unexpected argument `--listen` found; `--listen` is a flag of `memleak serve`"
         );
         assert_eq!(refused("--xyz"), "unexpected argument `--xyz` found", "no `-- --xyz` hint");
+        assert_eq!(
+            refused("--containr x"),
+            "unexpected argument `--containr` found; did you mean `--container` of `memleak serve`?"
+        );
+    }
+
+    #[test]
+    fn the_flags_users_mistype_are_suggested() {
+        assert_eq!(refused("--tpo 3"), "unexpected argument `--tpo` found; did you mean `--top`?");
+        assert_eq!(refused("--pdi 3"), "unexpected argument `--pdi` found; did you mean `--pid`?");
+        assert_eq!(refused("serve --exee x"), "unexpected argument `--exee` found; did you mean `--exe`?");
+    }
+
+    /// Every long flag of every command, mistyped by one edit (its second
+    /// and third letters swapped, or its last letter dropped), is
+    /// suggested back, where the typo is not a flag itself.
+    #[test]
+    fn every_flag_mistyped_once_is_suggested() {
+        let root = <Args as clap::CommandFactory>::command();
+        let commands = std::iter::once((None, &root))
+            .chain(root.get_subcommands().map(|sub| (Some(sub.get_name()), sub)));
+        for (name, command) in commands {
+            let longs: Vec<&str> = command.get_arguments().filter_map(clap::Arg::get_long).collect();
+            for long in longs.iter().filter(|long| long.len() >= 3 && **long != "help" && **long != "version")
+            {
+                let mut swapped: Vec<char> = long.chars().collect();
+                swapped.swap(1, 2);
+                let swapped: String = swapped.into_iter().collect();
+                let dropped = &long[..long.len() - 1];
+                for typo in [swapped.as_str(), dropped] {
+                    if longs.contains(&typo) || typo == *long {
+                        continue;
+                    }
+                    let line = format!("{} --{typo}", name.unwrap_or("")).trim().to_owned();
+                    let said = refused(&line);
+                    assert!(said.contains(&format!("`--{long}`")), "{line}: {said}");
+                }
+            }
+        }
     }
 
     /// The long help of memleak and each subcommand, as `--help` prints it.

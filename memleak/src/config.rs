@@ -294,7 +294,7 @@ fn output_of(rendering: &RenderingArgs, saving: bool) -> Result<OutputConfig, St
     Ok(OutputConfig {
         path: rendering.output.clone(),
         force: rendering.force,
-        rendering: Rendering { format, weight: rendering.weight },
+        rendering: Rendering { format, weight: rendering.weight, full_stacks: rendering.full_stacks },
     })
 }
 

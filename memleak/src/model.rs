@@ -112,6 +112,9 @@ pub enum MappingKind {
     /// An arena of CPython's small-object allocator, whose objects are not
     /// tracked (they are with --python-allocator).
     PythonArena,
+    /// A file mapped into memory (a locale archive, a database file read
+    /// through mmap): the page cache's pages, not a leak of the heap.
+    FileMapping,
 }
 
 /// Bytes of the mmap regions a report does not show by default.
@@ -126,6 +129,9 @@ pub struct HiddenMappings {
     /// JSON when 0, as it is for every process that is not Python.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub python_arena_bytes: u64,
+    /// Files mapped into memory. Left out of JSON when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub file_bytes: u64,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if passes a reference")]

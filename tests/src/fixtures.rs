@@ -123,18 +123,29 @@ pub fn split_debug_file(program: &Path, strip: &str) -> PathBuf {
 /// Cargo's defaults (no frame pointers, no line tables) that allocates
 /// through tikv-jemallocator.
 pub fn rust_jemalloc() -> PathBuf {
+    rust_jemalloc_built("release")
+}
+
+/// The same program built with line tables (its `release-lines` profile),
+/// as services that want file:line in their panics build it: inlined
+/// frames, named as the source writes them.
+pub fn rust_jemalloc_with_line_tables() -> PathBuf {
+    rust_jemalloc_built("release-lines")
+}
+
+fn rust_jemalloc_built(profile: &str) -> PathBuf {
     let manifest = workspace_root().join("tests/fixtures/rust-jemalloc/Cargo.toml");
     let target_dir = workspace_root().join("target/fixtures/rust-jemalloc");
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .args(["build", "--quiet", "--release", "--manifest-path"])
+        .args(["build", "--quiet", "--profile", profile, "--manifest-path"])
         .arg(&manifest)
         .arg("--target-dir")
         .arg(&target_dir)
         .env_remove("RUSTFLAGS")
         .status()
         .expect("run cargo");
-    assert!(status.success(), "building the tikv-jemallocator fixture failed");
-    target_dir.join("release/rust-jemalloc")
+    assert!(status.success(), "building the tikv-jemallocator fixture ({profile}) failed");
+    target_dir.join(profile).join("rust-jemalloc")
 }
 
 /// Compiles `source` with `compiler` and `flags` into target/fixtures/NAME.

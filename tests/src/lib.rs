@@ -30,7 +30,7 @@ pub mod uprobes;
 pub use consumers::{go_pprof, svg_titles};
 pub use fixtures::{
     build_id, fixture, go_program, marker_line, musl_leaker, optimized, optimized_linked, run_ok,
-    rust_jemalloc, shared_library, static_leaker, workspace_root,
+    rust_jemalloc, rust_jemalloc_with_line_tables, shared_library, static_leaker, workspace_root,
 };
 pub use leaker::{Leaker, ALLOCATION_FUNCTION_LEAKS};
 pub use memleak::{

@@ -217,3 +217,29 @@ fn a_rust_release_build_with_tikv_jemallocator() {
     );
     assert!(report["health"]["frees"].as_u64().unwrap() >= 10_000, "sdallocx frees are seen");
 }
+
+#[test]
+fn a_rust_build_with_line_tables_is_named_by_its_own_lines() {
+    // With line tables, the standard library's frames inlined into the
+    // program are named as their source writes them (`alloc`,
+    // `from_elem<u8>`): their files say whose they are.
+    let program = memleak_tests::rust_jemalloc_with_line_tables();
+    let mut target = Leaker::start_command(std::process::Command::new(&program));
+    let (reports, _) = memleak_tests::trace_running(&mut target, &[]);
+    target.exit();
+    let report = reports.last().expect("a final report");
+    // DWARF names functions without their module: `leak_blocks`.
+    let leaked = memleak_tests::stacks_through(report, "leak_blocks");
+    assert_eq!(leaked.iter().map(|stack| stack["bytes"].as_u64().unwrap()).sum::<u64>(), 3000, "{report:#}");
+    for stack in leaked {
+        let culprit = &stack["culprit"];
+        assert_eq!(culprit["function"], "leak_blocks", "{stack:#}");
+        assert!(culprit["file"].as_str().unwrap().ends_with("rust-jemalloc/src/main.rs"), "{culprit:#}");
+        assert!(culprit["line"].as_u64().is_some(), "{culprit:#}");
+    }
+    let missing = report["missing_symbols"].as_array().map(Vec::as_slice).unwrap_or_default();
+    assert!(
+        missing.iter().all(|entry| entry["module"] != program.to_str().unwrap()),
+        "no advice for a program whose culprits have lines: {missing:#?}"
+    );
+}

@@ -280,6 +280,25 @@ fn mmaps_made_inside_malloc_are_not_counted_twice() {
     assert_eq!(internal.len(), 1, "{all:#}");
     assert_eq!(internal[0]["bytes"].as_u64(), Some(hidden));
     assert_eq!(all["hidden_mappings"]["allocator_bytes"], 0);
+    // Shown, but not added to the total: the block is counted already. A
+    // page of a file mapped read-only is the page cache's; --all-mmaps
+    // shows it, and counts it.
+    let file_page = 4096;
+    assert_eq!(report["hidden_mappings"]["file_bytes"], file_page, "{report:#}");
+    assert_eq!(
+        all["total_bytes"].as_u64(),
+        Some(report["total_bytes"].as_u64().unwrap() + file_page),
+        "{all:#}"
+    );
+    let file: Vec<&Value> =
+        all["stacks"].as_array().unwrap().iter().filter(|s| s["mapping"] == "file_mapping").collect();
+    assert_eq!(file.len(), 1, "{all:#}");
+    assert_eq!(file[0]["frames"][0]["function"], "mappings", "{all:#}");
+    // The allocator's mmap was made inside malloc, whose return address
+    // its return probe had replaced with the uretprobe trampoline: the
+    // walk takes the real one back, and reaches main.
+    let functions = memleak_tests::frame_functions(internal[0]);
+    assert!(functions.contains(&"mappings") && functions.contains(&"main"), "{functions:?}");
 }
 
 #[test]

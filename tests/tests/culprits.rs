@@ -282,10 +282,13 @@ fn a_stripped_program_shows_where_its_frames_are_and_what_to_install() {
         (entry["lacking"].as_str(), entry["build_id"].as_str()),
         (Some("names"), Some(build_id.as_str()))
     );
+    let os_release = std::fs::read_to_string("/etc/os-release").unwrap();
+    let release = os_release.lines().find_map(|line| line.strip_prefix("VERSION_CODENAME=")).unwrap();
     assert_eq!(
         entry["advice"],
         format!(
-            "install memcached-dbgsym (from Debian's debug archive), or put its debug file at /usr/lib/debug/.build-id/{}/{}.debug",
+            "install memcached-dbgsym (from Debian's debug archive: add the {release}-debug suite to APT's sources), \
+             or put its debug file at /usr/lib/debug/.build-id/{}/{}.debug",
             &build_id[..2],
             &build_id[2..]
         )

@@ -136,7 +136,7 @@ fn a_map_the_kernel_refuses_is_explained_with_the_memory_asked_and_the_flag() {
     assert_eq!(
         stderr.trim(),
         "memleak: error: the kernel refused BPF map ALLOCATIONS (Cannot allocate memory): its 100000000 \
-         entries ask for 2.0 GiB of kernel memory at start, up to 10.2 GiB when full; lower --max-allocs"
+         entries ask for 2.0 GiB of kernel memory at start, up to 10.9 GiB when full; lower --max-allocs"
     );
 }
 

@@ -301,6 +301,10 @@ fn node_jit_frames_are_named_from_its_perf_map() {
     // 50 Buffers of 100,000 bytes and more, from that JS function.
     assert!(stack["bytes"].as_u64().unwrap() >= 100_000, "{stack:#}");
     assert!(functions(stack).contains(&"node::Start(int, char**)"), "{:?}", functions(stack));
+    // Past V8's and node's allocator plumbing, the JS function is the
+    // culprit.
+    let culprit = stack["culprit"]["function"].as_str().unwrap_or("?");
+    assert!(culprit.contains("leakBuffers"), "the culprit is {culprit}: {:?}", functions(stack));
 }
 
 /// Code in anonymous executable memory that no perf map names (a JIT
@@ -320,6 +324,12 @@ fn code_in_anonymous_memory_is_named_as_such() {
     assert_eq!(stack["frames"][1]["function"], "run_jit", "{stack:#}");
     assert_eq!(stack["frames"][1]["line"], memleak_tests::marker_line("jit", "jit-call"), "{stack:#}");
     assert_eq!(stack["frames"][2]["function"], "main", "{stack:#}");
+    // Said once, with how a runtime names such code.
+    let missing = report["missing_symbols"].as_array().unwrap();
+    let jit: Vec<&Value> =
+        missing.iter().filter(|entry| entry["module"] == "anonymous executable memory").collect();
+    assert_eq!(jit.len(), 1, "{missing:#?}");
+    assert!(jit[0]["advice"].as_str().unwrap().starts_with("JIT code without a perf map: "), "{:#}", jit[0]);
 }
 
 /// Rounds of `call_paths`: 24, so that each depth of `dive` is

@@ -32,6 +32,7 @@ use super::{
     Walked,
 };
 use crate::{
+    calls,
     checked::{non_null, opaque},
     maps::{Frame, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE},
     scratch::Slot,
@@ -230,6 +231,8 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
     if caller.pc == 0 {
         return end(walk, WalkEnd::Root);
     }
+    // Inside an allocator call whose return probe hijacked its return.
+    let caller = Caller { pc: calls::real_return_address(caller.pc), ..caller };
     let Some(frame) = key.frames.get_mut(taken as usize) else { return end(walk, WalkEnd::DepthLimit) };
     *frame = caller.pc;
     set_depth(key, taken + 1);

@@ -188,6 +188,7 @@ pub fn add_regions(
             MappingKind::ThreadStack if !options.all_mmaps => snapshot.hidden.thread_stack_bytes += size,
             MappingKind::Reservation if !options.all_mmaps => snapshot.hidden.reserved_bytes += size,
             MappingKind::PythonArena if !options.all_mmaps => snapshot.hidden.python_arena_bytes += size,
+            MappingKind::FileMapping if !options.all_mmaps => snapshot.hidden.file_bytes += size,
             kind => by_stack.add(region.stack_id, Some(kind), start, size, age_ns, 0),
         }
     }

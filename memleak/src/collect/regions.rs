@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use memleak_common::{MappingChange, MappingEvent, MAP_STACK, PROT_NONE};
+use memleak_common::{MappingChange, MappingEvent, MAP_ANONYMOUS, MAP_STACK, PROT_NONE};
 
 use crate::model::{Frame, MappingKind};
 
@@ -15,6 +15,10 @@ use crate::model::{Frame, MappingKind};
 const PAGE_SIZE: u64 = 4096;
 
 /// A mapped region, `[start, end)`.
+#[allow(
+    clippy::struct_excessive_bools,
+    reason = "independent facts of a mapping, each from a flag of its own"
+)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
     pub end: u64,
@@ -29,6 +33,9 @@ pub struct Region {
     /// `PROT_NONE`: address space set aside, which no page can back until
     /// an mprotect (or a `MAP_FIXED` mmap over it) makes it usable.
     pub reserved: bool,
+    /// A file's pages (not `MAP_ANONYMOUS`): the page cache's, which the
+    /// kernel can drop and read again, not the program's heap.
+    pub file_backed: bool,
 }
 
 /// The live mmap regions of one process, by start address.
@@ -51,6 +58,7 @@ impl Regions {
                     inside_allocator: event.inside_allocator != 0,
                     thread_stack: event.flags & MAP_STACK != 0,
                     reserved: event.prot == PROT_NONE,
+                    file_backed: event.flags & MAP_ANONYMOUS == 0,
                 };
                 self.by_start.insert(event.address, region);
             }
@@ -164,6 +172,8 @@ pub fn classify(region: &Region, frames: &[Arc<Frame>], in_allocator: impl Fn(u6
         MappingKind::ThreadStack
     } else if region.reserved {
         MappingKind::Reservation
+    } else if region.file_backed {
+        MappingKind::FileMapping
     } else {
         MappingKind::Mmap
     }
@@ -198,7 +208,16 @@ mod tests {
 
     fn event(change: MappingChange, address: u64, length: u64) -> MappingEvent {
         let prot = 3; // PROT_READ | PROT_WRITE
-        MappingEvent { address, length, change: change as u32, stack_id: 7, prot, ..MappingEvent::default() }
+        let flags = MAP_ANONYMOUS;
+        MappingEvent {
+            address,
+            length,
+            change: change as u32,
+            stack_id: 7,
+            prot,
+            flags,
+            ..MappingEvent::default()
+        }
     }
 
     fn reserved(regions: &Regions) -> Vec<(u64, u64, bool)> {
@@ -255,16 +274,21 @@ mod tests {
         };
         let program = [frame(0x100, "main")];
         let free = |address: u64| address == 0x200;
-        let plain = region(0, 3, 0);
+        let plain = region(MAP_ANONYMOUS, 3, 0);
         assert_eq!(classify(&plain, &program, free), MappingKind::Mmap);
-        assert_eq!(classify(&region(0, 3, 1), &program, free), MappingKind::AllocatorMmap);
+        assert_eq!(classify(&region(MAP_ANONYMOUS, 3, 1), &program, free), MappingKind::AllocatorMmap);
         // A free's arena: no allocation call in flight, free on the stack.
         let arena = [frame(0x150, "alloc_new_heap"), frame(0x200, "__libc_free"), frame(0x100, "main")];
-        assert_eq!(classify(&region(0, PROT_NONE, 0), &arena, free), MappingKind::AllocatorMmap);
-        assert_eq!(classify(&region(MAP_STACK, PROT_NONE, 0), &program, free), MappingKind::ThreadStack);
+        assert_eq!(classify(&region(MAP_ANONYMOUS, PROT_NONE, 0), &arena, free), MappingKind::AllocatorMmap);
+        assert_eq!(
+            classify(&region(MAP_STACK | MAP_ANONYMOUS, PROT_NONE, 0), &program, free),
+            MappingKind::ThreadStack
+        );
         let static_glibc = [frame(0x300, "__pthread_create_2_1"), frame(0x100, "main")];
         assert_eq!(classify(&plain, &static_glibc, free), MappingKind::ThreadStack);
-        assert_eq!(classify(&region(0, PROT_NONE, 0), &program, free), MappingKind::Reservation);
+        assert_eq!(classify(&region(MAP_ANONYMOUS, PROT_NONE, 0), &program, free), MappingKind::Reservation);
+        // A file's pages, read-only or not: the page cache's.
+        assert_eq!(classify(&region(0, 1, 0), &program, free), MappingKind::FileMapping);
     }
 
     #[test]

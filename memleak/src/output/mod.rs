@@ -523,7 +523,7 @@ mod tests {
         OutputConfig {
             path: Some(path.to_path_buf()),
             force,
-            rendering: Rendering { format, weight: Weight::Bytes },
+            rendering: Rendering { format, weight: Weight::Bytes, full_stacks: false },
         }
     }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use regex::RegexSet;
 
-use super::skip_frames::DEFAULT_SKIPS;
+use super::skip_frames::{DEFAULT_SKIPPED_FILES, DEFAULT_SKIPS};
 use crate::{model::Frame, symbolize::WordMap};
 
 /// What a culprit is looked for past: the built-in table and the user's
@@ -22,6 +22,9 @@ use crate::{model::Frame, symbolize::WordMap};
 pub struct SkipRules {
     /// Searched in each frame's qualified name; `None` when there are none.
     names: Option<RegexSet>,
+    /// Searched in each frame's source file (the built-in table's); `None`
+    /// without it.
+    files: Option<RegexSet>,
     /// Whether frames in the allocator's own object and in the C
     /// library's are passed over (with the built-in table).
     library_internals: bool,
@@ -41,23 +44,26 @@ impl SkipRules {
         let built_in = DEFAULT_SKIPS.iter().filter(|_| defaults).map(|rule| rule.pattern);
         let patterns: Vec<&str> = built_in.chain(extra.iter().map(String::as_str)).collect();
         let names = if patterns.is_empty() { None } else { Some(RegexSet::new(patterns)?) };
-        Ok(Self { names, library_internals: defaults })
+        let files = if defaults {
+            Some(RegexSet::new(DEFAULT_SKIPPED_FILES.iter().map(|rule| rule.pattern))?)
+        } else {
+            None
+        };
+        Ok(Self { names, files, library_internals: defaults })
     }
 
     /// The culprit of a stack whose frames are `frames` (innermost first),
     /// in a report of `program` allocating through `allocator`: the first
     /// frame not passed over. `None` when every frame is, as in an
     /// allocation the C++ runtime makes for itself.
+    #[cfg(test)]
     pub fn culprit<'f>(
         &self,
         frames: &'f [Arc<Frame>],
         allocator: &str,
         program: &str,
     ) -> Option<&'f Arc<Frame>> {
-        let python_only = holds_python(frames);
-        frames
-            .iter()
-            .find(|frame| (frame.is_python() || !python_only) && !self.passes_over(frame, allocator, program))
+        self.culprits(allocator, program).of(frames)
     }
 
     /// `culprit` for many stacks of one report: each frame is looked at
@@ -77,6 +83,13 @@ impl SkipRules {
                 }
             }
         }
+        // An inlined frame of Rust's standard library has a short name
+        // (`alloc`, `grow_one`) but the library's file.
+        if let (Some(files), Some(file)) = (&self.files, frame.file.as_deref()) {
+            if files.is_match(file) {
+                return true;
+            }
+        }
         let (Some(names), Some(function)) = (&self.names, frame.function.as_deref()) else { return false };
         names.is_match(qualified_name(function))
     }
@@ -93,14 +106,43 @@ pub struct Culprits<'r> {
 
 impl Culprits<'_> {
     pub fn of<'f>(&mut self, frames: &'f [Arc<Frame>]) -> Option<&'f Arc<Frame>> {
-        let Self { rules, allocator, program, passed_over } = self;
         let python_only = holds_python(frames);
-        frames.iter().find(|frame| {
-            (frame.is_python() || !python_only)
-                && !*passed_over
+        let plumbing = self.plumbing(frames);
+        frames
+            .iter()
+            .zip(plumbing)
+            .find(|(frame, plumbing)| (frame.is_python() || !python_only) && !plumbing)
+            .map(|(frame, _)| frame)
+    }
+
+    /// Whether each of `frames` is allocation plumbing: passed over by the
+    /// rules, or a frame without a name between two that are, in their
+    /// object (nginx's `ngx_palloc_small`, a static function of a
+    /// stripped build, between `ngx_memalign` and `ngx_pcalloc`).
+    pub fn plumbing(&mut self, frames: &[Arc<Frame>]) -> Vec<bool> {
+        let Self { rules, allocator, program, passed_over } = self;
+        let mut plumbing: Vec<bool> = frames
+            .iter()
+            .map(|frame| {
+                *passed_over
                     .entry(Arc::as_ptr(frame))
                     .or_insert_with(|| rules.passes_over(frame, allocator, program))
-        })
+            })
+            .collect();
+        for i in 1..frames.len().saturating_sub(1) {
+            let (inner, frame, outer) = (&frames[i - 1], &frames[i], &frames[i + 1]);
+            if frame.function.is_none()
+                && !frame.is_python()
+                && plumbing[i - 1]
+                && plumbing[i + 1]
+                && frame.module.is_some()
+                && frame.module == inner.module
+                && frame.module == outer.module
+            {
+                plumbing[i] = true;
+            }
+        }
+        plumbing
     }
 }
 
@@ -222,6 +264,58 @@ mod tests {
         for (name, qualified) in cases {
             assert_eq!(qualified_name(name), qualified, "{name}");
         }
+    }
+
+    /// A frame of a Rust build with line tables: inlined, named as in the
+    /// source, in `file`.
+    fn inlined(function: &str, file: &str) -> Arc<Frame> {
+        Arc::new(Frame {
+            function: Some(function.to_owned()),
+            file: Some(file.to_owned()),
+            line: Some(1),
+            inlined: true,
+            module: Some("/srv/app".to_owned()),
+            ..Frame::default()
+        })
+    }
+
+    #[test]
+    fn inlined_frames_of_the_rust_library_are_plumbing_whatever_their_names() {
+        let library = "/rustc/59807616e1fa2540724bfbac14d7976d7e4a3860/library";
+        let registry = "/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f";
+        let frames = [
+            inlined("alloc", &format!("{registry}/tikv-jemallocator-0.6.1/src/lib.rs")),
+            named("__rust_alloc", "/srv/app"),
+            inlined("alloc", &format!("{library}/alloc/src/alloc.rs")),
+            inlined("grow_one<u8>", &format!("{library}/alloc/src/raw_vec/mod.rs")),
+            inlined("{closure#0}", &format!("{library}/core/src/ops/function.rs")),
+            inlined("insert<u64, u8>", &format!("{registry}/hashbrown-0.15.2/src/map.rs")),
+            inlined("record_audit_event", "/srv/src/audit.rs"),
+        ];
+        let rules = SkipRules::default();
+        let culprit = rules.culprit(&frames, "/srv/app", "/srv/app");
+        assert_eq!(culprit.and_then(|frame| frame.function.as_deref()), Some("record_audit_event"));
+        let plumbing = rules.culprits("/srv/app", "/srv/app").plumbing(&frames);
+        assert_eq!(plumbing, [true, true, true, true, true, true, false]);
+    }
+
+    #[test]
+    fn an_unnamed_frame_between_plumbing_of_its_object_is_plumbing() {
+        let nginx = "/usr/sbin/nginx";
+        let unnamed =
+            |address| Arc::new(Frame { address, module: Some(nginx.to_owned()), ..Frame::default() });
+        let frames = [
+            named("ngx_memalign", nginx),
+            unnamed(0x277b2),
+            named("ngx_pcalloc", nginx),
+            unnamed(0x4000),
+            named("ngx_http_init", nginx),
+        ];
+        let rules = SkipRules::default();
+        let culprit = rules.culprit(&frames, "/usr/lib/x86_64-linux-gnu/libc.so.6", nginx);
+        // The second unnamed frame is not between two plumbing frames: it
+        // may be the program's own code, and is the culprit.
+        assert_eq!(culprit.map(|frame| frame.address), Some(0x4000));
     }
 
     #[test]

@@ -78,6 +78,9 @@ pub struct DiffStack {
     pub frames: Vec<Arc<Frame>>,
     /// The first frame of the program's own code (`culprit`).
     pub culprit: Option<Arc<Frame>>,
+    /// Which of `frames` are allocation plumbing: what a text diff folds.
+    #[serde(skip)]
+    pub plumbing: Vec<bool>,
     pub stack_lost: bool,
     pub mapping: Option<MappingKind>,
 }
@@ -329,7 +332,9 @@ impl<'a> Sides<'a> {
         let frames: Vec<Arc<Frame>> =
             self.frames(change.source).iter().map(|&frame| Arc::clone(&table[frame as usize])).collect();
         let report = self.saved[change.source.side].report();
-        let culprit = skips.culprit(&frames, &report.allocator, &report.program).cloned();
+        let mut culprits = skips.culprits(&report.allocator, &report.program);
+        let culprit = culprits.of(&frames).cloned();
+        let plumbing = culprits.plumbing(&frames);
         DiffStack {
             base_bytes: change.base_bytes,
             new_bytes: change.new_bytes,
@@ -342,6 +347,7 @@ impl<'a> Sides<'a> {
             delta_new_bytes: change.delta_new_bytes(),
             frames,
             culprit,
+            plumbing,
             stack_lost: change.stack_lost,
             mapping: change.mapping,
         }
@@ -375,6 +381,7 @@ pub(crate) mod tests {
             allocations,
             frames: functions.iter().map(|name| Arc::new(frame(name, "/src/app.c", 10))).collect(),
             culprit: None,
+            plumbing: Vec::new(),
             stable_id: None,
             stack_lost: false,
             truncated: None,
@@ -488,6 +495,7 @@ pub(crate) mod tests {
         let at_line = |line: u32| ReportStack {
             frames: vec![Arc::new(frame("f", "/src/app.c", line)), Arc::new(frame("main", "/src/app.c", 5))],
             culprit: None,
+            plumbing: Vec::new(),
             stable_id: None,
             ..stack(64, 1, &[])
         };

@@ -24,7 +24,7 @@ fn load(name: &str) -> Report {
 }
 
 fn rendering(format: Format) -> Rendering {
-    Rendering { format, weight: Weight::Bytes }
+    Rendering { format, weight: Weight::Bytes, full_stacks: false }
 }
 
 /// What `memleak report` shows: the top 10, every stack for flame graphs.

@@ -47,7 +47,7 @@ use options::{Format, Rendering, ReportOptions, SortKey};
 /// Writes `report` as `rendering` says.
 pub fn render(rendering: Rendering, report: &Report, out: &mut dyn io::Write) -> io::Result<()> {
     match rendering.format {
-        Format::Text => text::render(report, out),
+        Format::Text => text::render(report, rendering.full_stacks, out),
         Format::Json => json::render(report, out),
         Format::Folded => folded::render(report, rendering.weight, out),
         Format::Svg => svg::render(report, rendering.weight, out),
@@ -58,7 +58,7 @@ pub fn render(rendering: Rendering, report: &Report, out: &mut dyn io::Write) ->
 /// Writes what changed between two reports as `rendering` says.
 pub fn render_diff(rendering: Rendering, diff: &Diff, out: &mut dyn io::Write) -> io::Result<()> {
     match rendering.format {
-        Format::Text => text::render_diff(diff, out),
+        Format::Text => text::render_diff(diff, rendering.full_stacks, out),
         Format::Json => json::render_diff(diff, out),
         Format::Folded => folded::render_diff(diff, rendering.weight, out),
         Format::Svg => svg::render_diff(diff, rendering.weight, out),
@@ -89,7 +89,8 @@ pub struct Report {
     /// How the user stacks were walked; none for the kernel's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unwinding: Option<Unwinding>,
-    /// Over all stacks, not only those shown.
+    /// Over all stacks, not only those shown; never the allocator's own
+    /// regions, which hold blocks counted already (--all-mmaps shows them).
     pub total_bytes: u64,
     pub total_allocations: u64,
     /// Of those, the blocks that took the place of blocks from before the
@@ -140,6 +141,10 @@ pub struct ReportStack {
     /// the report is built, with the rules of that run.
     #[serde(default)]
     pub culprit: Option<Arc<Frame>>,
+    /// Which of `frames` are allocation plumbing, as the culprit's rules
+    /// say: what a text report folds. Empty until the stack is named.
+    #[serde(skip)]
+    pub plumbing: Vec<bool>,
     /// The same for the same call path of the same binary in any run,
     /// with or without debug symbols (`symbolize::stable_id`); `/metrics`
     /// names the stack by it. `None` for a lost stack.
@@ -243,9 +248,7 @@ impl Report {
         // Sampling applies to malloc & co.; mmaps are all recorded.
         let sampled = u64::from(context.sample_rate.max(1));
         let scale = |usage: &StackUsage| if usage.mapping.is_some() { 1 } else { sampled };
-        let total_bytes = snapshot.stacks.iter().map(|stack| stack.bytes * scale(stack)).sum();
-        let total_allocations = snapshot.stacks.iter().map(|stack| stack.allocations * scale(stack)).sum();
-        let total_replacing = snapshot.stacks.iter().map(|stack| stack.replacing.scaled(scale(stack))).sum();
+        let (total_bytes, total_allocations, total_replacing) = totals(&snapshot.stacks, scale);
         let total_stacks = snapshot.stacks.iter().filter(|stack| stack.allocations > 0).count();
         let truncated_stacks = truncations(&snapshot, &stack_source);
         let mut stacks: Vec<ReportStack> = snapshot
@@ -260,6 +263,7 @@ impl Report {
                     allocations: usage.allocations * scale,
                     frames: Vec::new(),
                     culprit: None,
+                    plumbing: Vec::new(),
                     stable_id: None,
                     stack_lost: lost_stack_owner(usage.stack_id).is_some(),
                     truncated: stack_source.truncation(usage.stack_id),
@@ -314,6 +318,7 @@ impl Report {
         let mut culprits = skips.culprits(&self.allocator, &self.program);
         for stack in &mut self.stacks {
             stack.culprit = culprits.of(&stack.frames).cloned();
+            stack.plumbing = culprits.plumbing(&stack.frames);
             stack.stable_id = (!stack.stack_lost).then(|| stable_ids.of(&stack.frames));
         }
     }
@@ -337,6 +342,19 @@ impl Report {
         }
         self.keep_top(options.sort, options.top);
     }
+}
+
+/// Outstanding bytes, allocations and replacing blocks over `stacks`,
+/// each scaled as `scale` says. The allocator's own regions (--all-mmaps
+/// shows them) are left out: they hold blocks counted already, as a glibc
+/// block of 1 MiB is an mmap of its own.
+fn totals(stacks: &[StackUsage], scale: impl Fn(&StackUsage) -> u64) -> (u64, u64, Replacing) {
+    let counted = || stacks.iter().filter(|stack| stack.mapping != Some(MappingKind::AllocatorMmap));
+    (
+        counted().map(|stack| stack.bytes * scale(stack)).sum(),
+        counted().map(|stack| stack.allocations * scale(stack)).sum(),
+        stacks.iter().map(|stack| stack.replacing.scaled(scale(stack))).sum(),
+    )
 }
 
 /// How many of the stacks holding memory stop short, by why.
@@ -574,7 +592,8 @@ pub(crate) mod tests {
 
     fn rendered(format: Format, report: &Report) -> String {
         let mut out = Vec::new();
-        render(Rendering { format, weight: options::Weight::Bytes }, report, &mut out).unwrap();
+        render(Rendering { format, weight: options::Weight::Bytes, full_stacks: false }, report, &mut out)
+            .unwrap();
         String::from_utf8(out).unwrap()
     }
 

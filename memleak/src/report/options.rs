@@ -178,11 +178,15 @@ impl Choice for DiffOrder {
     }
 }
 
-/// How a report is written: its format, and for flame graphs the weight.
+/// How a report is written: its format, for flame graphs the weight, and
+/// for text whether runs of plumbing frames are folded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rendering {
     pub format: Format,
     pub weight: Weight,
+    /// Every frame of each stack in text (--full-stacks); the other
+    /// formats always have them all.
+    pub full_stacks: bool,
 }
 
 /// Which stacks a report shows, and how much of each.

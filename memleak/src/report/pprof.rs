@@ -32,6 +32,19 @@ struct Profile<'a, F> {
     duration_ns: u64,
     /// One allocation in this many was recorded (values are scaled up).
     sample_rate: u32,
+    /// The sample type a viewer shows first: one of `sample_types`.
+    default_sample_type: &'static str,
+}
+
+/// Which profile Go's `net/http/pprof` serves at a path: the same samples,
+/// another sample type shown first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum View {
+    /// `/debug/pprof/heap`: `inuse_space`, what is outstanding.
+    Heap,
+    /// `/debug/pprof/allocs`: `alloc_space`, all that was allocated, when
+    /// the profile has it.
+    Allocs,
 }
 
 /// One process's samples in a profile, with the mappings its addresses
@@ -57,7 +70,12 @@ const INUSE: [(&str, &str); 2] = [("inuse_objects", "count"), ("inuse_space", "b
 const ALLOC: [(&str, &str); 2] = [("alloc_objects", "count"), ("alloc_space", "bytes")];
 
 pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    write_gzipped(&encode_report(report), out)
+    render_as(report, View::Heap, out)
+}
+
+/// `render`, with `view`'s sample type shown first.
+pub fn render_as(report: &Report, view: View, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    write_gzipped(&encode_labelled(&[Labelled { report, labels: labels_of(report) }], view), out)
 }
 
 /// The growth between two snapshots as a profile whose values are the
@@ -78,13 +96,15 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
         time_unix_ms: diff.new.time_unix_ms,
         duration_ns: diff.new.time_unix_ms.saturating_sub(diff.base.time_unix_ms).saturating_mul(1_000_000),
         sample_rate: 1,
+        default_sample_type: "inuse_space",
     };
     write_gzipped(&encode(&profile), out)
 }
 
 /// The uncompressed profile.proto message of a report.
+#[cfg(test)]
 pub fn encode_report(report: &Report) -> Vec<u8> {
-    encode_labelled(&[Labelled { report, labels: labels_of(report) }])
+    encode_labelled(&[Labelled { report, labels: labels_of(report) }], View::Heap)
 }
 
 /// The labels of a report's samples: its process's pid and program and,
@@ -103,11 +123,11 @@ pub fn labels_of(report: &Report) -> Vec<(String, String)> {
 /// Pyroscope splits into a series per process. Each process keeps
 /// mappings and locations of its own, as its addresses mean nothing in
 /// another's address space.
-pub fn render_labelled(reports: &[Labelled], out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    write_gzipped(&encode_labelled(reports), out)
+pub fn render_labelled(reports: &[Labelled], view: View, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    write_gzipped(&encode_labelled(reports, view), out)
 }
 
-fn encode_labelled(reports: &[Labelled]) -> Vec<u8> {
+fn encode_labelled(reports: &[Labelled], view: View) -> Vec<u8> {
     // alloc_* only when every stack has them: mmap regions do not.
     let stacks = || reports.iter().flat_map(|labelled| &labelled.report.stacks);
     let with_allocated = stacks().next().is_some() && stacks().all(|stack| stack.allocated.is_some());
@@ -139,6 +159,11 @@ fn encode_labelled(reports: &[Labelled]) -> Vec<u8> {
         duration_ns: 0,
         // One session records every process at one rate.
         sample_rate: reports.first().map_or(1, |labelled| labelled.report.sample_rate),
+        default_sample_type: if view == View::Allocs && with_allocated {
+            "alloc_space"
+        } else {
+            "inuse_space"
+        },
     };
     encode(&profile)
 }
@@ -199,7 +224,7 @@ fn encode<F: Borrow<Frame>>(input: &Profile<F>) -> Vec<u8> {
     let period_type = encoder.value_type("space", "bytes");
     field_bytes(&mut profile, 11, &period_type); // period_type
     field_varint(&mut profile, 12, u64::from(input.sample_rate.max(1))); // period
-    let default_type = encoder.strings.index("inuse_space");
+    let default_type = encoder.strings.index(input.default_sample_type);
     field_varint(&mut profile, 14, default_type); // default_sample_type
     for string in &encoder.strings.table {
         field_bytes(&mut profile, 6, string.as_bytes()); // string_table
@@ -516,10 +541,13 @@ mod tests {
             report
         };
         let (first, second) = (report_of(1, "/app/a"), report_of(2, "/app/b"));
-        let profile = encode_labelled(&[
-            Labelled { report: &first, labels: labels_of("1", "/app/a") },
-            Labelled { report: &second, labels: labels_of("2", "/app/b") },
-        ]);
+        let profile = encode_labelled(
+            &[
+                Labelled { report: &first, labels: labels_of("1", "/app/a") },
+                Labelled { report: &second, labels: labels_of("2", "/app/b") },
+            ],
+            View::Heap,
+        );
         let strings: Vec<String> =
             messages(&profile, 6).iter().map(|text| String::from_utf8_lossy(text).into_owned()).collect();
         let text = |index: Option<u64>| strings[usize::try_from(index.unwrap()).unwrap()].clone();

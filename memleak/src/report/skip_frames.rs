@@ -95,6 +95,23 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
         "CPython",
         r"^(pymalloc_(alloc|realloc)|PyType_GenericAlloc|_PyType_AllocNoTrack|gc_alloc|_PyObject_GC_Alloc|allocate_from_new_pool|new_arena|_PyObject_Arena(Mmap|Malloc)|arena_map_get|arena_map_mark_used)$",
     ),
+    // JIT runtimes: what their compiled code calls to allocate. With the
+    // runtime's perf map, the culprit is the JIT-compiled function (`JS:`
+    // and `LazyCompile:` frames of node, Java methods).
+    rule(
+        "V8 and node",
+        r"^(v8::internal::|v8::ArrayBuffer::|v8::(Array)?BufferAllocator|node::NodeArrayBufferAllocator::|node::ArrayBufferAllocator::|node::Buffer::|node::[A-Za-z]*Allocator::)",
+    ),
+    // Code V8 generates for itself: its builtins, as the binary's symbols
+    // (`Builtins_CEntry_...`) or node's perf map (`Builtin:...`) name them.
+    rule("V8 and node", r"^(Builtins_|construct_stub_|(Builtin|BytecodeHandler|Stub|Handler|RegExp):)"),
+    // node's own JavaScript (`JS:^alloc node:buffer:391:30`): the
+    // culprit is the program's.
+    rule("V8 and node", r"^(JS|LazyCompile|Function):[~^*]?\S* node:"),
+    rule(
+        "HotSpot",
+        r"^(os::(malloc|realloc|reserve_memory|commit_memory)|AllocateHeap|ReallocateHeap|CHeapObj<.*>::operator new|Arena::|ChunkPool::|Chunk::operator new)",
+    ),
     // Well-known allocation wrappers of C programs and libraries.
     rule("redis", r"^_?z(try)?(malloc|calloc|realloc)(_usable|_no_tcache|_num|_usable_num)?$"),
     rule("redis", r"^(zstrdup|zfree|zfree_usable|extend_to_usable)$"),
@@ -144,6 +161,20 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
     ),
 ];
 
+/// Source files whose frames are plumbing whatever their names: with
+/// line tables, a Rust build's inlined frames are named as written in
+/// the source (`alloc`, `grow_one`, `{closure#0}`), not by their path.
+pub const DEFAULT_SKIPPED_FILES: &[SkipRule] = &[
+    // The standard library, from rustc's remapped paths
+    // (`/rustc/HASH/library/alloc/src/raw_vec.rs`) or rust-src's.
+    rule("Rust", r"/library/(alloc|core|std|panic_unwind|panic_abort)/src/"),
+    // The allocator and collection crates, as cargo unpacks them.
+    rule(
+        "Rust",
+        r"/(hashbrown|tikv-jemallocator|tikv-jemalloc-sys|jemallocator|mimalloc|libmimalloc-sys|snmalloc-rs|smallvec|bytes)-[0-9][^/]*/src/",
+    ),
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,7 +193,7 @@ mod tests {
 
     #[test]
     fn every_pattern_compiles() {
-        for rule in DEFAULT_SKIPS {
+        for rule in DEFAULT_SKIPS.iter().chain(DEFAULT_SKIPPED_FILES) {
             assert!(regex::Regex::new(rule.pattern).is_ok(), "{}: {}", rule.group, rule.pattern);
         }
     }

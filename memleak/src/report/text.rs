@@ -8,14 +8,15 @@ use std::{
     sync::Arc,
 };
 
-use super::{diff::Diff, printable, subject, CgroupTotal, Report};
+use super::{culprit, diff::Diff, printable, subject, CgroupTotal, Report};
 use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
     symbolize::missing::Lacking,
 };
 
-pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+/// Writes `report`; runs of plumbing frames folded unless `full_stacks`.
+pub fn render(report: &Report, full_stacks: bool, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     write_header(report, out)?;
     for stack in &report.stacks {
         writeln!(
@@ -34,7 +35,8 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
             )?;
         }
         write_culprit(stack.culprit.as_ref(), &stack.frames, out)?;
-        write_frames(stack.stack_lost, &stack.frames, out)?;
+        let plumbing = folded(full_stacks, stack.culprit.is_some(), &stack.plumbing);
+        write_frames(stack.stack_lost, &stack.frames, plumbing, out)?;
         if let Some(truncation) = stack.truncated {
             writeln!(out, "\t\t[truncated {}]", truncation.describe())?;
         }
@@ -51,7 +53,8 @@ pub fn render(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()
 }
 
 /// `[HH:MM:SS] Top N stacks with outstanding allocations in pid P
-/// (PROGRAM) through ALLOCATOR:` (see `subject`), or `in the kernel:`.
+/// (PROGRAM) through ALLOCATOR:` (see `subject`), or `in the kernel:`;
+/// `Top stacks ...: none` without any.
 fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let whose = subject::of(report);
     let unwound = match report.unwinding {
@@ -59,12 +62,13 @@ fn write_header(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         Some(Unwinding::Dwarf) => ", unwound with .eh_frame",
         Some(Unwinding::FramePointers) => ", unwound with frame pointers",
     };
-    writeln!(
-        out,
-        "[{}] Top {} stacks with outstanding allocations in {whose}{unwound}:",
-        clock::local_time(report.time_unix_ms),
-        report.stacks.len(),
-    )?;
+    let time = clock::local_time(report.time_unix_ms);
+    // Still "] Top " with none, which scripts look for as a report's start.
+    let (top, none) = match report.stacks.len() {
+        0 => (String::new(), " none"),
+        shown => (format!(" {shown}"), ""),
+    };
+    writeln!(out, "[{time}] Top{top} stacks with outstanding allocations in {whose}{unwound}:{none}")?;
     if report.sample_rate > 1 {
         writeln!(
             out,
@@ -92,19 +96,104 @@ fn write_culprit(
     }
 }
 
-/// A stack's frames, one per line, or what became of them.
+/// A stack's frames, one per line, or what became of them. A run of two
+/// or more frames that `plumbing` marks is one line that says how many
+/// and whose they are; `plumbing` may be shorter than `frames` (empty:
+/// every frame).
 fn write_frames<F: Borrow<Frame>>(
     stack_lost: bool,
     frames: &[F],
+    plumbing: &[bool],
     out: &mut (impl Write + ?Sized),
 ) -> io::Result<()> {
     if stack_lost {
         writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
     }
-    for frame in frames {
-        writeln!(out, "\t\t{}", describe(frame.borrow()))?;
+    let is_plumbing = |i: usize| plumbing.get(i).copied().unwrap_or(false);
+    let mut i = 0;
+    while i < frames.len() {
+        let run = (i..frames.len()).take_while(|&j| is_plumbing(j)).count();
+        if run >= 2 {
+            let run_frames = frames[i..i + run].iter().map(Borrow::borrow);
+            writeln!(out, "\t\t... {run} frames of {}", whose(run_frames))?;
+            i += run;
+        } else {
+            writeln!(out, "\t\t{}", describe(frames[i].borrow()))?;
+            i += 1;
+        }
     }
     Ok(())
+}
+
+/// The plumbing flags `write_frames` folds by: none with --full-stacks,
+/// nor in a stack without a culprit, whose every frame is plumbing (an
+/// allocation the runtime makes for itself): folded, it would say nothing.
+fn folded(full_stacks: bool, has_culprit: bool, plumbing: &[bool]) -> &[bool] {
+    if full_stacks || !has_culprit {
+        &[]
+    } else {
+        plumbing
+    }
+}
+
+/// Whose plumbing a run of frames is, for its folded line: `alloc, core
+/// and std`; at most three names, then `and others`.
+fn whose<'f>(frames: impl Iterator<Item = &'f Frame>) -> String {
+    const NAMED: usize = 3;
+    let mut names: Vec<String> = Vec::new();
+    let mut others = false;
+    for frame in frames {
+        let name = owner(frame);
+        if names.contains(&name) {
+            continue;
+        }
+        if names.len() == NAMED {
+            others = true;
+        } else {
+            names.push(name);
+        }
+    }
+    let names: Vec<String> = names.iter().map(|name| printable(name).into_owned()).collect();
+    match (names.as_slice(), others) {
+        (_, true) => format!("{} and others", names.join(", ")),
+        ([only], false) => only.clone(),
+        ([first @ .., last], false) => format!("{} and {last}", first.join(", ")),
+        ([], false) => String::new(),
+    }
+}
+
+/// Whose code a frame is: the Rust library or crate of its source file
+/// (`alloc`, `hashbrown`), else the first part of its qualified name
+/// (`std` of `std::vector<int>::_M_realloc_insert`), else the shared
+/// library it is in (`libc.so.6`), else its name (`__rust_alloc`).
+fn owner(frame: &Frame) -> String {
+    if let Some(library) = frame.file.as_deref().and_then(rust_library) {
+        return library.to_owned();
+    }
+    let qualified =
+        frame.function.as_deref().map(|name| culprit::qualified_name(name).trim_start_matches('<'));
+    if let Some((first, _)) = qualified.and_then(|name| name.split_once("::")) {
+        return first.to_owned();
+    }
+    let object = frame.module.as_deref().map(|module| module.rsplit('/').next().unwrap_or(module));
+    match (object.filter(|file| file.contains(".so")), qualified, object) {
+        (Some(object), _, _) | (None, None, Some(object)) => object.to_owned(),
+        (None, Some(name), _) => name.to_owned(),
+        (None, None, None) => "unknown code".to_owned(),
+    }
+}
+
+/// The library of Rust's standard library, or the crate cargo unpacked,
+/// that `file` belongs to.
+fn rust_library(file: &str) -> Option<&str> {
+    if let Some((_, rest)) = file.split_once("/library/") {
+        return rest.split('/').next();
+    }
+    let (_, rest) = file.split_once("/.cargo/registry/src/")?;
+    // index.crates.io-HASH/hashbrown-0.15.2/src/...
+    let directory = rest.split('/').nth(1)?;
+    let version_start = directory.rfind('-')?;
+    Some(&directory[..version_start])
 }
 
 /// What is outstanding over all stacks, and what was seen.
@@ -197,6 +286,7 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
             hidden.python_arena_bytes,
             "of CPython's small-object arenas, whose objects only --python-allocator or PYTHONMALLOC=malloc show",
         ),
+        (hidden.file_bytes, "of files mapped into memory"),
     ]
     .iter()
     .filter(|(bytes, _)| *bytes > 0)
@@ -221,8 +311,9 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
     Ok(())
 }
 
-/// What grew and what shrank between two snapshots, growth first.
-pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+/// What grew and what shrank between two snapshots, growth first; runs of
+/// plumbing frames folded unless `full_stacks`.
+pub fn render_diff(diff: &Diff, full_stacks: bool, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
     let (base, new) = (&diff.base, &diff.new);
     let seconds = (new.time_unix_ms.abs_diff(base.time_unix_ms) + 500) / 1000;
     let later = if new.time_unix_ms >= base.time_unix_ms { "later" } else { "earlier" };
@@ -255,7 +346,8 @@ pub fn render_diff(diff: &Diff, out: &mut (impl Write + ?Sized)) -> io::Result<(
             )?;
         }
         write_culprit(stack.culprit.as_ref(), &stack.frames, out)?;
-        write_frames(stack.stack_lost, &stack.frames, out)?;
+        let plumbing = folded(full_stacks, stack.culprit.is_some(), &stack.plumbing);
+        write_frames(stack.stack_lost, &stack.frames, plumbing, out)?;
     }
     let shown = if diff.total_stacks > diff.stacks.len() {
         format!(", {} shown", diff.stacks.len())
@@ -303,6 +395,7 @@ fn source(mapping: Option<MappingKind>) -> &'static str {
         Some(MappingKind::ThreadStack) => "thread stacks",
         Some(MappingKind::Reservation) => "PROT_NONE reservations",
         Some(MappingKind::PythonArena) => "CPython arenas",
+        Some(MappingKind::FileMapping) => "file mappings",
     }
 }
 
@@ -368,11 +461,43 @@ mod tests {
     #[test]
     fn text_matches_the_golden_file() {
         let mut out = Vec::new();
-        render(&sample_report(3), &mut out).unwrap();
+        render(&sample_report(3), false, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let masked = format!("[HH:MM:SS]{}", &text["[HH:MM:SS]".len()..]);
         let expected = include_str!("../../tests/data/report.txt");
         assert_eq!(masked, expected);
+    }
+
+    #[test]
+    fn runs_of_plumbing_are_folded_unless_every_frame_is_asked_for() {
+        let frame = |function: &str, file: &str| {
+            Arc::new(Frame {
+                function: Some(function.to_owned()),
+                file: Some(file.to_owned()),
+                ..Frame::default()
+            })
+        };
+        let frames = [
+            frame("alloc", "/rustc/abc/library/alloc/src/alloc.rs"),
+            frame("grow_one", "/rustc/abc/library/alloc/src/raw_vec.rs"),
+            frame("insert", "/root/.cargo/registry/src/index.crates.io-1/hashbrown-0.15.2/src/map.rs"),
+            frame("std::vector<int>::push_back", "/usr/include/c++/12/bits/stl_vector.h"),
+            frame("record_audit_event", "/srv/src/audit.rs"),
+            frame("call_once", "/rustc/abc/library/core/src/ops/function.rs"),
+            frame("main", "/srv/src/main.rs"),
+        ];
+        let plumbing = [true, true, true, true, false, true, false];
+        let mut out = Vec::new();
+        write_frames(false, &frames, &plumbing, &mut out).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "\t\t... 4 frames of alloc, hashbrown and std\n\t\trecord_audit_event (/srv/src/audit.rs)\n\
+             \t\tcall_once (/rustc/abc/library/core/src/ops/function.rs)\n\t\tmain (/srv/src/main.rs)\n"
+        );
+        let mut out = Vec::new();
+        write_frames(false, &frames, folded(true, true, &plumbing), &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap().lines().count(), 7, "--full-stacks");
+        assert!(folded(false, false, &plumbing).is_empty(), "a stack without a culprit keeps its frames");
     }
 
     #[test]
@@ -387,7 +512,7 @@ mod tests {
         let mut report = sample_report(1);
         report.allocator = "/lib/\x1b[2Jlibc.so.6".to_owned();
         let mut out = Vec::new();
-        render(&report, &mut out).unwrap();
+        render(&report, false, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.lines()
@@ -399,7 +524,7 @@ mod tests {
         let mut diff = crate::report::diff::tests::sample_diff(1);
         diff.new.program = "/app/\nserver".to_owned();
         let mut out = Vec::new();
-        render_diff(&diff, &mut out).unwrap();
+        render_diff(&diff, false, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.starts_with(
@@ -415,7 +540,7 @@ mod tests {
     #[test]
     fn the_header_names_the_program_and_its_allocator() {
         let mut out = Vec::new();
-        render(&sample_report(1), &mut out).unwrap();
+        render(&sample_report(1), false, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert_eq!(
             &text[text.find(']').unwrap()..text.find('\n').unwrap()],
@@ -424,7 +549,7 @@ mod tests {
         let mut kernel = sample_report(1);
         kernel.pid = memleak_common::KERNEL_TGID;
         let mut out = Vec::new();
-        render(&kernel, &mut out).unwrap();
+        render(&kernel, false, &mut out).unwrap();
         assert!(String::from_utf8(out)
             .unwrap()
             .contains("] Top 1 stacks with outstanding allocations in the kernel:\n"));
@@ -433,7 +558,7 @@ mod tests {
     #[test]
     fn a_diff_of_one_process_names_it_once() {
         let mut out = Vec::new();
-        render_diff(&crate::report::diff::tests::sample_diff(1), &mut out).unwrap();
+        render_diff(&crate::report::diff::tests::sample_diff(1), false, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert_eq!(
             text.lines().next().unwrap(),
@@ -444,7 +569,7 @@ mod tests {
     #[test]
     fn a_diff_matches_the_golden_file() {
         let mut out = Vec::new();
-        render_diff(&crate::report::diff::tests::sample_diff(10), &mut out).unwrap();
+        render_diff(&crate::report::diff::tests::sample_diff(10), false, &mut out).unwrap();
         assert_eq!(String::from_utf8(out).unwrap(), include_str!("../../tests/data/diff.txt"));
     }
 
@@ -454,7 +579,7 @@ mod tests {
         let mut report = sample_report(1);
         report.hidden_mappings.python_arena_bytes = 2 << 20;
         let mut out = Vec::new();
-        render(&report, &mut out).unwrap();
+        render(&report, false, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let line = text.lines().find(|line| line.starts_with("Not shown: ")).unwrap();
         assert_eq!(

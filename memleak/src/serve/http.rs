@@ -29,11 +29,13 @@ use hyper::{
 use hyper_util::{rt::TokioIo, server::graceful::GracefulShutdown};
 use tokio::sync::watch;
 
+use crate::report::pprof::View;
+
 use super::{
     connections::{self, Admitted, Busy, Connections, Deadlines},
     metrics, page,
     query::{Params, ReportAsked},
-    reports::{self, Windows},
+    reports::{self, Wanted, Windows},
     response::{plain, with_type},
     state::{BoardReader, Followed, Published, TargetSummary},
     token::Token,
@@ -228,7 +230,9 @@ enum Endpoint {
     Targets,
     ServiceDiscovery,
     Report,
-    Pprof,
+    /// Go's two paths of one profile, each showing its own sample type
+    /// first; allocs is where Pyroscope's and Parca's scrapers look.
+    Pprof(View),
 }
 
 impl Endpoint {
@@ -240,9 +244,11 @@ impl Endpoint {
             "/api/v1/targets" => Endpoint::Targets,
             "/api/v1/sd" => Endpoint::ServiceDiscovery,
             "/api/v1/report" => Endpoint::Report,
-            // Go serves the same profile at both; allocs is where
-            // Pyroscope's and Parca's scrapers look for memory.
-            "/debug/pprof/heap" | "/debug/pprof/allocs" => Endpoint::Pprof,
+            // Go serves the same profile at both, alloc_space first at
+            // allocs; allocs is where Pyroscope's and Parca's scrapers
+            // look for memory.
+            "/debug/pprof/heap" => Endpoint::Pprof(View::Heap),
+            "/debug/pprof/allocs" => Endpoint::Pprof(View::Allocs),
             _ => return None,
         })
     }
@@ -251,7 +257,7 @@ impl Endpoint {
     fn parameters(self) -> &'static [&'static str] {
         match self {
             Endpoint::Report => ReportAsked::PARAMETERS,
-            Endpoint::Pprof => reports::PPROF_PARAMETERS,
+            Endpoint::Pprof(_) => reports::PPROF_PARAMETERS,
             Endpoint::Metrics => &["pid"],
             Endpoint::Page | Endpoint::Healthz | Endpoint::Targets | Endpoint::ServiceDiscovery => &[],
         }
@@ -316,12 +322,19 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
         },
         Endpoint::Targets => targets(&*board.fresh().await),
         Endpoint::ServiceDiscovery => service_discovery(&board.latest(), &handlers.advertised),
-        Endpoint::Pprof => reports::answer(board, &handlers.windows, &params, None).await,
-        Endpoint::Report => match ReportAsked::of(&params) {
-            Ok(asked) => reports::answer(board, &handlers.windows, &params, Some(asked)).await,
+        Endpoint::Pprof(_) | Endpoint::Report => match wanted(endpoint, &params) {
+            Ok(wanted) => reports::answer(board, &handlers.windows, &params, wanted).await,
             Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
         },
     })
+}
+
+/// What a request to a report's or a profile's endpoint wants.
+fn wanted(endpoint: Endpoint, params: &Params) -> Result<Wanted, String> {
+    match endpoint {
+        Endpoint::Pprof(view) => Ok(Wanted::Profile(view)),
+        _ => ReportAsked::of(params).map(Wanted::Report),
+    }
 }
 
 /// `/api/v1/targets`'s body.

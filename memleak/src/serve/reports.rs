@@ -27,7 +27,7 @@ use crate::{
     report::{
         self,
         options::{Format, Rendering, ReportOptions, SortKey, Weight},
-        pprof::{self, Labelled},
+        pprof::{self, Labelled, View},
         Report,
     },
     session::ReportRequest,
@@ -102,23 +102,34 @@ impl Drop for Window {
     }
 }
 
-/// Answers `/debug/pprof/heap` and `/debug/pprof/allocs` (`asked` is
-/// `None`), or `/api/v1/report`.
+/// What a request wants.
+#[derive(Clone, Copy, Debug)]
+pub enum Wanted {
+    /// `/debug/pprof/heap` or `/debug/pprof/allocs`.
+    Profile(View),
+    /// `/api/v1/report`.
+    Report(ReportAsked),
+}
+
+/// Answers `/debug/pprof/heap`, `/debug/pprof/allocs` or `/api/v1/report`.
 pub async fn answer(
     board: &BoardReader,
     windows: &Arc<Windows>,
     params: &Params,
-    asked: Option<ReportAsked>,
+    wanted: Wanted,
 ) -> Response<Full<Bytes>> {
-    if asked.is_none() && matches!(params.pid_if_given(), Ok(None)) {
-        return match node_wide(board, windows, params).await {
-            Ok(body) => pprof_response(body),
-            Err(refusal) => refusal.response(),
-        };
-    }
-    let asked = asked.unwrap_or(PPROF);
+    let (asked, view) = match wanted {
+        Wanted::Profile(view) if matches!(params.pid_if_given(), Ok(None)) => {
+            return match node_wide(board, windows, params, view).await {
+                Ok(body) => pprof_response(body),
+                Err(refusal) => refusal.response(),
+            };
+        }
+        Wanted::Profile(view) => (PPROF, view),
+        Wanted::Report(asked) => (asked, View::Heap),
+    };
     match report(board, windows, params, asked).await {
-        Ok(report) => rendered(&report, asked),
+        Ok(report) => rendered(&report, asked, view),
         Err(refusal) => refusal.response(),
     }
 }
@@ -128,7 +139,12 @@ pub async fn answer(
 /// the node (Pyroscope's, Parca's) gets a series per process from one
 /// scrape. Processes that exited are left out: they hold nothing now, and
 /// their last reports stay served by pid.
-async fn node_wide(board: &BoardReader, windows: &Arc<Windows>, params: &Params) -> Result<Vec<u8>, Refusal> {
+async fn node_wide(
+    board: &BoardReader,
+    windows: &Arc<Windows>,
+    params: &Params,
+    view: View,
+) -> Result<Vec<u8>, Refusal> {
     let window = params.window().map_err(|reason| Refusal::new(StatusCode::BAD_REQUEST, reason))?;
     let collect = CollectOptions {
         freed_stacks: PPROF.format.shows_freed_stacks(),
@@ -152,7 +168,7 @@ async fn node_wide(board: &BoardReader, windows: &Arc<Windows>, params: &Params)
         })
         .collect();
     let mut body = Vec::new();
-    pprof::render_labelled(&labelled, &mut body).map_err(|error| {
+    pprof::render_labelled(&labelled, view, &mut body).map_err(|error| {
         Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the profile: {error}"))
     })?;
     Ok(body)
@@ -293,11 +309,16 @@ fn last_report(followed: &Followed, asked: ReportAsked, windowed: bool) -> Resul
     Ok(last)
 }
 
-/// The report written as asked, with the content type its readers want.
-fn rendered(report: &Report, asked: ReportAsked) -> Response<Full<Bytes>> {
+/// The report written as asked, with the content type its readers want;
+/// a pprof profile shows `view`'s sample type first.
+fn rendered(report: &Report, asked: ReportAsked, view: View) -> Response<Full<Bytes>> {
     let mut body = Vec::new();
-    let rendering = Rendering { format: asked.format, weight: asked.weight };
-    if let Err(error) = report::render(rendering, report, &mut body) {
+    let rendering = Rendering { format: asked.format, weight: asked.weight, full_stacks: false };
+    let written = match asked.format {
+        Format::Pprof => pprof::render_as(report, view, &mut body),
+        _ => report::render(rendering, report, &mut body),
+    };
+    if let Err(error) = written {
         return plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the report: {error}\n"));
     }
     let content_type = match asked.format {

@@ -322,6 +322,7 @@ impl Target {
             report.stacks.iter().filter_map(|stack| stack.culprit.as_deref()),
             |frame| space.find(frame.address).map(|mapping| &*mapping.object),
             &mut self.advice,
+            &report.program,
         );
         report
     }

@@ -8,6 +8,7 @@ use std::{collections::HashMap, process::Command};
 use object::{Object as _, ObjectSection as _};
 use serde::{Deserialize, Serialize};
 
+use super::ANONYMOUS_CODE;
 use crate::{
     model::Frame,
     process::address_space::{FileId, MappedObject},
@@ -37,15 +38,29 @@ pub struct MissingSymbols {
 }
 
 /// The objects of `shown` frames that lack names, and those of `culprits`
-/// that lack lines, each once; `object_of` finds a frame's object.
+/// that lack lines, each once; `object_of` finds a frame's object. Frames
+/// in anonymous executable memory, JIT code that no perf map names, get
+/// one entry that says how `program`'s runtime writes one.
 pub fn missing_symbols<'a>(
     shown: impl Iterator<Item = &'a Frame>,
     culprits: impl Iterator<Item = &'a Frame>,
     mut object_of: impl FnMut(&Frame) -> Option<&'a MappedObject>,
     advice: &mut Advice,
+    program: &str,
 ) -> Vec<MissingSymbols> {
     let mut found: Vec<MissingSymbols> = Vec::new();
-    let lacking = shown.filter(|frame| frame.function.is_none()).map(|frame| (frame, Lacking::Names)).chain(
+    let (jit, unnamed): (Vec<&Frame>, Vec<&Frame>) = shown
+        .filter(|frame| frame.function.is_none())
+        .partition(|frame| frame.module.as_deref() == Some(ANONYMOUS_CODE));
+    if !jit.is_empty() {
+        found.push(MissingSymbols {
+            module: ANONYMOUS_CODE.to_owned(),
+            build_id: None,
+            lacking: Lacking::Names,
+            advice: perf_map_advice(program),
+        });
+    }
+    let lacking = unnamed.into_iter().map(|frame| (frame, Lacking::Names)).chain(
         culprits
             .filter(|frame| frame.function.is_some() && frame.line.is_none())
             .map(|frame| (frame, Lacking::Lines)),
@@ -75,6 +90,22 @@ pub fn missing_symbols<'a>(
     found
 }
 
+/// How the runtime of `program` writes the perf map that names its JIT
+/// code (`/tmp/perf-PID.map`, which memleak reads as it grows).
+fn perf_map_advice(program: &str) -> String {
+    let file = program.rsplit('/').next().unwrap_or(program);
+    let how = if file.starts_with("node") {
+        "start node with --perf-basic-prof"
+    } else if file == "java" {
+        "run `jcmd PID Compiler.perfmap` (JDK 17 and later), again as it compiles more"
+    } else if file.starts_with("dotnet") {
+        "start it with DOTNET_PerfMapEnabled=1"
+    } else {
+        "ask its runtime for a perf map (node --perf-basic-prof, jcmd PID Compiler.perfmap, DOTNET_PerfMapEnabled=1)"
+    };
+    format!("JIT code without a perf map: {how}, and memleak names its functions")
+}
+
 /// What to install or rebuild for an object's symbols, worked out once per
 /// object (it asks dpkg).
 #[derive(Default)]
@@ -102,10 +133,12 @@ fn advise(object: &MappedObject, lacking: Lacking) -> String {
         // is built apart.
         let debug_package =
             if package == "libc6" { "libc6-dbg".to_owned() } else { format!("{package}-dbgsym") };
-        ways.push(format!("install {debug_package} (from Debian's debug archive)"));
+        ways.push(format!("install {debug_package} ({})", debug_archive()));
     }
     if let Some(name) = object.build_id().and_then(debug_files::build_id_path) {
-        ways.push(format!("put its debug file at /usr/lib/debug/{name}"));
+        // A container's object is looked up in the container's files alone.
+        let whose = if object.is_hosts_own() { "" } else { " inside the container's root (its image)" };
+        ways.push(format!("put its debug file at /usr/lib/debug/{name}{whose}"));
     }
     if package.is_none() && !sections.debug_info {
         ways.push(
@@ -117,6 +150,21 @@ fn advise(object: &MappedObject, lacking: Lacking) -> String {
         );
     }
     ways.join(", or ")
+}
+
+/// Where Debian's `-dbgsym` packages come from, as Debian's wiki says it
+/// (HowToGetABacktrace): the release's `-debug` suite, which APT's
+/// sources must list. The release is the host's, from /etc/os-release.
+fn debug_archive() -> String {
+    let release = std::fs::read_to_string("/etc/os-release").ok().and_then(|text| {
+        text.lines()
+            .find_map(|line| line.strip_prefix("VERSION_CODENAME="))
+            .map(|name| name.trim_matches('"').to_owned())
+    });
+    match release.filter(|name| !name.is_empty()) {
+        Some(name) => format!("from Debian's debug archive: add the {name}-debug suite to APT's sources"),
+        None => "from Debian's debug archive: add your release's -debug suite to APT's sources".to_owned(),
+    }
 }
 
 /// What an object's sections say of its symbols.

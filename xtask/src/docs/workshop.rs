@@ -595,7 +595,7 @@ mod tests {
             "Outstanding: 8 bytes in 1 allocations",
             "Seen: 1 allocations, 0 frees, 0 failed allocations; 0 allocations not tracked, 0 stacks lost",
             "done",
-            "[10:00:01] Top 0 stacks with outstanding allocations in pid 1 (/a) through /b:",
+            "[10:00:01] Top stacks with outstanding allocations in pid 1 (/a) through /b: none",
             "Outstanding: 0 bytes in 0 allocations",
         ]
         .map(str::to_owned)

@@ -346,6 +346,7 @@ fn spread_report(stacks: u32) -> Report {
                 bytes: 16 + u64::from(path % 49),
                 allocations: 1,
                 culprit: Some(Arc::clone(&allocate)),
+                plumbing: Vec::new(),
                 stable_id: Some(format!("{:016x}", u64::from(path).wrapping_mul(0x9e37_79b9_7f4a_7c15))),
                 outstanding: vec![OutstandingAllocation {
                     address,

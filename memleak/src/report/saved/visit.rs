@@ -455,6 +455,7 @@ impl StackFields {
             allocations: required(self.allocations, "allocations")?,
             frames: Vec::new(),
             culprit: None,
+            plumbing: Vec::new(),
             stable_id: None,
             stack_lost: required(self.stack_lost, "stack_lost")?,
             truncated: self.truncated,
