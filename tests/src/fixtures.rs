@@ -127,7 +127,7 @@ pub fn rust_jemalloc() -> PathBuf {
 }
 
 /// The same program built with line tables (its `release-lines` profile),
-/// as services that want file:line in their panics build it: inlined
+/// as services that want `file:line` in their panics build it: inlined
 /// frames, named as the source writes them.
 pub fn rust_jemalloc_with_line_tables() -> PathBuf {
     rust_jemalloc_built("release-lines")
