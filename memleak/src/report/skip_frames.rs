@@ -135,7 +135,7 @@ pub const DEFAULT_SKIPS: &[SkipRule] = &[
     rule("SQLite", r"^(dbMallocRawFinish|dbReallocFinish|mallocWithAlarm|sqlite3MallocAlarm)$"),
     rule(
         "nginx",
-        r"^ngx_(alloc|calloc|memalign|palloc|pnalloc|pcalloc|pmemalign|palloc_small|palloc_block|palloc_large|array_push|array_push_n|array_create|list_push|list_create|pstrdup|create_temp_buf|alloc_chain_link|chain_get_free_buf)$",
+        r"^ngx_(alloc|calloc|memalign|palloc|pnalloc|pcalloc|pmemalign|palloc_small|palloc_block|palloc_large|create_pool|array_push|array_push_n|array_create|list_push|list_create|pstrdup|create_temp_buf|alloc_chain_link|chain_get_free_buf)$",
     ),
     rule(
         "PostgreSQL",

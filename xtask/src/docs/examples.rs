@@ -405,7 +405,8 @@ fn unrecorded_frees(workshop: &mut Workshop) -> Result<Made> {
     let leaker = workshop.fixture("leaker")?;
     let mut cache = target(workshop, &leaker, &["cache"], "ready")?;
     let pid = cache.pid().to_string();
-    let args = ["-p", pid.as_str(), "--save", "heap.snap", "2"];
+    // Not heap.snap: the diff example's snapshots are in the same place.
+    let args = ["-p", pid.as_str(), "--save", "cache.snap", "2"];
     let mut memleak = memleak_running(workshop, &args)?;
     memleak.wait_for_start("memleak: tracing ")?;
     memleak.wait_for("a first report", |line| line.starts_with("Seen: "))?;
@@ -420,8 +421,8 @@ fn unrecorded_frees(workshop: &mut Workshop) -> Result<Made> {
     let (_, lines) = memleak.finish()?;
     let saved = reports(&lines).len();
     let last = reports(&lines).pop().context("a final report")?;
-    let newest = format!("heap.{saved}.snap");
-    let diff_args = ["diff", "heap.1.snap", newest.as_str()];
+    let newest = format!("cache.{saved}.snap");
+    let diff_args = ["diff", "cache.1.snap", newest.as_str()];
     let (_, diff) = output(&mut workshop.memleak(&diff_args))?;
     let mut transcript = Transcript::default();
     transcript
