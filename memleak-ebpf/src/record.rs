@@ -22,17 +22,15 @@ pub fn store(key: AllocationKey, size: u64, stack_id: u64) {
     let timestamp_ns = unsafe { bpf_ktime_get_ns() };
     let replaced =
         if tunables::replacements() { replaced_by(&key, size, totals.as_ref(), timestamp_ns) } else { 0 };
-    let mut allocation = Allocation { size, timestamp_ns, stack_id, replaced };
+    let allocation = Allocation { size, timestamp_ns, stack_id, replaced };
     // One map operation in the common case. Only when the address is
     // still recorded does it take more: the allocator handed it out again,
     // so its free was not seen (bcc's --wa-missing-free case) and the old
-    // block comes off its stack's totals first. The new one stands in for
-    // what the old one did.
+    // block comes off its stack's totals first (what it stood in for, its
+    // stack owes: see `Totals::subtract`).
     let mut inserted = ALLOCATIONS.insert(key, allocation, u64::from(BPF_NOEXIST));
     if inserted == Err(-EEXIST) {
-        if let Some(old) = forget(&key) {
-            allocation.replaced = allocation.replaced.max(old.replaced.min(size));
-        }
+        let _ = forget(&key);
         inserted = ALLOCATIONS.insert(key, allocation, 0);
     }
     if inserted.is_err() {

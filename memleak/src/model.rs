@@ -168,8 +168,8 @@ impl StackUsage {
 /// Of a stack's outstanding blocks, those that took the place of blocks
 /// memleak never saw allocated: the allocator handed out the address of
 /// one the program had just freed (a cache replacing entries it made
-/// before the attach), or of a block that had itself replaced one. Their
-/// bytes are outstanding, but not growth.
+/// before the attach), or the stack had freed a block that had itself
+/// replaced one. Their bytes are outstanding, but not growth.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Replacing {
     pub bytes: u64,
