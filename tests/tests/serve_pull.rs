@@ -95,6 +95,19 @@ fn total_of<'a>(tags: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} tag in:\n{tags}"))
 }
 
+/// What go tool pprof is told to show of a profile: the outstanding bytes.
+const INUSE: &str = "-sample_index=inuse_space";
+
+/// The sample type `go tool pprof` shows of a profile when not told one;
+/// `body` is saved in `directory` as `name` for it.
+fn sample_type_shown_first(directory: &std::path::Path, name: &str, body: &[u8]) -> String {
+    let profile = directory.join(name);
+    fs::write(&profile, body).expect("save the profile");
+    let top = memleak_tests::go_pprof(&profile, &["-top"]);
+    let shown = top.lines().find_map(|line| line.strip_prefix("Type: "));
+    shown.unwrap_or_else(|| panic!("no Type: line in {top}")).to_owned()
+}
+
 #[test]
 fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_labels() {
     let (mut leakers, mut memleak, port, directory) = serve_two(&["--verbose"]);
@@ -116,12 +129,10 @@ fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_la
     let allocs = get_with(port, "/debug/pprof/allocs", &bearer).expect("GET /debug/pprof/allocs");
     assert_eq!(allocs.status, 200, "{allocs:#?}");
     assert_eq!(&allocs.bytes[..2], [0x1f, 0x8b], "gzipped, as Go's net/http/pprof serves it");
+    // Saved; as Go's handler serves it, allocs shows what was allocated first.
+    assert_eq!(sample_type_shown_first(directory.path(), "allocs.pb.gz", &allocs.bytes), "alloc_space");
     let profile = directory.path().join("allocs.pb.gz");
-    fs::write(&profile, &allocs.bytes).expect("save the profile");
-    // As Go's handler serves it, allocs shows what was allocated first.
-    let top = memleak_tests::go_pprof(&profile, &["-top"]);
-    assert!(top.contains("Type: alloc_space"), "{top}");
-    let tags = memleak_tests::go_pprof(&profile, &["-tags", "-unit=byte", "-sample_index=inuse_space"]);
+    let tags = memleak_tests::go_pprof(&profile, &["-tags", "-unit=byte", INUSE]);
     let mut by_pid = tag_values(&tags, "pid");
     by_pid.sort();
     let mut wanted_by_pid: Vec<(String, String)> =
@@ -137,10 +148,8 @@ fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_la
     // Each process's stacks are its own: the -O2 build's steps, and
     // nothing of the other's, under its program (a pid would be taken
     // for a number by -tagfocus).
-    let focused = memleak_tests::go_pprof(
-        &profile,
-        &["-top", "-unit=byte", "-sample_index=inuse_space", "-tagfocus=program=leaker-O2"],
-    );
+    let focused =
+        memleak_tests::go_pprof(&profile, &["-top", "-unit=byte", INUSE, "-tagfocus=program=leaker-O2"]);
     assert!(focused.contains("accounting for 16384B, 48.69% of 33648B total"), "{focused}");
     let step_row = focused.lines().find(|line| line.trim_end().ends_with(" step_leak"));
     assert!(step_row.is_some_and(|row| row.trim_start().starts_with("16384B 48.69%")), "{focused}");
@@ -160,7 +169,7 @@ fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_la
     assert_eq!(window.status, 200, "{window:#?}");
     let window_file = directory.path().join("window.pb.gz");
     fs::write(&window_file, &window.bytes).expect("save the window");
-    let tags = memleak_tests::go_pprof(&window_file, &["-tags", "-unit=byte", "-sample_index=inuse_space"]);
+    let tags = memleak_tests::go_pprof(&window_file, &["-tags", "-unit=byte", INUSE]);
     let steps_pid = programs[1].0.to_string();
     assert_eq!(tag_values(&tags, "pid"), [(steps_pid, "8192.0B".to_owned())], "{tags}");
 
@@ -168,10 +177,7 @@ fn go_tool_pprof_reads_each_process_of_the_node_wide_allocs_profile_under_its_la
     // first, and the token wanted for it.
     let heap = get_with(port, "/debug/pprof/heap", &bearer).expect("GET /debug/pprof/heap");
     assert_eq!(heap.status, 200, "{heap:#?}");
-    let heap_file = directory.path().join("heap.pb.gz");
-    fs::write(&heap_file, &heap.bytes).expect("save the heap profile");
-    let top = memleak_tests::go_pprof(&heap_file, &["-top"]);
-    assert!(top.contains("Type: inuse_space"), "{top}");
+    assert_eq!(sample_type_shown_first(directory.path(), "heap.pb.gz", &heap.bytes), "inuse_space");
     let unauthorized = get(port, "/debug/pprof/allocs").expect("GET without the token");
     assert_eq!(unauthorized.status, 401, "{unauthorized:#?}");
     drop(leakers);
