@@ -215,10 +215,11 @@ pub struct PendingCall {
     /// again. Releases have no return probe, so this is cleared by the
     /// thread's next allocator call rather than by the delete's return.
     pub releasing: u64,
-    /// Where the outermost call returns to, read at its entry: its return
-    /// probe puts the uretprobe trampoline in that slot of the stack, and
-    /// a walk from inside the call (an mmap the allocator makes for
-    /// itself) takes this address instead of the trampoline's.
+    /// Where the outermost call returns to, read at its entry when the
+    /// allocator may map memory for it (0 otherwise): its return probe
+    /// puts the uretprobe trampoline in that slot of the stack, and a walk
+    /// from inside the call (an mmap the allocator makes for itself) takes
+    /// this address instead of the trampoline's.
     pub return_address: u64,
 }
 
