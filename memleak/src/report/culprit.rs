@@ -63,7 +63,7 @@ impl SkipRules {
         allocator: &str,
         program: &str,
     ) -> Option<&'f Arc<Frame>> {
-        self.culprits(allocator, program).of(frames)
+        self.culprits(allocator, program).named(frames).0
     }
 
     /// `culprit` for many stacks of one report: each frame is looked at
@@ -105,14 +105,17 @@ pub struct Culprits<'r> {
 }
 
 impl Culprits<'_> {
-    pub fn of<'f>(&mut self, frames: &'f [Arc<Frame>]) -> Option<&'f Arc<Frame>> {
+    /// A stack's culprit and which of its frames are plumbing, worked out
+    /// together: what a report keeps of each stack it shows.
+    pub fn named<'f>(&mut self, frames: &'f [Arc<Frame>]) -> (Option<&'f Arc<Frame>>, Vec<bool>) {
         let python_only = holds_python(frames);
         let plumbing = self.plumbing(frames);
-        frames
+        let culprit = frames
             .iter()
-            .zip(plumbing)
-            .find(|(frame, plumbing)| (frame.is_python() || !python_only) && !plumbing)
-            .map(|(frame, _)| frame)
+            .zip(&plumbing)
+            .find(|(frame, plumbing)| (frame.is_python() || !python_only) && !**plumbing)
+            .map(|(frame, _)| frame);
+        (culprit, plumbing)
     }
 
     /// Whether each of `frames` is allocation plumbing: passed over by the

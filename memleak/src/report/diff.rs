@@ -332,9 +332,8 @@ impl<'a> Sides<'a> {
         let frames: Vec<Arc<Frame>> =
             self.frames(change.source).iter().map(|&frame| Arc::clone(&table[frame as usize])).collect();
         let report = self.saved[change.source.side].report();
-        let mut culprits = skips.culprits(&report.allocator, &report.program);
-        let culprit = culprits.of(&frames).cloned();
-        let plumbing = culprits.plumbing(&frames);
+        let (culprit, plumbing) = skips.culprits(&report.allocator, &report.program).named(&frames);
+        let culprit = culprit.cloned();
         DiffStack {
             base_bytes: change.base_bytes,
             new_bytes: change.new_bytes,

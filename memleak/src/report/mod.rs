@@ -317,8 +317,8 @@ impl Report {
         let mut stable_ids = StableIds::default();
         let mut culprits = skips.culprits(&self.allocator, &self.program);
         for stack in &mut self.stacks {
-            stack.culprit = culprits.of(&stack.frames).cloned();
-            stack.plumbing = culprits.plumbing(&stack.frames);
+            let (culprit, plumbing) = culprits.named(&stack.frames);
+            (stack.culprit, stack.plumbing) = (culprit.cloned(), plumbing);
             stack.stable_id = (!stack.stack_lost).then(|| stable_ids.of(&stack.frames));
         }
     }
