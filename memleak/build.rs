@@ -1,5 +1,6 @@
-//! Builds memleak-ebpf for the BPF target and leaves the object in `OUT_DIR`,
-//! where `include_bytes_aligned!` embeds it into the memleak binary.
+//! Builds memleak-ebpf for the BPF target, twice (for kernels from 5.17 and
+//! for older ones), and leaves the objects in `OUT_DIR`, where
+//! `include_bytes_aligned!` embeds them into the memleak binary.
 //!
 //! It also leaves what `memleak --version` prints, as environment
 //! variables of the compiler: the git commit and the BPF object's hash.
@@ -33,26 +34,36 @@ fn main() -> anyhow::Result<()> {
     let arch = env::var("CARGO_CFG_TARGET_ARCH")?;
     let rustflags =
         [&format!("--cfg=bpf_target_arch=\"{arch}\""), "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
-    let output = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .current_dir(workspace)
-        .args(["build", "--package", "memleak-ebpf", "--bins", "--release", "--target", target])
-        .args(["-Z", "build-std=core", "--target-dir"])
-        .arg(&target_dir)
-        // -Z build-std on a stable toolchain.
-        .env("RUSTC_BOOTSTRAP", "1")
-        .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
-        // Set for this build script; they would point the nested build at
-        // the host compiler's wrappers.
-        .env_remove("RUSTC")
-        .env_remove("RUSTC_WORKSPACE_WRAPPER")
-        .output()
-        .context("running cargo to build memleak-ebpf")?;
-    if !output.status.success() {
-        bail!("building the BPF programs failed:\n{}", String::from_utf8_lossy(&output.stderr));
+    let mut objects = Vec::new();
+    // The object for kernels from 5.17, then the one for 5.10 to 5.16
+    // (see memleak-ebpf's `legacy-kernels`), each in a target directory
+    // of its own, so that neither build undoes the other's.
+    for (features, suffix) in [("", ""), ("legacy-kernels", "-legacy")] {
+        let target_dir = PathBuf::from(format!("{}{suffix}", target_dir.display()));
+        let output = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+            .current_dir(workspace)
+            .args(["build", "--package", "memleak-ebpf", "--bins", "--release", "--target", target])
+            .args(["--features", features])
+            .args(["-Z", "build-std=core", "--target-dir"])
+            .arg(&target_dir)
+            // -Z build-std on a stable toolchain.
+            .env("RUSTC_BOOTSTRAP", "1")
+            .env("CARGO_ENCODED_RUSTFLAGS", &rustflags)
+            // Set for this build script; they would point the nested build
+            // at the host compiler's wrappers.
+            .env_remove("RUSTC")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER")
+            .output()
+            .context("running cargo to build memleak-ebpf")?;
+        if !output.status.success() {
+            bail!("building the BPF programs failed:\n{}", String::from_utf8_lossy(&output.stderr));
+        }
+        let object = target_dir.join(target).join("release/memleak");
+        let embedded = out_dir.join(format!("memleak{suffix}"));
+        fs::copy(&object, &embedded).with_context(|| format!("copying {}", object.display()))?;
+        objects.extend(fs::read(&embedded)?);
     }
-    let object = target_dir.join(target).join("release/memleak");
-    fs::copy(&object, out_dir.join("memleak")).with_context(|| format!("copying {}", object.display()))?;
-    describe_build(workspace, &fs::read(&object)?);
+    describe_build(workspace, &objects);
     Ok(())
 }
 
@@ -78,11 +89,11 @@ fn bpf_target_dir(out_dir: &Path) -> PathBuf {
 }
 
 /// What `memleak --version` says besides the crate's version: the commit
-/// and the BPF object. bpf-linker writes no GNU build-id note, so the
-/// object is named by the SHA-256 of its bytes (the BPF build is
+/// and the BPF objects. bpf-linker writes no GNU build-id note, so the
+/// objects are named by the SHA-256 of their bytes, one after the other (the BPF build is
 /// reproducible: the same sources give the same bytes).
-fn describe_build(workspace: &Path, bpf_object: &[u8]) {
-    let digest = sha2::Sha256::digest(bpf_object);
+fn describe_build(workspace: &Path, bpf_objects: &[u8]) {
+    let digest = sha2::Sha256::digest(bpf_objects);
     let hex = digest.iter().fold(String::new(), |mut hex, byte| {
         let _ = write!(hex, "{byte:02x}");
         hex

@@ -311,7 +311,9 @@ pub const MAPPING_FUNCTIONS: [MappingFunction; 5] = [
 ];
 
 /// `a == b`, for constants.
-const fn const_eq(a: &str, b: &str) -> bool {
+/// Whether two strings are equal, in a constant (`==` on `str` is not
+/// const).
+pub const fn const_eq(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
         return false;

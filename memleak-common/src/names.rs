@@ -18,6 +18,23 @@ pub const PENDING_MAP: &str = "PENDING";
 /// Program array whose slot 0 user space sets to
 /// [`programs::RECORD_WITH_USER_STACK`].
 pub const USER_STACK_RECORDER_MAP: &str = "USER_STACK_RECORDER";
+/// The programs in [`USER_STACK_RECORDER_MAP`], each at its index: the
+/// recorder, and on kernels without `bpf_loop` the later stages of its
+/// walk (see memleak-ebpf's `probes::recorder`).
+pub const USER_STACK_STAGES: [&str; 4] = [
+    programs::RECORD_WITH_USER_STACK,
+    programs::WALK_USER_STACK,
+    programs::STORE_USER_STACK,
+    programs::INSERT_USER_STACK,
+];
+/// The index of the stage that takes more frames.
+pub const STAGE_WALK: u32 = 1;
+/// The index of the stage that completes the stack, and records it if it
+/// is the CPU's last.
+pub const STAGE_STORE: u32 = 2;
+/// The index of the stage that stores a stack the CPU did not see last,
+/// and records.
+pub const STAGE_INSERT: u32 = 3;
 /// Process id (u32) -> [`ProcessCounters`](crate::ProcessCounters).
 pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
 /// Process id (u32) -> 1 (u32): processes whose new children are
@@ -152,7 +169,27 @@ pub mod programs {
     /// The one program that walks user stacks, tail-called by the return
     /// probes through [`crate::USER_STACK_RECORDER_MAP`]; never attached.
     pub const RECORD_WITH_USER_STACK: &str = "record_with_user_stack";
+    /// Kernels without `bpf_loop`: the stage that takes a few more frames
+    /// of the walk, and calls itself again until it ends.
+    pub const WALK_USER_STACK: &str = "walk_user_stack";
+    /// Kernels without `bpf_loop`: the stage that completes the walked
+    /// stack, and records it if it is the CPU's last.
+    pub const STORE_USER_STACK: &str = "store_user_stack";
+    /// Kernels without `bpf_loop`: the stage that stores a new stack.
+    pub const INSERT_USER_STACK: &str = "insert_user_stack";
     pub const MPROTECT_ENTER: &str = "mprotect_enter";
+    /// Kernels without attach cookies (before 5.15): one entry program
+    /// per function of `ALLOCATOR_FUNCTIONS`, in its order, each knowing
+    /// which function it is; a site's aliases are named by its first.
+    pub const ENTRY_OF_FUNCTION: [&str; crate::ALLOCATOR_FUNCTIONS.len()] = [
+        "entry_0", "entry_1", "entry_2", "entry_3", "entry_4", "entry_5", "entry_6", "entry_7", "entry_8",
+        "entry_9", "entry_10", "entry_11", "entry_12", "entry_13", "entry_14", "entry_15", "entry_16",
+        "entry_17", "entry_18", "entry_19", "entry_20", "entry_21", "entry_22", "entry_23", "entry_24",
+        "entry_25",
+    ];
+    /// Kernels without attach cookies: mprotect's entry probe when it
+    /// is placed past the system call (`PROBED_AFTER_SYSTEM_CALL`).
+    pub const MPROTECT_PAST_CALL: &str = "mprotect_past_call";
     /// The `mmap_lock_acquire_returned` tracepoint: munmap and mprotect
     /// seen from the kernel, where a uprobe costs a trap per call (see
     /// memleak-ebpf's `probes::mmap`). Program and tracepoint share the

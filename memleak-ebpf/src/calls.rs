@@ -5,7 +5,7 @@
 //! program's allocation.
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user, generated::bpf_get_attach_cookie},
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     programs::ProbeContext,
     EbpfContext as _,
 };
@@ -26,7 +26,8 @@ pub fn process_id() -> u32 {
 /// Starts an allocator call on this thread: `size` bytes asked for, and
 /// the call's `argument` (realloc's old block, `posix_memalign`'s
 /// out-pointer).
-pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
+/// `function` is the function called, a `FunctionSet`.
+pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind, function: u32) {
     if !tunables::in_scope() {
         return; // no pending call, so the return probe does nothing either
     }
@@ -48,8 +49,6 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
     // block, or a thread's first call (its arena). The read costs about
     // a tenth of a malloc/free pair's tracing; other calls go without.
     let return_address = if size >= MAPPED_SIZE || pending.is_none() { return_address(ctx) } else { 0 };
-    // SAFETY: reads this attachment's cookie: which function was called.
-    let function = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     let call = PendingCall {
         size,
         argument,
@@ -70,6 +69,14 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind) {
             let _ = PENDING.insert(thread, call, 0);
         }
     }
+}
+
+/// This attachment's cookie (Linux 5.15): which function was called, as
+/// a `FunctionSet`, and how its probe is placed.
+#[cfg(not(feature = "legacy-kernels"))]
+pub fn attach_cookie(ctx: &ProbeContext) -> u64 {
+    // SAFETY: the helper reads the cookie of the program's attachment.
+    unsafe { aya_ebpf::helpers::generated::bpf_get_attach_cookie(ctx.as_ptr()) }
 }
 
 /// Blocks from this size on are mapped on their own by glibc (its

@@ -10,7 +10,8 @@
 //! - `unwind`: the stack walkers; `python`: the Python frames; `stack`: storing a walked stack once;
 //!   `deferred`: handing work that needs the stack to the one program
 //!   that walks it;
-//!   `scratch`: holding the per-CPU memory they work in;
+//!   `scratch`: holding the per-CPU memory they work in; `loops`: loops
+//!   on every kernel;
 //! - `maps`, `tunables`, `counters`, `events`: state and plumbing.
 #![no_std]
 #![no_main]
@@ -32,6 +33,7 @@ mod checked;
 mod counters;
 mod deferred;
 mod events;
+mod loops;
 mod maps;
 mod probes;
 mod process_events;

@@ -91,6 +91,24 @@ pub static STACK_SCRATCH: PerCpuArray<StackKey> = PerCpuArray::with_max_entries(
 #[map(name = "LAST_STACK")]
 pub static LAST_STACK: PerCpuArray<LastStack> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
 
+/// Where the search of `STACK_IDS` for a stack stands, per scratch slot;
+/// see `stack::find_or_insert`.
+#[map(name = "STACK_PROBES")]
+pub static STACK_PROBES: PerCpuArray<StackProbe> = PerCpuArray::with_max_entries(SCRATCH_SLOTS as u32, 0);
+
+/// A search's outcome, in map memory, where the verifier knows no value:
+/// each slot's step then starts from the same state, whichever way the
+/// step before ended.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct StackProbe {
+    /// The stack's id, once `FOUND`.
+    pub id: u64,
+    /// `SEARCHING`, `FOUND` or `FULL`.
+    pub outcome: u32,
+    pub _padding: u32,
+}
+
 /// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
 #[map(name = "STACK_ID_COUNTERS")]
 pub static STACK_ID_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
@@ -178,7 +196,8 @@ pub static PENDING_RECORD: PerCpuArray<PendingRecord> =
 
 /// Slot 0: `record_with_user_stack`, which user space puts there.
 #[map(name = "USER_STACK_RECORDER")]
-pub static USER_STACK_RECORDER: ProgramArray = ProgramArray::with_max_entries(1, 0);
+pub static USER_STACK_RECORDER: ProgramArray =
+    ProgramArray::with_max_entries(memleak_common::USER_STACK_STAGES.len() as u32, 0);
 
 /// An allocation or a mapping to record with the current user stack.
 #[repr(C)]
@@ -301,6 +320,22 @@ pub struct PyScratch {
     pub words: [u64; MAX_STACK_DEPTH],
     /// The frame being read.
     pub frame: PyFrameWords,
+    /// Where the walk stands.
+    pub walk: PyWalkState,
+}
+
+/// Where a walk of the Python frames stands: in map memory, where the
+/// verifier knows no value, so that each step starts from the same state
+/// (see `SearchBounds`).
+#[repr(C)]
+pub struct PyWalkState {
+    /// The next frame to read, 0 at the end.
+    pub frame: u64,
+    /// The words written.
+    pub count: u32,
+    /// The index of the last word, kept apart from `count`: an index
+    /// computed as `count - 1` loses its bounds for the verifier.
+    pub last: u32,
 }
 
 /// Where a table walk stands (see `unwind::tables`).
@@ -327,6 +362,11 @@ pub struct WalkState {
     /// step, where the same value handed down the walk's calls tripled
     /// the instructions it checked.
     pub scratch: u32,
+    /// 1 for a walk by the unwind tables, 0 for one by frame pointers
+    /// alone (no table yet).
+    pub by_tables: u32,
+    /// 1 once the walk has ended, `end` saying why.
+    pub ended: u32,
     pub _padding: u32,
     /// The executable mapping the walk found last, `[start, end)`: a
     /// frame-pointer step landing there is in known code without a search.
@@ -337,4 +377,21 @@ pub struct WalkState {
     /// index known only at run time, which verifiers before 6.x allow in
     /// map memory only. Written by each step before it is read.
     pub below_cfa: core::mem::MaybeUninit<[u64; 8]>,
+    /// The binary search under way, of the mappings or of an object's
+    /// rows.
+    pub search: SearchBounds,
+}
+
+/// A binary search's bounds, kept in map memory, where the verifier knows
+/// no value: each step then starts from the same state, whichever way
+/// the step before went. Followed iteration by iteration (kernels before
+/// 5.17, without `bpf_loop`), bounds on the BPF stack had the verifier
+/// check every path down the search, 2 to the power of its steps.
+#[repr(C)]
+pub struct SearchBounds {
+    pub low: u32,
+    pub high: u32,
+    /// The index found, or `u32::MAX`.
+    pub found: u32,
+    pub _padding: u32,
 }

@@ -17,7 +17,7 @@ use core::ffi::c_void;
 
 use aya_ebpf::helpers::{
     bpf_probe_read_kernel, bpf_probe_read_user,
-    generated::{bpf_get_current_task, bpf_loop, bpf_probe_read_user as read_user_into},
+    generated::{bpf_get_current_task, bpf_probe_read_user as read_user_into},
 };
 use memleak_common::{
     python::{
@@ -28,7 +28,9 @@ use memleak_common::{
 };
 
 use crate::{
-    maps::{PyFrameWords, PyScratch, PY_FRAME_BYTES, PY_PROCS, PY_SCRATCH, PY_WALKING},
+    checked::opaque,
+    loops,
+    maps::{PyFrameWords, PyScratch, PyWalkState, PY_FRAME_BYTES, PY_PROCS, PY_SCRATCH, PY_WALKING},
     scratch::Slot,
     tunables,
 };
@@ -65,11 +67,11 @@ pub fn walk(tgid: u32, room: u32, slot: Slot) -> u32 {
     let Some(scratch) = PY_SCRATCH.get_ptr_mut(slot.key()) else { return 0 };
     let Some(frame) = current_frame(&config, fsbase_offset) else { return 0 };
     let limit = limit.min(u32::from(config.max_frames)).min(MAX_STACK_DEPTH as u32);
+    // SAFETY: this CPU's scratch, which nothing else uses while this
+    // program runs.
+    unsafe { (*scratch).walk = PyWalkState { frame, count: 0, last: 0 } };
     let mut walk = PyWalk {
         scratch,
-        frame,
-        count: 0,
-        last: 0,
         limit,
         flags: config.flags,
         read_size: u32::from(config.read_size),
@@ -81,10 +83,9 @@ pub fn walk(tgid: u32, room: u32, slot: Slot) -> u32 {
         co_code: u64::from(config.co_code),
     };
     // Twice the frames: 3.12's shims take an iteration and give no word.
-    // SAFETY: the helper calls `step` with a pointer to `walk`, which
-    // outlives the call.
-    unsafe { bpf_loop(limit * 2, step as *mut c_void, (&raw mut walk).cast(), 0) };
-    walk.count
+    loops::repeat::<_, { 2 * MAX_STACK_DEPTH as u32 }>(limit * 2, step, &mut walk);
+    // SAFETY: as above.
+    unsafe { (*scratch).walk.count }
 }
 
 /// The thread's innermost Python frame (null for none): its
@@ -124,15 +125,10 @@ fn read_user(address: u64) -> Option<u64> {
 
 /// A walk in progress, the context of `step`. The config's fields are
 /// copied in as plain numbers: the callback then needs no map pointer.
+/// Where the walk stands is in the scratch (`PyWalkState`).
 #[repr(C)]
 struct PyWalk {
     scratch: *mut PyScratch,
-    /// The next frame to read, 0 at the end.
-    frame: u64,
-    count: u32,
-    /// The index of the last word, kept apart from `count`: an index
-    /// computed as `count - 1` loses its bounds for the verifier.
-    last: u32,
     limit: u32,
     flags: u32,
     read_size: u32,
@@ -145,30 +141,31 @@ struct PyWalk {
 }
 
 /// One iteration: one frame read, and its word kept unless it is a shim.
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `walk` passed this pointer to its own `PyWalk`.
-    let walk = unsafe { &mut *ctx.cast::<PyWalk>() };
-    if walk.frame == 0 || walk.count >= walk.limit {
-        return 1;
-    }
+    let walk = unsafe { &*ctx.cast::<PyWalk>() };
     // SAFETY: this CPU's scratch, which nothing else uses while this
     // program runs.
     let scratch = unsafe { &mut *walk.scratch };
+    if scratch.walk.frame == 0 || scratch.walk.count >= walk.limit {
+        return 1;
+    }
     // Exactly the frame's size: a 3.11+ frame may end its page.
     let size = walk.read_size & (FRAME_BYTES as u32 - 1);
     // SAFETY: at most FRAME_BYTES bytes into the scratch's frame buffer.
-    let failed =
-        unsafe { read_user_into(scratch.frame.as_mut_ptr().cast(), size, walk.frame as *const c_void) } != 0;
+    let failed = unsafe {
+        read_user_into(scratch.frame.as_mut_ptr().cast(), size, scratch.walk.frame as *const c_void)
+    } != 0;
     if failed {
         return 1;
     }
     let code = word_at(&scratch.frame, walk.f_code);
-    let back = word_at(&scratch.frame, walk.f_back);
-    walk.frame = back;
+    scratch.walk.frame = word_at(&scratch.frame, walk.f_back);
     if walk.flags & PY_OWNER_SHIM != 0 && byte_at(&scratch.frame, walk.f_owner) == PY_OWNED_BY_CSTACK {
         // The C stack's shim: the frame before it ends its group.
-        if walk.count > 0 {
-            if let Some(word) = scratch.words.get_mut(walk.last as usize) {
+        if scratch.walk.count > 0 {
+            if let Some(word) = scratch.words.get_mut(scratch.walk.last as usize) {
                 *word |= PY_GROUP_END;
             }
         }
@@ -188,10 +185,11 @@ extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     };
     let group_end = walk.flags & PY_FRAMEOBJ != 0
         || (walk.flags & PY_ENTRY_FLAG != 0 && byte_at(&scratch.frame, walk.f_entry) != 0);
-    let Some(word) = scratch.words.get_mut(walk.count as usize) else { return 1 };
+    let count = scratch.walk.count;
+    let Some(word) = scratch.words.get_mut(count as usize) else { return 1 };
     *word = py_frame_word(code, lasti, group_end);
-    walk.last = walk.count;
-    walk.count += 1;
+    scratch.walk.last = count;
+    scratch.walk.count = count + 1;
     0
 }
 
@@ -234,10 +232,7 @@ pub fn check_frames(key: &mut StackKey, start: u32, count: u32, slot: Slot) {
         file: u32::from(config.co_check_file),
         line: u32::from(config.co_check_line),
     };
-    // SAFETY: as in `walk`.
-    unsafe {
-        bpf_loop(count.min(MAX_STACK_DEPTH as u32), check_step as *mut c_void, (&raw mut checks).cast(), 0)
-    };
+    loops::repeat::<_, { MAX_STACK_DEPTH as u32 }>(count, check_step, &mut checks);
 }
 
 #[repr(C)]
@@ -253,13 +248,15 @@ struct Checks {
     line: u32,
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn check_step(index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `check_frames` passed this pointer to its own `Checks`,
     // whose pointers are to this CPU's scratch maps.
     let checks = unsafe { &mut *ctx.cast::<Checks>() };
     // SAFETY: as above.
     let (scratch, key) = unsafe { (&mut *checks.scratch, &mut *checks.key) };
-    let at = checks.start as usize + index as usize;
+    // Opaque, as in `copy_step`.
+    let at = opaque(u64::from(checks.start) + index) as usize;
     let Some(&word) = key.frames.get(at) else { return 1 };
     let (code, _, _) = py_frame_parts(word);
     let size = checks.span_size & (FRAME_BYTES as u32 - 1);
@@ -275,7 +272,9 @@ extern "C" fn check_step(index: u64, ctx: *mut c_void) -> i64 {
     } else {
         0
     };
-    let Some(slot) = key.frames.get_mut(at + checks.count as usize) else { return 1 };
+    let Some(slot) = key.frames.get_mut(opaque((at + checks.count as usize) as u64) as usize) else {
+        return 1;
+    };
     *slot = check;
     0
 }
@@ -288,10 +287,7 @@ pub fn append(key: &mut StackKey, start: u32, count: u32, slot: Slot) -> u32 {
     }
     let Some(scratch) = PY_SCRATCH.get_ptr_mut(slot.key()) else { return 0 };
     let mut copy = Copy { scratch, key, start, copied: 0 };
-    // SAFETY: as in `walk`.
-    unsafe {
-        bpf_loop(count.min(MAX_STACK_DEPTH as u32), copy_step as *mut c_void, (&raw mut copy).cast(), 0)
-    };
+    loops::repeat::<_, { MAX_STACK_DEPTH as u32 }>(count, copy_step, &mut copy);
     copy.copied
 }
 
@@ -303,6 +299,7 @@ struct Copy {
     copied: u32,
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn copy_step(index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `append` passed this pointer to its own `Copy`, whose
     // pointers are to this CPU's scratch maps.
@@ -310,7 +307,11 @@ extern "C" fn copy_step(index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: as above.
     let (scratch, key) = unsafe { (&*copy.scratch, &mut *copy.key) };
     let Some(&word) = scratch.words.get(index as usize) else { return 1 };
-    let Some(slot) = key.frames.get_mut(copy.start as usize + index as usize) else { return 1 };
+    // Opaque: the bound check and the address then come from one value,
+    // where the compiler computed `start`'s part of the address apart,
+    // which a verifier following a bounded loop cannot tie to the check.
+    let at = opaque(u64::from(copy.start) + index) as usize;
+    let Some(slot) = key.frames.get_mut(at) else { return 1 };
     *slot = word;
     copy.copied += 1;
     0

@@ -27,7 +27,7 @@ use memleak_common::WalkCount;
 
 use crate::{
     checked::opaque,
-    maps::{NO_PROGRAMS, SCRATCH_HOLDERS, SCRATCH_SLOTS, WALK_COUNTS},
+    maps::{SCRATCH_HOLDERS, SCRATCH_SLOTS, WALK_COUNTS},
     totals::atomic_add,
 };
 
@@ -118,9 +118,17 @@ pub fn release() {
 /// (Debian's 7.3 oopsed within seconds, tracing two threads on one CPU.)
 /// The kernel gives none to a program that can make a tail call: this is
 /// one, to a slot that is always empty, which falls through at once.
+/// Not on kernels before 5.17 (the object built for them): they have no
+/// private stacks, and count a tail call to an empty slot against their
+/// 33, which the staged walk needs (see `probes::recorder`).
 pub fn own_stack<C: EbpfContext>(ctx: &C) {
+    #[cfg(not(feature = "legacy-kernels"))]
     // SAFETY: `NO_PROGRAMS` holds no program: the call returns.
-    unsafe { NO_PROGRAMS.tail_call(ctx, 0) };
+    unsafe {
+        crate::maps::NO_PROGRAMS.tail_call(ctx, 0);
+    };
+    #[cfg(feature = "legacy-kernels")]
+    let _ = ctx;
 }
 
 /// The current thread, never 0 (a free slot): its pid and tgid, with the
@@ -142,7 +150,7 @@ fn count_busy() {
 ///
 /// # Safety
 /// `target` must be valid for writes and 8-byte aligned.
-#[cfg(target_arch = "bpf")]
+#[cfg(all(target_arch = "bpf", not(feature = "legacy-kernels")))]
 unsafe fn compare_exchange(target: *mut u64, expected: u64, new: u64) -> u64 {
     let was: u64;
     // SAFETY: guaranteed by the caller; the instruction compares with r0
@@ -154,6 +162,21 @@ unsafe fn compare_exchange(target: *mut u64, expected: u64, new: u64) -> u64 {
             new = in(reg) new,
             inout("r0") expected => was,
         );
+    }
+    was
+}
+
+/// The same for kernels before 5.12, which lack the instruction: a load
+/// and a store. They run tracing programs with preemption disabled (the
+/// kernel switched to disabling only migration in 6.0), so no other run
+/// on this CPU can come between the two.
+#[cfg(all(target_arch = "bpf", feature = "legacy-kernels"))]
+unsafe fn compare_exchange(target: *mut u64, expected: u64, new: u64) -> u64 {
+    // SAFETY: guaranteed by the caller.
+    let was = unsafe { core::ptr::read_volatile(target) };
+    if was == expected {
+        // SAFETY: as above.
+        unsafe { core::ptr::write_volatile(target, new) };
     }
     was
 }

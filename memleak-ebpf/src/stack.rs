@@ -15,16 +15,15 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::{
-    bindings::BPF_NOEXIST,
-    helpers::generated::{bpf_get_smp_processor_id, bpf_loop},
-    EbpfContext,
-};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_get_smp_processor_id, EbpfContext};
 use memleak_common::{lost_stack_id, Counter, StackKey, StackSlot, WalkEnd, KERNEL_TGID, MAX_STACK_DEPTH};
 
 use crate::{
-    counters,
-    maps::{LastStack, LAST_STACK, PY_NEW_STACKS, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_SCRATCH},
+    counters, loops,
+    maps::{
+        LastStack, StackProbe, LAST_STACK, PY_NEW_STACKS, STACKS, STACK_IDS, STACK_ID_COUNTERS, STACK_PROBES,
+        STACK_SCRATCH,
+    },
     python,
     scratch::{self, Slot},
     totals::atomic_fetch_add,
@@ -39,21 +38,15 @@ const PROBE_SLOTS: u64 = 4;
 /// the stack if it is new, or its process's `lost_stack_id` (counted) if
 /// it cannot be stored. Only for return probes: there the registers are
 /// the caller's, so its frame is the first.
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn current_user_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
-    stack_id(ctx, tgid, true)
+    store_current_stack(ctx, tgid, true).unwrap_or_else(|| lost_stack(tgid))
 }
 
 /// Like `current_user_stack_id`, for the kernel stack (kernel allocations
 /// are recorded under tgid 0).
 pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
-    stack_id(ctx, KERNEL_TGID, false)
-}
-
-/// In the scratch slot the caller holds (see `scratch`), found afresh at
-/// each use below rather than kept: a slot kept live across the walk
-/// more than doubled the instructions the verifier checks.
-fn stack_id<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> u64 {
-    store_current_stack(ctx, tgid, user).unwrap_or_else(|| lost_stack(tgid))
+    store_current_stack(ctx, KERNEL_TGID, false).unwrap_or_else(|| lost_stack(KERNEL_TGID))
 }
 
 /// Process `tgid`'s `lost_stack_id`, for an allocation recorded without
@@ -63,25 +56,21 @@ pub fn lost_stack(tgid: u32) -> u64 {
     lost_stack_id(tgid)
 }
 
+/// The scratch slot the caller holds (see `scratch`) is found afresh at
+/// each use below rather than kept: a slot kept live across the walk
+/// more than doubled the instructions the verifier checks.
 fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option<u64> {
-    let key: *mut StackKey = STACK_SCRATCH.get_ptr_mut(scratch::slot()?.key())?;
-    // SAFETY: this thread's scratch slot, which nothing else uses until
-    // it is released; the maps copy it before returning.
-    let key: &mut StackKey = unsafe { &mut *key };
+    let key = scratch_key()?;
     key.tgid = tgid;
-    // Python first, leaving at least one native frame: see `python`.
-    // Each Python frame takes two slots: its word, and its code object's
-    // check if the stack is new.
-    let python = if user { python::walk(tgid, tunables::stack_depth() - 1, scratch::slot()?) } else { 0 };
-    // SAFETY: a field of the scratch key. Through memory, like the depth
-    // below: the walk's many ways to end would each have the native walk
-    // checked again, past the verifier's budget.
-    let python = unsafe {
-        core::ptr::write_volatile(&raw mut key.python_depth, python);
-        core::ptr::read_volatile(&raw const key.python_depth)
-    };
+    key.python_depth = 0;
     let walked = if user {
-        unwind::user_stack(ctx, tgid, key, 2 * python, scratch::slot()?)
+        #[cfg(feature = "legacy-kernels")]
+        return None; // walked in stages: see `begin_user_stack`
+        #[cfg(not(feature = "legacy-kernels"))]
+        {
+            let python = python_first(key, tgid)?;
+            unwind::user_stack(ctx, tgid, key, 2 * python, scratch::slot()?)
+        }
     } else {
         Walked {
             depth: unwind::kernel_stack(ctx, &mut key.frames)?,
@@ -90,16 +79,77 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
             unchanged: false,
         }
     };
-    key.end = walked.end;
-    let depth = walked.depth;
-    // SAFETY: a field of the scratch key. Volatile, so that the depth is
-    // read back from the map, where the verifier knows only its bounds:
-    // otherwise it checks all that follows once per way the walk can end,
-    // which made loading take seconds.
-    unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
-    let python = python::append(key, depth_of(key) as u32, python, scratch::slot()?);
-    // SAFETY: as above.
-    unsafe { core::ptr::write_volatile(&raw mut key.python_depth, python) };
+    store_walked(key, &walked)
+}
+
+/// The scratch slot's stack key.
+fn scratch_key<'a>() -> Option<&'a mut StackKey> {
+    let key: *mut StackKey = STACK_SCRATCH.get_ptr_mut(scratch::slot()?.key())?;
+    // SAFETY: this thread's scratch slot, which nothing else uses until
+    // it is released; the maps copy it before returning.
+    Some(unsafe { &mut *key })
+}
+
+/// Walks the Python frames, first, leaving at least one native frame (see
+/// `python`): how many it found. Each Python frame takes two slots: its
+/// word, and its code object's check if the stack is new.
+fn python_first(key: &mut StackKey, tgid: u32) -> Option<u32> {
+    let python = python::walk(tgid, tunables::stack_depth() - 1, scratch::slot()?);
+    // SAFETY: a field of the scratch key. Through memory, like the depth
+    // below: the walk's many ways to end would each have the native walk
+    // checked again, past the verifier's budget.
+    Some(unsafe {
+        core::ptr::write_volatile(&raw mut key.python_depth, python);
+        core::ptr::read_volatile(&raw const key.python_depth)
+    })
+}
+
+/// Starts the walk of the current user stack of process `tgid`, on
+/// kernels where it goes in stages (see `probes::recorder`): its Python
+/// frames, then the first of its native ones. Whether the native walk
+/// goes on in `unwind::walk_on`; `None` if it could not start.
+#[cfg(feature = "legacy-kernels")]
+pub fn begin_user_stack<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<bool> {
+    let key = scratch_key()?;
+    key.tgid = tgid;
+    let python = python_first(key, tgid)?;
+    Some(unwind::begin_user_stack(ctx, tgid, key, 2 * python, scratch::slot()?))
+}
+
+/// The user stack walked in stages, its Python frames appended.
+#[cfg(feature = "legacy-kernels")]
+pub fn walked_user_stack() -> Completed {
+    let completed = || {
+        let walked = unwind::end_user_stack(scratch::slot()?)?;
+        let key = scratch_key()?;
+        complete(key, &walked)?;
+        Some(last_stack_id(key, scratch::slot()?).map_or(Completed::New, Completed::Last))
+    };
+    completed().unwrap_or(Completed::Lost)
+}
+
+/// A stack walked in stages, completed.
+#[cfg(feature = "legacy-kernels")]
+pub enum Completed {
+    /// It is this CPU's last stack, whose id this is.
+    Last(u64),
+    /// Another: `new_user_stack_id`, a stage of its own, stores it.
+    New,
+    /// It cannot be stored: its scratch was missing.
+    Lost,
+}
+
+/// The id of the stack `walked_user_stack` completed, stored now if new.
+#[cfg(feature = "legacy-kernels")]
+pub fn new_user_stack_id(tgid: u32) -> u64 {
+    let stored = || new_stack_id_of(scratch_key()?, scratch::slot()?);
+    stored().unwrap_or_else(|| lost_stack(tgid))
+}
+
+/// Stores the stack the walk left in `key`, with its Python frames after
+/// its native ones: its id.
+fn store_walked(key: &mut StackKey, walked: &Walked) -> Option<u64> {
+    let python = complete(key, walked)?;
     if walked.unchanged {
         // Still stored: a stack is forgotten only with its process, and
         // the walk cache takes no process whose pid an exited one had
@@ -109,55 +159,118 @@ fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option
         }
         unwind::copy_last_walk(key, scratch::slot()?);
     }
-    let id = stored_id(key, scratch::slot()?);
+    let slot = scratch::slot()?;
+    let id = match last_stack_id(key, slot) {
+        Some(id) => Some(id),
+        None => new_stack_id_of(key, slot),
+    };
     if walked.cached {
         unwind::remember_stack_id(id.filter(|_| python == 0), scratch::slot()?);
     }
     id
 }
 
-/// The id of stack `key`: this CPU's last stack's, or the id it is stored
-/// under (stored now if new).
-fn stored_id(key: &mut StackKey, slot: Slot) -> Option<u64> {
+/// Completes the stack the walk left in `key`: how it ended, its depth,
+/// and its Python frames after its native ones, whose count it returns.
+fn complete(key: &mut StackKey, walked: &Walked) -> Option<u32> {
+    key.end = walked.end;
+    let depth = walked.depth;
+    // SAFETY: a field of the scratch key. Volatile, so that the depth is
+    // read back from the map, where the verifier knows only its bounds:
+    // otherwise it checks all that follows once per way the walk can end,
+    // which made loading take seconds.
+    unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
+    let python = python_depth_of(key) as u32;
+    let python = python::append(key, depth_of(key) as u32, python, scratch::slot()?);
+    // SAFETY: as above.
+    unsafe { core::ptr::write_volatile(&raw mut key.python_depth, python) };
+    Some(python)
+}
+
+/// This CPU's last stack's id, if `key` is that stack.
+fn last_stack_id(key: &StackKey, slot: Slot) -> Option<u64> {
+    let last = LAST_STACK.get_ptr(slot.key())?;
+    // SAFETY: this CPU's slot, like the scratch key.
+    let last: &LastStack = unsafe { &*last };
+    (last.known != 0 && same_stack(&last.key, key)).then_some(last.id)
+}
+
+/// The id stack `key` is stored under (stored now if new), which makes
+/// it this CPU's last stack.
+fn new_stack_id_of(key: &mut StackKey, slot: Slot) -> Option<u64> {
+    let id = find_or_insert(key, slot)?;
     let last = LAST_STACK.get_ptr_mut(slot.key())?;
     // SAFETY: this CPU's slot, like the scratch key.
-    let last: &mut LastStack = unsafe { &mut *last };
-    if last.known != 0 && same_stack(&last.key, key) {
-        return Some(last.id);
-    }
-    let id = find_or_insert(key, slot)?;
-    remember(last, key, id);
+    remember(unsafe { &mut *last }, key, id);
     Some(id)
 }
 
-/// The id of stack `key`, stored under a new id if it is new.
+/// The id of stack `key`, stored under a new id if it is new: the first
+/// of its `PROBE_SLOTS` in `STACK_IDS` that holds it, or the first free
+/// one. A loop with its outcome in map memory (`StackProbe`), so that the
+/// verifier checks a slot's step once, not once per way the slot before
+/// it ended.
 fn find_or_insert(key: &mut StackKey, scratch: Slot) -> Option<u64> {
-    let (tgid, hash) = (key.tgid, hash_of(key));
-    for slot in 0..PROBE_SLOTS {
-        let slot = StackSlot { tgid, _padding: 0, hash: hash.wrapping_add(slot) };
-        match STACK_IDS.get_ptr(slot) {
-            // SAFETY: the value of a live entry; ids are never rewritten.
-            Some(id) => {
-                if let Some(id) = holding(unsafe { *id }, key) {
-                    return Some(id);
-                }
-                // Another stack holds the slot: try the next.
+    let probe = STACK_PROBES.get_ptr_mut(scratch.key())?;
+    // SAFETY: this CPU's slot, like the scratch key.
+    unsafe { *probe = StackProbe { id: 0, outcome: SEARCHING, _padding: 0 } };
+    let mut probing = Probing { key, probe, hash: hash_of(key), scratch: scratch.key() };
+    loops::repeat::<_, { PROBE_SLOTS as u32 }>(PROBE_SLOTS as u32, probe_step, &mut probing);
+    // SAFETY: as above.
+    let StackProbe { id, outcome, .. } = unsafe { *probe };
+    (outcome == FOUND).then_some(id)
+}
+
+/// What `probe_step` is handed.
+#[repr(C)]
+struct Probing {
+    key: *mut StackKey,
+    probe: *mut StackProbe,
+    hash: u64,
+    scratch: u32,
+}
+
+/// `StackProbe::outcome`s.
+const SEARCHING: u32 = 0;
+const FOUND: u32 = 1;
+const FULL: u32 = 2;
+
+/// Tries slot `index` after the stack's own: on (0) while other stacks
+/// hold them, or the end (1).
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
+extern "C" fn probe_step(index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `find_or_insert` passed its own `Probing`, whose pointers
+    // are to this CPU's slot.
+    let probing = unsafe { &*ctx.cast::<Probing>() };
+    // SAFETY: as above.
+    let (key, probe) = unsafe { (&mut *probing.key, &mut *probing.probe) };
+    let slot = StackSlot { tgid: key.tgid, _padding: 0, hash: probing.hash.wrapping_add(index) };
+    let id = match STACK_IDS.get_ptr(slot) {
+        // SAFETY: the value of a live entry; ids are never rewritten.
+        Some(id) => unsafe { *id },
+        None => match insert(&slot, key, Slot::from_key(probing.scratch)) {
+            Inserted::Stored(id) => {
+                *probe = StackProbe { id, outcome: FOUND, _padding: 0 };
+                return 1;
             }
-            None => match insert(&slot, key, scratch) {
-                Inserted::Stored(id) => return Some(id),
-                Inserted::Full => return None,
-                // Another CPU filled the slot first, maybe with this stack.
-                Inserted::Raced => {
-                    // SAFETY: as above.
-                    let id = STACK_IDS.get_ptr(slot).map(|id| unsafe { *id })?;
-                    if let Some(id) = holding(id, key) {
-                        return Some(id);
-                    }
-                }
+            Inserted::Full => {
+                probe.outcome = FULL;
+                return 1;
+            }
+            // Another CPU filled the slot first, maybe with this stack.
+            Inserted::Raced => match STACK_IDS.get_ptr(slot) {
+                // SAFETY: as above.
+                Some(id) => unsafe { *id },
+                None => return 0,
             },
-        }
+        },
+    };
+    if holding(id, key).is_some() {
+        *probe = StackProbe { id, outcome: FOUND, _padding: 0 };
+        return 1;
     }
-    None
+    // Another stack holds the slot: try the next.
+    0
 }
 
 /// Makes `key`, stored as `id`, this CPU's last stack.
@@ -255,7 +368,7 @@ fn same_stack(a: &StackKey, b: &StackKey) -> bool {
     pass.differs == 0
 }
 
-/// A pass over a stack's frames, one `bpf_loop` iteration per frame: the
+/// A pass over a stack's frames, one iteration per frame (see `loops`): the
 /// verifier checks an iteration once, where it checked a loop of 127
 /// bounded iterations whole at every call site (123,000 instructions
 /// processed, most of 170 ms of loading).
@@ -268,7 +381,7 @@ struct FramePass {
     differs: u64,
 }
 
-type FrameStep = extern "C" fn(u64, *mut c_void) -> i64;
+type FrameStep = loops::Step;
 
 impl FramePass {
     fn new(frames: &StackKey, other: *mut StackKey) -> Self {
@@ -280,10 +393,7 @@ impl FramePass {
 
     /// Calls `step` for frames `0..depth`, until it returns 1.
     fn run(&mut self, depth: usize, step: FrameStep) {
-        let count = depth.min(MAX_STACK_DEPTH) as u32;
-        // SAFETY: the helper calls `step` at most `count` times with a
-        // pointer to this pass, which outlives the call.
-        unsafe { bpf_loop(count, step as *mut c_void, core::ptr::from_mut(self).cast(), 0) };
+        loops::repeat::<_, { MAX_STACK_DEPTH as u32 }>(depth.min(MAX_STACK_DEPTH) as u32, step, self);
     }
 
     /// Frame `index` of the stack, and of the other one.
@@ -305,6 +415,7 @@ fn pass_of<'a>(ctx: *mut c_void) -> &'a mut FramePass {
     unsafe { &mut *ctx.cast::<FramePass>() }
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn hash_step(index: u64, ctx: *mut c_void) -> i64 {
     let pass = pass_of(ctx);
     let Some((frame, _)) = pass.frames(index) else { return 1 };
@@ -312,6 +423,7 @@ extern "C" fn hash_step(index: u64, ctx: *mut c_void) -> i64 {
     0
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn compare_step(index: u64, ctx: *mut c_void) -> i64 {
     let pass = pass_of(ctx);
     // SAFETY: `frames` gives a pointer into the other live key.
@@ -323,6 +435,7 @@ extern "C" fn compare_step(index: u64, ctx: *mut c_void) -> i64 {
     }
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn copy_step(index: u64, ctx: *mut c_void) -> i64 {
     let Some((frame, other)) = pass_of(ctx).frames(index) else { return 1 };
     // SAFETY: as in `compare_step`.

@@ -87,6 +87,7 @@ impl Totals {
 ///
 /// # Safety
 /// `target` must be valid for writes and 8-byte aligned.
+#[cfg(not(feature = "legacy-kernels"))]
 pub unsafe fn atomic_fetch_add(target: *mut u64, value: u64) -> u64 {
     let mut value = value;
     // SAFETY: guaranteed by the caller.
@@ -94,6 +95,22 @@ pub unsafe fn atomic_fetch_add(target: *mut u64, value: u64) -> u64 {
         core::arch::asm!("{0} = atomic_fetch_add((u64 *)({1} + 0), {0})", inout(reg) value, in(reg) target);
     };
     value
+}
+
+/// The same for kernels before 5.12, which lack the instruction. Only
+/// this CPU's own words are added to this way (`new_stack_id`), and those
+/// kernels run tracing programs with preemption disabled: a load and a
+/// store.
+///
+/// # Safety
+/// `target` must be valid for writes and 8-byte aligned.
+#[cfg(feature = "legacy-kernels")]
+pub unsafe fn atomic_fetch_add(target: *mut u64, value: u64) -> u64 {
+    // SAFETY: guaranteed by the caller.
+    let was = unsafe { core::ptr::read_volatile(target) };
+    // SAFETY: as above.
+    unsafe { core::ptr::write_volatile(target, was.wrapping_add(value)) };
+    was
 }
 
 /// `*target += value`, atomically (`BPF_ATOMIC` | `BPF_ADD`, which every

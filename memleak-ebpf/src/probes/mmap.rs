@@ -5,14 +5,13 @@
 
 use aya_ebpf::{
     bindings::pt_regs,
-    helpers::generated::{bpf_get_attach_cookie, bpf_get_current_task_btf, bpf_task_pt_regs},
-    macros::{btf_tracepoint, uprobe, uretprobe},
-    programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RetProbeContext},
     EbpfContext as _,
 };
-use memleak_common::{
-    MappingChange, MappingEvent, PendingMapping, PROBED_AFTER_SYSTEM_CALL, PROT_NONE, RESERVES_ADDRESS_SPACE,
-};
+#[cfg(not(feature = "legacy-kernels"))]
+use memleak_common::PROBED_AFTER_SYSTEM_CALL;
+use memleak_common::{MappingChange, MappingEvent, PendingMapping, PROT_NONE, RESERVES_ADDRESS_SPACE};
 
 use crate::{
     calls, deferred,
@@ -112,15 +111,34 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
 
 /// `mprotect(address, length, prot)`: a reservation made usable, or back.
 /// Probed past its system call where memleak could (see its
-/// `attach::placement`): a call that failed then changes nothing.
+/// `attach::placement`): a call that failed then changes nothing. The
+/// attach cookie says where.
+#[cfg(not(feature = "legacy-kernels"))]
 #[uprobe]
 pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
-    scratch::own_stack(&ctx);
-    // SAFETY: reads this attachment's cookie.
-    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let past_system_call = crate::calls::attach_cookie(&ctx) & PROBED_AFTER_SYSTEM_CALL != 0;
+    protected(&ctx, past_system_call)
+}
+
+/// `mprotect` at its entry, on kernels without attach cookies.
+#[cfg(feature = "legacy-kernels")]
+#[uprobe]
+pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
+    protected(&ctx, false)
+}
+
+/// `mprotect` past its system call, on kernels without attach cookies.
+#[cfg(feature = "legacy-kernels")]
+#[uprobe]
+pub fn mprotect_past_call(ctx: ProbeContext) -> u32 {
+    protected(&ctx, true)
+}
+
+fn protected(ctx: &ProbeContext, past_system_call: bool) -> u32 {
+    scratch::own_stack(ctx);
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: the probe's registers, which the kernel hands over.
-    if cookie & PROBED_AFTER_SYSTEM_CALL != 0 && unsafe { (*regs).rax } != 0 {
+    if past_system_call && unsafe { (*regs).rax } != 0 {
         return 0;
     }
     let prot = ctx.arg(2).unwrap_or(0);
@@ -130,47 +148,63 @@ pub fn mprotect_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// x86-64's system call numbers of munmap, mprotect and `pkey_mprotect`.
-const SYS_MUNMAP: u64 = 11;
-const SYS_MPROTECT: u64 = 10;
-const SYS_PKEY_MPROTECT: u64 = 329;
-
-/// The kernel's `mmap_lock_acquire_returned(mm, write, success)`: munmap
-/// and mprotect seen from the kernel, for the processes memleak traces,
-/// in place of their uprobes. A uprobe traps on every call: 0.8 µs more
-/// an mprotect here, 8 µs a munmap, whose first instruction the kernel
-/// single-steps; this tracepoint adds 0.1 µs (`cargo xtask bench
-/// --mprotect-only`). Both calls take their process's mmap lock for
-/// writing once, after checking their arguments, before changing
-/// anything, and hold it until done: the event is in the ring before any
-/// other thread can map the range again. An mprotect whose range has a
-/// hole fails after changing what is before the hole: it is sent, and
-/// user space changes the regions it knows in the whole range. Also fires
-/// for every other taker of any process's mmap lock (page faults that
-/// miss the per-VMA lock, /proc readers...), which the system call number
-/// sends away first.
-#[btf_tracepoint(function = "mmap_lock_acquire_returned")]
-pub fn mmap_lock_acquire_returned(_ctx: BtfTracePointContext) -> i32 {
-    // SAFETY: the current task is always valid, and the helper gives its
-    // user registers (saved at kernel entry) as a pointer the verifier
-    // checks each load through.
-    let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
-    // SAFETY: as above; orig_rax is the system call's number, or -1
-    // outside one (a page fault).
-    let change = match unsafe { (*regs).orig_rax } {
-        SYS_MUNMAP => MappingChange::Unmap,
-        SYS_MPROTECT | SYS_PKEY_MPROTECT => MappingChange::Protect,
-        _ => return 0,
+/// The `mmap_lock` tracepoint's program, for kernels with
+/// `bpf_task_pt_regs` (5.15): user space attaches it only where the
+/// tracepoint takes 3 arguments (6.x).
+#[cfg(not(feature = "legacy-kernels"))]
+mod lock_taken {
+    use aya_ebpf::{
+        bindings::pt_regs,
+        helpers::generated::{bpf_get_current_task_btf, bpf_task_pt_regs},
+        macros::btf_tracepoint,
+        programs::BtfTracePointContext,
     };
-    let Some(flags) = traced_process() else { return 0 };
-    // SAFETY: as above: the call's arguments, which its registers keep.
-    let (address, length, prot) = unsafe { ((*regs).rdi, (*regs).rsi, (*regs).rdx as u32) };
-    if change == MappingChange::Unmap {
-        send_range_change(address, length, change, 0);
-    } else if protect_matters(flags, prot) {
-        send_range_change(address, length, change, prot);
+    use memleak_common::MappingChange;
+
+    use super::{protect_matters, send_range_change, traced_process};
+
+    /// x86-64's system call numbers of munmap, mprotect and `pkey_mprotect`.
+    const SYS_MUNMAP: u64 = 11;
+    const SYS_MPROTECT: u64 = 10;
+    const SYS_PKEY_MPROTECT: u64 = 329;
+
+    /// The kernel's `mmap_lock_acquire_returned(mm, write, success)`: munmap
+    /// and mprotect seen from the kernel, for the processes memleak traces,
+    /// in place of their uprobes. A uprobe traps on every call: 0.8 µs more
+    /// an mprotect here, 8 µs a munmap, whose first instruction the kernel
+    /// single-steps; this tracepoint adds 0.1 µs (`cargo xtask bench
+    /// --mprotect-only`). Both calls take their process's mmap lock for
+    /// writing once, after checking their arguments, before changing
+    /// anything, and hold it until done: the event is in the ring before any
+    /// other thread can map the range again. An mprotect whose range has a
+    /// hole fails after changing what is before the hole: it is sent, and
+    /// user space changes the regions it knows in the whole range. Also fires
+    /// for every other taker of any process's mmap lock (page faults that
+    /// miss the per-VMA lock, /proc readers...), which the system call number
+    /// sends away first.
+    #[btf_tracepoint(function = "mmap_lock_acquire_returned")]
+    pub fn mmap_lock_acquire_returned(_ctx: BtfTracePointContext) -> i32 {
+        // SAFETY: the current task is always valid, and the helper gives its
+        // user registers (saved at kernel entry) as a pointer the verifier
+        // checks each load through.
+        let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
+        // SAFETY: as above; orig_rax is the system call's number, or -1
+        // outside one (a page fault).
+        let change = match unsafe { (*regs).orig_rax } {
+            SYS_MUNMAP => MappingChange::Unmap,
+            SYS_MPROTECT | SYS_PKEY_MPROTECT => MappingChange::Protect,
+            _ => return 0,
+        };
+        let Some(flags) = traced_process() else { return 0 };
+        // SAFETY: as above: the call's arguments, which its registers keep.
+        let (address, length, prot) = unsafe { ((*regs).rdi, (*regs).rsi, (*regs).rdx as u32) };
+        if change == MappingChange::Unmap {
+            send_range_change(address, length, change, 0);
+        } else if protect_matters(flags, prot) {
+            send_range_change(address, length, change, prot);
+        }
+        0
     }
-    0
 }
 
 /// The flags in `TRACED_PROCESSES` of the current process, if memleak

@@ -8,9 +8,12 @@ mod kernel;
 mod reuse;
 mod tables;
 
+#[cfg(not(feature = "legacy-kernels"))]
 use aya_ebpf::EbpfContext;
+#[cfg(not(feature = "legacy-kernels"))]
 use memleak_common::{StackKey, WalkEnd};
 
+#[cfg(not(feature = "legacy-kernels"))]
 use crate::{maps::PROCESS_MAPPINGS, scratch::Slot, tunables};
 
 pub use kernel::kernel_stack;
@@ -39,6 +42,7 @@ pub use reuse::{copy_last_walk, last_stack_id, remember_stack_id};
 /// frame pointers alone.
 /// Leaves the last `reserved` frames of the depth limit to the Python
 /// frames walked before. The walk's state is in scratch `slot`.
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn user_stack<C: EbpfContext>(
     ctx: &C,
     tgid: u32,
@@ -54,3 +58,73 @@ pub fn user_stack<C: EbpfContext>(
     let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames, limit);
     Walked { depth, end: WalkEnd::FramePointers as u32, cached: false, unchanged: false }
 }
+
+/// Kernels without `bpf_loop` walk in stages, one program run each (see
+/// `probes::recorder`): `begin_user_stack`, then `walk_on` until it says
+/// the walk has ended, then `end_user_stack`. The walk's state is in
+/// scratch `slot` between them.
+#[cfg(feature = "legacy-kernels")]
+mod staged {
+    use aya_ebpf::EbpfContext;
+    use memleak_common::{StackKey, WalkEnd};
+
+    use super::{frame_pointer, tables, Walked};
+    use crate::{
+        maps::{WalkState, PROCESS_MAPPINGS, STACK_SCRATCH, WALK_STATE},
+        scratch::Slot,
+        tunables,
+    };
+
+    /// Frames a stage takes: a program run's share, as many as the
+    /// verifier follows in a reasonable time, and enough that a walk of
+    /// `MAX_STACK_DEPTH` frames fits the kernel's 33 tail calls.
+    const FRAMES_PER_STAGE: u32 = 8;
+
+    /// Starts the walk of the user stack (see `user_stack`): whether a
+    /// table walk goes on in `walk_on`. A process without a table yet is
+    /// walked by frame pointers at once, whole.
+    pub fn begin_user_stack<C: EbpfContext>(
+        ctx: &C,
+        tgid: u32,
+        key: &mut StackKey,
+        reserved: u32,
+        slot: Slot,
+    ) -> bool {
+        let limit = tunables::stack_depth().saturating_sub(reserved).max(1);
+        if let Some(mappings) = PROCESS_MAPPINGS.get_ptr(tgid) {
+            return tables::begin(ctx, tgid, mappings, key, limit, reserved != 0, slot).is_some();
+        }
+        let depth = frame_pointer::walk_user_stack(ctx, &mut key.frames, limit);
+        // SAFETY: a field of the slot's key (see `tables::depth`).
+        unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
+        if let Some(state) = WALK_STATE.get_ptr_mut(slot.key()) {
+            // SAFETY: the slot's state, which only this program run touches.
+            unsafe {
+                (*state).by_tables = 0;
+                (*state).end = WalkEnd::FramePointers as u32;
+            }
+        }
+        false
+    }
+
+    /// Takes the next frames of a table walk: whether it has ended.
+    pub fn walk_on(slot: Slot) -> bool {
+        tables::walk_on::<FRAMES_PER_STAGE>(slot)
+    }
+
+    /// What the walk in scratch `slot` found.
+    pub fn end_user_stack(slot: Slot) -> Option<Walked> {
+        let key = STACK_SCRATCH.get_ptr_mut(slot.key())?;
+        let state: *mut WalkState = WALK_STATE.get_ptr_mut(slot.key())?;
+        // SAFETY: the slot's state, which only this program run touches.
+        if unsafe { (*state).by_tables } != 0 {
+            return Some(tables::finish(key, state));
+        }
+        // SAFETY: as above, and the slot's key.
+        let (depth, end) = unsafe { (core::ptr::read_volatile(&raw const (*key).depth), (*state).end) };
+        Some(Walked { depth, end, cached: false, unchanged: false })
+    }
+}
+
+#[cfg(feature = "legacy-kernels")]
+pub use staged::{begin_user_stack, end_user_stack, walk_on};

@@ -26,10 +26,12 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::generated::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user};
+use aya_ebpf::helpers::generated::{bpf_get_current_pid_tgid, bpf_probe_read_user};
 use memleak_common::{StackKey, WalkCount, MAX_STACK_DEPTH};
 
 use crate::{
+    checked::opaque,
+    loops,
     maps::{
         Frame, ReuseProgress, WalkCache, WalkCaches, CACHED_FRAMES, STACK_WINDOW_WORDS, WALK_CACHES,
         WALK_COUNTS,
@@ -38,6 +40,13 @@ use crate::{
     totals::atomic_add,
     tunables,
 };
+
+/// Whether walks take frames from the last one. Not on kernels before
+/// 5.17: without `bpf_loop`, the verifier would follow the check's loop
+/// over the cached frames inside every iteration of the walk's, past its
+/// million instructions. A walk there steps through every frame, and
+/// finds the same ones.
+pub const ENABLED: bool = cfg!(not(feature = "legacy-kernels"));
 
 /// A frame's rbp came from the word at its stack pointer minus 8 × its
 /// slot, or, at 0, was its callee's unchanged. A slot past this lies
@@ -198,7 +207,7 @@ pub struct Taken {
 /// walk, with the same registers: then `check_unchanged` checks the
 /// frames above it. A walk checks once: after it, it looks for no more.
 pub fn matches(index: u32, frame: &Frame, slot: Slot) -> bool {
-    if frame.slot == SLOT_SIGNAL {
+    if !ENABLED || frame.slot == SLOT_SIGNAL {
         return false;
     }
     let Some(Caches { previous, progress, .. }) = caches(slot) else { return false };
@@ -238,11 +247,7 @@ pub fn matches(index: u32, frame: &Frame, slot: Slot) -> bool {
 fn skip_below(sp: u64, slot: Slot) {
     let Some(caches) = WALK_CACHES.get_ptr_mut(slot.key()) else { return };
     let mut skipping = Skipping { sp, caches };
-    // SAFETY: the helper calls `skip_step` at most CACHED_FRAMES times
-    // with a pointer to `skipping`, which outlives the call.
-    unsafe {
-        bpf_loop(CACHED_FRAMES as u32, skip_step as *mut c_void, (&raw mut skipping).cast(), 0);
-    }
+    loops::repeat::<_, { CACHED_FRAMES as u32 }>(CACHED_FRAMES as u32, skip_step, &mut skipping);
 }
 
 /// What `skip_step` is handed: the stack pointer to skip below, and the
@@ -256,6 +261,7 @@ struct Skipping {
 
 /// Skips the cached frame at the cursor if its stack pointer is below
 /// the one `ctx` gives: on (0), or the end (1).
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn skip_step(_iteration: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `skip_below` passed its own `Skipping`.
     let Skipping { sp, caches } = unsafe { *ctx.cast::<Skipping>() };
@@ -274,6 +280,9 @@ extern "C" fn skip_step(_iteration: u64, ctx: *mut c_void) -> i64 {
 /// once `copy_checked` has put them there, which an unchanged stack need
 /// not wait for.
 pub fn check_unchanged(limit: u32, slot: Slot) -> Option<Taken> {
+    if !ENABLED {
+        return None;
+    }
     let caches = WALK_CACHES.get_ptr_mut(slot.key())?;
     let Caches { progress, .. } = caches_at(caches);
     progress.usable = 0;
@@ -284,11 +293,7 @@ pub fn check_unchanged(limit: u32, slot: Slot) -> Option<Taken> {
     progress.first_cached = progress.next;
     progress.first_index = progress.index;
     let mut checking = Checking { limit: limit.min(MAX_STACK_DEPTH as u32), caches };
-    // SAFETY: the helper calls `check_step` at most MAX_STACK_DEPTH times
-    // with a pointer to `checking`, which outlives the call.
-    unsafe {
-        bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, (&raw mut checking).cast(), 0);
-    }
+    loops::repeat::<_, { MAX_STACK_DEPTH as u32 }>(MAX_STACK_DEPTH as u32, check_step, &mut checking);
     let Caches { previous, progress, .. } = caches_at(caches);
     let depth = progress.index;
     let checked = depth.checked_sub(progress.first_index).filter(|&checked| checked != 0)?;
@@ -301,6 +306,9 @@ pub fn check_unchanged(limit: u32, slot: Slot) -> Option<Taken> {
 /// and its stack's id is known: if the walk ends as the last one did, its
 /// stack is that one.
 pub fn whole_last_walk_checked(slot: Slot) -> bool {
+    if !ENABLED {
+        return false;
+    }
     caches(slot).is_some_and(|Caches { previous, progress, .. }| {
         progress.from_first != 0 && progress.next == previous.depth && previous.stack_known != 0
     })
@@ -309,18 +317,20 @@ pub fn whole_last_walk_checked(slot: Slot) -> bool {
 /// Whether a walk of `depth` frames ending as `end` says ended as the
 /// last one did.
 pub fn ended_as_last(depth: u32, end: u32, slot: Slot) -> bool {
+    if !ENABLED {
+        return false;
+    }
     caches(slot).is_some_and(|Caches { previous, .. }| previous.depth == depth && previous.end == end)
 }
 
 /// Puts the checked frames in `key` and the fresh cache.
 pub fn copy_checked(key: *mut StackKey, slot: Slot) {
+    if !ENABLED {
+        return;
+    }
     let Some(caches) = WALK_CACHES.get_ptr_mut(slot.key()) else { return };
     let mut copying = Copying { key, caches };
-    // SAFETY: the helper calls `copy_step` at most MAX_STACK_DEPTH times
-    // with a pointer to `copying`, which outlives the call.
-    unsafe {
-        bpf_loop(MAX_STACK_DEPTH as u32, copy_step as *mut c_void, (&raw mut copying).cast(), 0);
-    }
+    loops::repeat::<_, { MAX_STACK_DEPTH as u32 }>(MAX_STACK_DEPTH as u32, copy_step, &mut copying);
 }
 
 /// What `copy_step` is handed: the key copied to, and the walk's caches.
@@ -334,6 +344,9 @@ struct Copying {
 /// Puts the last walk's frames in `key`: its stack, when the walk took
 /// them all without copying them (`whole_last_walk_checked`).
 pub fn copy_last_walk(key: *mut StackKey, slot: Slot) {
+    if !ENABLED {
+        return;
+    }
     if let Some(Caches { progress, .. }) = caches(slot) {
         progress.first_cached = 0;
         progress.first_index = 0;
@@ -343,6 +356,7 @@ pub fn copy_last_walk(key: *mut StackKey, slot: Slot) {
 
 /// Checks up to `FRAMES_PER_CHECK` cached frames from `progress.next`: on
 /// (0), or the end (1).
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn check_step(_iteration: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `check_unchanged` passed its own `Checking`.
     let Checking { limit, caches } = unsafe { *ctx.cast::<Checking>() };
@@ -467,6 +481,7 @@ fn window_holds(
 }
 
 /// Copies checked frame `first_cached + iteration` of the last walk.
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `copy_checked` passed its own `Copying`, whose key is
     // live for the program run.
@@ -479,7 +494,9 @@ extern "C" fn copy_step(iteration: u64, ctx: *mut c_void) -> i64 {
     if cached >= progress.next {
         return 1;
     }
-    let index = progress.first_index + iteration;
+    // Opaque: the bound check and the address from one value (see
+    // python's `copy_step`).
+    let index = opaque(u64::from(progress.first_index + iteration)) as u32;
     let Some(frame_in_key) = key.frames.get_mut(index as usize) else { return 1 };
     let (from, to) = (cached as usize & (CACHED_FRAMES - 1), index as usize & (CACHED_FRAMES - 1));
     let frame = &previous.frames[from];

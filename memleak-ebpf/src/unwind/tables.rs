@@ -2,7 +2,7 @@
 //! object's `.eh_frame` to: full stacks through code built without frame
 //! pointers.
 //!
-//! One frame per `bpf_loop` iteration: find the executable mapping of the
+//! One frame per iteration of a loop (see `loops`): find the executable mapping of the
 //! pc, then its object's row for the pc, then apply the row's rule to find
 //! the caller's stack pointer (the CFA), return address and frame pointer.
 //! Code without rows (JIT code, objects without unwind information) gets
@@ -34,7 +34,8 @@ use super::{
 use crate::{
     calls,
     checked::{non_null, opaque},
-    maps::{Frame, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE},
+    loops,
+    maps::{Frame, SearchBounds, WalkState, RULE_CACHE, UNWIND_RESCANS, UNWIND_ROWS, WALK_STATE},
     scratch::Slot,
 };
 
@@ -74,6 +75,7 @@ struct Walking {
 /// probe (there they are the caller's, so its frame is the first). With
 /// `python_frames` (walked before), the key's frames are always filled;
 /// without, a stack found unchanged leaves them to `copy_last_walk`.
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn walk<C: EbpfContext>(
     ctx: &C,
     tgid: u32,
@@ -83,6 +85,26 @@ pub fn walk<C: EbpfContext>(
     python_frames: bool,
     scratch: Slot,
 ) -> Walked {
+    let Some(state) = begin(ctx, tgid, mappings, key, limit, python_frames, scratch) else {
+        return Walked { depth: 1, end: WalkEnd::BadFrame as u32, cached: false, unchanged: false };
+    };
+    let mut walking = Walking { mappings, key, state };
+    // Each step takes a frame or more, or ends.
+    loops::repeat::<_, { MAX_STACK_DEPTH as u32 }>(limit, step, &mut walking);
+    finish(walking.key, walking.state)
+}
+
+/// Starts the walk: the first frame, and the walk's state in its scratch
+/// slot, which it returns.
+pub fn begin<C: EbpfContext>(
+    ctx: &C,
+    tgid: u32,
+    mappings: *const ProcessMappings,
+    key: &mut StackKey,
+    limit: u32,
+    python_frames: bool,
+    scratch: Slot,
+) -> Option<*mut WalkState> {
     let regs = ctx.as_ptr() as *const pt_regs;
     // SAFETY: a uprobe's context is the task's saved user registers.
     let (ip, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
@@ -91,9 +113,7 @@ pub fn walk<C: EbpfContext>(
     // SAFETY: a live map value, as in `next_frame`.
     let generation = unsafe { (*mappings).generation };
     reuse::begin(tgid, generation, scratch);
-    let Some(state) = WALK_STATE.get_ptr_mut(scratch.key()) else {
-        return Walked { depth: 1, end: WalkEnd::BadFrame as u32, cached: false, unchanged: false };
-    };
+    let state = WALK_STATE.get_ptr_mut(scratch.key())?;
     // SAFETY: this CPU's value, which only this program run touches now.
     let walk = unsafe { &mut *state };
     *walk = WalkState {
@@ -112,28 +132,51 @@ pub fn walk<C: EbpfContext>(
         code_start: u64::MAX,
         code_end: 0,
         scratch: scratch.key(),
+        by_tables: 1,
+        ended: 0,
         _padding: 0,
         below_cfa: core::mem::MaybeUninit::uninit(),
+        search: SearchBounds { low: 0, high: 0, found: 0, _padding: 0 },
+    };
+    reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 }, scratch);
+    Some(state)
+}
+
+/// Takes up to `FRAMES` more frames of the walk under way in scratch
+/// `slot` (see `begin`), for kernels where each program run takes a few
+/// (see `probes::recorder`): whether the walk has ended.
+#[cfg(feature = "legacy-kernels")]
+pub fn walk_on<const FRAMES: u32>(slot: Slot) -> bool {
+    use crate::maps::{PROCESS_MAPPINGS, STACK_SCRATCH};
+    let Some(state) = WALK_STATE.get_ptr_mut(slot.key()) else { return true };
+    // SAFETY: the slot's state, which only this program run touches now.
+    let walk = unsafe { &mut *state };
+    let Some(key) = STACK_SCRATCH.get_ptr_mut(slot.key()) else { return true };
+    // Looked up again: a process's table may be replaced between two
+    // runs, but never freed under one.
+    let Some(mappings) = PROCESS_MAPPINGS.get_ptr(walk.tgid) else {
+        walk.end = WalkEnd::UnknownCode as u32;
+        return true;
     };
     let mut walking = Walking { mappings, key, state };
-    reuse::note(0, &Frame { pc: ip, sp, bp, slot: 0 }, scratch);
-    // SAFETY: the helper calls `step` at most `limit` times with a pointer
-    // to `walking`, which outlives the call. Each call takes a frame or
-    // more, or ends.
-    unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(limit, step as *mut c_void, (&raw mut walking).cast(), 0);
-    }
+    loops::repeat::<_, FRAMES>(FRAMES, step, &mut walking);
     // SAFETY: as above.
-    let (end, copy_pending) = unsafe { ((*walking.state).end, (*walking.state).copy_pending != 0) };
+    unsafe { (*state).ended != 0 }
+}
+
+/// Ends the walk whose state is at `state`: what it found.
+pub fn finish(key: *mut StackKey, state: *mut WalkState) -> Walked {
+    // SAFETY: the slot's state, which only this program run touches now.
+    let (end, copy_pending) = unsafe { ((*state).end, (*state).copy_pending != 0) };
     // SAFETY: as above. From memory, like each step's (see `WalkState`).
-    let scratch = Slot::from_key(unsafe { (*walking.state).scratch });
-    // SAFETY: the key `walking` pointed at, alive for this program run.
-    let depth = depth(unsafe { &*walking.key });
+    let scratch = Slot::from_key(unsafe { (*state).scratch });
+    // SAFETY: the slot's key, alive for this program run.
+    let depth = depth(unsafe { &*key });
     let mut unchanged = false;
-    if copy_pending {
+    if reuse::ENABLED && copy_pending {
         unchanged = reuse::ended_as_last(depth, end, scratch);
         if !unchanged {
-            reuse::copy_checked(walking.key, scratch);
+            reuse::copy_checked(key, scratch);
         }
     }
     reuse::end(depth, end, unchanged, scratch);
@@ -148,6 +191,9 @@ pub fn walk<C: EbpfContext>(
 #[expect(clippy::inline_always, reason = "a call of its own would not fit the BPF stack beside the step's")]
 #[inline(always)]
 fn take_unchanged(walk: &mut WalkState, walking: &Walking, index: u32) {
+    if !reuse::ENABLED {
+        return;
+    }
     let slot = if walk.exact_pc != 0 { SLOT_SIGNAL } else { 0 };
     let scratch = Slot::from_key(walk.scratch);
     if !reuse::matches(index, &Frame { pc: walk.pc, sp: walk.sp, bp: walk.bp, slot }, scratch) {
@@ -181,16 +227,18 @@ fn set_depth(key: &mut StackKey, depth: u32) {
 }
 
 /// One iteration: one frame more, or the end (returns 1).
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn step(_index: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `walk` passed this pointer to its own `Walking`.
     let walking = unsafe { &*ctx.cast::<Walking>() };
     // SAFETY: the walk's state, in the scratch slot this program run
     // holds.
     let walk = unsafe { &mut *walking.state };
-    match next_frame(walk, walking) {
-        Some(()) => 0,
-        None => 1,
+    if next_frame(walk, walking).is_some() {
+        return 0;
     }
+    walk.ended = 1;
+    1
 }
 
 /// Steps from the frame at `walk.pc` to its caller and records the
@@ -258,7 +306,7 @@ fn rule_at(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> Option<
     if let Some(entry) = slot.as_deref().filter(|entry| entry.pc == pc && entry.owner == owner) {
         return Some(entry.rule);
     }
-    let Some(mapping) = find_mapping(mappings, pc) else {
+    let Some(mapping) = find_mapping(walk, mappings, pc) else {
         request_rescan(walk.tgid);
         end(walk, WalkEnd::UnknownCode);
         return None;
@@ -267,7 +315,7 @@ fn rule_at(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> Option<
     let rule = if mapping.row_count == 0 {
         Rule::of(RuleKind::FramePointer)
     } else {
-        find_rule(mapping, pc.wrapping_sub(mapping.bias))
+        find_rule(walk, mapping, pc.wrapping_sub(mapping.bias))
     };
     if let Some(entry) = slot {
         *entry = RuleCacheEntry { pc, owner, rule, _padding: 0 };
@@ -372,26 +420,19 @@ fn in_known_code(walk: &mut WalkState, mappings: &ProcessMappings, pc: u64) -> b
     if (walk.code_start..walk.code_end).contains(&pc) {
         return true;
     }
-    let Some(mapping) = find_mapping(mappings, pc) else { return false };
+    let Some(mapping) = find_mapping(walk, mappings, pc) else { return false };
     (walk.code_start, walk.code_end) = (mapping.start, mapping.end);
     true
 }
 
 /// The executable mapping holding `pc`.
-fn find_mapping(mappings: &ProcessMappings, pc: u64) -> Option<&ExecMapping> {
-    let mut search = MappingSearch { mappings, pc, low: 0, high: mappings.count, found: u32::MAX };
-    // SAFETY: the helper calls `mapping_step` with a pointer to `search`,
-    // which outlives the call. A loop of its own, so that the verifier
-    // checks one step once rather than every step of the search.
-    unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            MAPPING_SEARCH_STEPS,
-            mapping_step as *mut c_void,
-            (&raw mut search).cast(),
-            0,
-        );
-    }
-    mappings.mappings.get(search.found as usize)
+fn find_mapping<'a>(walk: &mut WalkState, mappings: &'a ProcessMappings, pc: u64) -> Option<&'a ExecMapping> {
+    walk.search = SearchBounds { low: 0, high: mappings.count, found: u32::MAX, _padding: 0 };
+    let mut search = MappingSearch { mappings, pc, bounds: &raw mut walk.search };
+    // A loop of its own, so that the verifier checks one step once rather
+    // than every step of the search.
+    loops::repeat::<_, MAPPING_SEARCH_STEPS>(MAPPING_SEARCH_STEPS, mapping_step, &mut search);
+    mappings.mappings.get(walk.search.found as usize)
 }
 
 /// A binary search of a process's mappings, one step per iteration.
@@ -399,26 +440,27 @@ fn find_mapping(mappings: &ProcessMappings, pc: u64) -> Option<&ExecMapping> {
 struct MappingSearch<'a> {
     mappings: &'a ProcessMappings,
     pc: u64,
-    low: u32,
-    high: u32,
-    /// The index found, or `u32::MAX`.
-    found: u32,
+    bounds: *mut SearchBounds,
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn mapping_step(_index: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `find_mapping` passed its own search.
-    let search = unsafe { &mut *ctx.cast::<MappingSearch>() };
-    if search.low >= search.high {
+    // SAFETY: `find_mapping` passed its own search, whose bounds are in
+    // the walk's state.
+    let search = unsafe { &*ctx.cast::<MappingSearch>() };
+    // SAFETY: as above.
+    let bounds = unsafe { &mut *search.bounds };
+    if bounds.low >= bounds.high {
         return 1;
     }
-    let middle = search.low + (search.high - search.low) / 2;
+    let middle = bounds.low + (bounds.high - bounds.low) / 2;
     let mapping = &search.mappings.mappings[middle as usize & (MAX_EXEC_MAPPINGS - 1)];
     if search.pc < mapping.start {
-        search.high = middle;
+        bounds.high = middle;
     } else if search.pc >= mapping.end {
-        search.low = middle + 1;
+        bounds.low = middle + 1;
     } else {
-        search.found = middle;
+        bounds.found = middle;
         return 1;
     }
     0
@@ -426,21 +468,14 @@ extern "C" fn mapping_step(_index: u64, ctx: *mut c_void) -> i64 {
 
 /// The rule of the last row at or before `relative_pc` in the mapping's
 /// object; a frame-pointer step before its first row.
-fn find_rule(mapping: &ExecMapping, relative_pc: u64) -> Rule {
+fn find_rule(walk: &mut WalkState, mapping: &ExecMapping, relative_pc: u64) -> Rule {
     let Ok(relative_pc) = u32::try_from(relative_pc) else { return Rule::of(RuleKind::FramePointer) };
     // The first row above the pc, then one back.
+    walk.search = SearchBounds { low: 0, high: mapping.row_count, found: 0, _padding: 0 };
     let mut search =
-        RowSearch { first_row: mapping.first_row, pc: relative_pc, low: 0, high: mapping.row_count };
-    // SAFETY: as in `find_mapping`.
-    unsafe {
-        aya_ebpf::helpers::generated::bpf_loop(
-            ROW_SEARCH_STEPS,
-            row_step as *mut c_void,
-            (&raw mut search).cast(),
-            0,
-        );
-    }
-    match search.low.checked_sub(1) {
+        RowSearch { first_row: mapping.first_row, pc: relative_pc, bounds: &raw mut walk.search };
+    loops::repeat::<_, ROW_SEARCH_STEPS>(ROW_SEARCH_STEPS, row_step, &mut search);
+    match walk.search.low.checked_sub(1) {
         Some(index) => UNWIND_ROWS
             .get(mapping.first_row.wrapping_add(index))
             .map_or(Rule::of(RuleKind::FramePointer), |row| row.rule),
@@ -453,22 +488,25 @@ fn find_rule(mapping: &ExecMapping, relative_pc: u64) -> Rule {
 struct RowSearch {
     first_row: u32,
     pc: u32,
-    low: u32,
-    high: u32,
+    bounds: *mut SearchBounds,
 }
 
+#[cfg_attr(feature = "legacy-kernels", inline(never))]
 extern "C" fn row_step(_index: u64, ctx: *mut c_void) -> i64 {
-    // SAFETY: `find_rule` passed its own search.
-    let search = unsafe { &mut *ctx.cast::<RowSearch>() };
-    if search.low >= search.high {
+    // SAFETY: `find_rule` passed its own search, whose bounds are in the
+    // walk's state.
+    let search = unsafe { &*ctx.cast::<RowSearch>() };
+    // SAFETY: as above.
+    let bounds = unsafe { &mut *search.bounds };
+    if bounds.low >= bounds.high {
         return 1;
     }
-    let middle = search.low + (search.high - search.low) / 2;
+    let middle = bounds.low + (bounds.high - bounds.low) / 2;
     match UNWIND_ROWS.get(search.first_row.wrapping_add(middle)) {
-        Some(row) if row.pc <= search.pc => search.low = middle + 1,
-        Some(_) => search.high = middle,
+        Some(row) if row.pc <= search.pc => bounds.low = middle + 1,
+        Some(_) => bounds.high = middle,
         None => {
-            search.low = 0;
+            bounds.low = 0;
             return 1;
         }
     }

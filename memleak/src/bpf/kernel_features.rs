@@ -3,11 +3,13 @@
 //! guessed from its version: distributions backport features, and a
 //! version says nothing of a kernel built without BTF.
 //!
-//! Two things are required: the kernel's BTF, and the `bpf_loop` helper,
-//! which the stack walker runs on (Linux 5.17). A kernel without either
-//! is refused with one line saying what it lacks. The rest have a path
-//! on every kernel, and `-v` and `--stats` say which one runs: see
-//! [`Paths`].
+//! Two things are required: the kernel's BTF, and BPF ring buffers (Linux
+//! 5.8), which every event reaches user space through. A kernel without
+//! either is refused with one line saying what it lacks. The rest have a
+//! path on every kernel, and `-v` and `--stats` say which one runs: see
+//! [`Paths`]. The largest choice is the BPF object: kernels without the
+//! `bpf_loop` helper (before 5.17) get the one built for them (see
+//! memleak-ebpf's `legacy-kernels`).
 
 use std::path::Path;
 
@@ -15,11 +17,11 @@ use serde::Serialize;
 
 use crate::attach::kernel_btf;
 
-/// The oldest kernel release memleak's programs load on.
-pub const OLDEST_KERNEL: &str = "5.17";
+/// The oldest kernel release memleak is tested on.
+pub const OLDEST_KERNEL: &str = "5.10";
 
 /// The kernels memleak's suite runs on (`cargo xtask test`): Debian's.
-pub const TESTED_KERNELS: &str = "Debian's 6.1, 6.12 and newer";
+pub const TESTED_KERNELS: &str = "Debian's 5.10, 6.1, 6.12 and newer";
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -29,23 +31,60 @@ pub enum KernelError {
     )]
     NoBtf { release: String, path: &'static str },
     #[error(
-        "this kernel ({release}) lacks the BPF helper {helper}, which memleak's stack walker needs: \
-         memleak runs on Linux {OLDEST_KERNEL} or later (tested on {TESTED_KERNELS})"
+        "this kernel ({release}) lacks {feature}, which memleak needs: memleak runs on Linux \
+         {OLDEST_KERNEL} or later (tested on {TESTED_KERNELS})"
     )]
-    MissingHelper { release: String, helper: &'static str },
+    TooOld { release: String, feature: &'static str },
 }
 
-/// Fails with one line when this kernel cannot run memleak's programs.
-pub fn check() -> Result<(), KernelError> {
+/// Set, memleak loads the object built for kernels before 5.17 on any
+/// kernel: for its development and tests.
+pub const BOUNDED_LOOPS: &str = "MEMLEAK_BOUNDED_LOOPS";
+
+/// How the BPF programs loop over frames, which decides the object loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loops {
+    /// The `bpf_loop` helper (5.17): the verifier checks a loop's step
+    /// once.
+    BpfLoop,
+    /// Bounded loops, which the verifier follows iteration by iteration,
+    /// in the object built for kernels 5.10 to 5.16, which also does
+    /// without callbacks, atomic exchanges and attach cookies.
+    Bounded,
+}
+
+impl Loops {
+    /// What `-v` and `--stats` call it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::BpfLoop => "bpf_loop",
+            Self::Bounded => "bounded loops",
+        }
+    }
+}
+
+/// Fails with one line when this kernel cannot run memleak's programs;
+/// else says how they loop on it.
+pub fn check() -> Result<Loops, KernelError> {
     check_btf(Path::new(kernel_btf::VMLINUX_BTF), &release())
 }
 
-fn check_btf(btf: &Path, release: &str) -> Result<(), KernelError> {
+fn check_btf(btf: &Path, release: &str) -> Result<Loops, KernelError> {
     let no_btf = || KernelError::NoBtf { release: release.to_owned(), path: kernel_btf::VMLINUX_BTF };
+    let has = |name, value| kernel_btf::enum_has_value(btf, name, value);
     // An empty or unreadable file is no BTF either: a container may mask it.
-    match kernel_btf::enum_has_value(btf, "bpf_func_id", "BPF_FUNC_loop") {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(KernelError::MissingHelper { release: release.to_owned(), helper: "bpf_loop" }),
+    match has("bpf_map_type", "BPF_MAP_TYPE_RINGBUF") {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(KernelError::TooOld { release: release.to_owned(), feature: "BPF ring buffers" })
+        }
+        Err(_) => return Err(no_btf()),
+    }
+    match has("bpf_func_id", "BPF_FUNC_loop") {
+        // For trying the older kernels' object on a newer kernel.
+        Ok(true) if std::env::var_os(BOUNDED_LOOPS).is_some() => Ok(Loops::Bounded),
+        Ok(true) => Ok(Loops::BpfLoop),
+        Ok(false) => Ok(Loops::Bounded),
         Err(_) => Err(no_btf()),
     }
 }
@@ -67,7 +106,8 @@ pub struct Paths {
     /// "`mmap_lock` tracepoint" or "uprobes": how munmap and mprotect are
     /// seen.
     pub munmap_mprotect: &'static str,
-    /// How the BPF programs loop over frames: "`bpf_loop`".
+    /// How the BPF programs loop over frames: "`bpf_loop`" or "bounded
+    /// loops" (see [`Loops`]).
     pub loops: &'static str,
 }
 
@@ -78,7 +118,10 @@ mod tests {
     #[test]
     fn this_kernels_btf_has_bpf_loop() {
         let checked = check_btf(Path::new(kernel_btf::VMLINUX_BTF), "6.18");
-        assert!(checked.is_ok(), "the development kernel has bpf_loop, but: {checked:?}");
+        assert!(
+            matches!(checked, Ok(Loops::BpfLoop)),
+            "the development kernel has bpf_loop, but: {checked:?}"
+        );
     }
 
     #[test]

@@ -19,18 +19,18 @@ use memleak_common::{
     MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
     PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, REPLACEABLE_MAP, STACKS_MAP,
     STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
-    USER_STACK_RECORDER_MAP, WALK_COUNTS_MAP,
+    USER_STACK_RECORDER_MAP, USER_STACK_STAGES, WALK_COUNTS_MAP,
 };
 
 use super::{
-    kernel_features,
+    kernel_features::{self, Loops},
     map_costs::{self, MapCost},
     mapping_tracepoint,
     multi_uprobes::{self, LoadError, MultiUprobePrograms},
     privileges::{self, Traced},
 };
 use crate::{
-    attach::AttachPlan,
+    attach::{plan::ProbeSite, AttachPlan},
     model::{HealthCounters, Unwinding},
     status,
 };
@@ -200,6 +200,8 @@ pub struct Tracer {
     /// The uprobe programs, when loaded for multi-uprobe links; `None`:
     /// aya loaded them in `ebpf` for one perf-event uprobe per site.
     multi: Option<MultiUprobePrograms>,
+    /// How the programs loop, which decided the object loaded.
+    loops: Loops,
     /// How long loading took, the kernel's verifier most of it.
     load_time: std::time::Duration,
     /// The kernel's BTF, parsed once (tens of ms) for every tracepoint.
@@ -229,19 +231,45 @@ pub struct Tracer {
 }
 
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak"));
+/// The programs built for kernels 5.10 to 5.16 (memleak-ebpf's
+/// `legacy-kernels`): bounded loops, and no attach cookies.
+static LEGACY_BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memleak-legacy"));
 
 /// Every uprobe program of the function tables, each once, and the stack
-/// recorder they tail-call.
-fn uprobe_programs() -> Vec<&'static str> {
+/// recorder they tail-call; on a kernel without attach cookies, the
+/// programs that know their function in place of the shared ones.
+fn uprobe_programs(loops: Loops) -> Vec<&'static str> {
     let allocator = ALLOCATOR_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program()]);
     let mapping = MAPPING_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program]);
     let mut programs: Vec<&'static str> = vec![programs::RECORD_WITH_USER_STACK];
-    for program in allocator.chain(mapping).flatten() {
+    let legacy = (loops == Loops::Bounded).then_some(programs::ENTRY_OF_FUNCTION).into_iter().flatten();
+    let legacy = legacy.chain((loops == Loops::Bounded).then_some(programs::MPROTECT_PAST_CALL));
+    let stages = USER_STACK_STAGES.into_iter().skip(1).filter(|_| loops == Loops::Bounded);
+    let legacy = legacy.chain(stages);
+    let shared = allocator.chain(mapping).flatten().filter(|program| {
+        loops == Loops::BpfLoop || !ALLOCATOR_FUNCTIONS.iter().any(|f| f.entry_program == *program)
+    });
+    for program in shared.chain(legacy) {
         if !programs.contains(&program) {
             programs.push(program);
         }
     }
     programs
+}
+
+/// The program at a site's entry: the one its function table names,
+/// which reads the attach cookie; on a kernel without attach cookies
+/// (before 5.15, and so every kernel with bounded loops), the one that
+/// knows the site's function (its first, for aliases).
+fn entry_program(site: &ProbeSite, loops: Loops) -> &'static str {
+    if loops == Loops::BpfLoop {
+        return site.entry_program;
+    }
+    if site.entry_program == programs::MPROTECT_ENTER && site.after_system_call {
+        return programs::MPROTECT_PAST_CALL;
+    }
+    let first = site.functions.0.trailing_zeros() as usize;
+    programs::ENTRY_OF_FUNCTION.get(first).copied().unwrap_or(site.entry_program)
 }
 
 /// How many Python frames a stack may hold, if the BPF side walks them:
@@ -255,8 +283,8 @@ fn python_frame_limit(config: &TracerConfig) -> Option<u16> {
 
 /// Loads the uprobe programs through aya, for perf-event uprobes, and
 /// makes the stack recorder the uretprobes' tail call.
-fn load_for_perf_events(ebpf: &mut Ebpf) -> Result<(), TracerError> {
-    for program in uprobe_programs() {
+fn load_for_perf_events(ebpf: &mut Ebpf, loops: Loops) -> Result<(), TracerError> {
+    for program in uprobe_programs(loops) {
         let loading = std::time::Instant::now();
         let probe = uprobe(ebpf, program)?;
         probe.load().map_err(|source| {
@@ -268,16 +296,40 @@ fn load_for_perf_events(ebpf: &mut Ebpf) -> Result<(), TracerError> {
         })?;
         log::debug!("{program} verified and loaded in {} ms", loading.elapsed().as_millis());
     }
-    let recorder = uprobe(ebpf, programs::RECORD_WITH_USER_STACK)?
-        .fd()
-        .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
-        .map_err(|source| TracerError::Verifier { program: programs::RECORD_WITH_USER_STACK, source })?;
-    let map = ebpf.map_mut(USER_STACK_RECORDER_MAP).ok_or(TracerError::Missing(USER_STACK_RECORDER_MAP))?;
-    let mut recorders: ProgramArray<&mut MapData> = ProgramArray::try_from(map)
-        .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
-    recorders
-        .set(0, &recorder, 0)
-        .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })
+    // The recorder, and on a kernel without bpf_loop its walk's later
+    // stages, each at its index.
+    let stages =
+        USER_STACK_STAGES.iter().take(if loops == Loops::Bounded { USER_STACK_STAGES.len() } else { 1 });
+    for (index, &stage) in (0u32..).zip(stages) {
+        let program = uprobe(ebpf, stage)?
+            .fd()
+            .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+            .map_err(|source| TracerError::Verifier { program: stage, source })?;
+        let map =
+            ebpf.map_mut(USER_STACK_RECORDER_MAP).ok_or(TracerError::Missing(USER_STACK_RECORDER_MAP))?;
+        let mut recorders: ProgramArray<&mut MapData> = ProgramArray::try_from(map)
+            .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
+        recorders
+            .set(index, &program, 0)
+            .map_err(|source| TracerError::ReadMap { map: USER_STACK_RECORDER_MAP, source })?;
+    }
+    Ok(())
+}
+
+/// Loads the uprobe programs: for multi-uprobe links where the kernel has
+/// them (6.6), else through aya for perf-event uprobes.
+fn load_uprobe_programs(ebpf: &mut Ebpf, loops: Loops) -> Result<Option<MultiUprobePrograms>, TracerError> {
+    if loops == Loops::BpfLoop
+        && multi_uprobes::supported()
+        && std::env::var_os(multi_uprobes::PERF_EVENT_UPROBES).is_none()
+    {
+        log::debug!("uprobes: one multi-uprobe link per program and object");
+        Ok(Some(load_for_multi_links(ebpf)?))
+    } else {
+        log::debug!("uprobes: one perf-event uprobe per site and program");
+        load_for_perf_events(ebpf, loops)?;
+        Ok(None)
+    }
 }
 
 /// Loads the uprobe programs for multi-uprobe links, and makes the stack
@@ -285,13 +337,15 @@ fn load_for_perf_events(ebpf: &mut Ebpf) -> Result<(), TracerError> {
 /// loaded for the same kind of attachment as its caller).
 fn load_for_multi_links(ebpf: &Ebpf) -> Result<MultiUprobePrograms, TracerError> {
     let programs =
-        MultiUprobePrograms::load(BPF_OBJECT, ebpf, &uprobe_programs()).map_err(|error| match error {
-            LoadError::Verifier { ref source, .. } | LoadError::BtfRefused(ref source)
-                if source.raw_os_error() == Some(libc::EPERM) =>
-            {
-                not_permitted()
+        MultiUprobePrograms::load(BPF_OBJECT, ebpf, &uprobe_programs(Loops::BpfLoop)).map_err(|error| {
+            match error {
+                LoadError::Verifier { ref source, .. } | LoadError::BtfRefused(ref source)
+                    if source.raw_os_error() == Some(libc::EPERM) =>
+                {
+                    not_permitted()
+                }
+                error => TracerError::MultiLoad(error),
             }
-            error => TracerError::MultiLoad(error),
         })?;
     let recorder = programs
         .program(programs::RECORD_WITH_USER_STACK)
@@ -311,7 +365,7 @@ impl Tracer {
     /// Fails early, with one line, on a kernel whose verifier or helpers
     /// cannot run memleak's programs (`kernel_features`).
     pub fn check_kernel() -> Result<(), TracerError> {
-        kernel_features::check().map_err(TracerError::Kernel)
+        kernel_features::check().map(|_| ()).map_err(TracerError::Kernel)
     }
 
     /// The path each part of the tracer takes on this kernel ("none" for
@@ -332,7 +386,7 @@ impl Tracer {
             release: kernel_features::release(),
             uprobes,
             munmap_mprotect,
-            loops: "bpf_loop",
+            loops: self.loops.name(),
         }
     }
 
@@ -348,6 +402,8 @@ impl Tracer {
     fn load_holding_signals(config: &TracerConfig) -> Result<Self, TracerError> {
         let started = std::time::Instant::now();
         let settings = &config.settings;
+        let loops = kernel_features::check()?;
+        log::debug!("loops: {}", loops.name());
         // One statement: the loader borrows the values until it loads.
         let mut ebpf = size_maps(
             EbpfLoader::new()
@@ -380,25 +436,21 @@ impl Tracer {
                 ),
             settings,
         )
-        .load(BPF_OBJECT)
+        .load(match loops {
+            Loops::BpfLoop => BPF_OBJECT,
+            Loops::Bounded => LEGACY_BPF_OBJECT,
+        })
         .map_err(|error| load_refused(error, settings))?;
         // Once the maps are made: a map the kernel refuses must fail the
         // start with that reason, not with what parsing took.
         let btf_parsing = Some(std::thread::spawn(kernel_btf));
-        let multi =
-            if multi_uprobes::supported() && std::env::var_os(multi_uprobes::PERF_EVENT_UPROBES).is_none() {
-                log::debug!("uprobes: one multi-uprobe link per program and object");
-                Some(load_for_multi_links(&ebpf)?)
-            } else {
-                log::debug!("uprobes: one perf-event uprobe per site and program");
-                load_for_perf_events(&mut ebpf)?;
-                None
-            };
+        let multi = load_uprobe_programs(&mut ebpf, loops)?;
         // Before any probe is attached: none records a task it should not.
         write_cgroup_filter(&mut ebpf, config.cgroup_id)?;
         Ok(Self {
             ebpf,
             multi,
+            loops,
             load_time: started.elapsed(),
             btf: None,
             btf_parsing,
@@ -445,10 +497,11 @@ impl Tracer {
             .partition(|site| site.return_program.is_none());
         let mut links = Links::default();
         for site in frees.into_iter().chain(allocations) {
-            // The cookie tells the shared programs which function fired.
+            // The cookie tells the shared programs which function fired;
+            // without cookies, each program knows (`entry_program`).
             let point = |offset| UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(site.cookie()),
+                cookie: (self.loops == Loops::BpfLoop).then(|| site.cookie()),
             };
             // The entry and return probes share one breakpoint, past the
             // first instructions when `placement` found that safe.
@@ -466,11 +519,12 @@ impl Tracer {
                     .map_err(|source| fail(site.function, source))?;
                 links.links.push((return_program, link));
             }
-            let probe = uprobe(&mut self.ebpf, site.entry_program)?;
+            let program = entry_program(site, self.loops);
+            let probe = uprobe(&mut self.ebpf, program)?;
             let link = probe
                 .attach(point(entry), &plan.path, scope)
                 .map_err(|source| fail(site.function, source))?;
-            links.links.push((site.entry_program, link));
+            links.links.push((program, link));
             log::debug!("uprobe on {} at {entry:#x} in {}", site.function, plan.display_path);
         }
         for other in plan.other_objects() {
