@@ -33,8 +33,23 @@ pub const STAGE_WALK: u32 = 1;
 /// is the CPU's last.
 pub const STAGE_STORE: u32 = 2;
 /// The index of the stage that stores a stack the CPU did not see last,
-/// and records.
+/// trying one slot of its hash a run and calling itself again for the
+/// next, and records.
 pub const STAGE_INSERT: u32 = 3;
+/// Program array of kernel mode's later stages on kernels without
+/// `bpf_loop`, where one program cannot both take a kernel stack and
+/// store it within the verifier's budget (see memleak-ebpf's
+/// `probes::kernel`): the programs of [`KERNEL_STACK_STAGES`], each at its
+/// index.
+pub const KERNEL_STACK_RECORDER_MAP: &str = "KERNEL_STACK_RECORDER";
+/// See [`KERNEL_STACK_RECORDER_MAP`].
+pub const KERNEL_STACK_STAGES: [&str; 2] = [programs::STORE_KERNEL_STACK, programs::INSERT_KERNEL_STACK];
+/// The index of the kernel stage that completes the stack, and records it
+/// if it is the CPU's last.
+pub const KERNEL_STAGE_STORE: u32 = 0;
+/// The index of the kernel stage that stores a stack the CPU did not see
+/// last, like [`STAGE_INSERT`].
+pub const KERNEL_STAGE_INSERT: u32 = 1;
 /// Process id (u32) -> [`ProcessCounters`](crate::ProcessCounters).
 pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
 /// Process id (u32) -> 1 (u32): processes whose new children are
@@ -117,6 +132,9 @@ pub mod tunables {
     /// then only tasks directly in it are recorded. A cgroup made again at
     /// the same path has the same level.
     pub const CGROUP_LEVEL: &str = "CGROUP_LEVEL";
+    /// [`crate::CgroupWalk`]: where the kernel keeps what the object for
+    /// kernels before 5.17 reads to find a task's ancestor cgroups.
+    pub const CGROUP_WALK: &str = "CGROUP_WALK";
     /// u32: offset of `size` in the kernel's struct `kmem_cache`.
     pub const CACHE_SIZE_OFFSET: &str = "CACHE_SIZE_OFFSET";
     /// u32: offset of `tgid` in the kernel's struct `task_struct`, to tell
@@ -144,6 +162,35 @@ pub mod tunables {
 
 /// [`tunables::CGROUP_LEVEL`] when the cgroup's level is not known.
 pub const CGROUP_LEVEL_UNKNOWN: u32 = u32::MAX;
+
+/// Where a kernel keeps a task's cgroup and the cgroup's ancestors, read
+/// from its BTF: the object for kernels before 5.17 walks up from the
+/// task's cgroup itself ([`tunables::CGROUP_WALK`]), as their tracing
+/// programs cannot call `bpf_get_current_ancestor_cgroup_id`. Byte
+/// offsets, all 0 where there is no cgroup filter.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CgroupWalk {
+    /// `task_struct.cgroups`: the task's `css_set`.
+    pub task_cgroups: u32,
+    /// `css_set.dfl_cgrp`: its cgroup in the cgroup2 hierarchy.
+    pub css_set_cgroup: u32,
+    /// `cgroup.level`: its depth below the root (0).
+    pub cgroup_level: u32,
+    /// `cgroup.self`: the cgroup's own state, which its children's
+    /// `parent` points at.
+    pub cgroup_self: u32,
+    /// `cgroup_subsys_state.parent`.
+    pub state_parent: u32,
+    /// `cgroup.kn`: its directory's kernfs node.
+    pub cgroup_node: u32,
+    /// `kernfs_node.id`: the cgroup's id.
+    pub node_id: u32,
+}
+
+/// How far up [`CgroupWalk`] goes from a task's cgroup: deeper tasks are
+/// not in the filter's subtree. Containers nest a handful of levels.
+pub const MAX_CGROUP_CLIMB: u32 = 32;
 
 /// How many processes [`tunables::IGNORED_PROCESSES`] holds.
 pub const MAX_IGNORED_PROCESSES: usize = 8;
@@ -175,7 +222,8 @@ pub mod programs {
     /// Kernels without `bpf_loop`: the stage that completes the walked
     /// stack, and records it if it is the CPU's last.
     pub const STORE_USER_STACK: &str = "store_user_stack";
-    /// Kernels without `bpf_loop`: the stage that stores a new stack.
+    /// Kernels without `bpf_loop`: the stage that stores a new stack, a
+    /// slot of its hash a run.
     pub const INSERT_USER_STACK: &str = "insert_user_stack";
     pub const MPROTECT_ENTER: &str = "mprotect_enter";
     /// Kernels without attach cookies (before 5.15): one entry program
@@ -198,6 +246,11 @@ pub mod programs {
     /// Kernel allocations: program name and tracepoint name are the same.
     pub const KERNEL: [&str; 6] =
         ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];
+    /// Kernels without `bpf_loop`: the raw tracepoint programs that
+    /// complete and store a kernel allocation's stack (see
+    /// [`crate::KERNEL_STACK_RECORDER_MAP`]); never attached.
+    pub const STORE_KERNEL_STACK: &str = "store_kernel_stack";
+    pub const INSERT_KERNEL_STACK: &str = "insert_kernel_stack";
     /// The kernel tracepoints that release memory, attached before the
     /// others.
     pub const KERNEL_RELEASES: [&str; 4] = ["kfree", "kmem_cache_free", "mm_page_free", "percpu_free_percpu"];

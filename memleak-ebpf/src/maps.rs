@@ -106,7 +106,11 @@ pub struct StackProbe {
     pub id: u64,
     /// `SEARCHING`, `FOUND` or `FULL`.
     pub outcome: u32,
-    pub _padding: u32,
+    /// Kernels without `bpf_loop`, where the search goes a slot a stage:
+    /// the slot tried next, after the stack's own.
+    pub index: u32,
+    /// The same: the stack's hash.
+    pub hash: u64,
 }
 
 /// Per-CPU count of stack ids handed out; see `stack::new_stack_id`.
@@ -199,7 +203,14 @@ pub static PENDING_RECORD: PerCpuArray<PendingRecord> =
 pub static USER_STACK_RECORDER: ProgramArray =
     ProgramArray::with_max_entries(memleak_common::USER_STACK_STAGES.len() as u32, 0);
 
-/// An allocation or a mapping to record with the current user stack.
+/// Kernel mode's later stages, on kernels without `bpf_loop`: see
+/// `probes::kernel`.
+#[cfg(feature = "legacy-kernels")]
+#[map(name = "KERNEL_STACK_RECORDER")]
+pub static KERNEL_STACK_RECORDER: ProgramArray =
+    ProgramArray::with_max_entries(memleak_common::KERNEL_STACK_STAGES.len() as u32, 0);
+
+/// An allocation or a mapping to record with the current stack.
 #[repr(C)]
 pub struct PendingRecord {
     /// `deferred::ALLOCATION`, `deferred::MAPPING` or `deferred::NOTHING`.

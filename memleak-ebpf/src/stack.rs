@@ -45,6 +45,7 @@ pub fn current_user_stack_id<C: EbpfContext>(ctx: &C, tgid: u32) -> u64 {
 
 /// Like `current_user_stack_id`, for the kernel stack (kernel allocations
 /// are recorded under tgid 0).
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn current_kernel_stack_id<C: EbpfContext>(ctx: &C) -> u64 {
     store_current_stack(ctx, KERNEL_TGID, false).unwrap_or_else(|| lost_stack(KERNEL_TGID))
 }
@@ -59,18 +60,14 @@ pub fn lost_stack(tgid: u32) -> u64 {
 /// The scratch slot the caller holds (see `scratch`) is found afresh at
 /// each use below rather than kept: a slot kept live across the walk
 /// more than doubled the instructions the verifier checks.
+#[cfg(not(feature = "legacy-kernels"))]
 fn store_current_stack<C: EbpfContext>(ctx: &C, tgid: u32, user: bool) -> Option<u64> {
     let key = scratch_key()?;
     key.tgid = tgid;
     key.python_depth = 0;
     let walked = if user {
-        #[cfg(feature = "legacy-kernels")]
-        return None; // walked in stages: see `begin_user_stack`
-        #[cfg(not(feature = "legacy-kernels"))]
-        {
-            let python = python_first(key, tgid)?;
-            unwind::user_stack(ctx, tgid, key, 2 * python, scratch::slot()?)
-        }
+        let python = python_first(key, tgid)?;
+        unwind::user_stack(ctx, tgid, key, 2 * python, scratch::slot()?)
     } else {
         Walked {
             depth: unwind::kernel_stack(ctx, &mut key.frames)?,
@@ -117,15 +114,59 @@ pub fn begin_user_stack<C: EbpfContext>(ctx: &C, tgid: u32) -> Option<bool> {
 }
 
 /// The user stack walked in stages, its Python frames appended.
+/// Inlined, as are `walked_kernel_stack` and `completed`: a `Completed`
+/// returned through memory had `New`'s undefined id stored from a
+/// register the verifier knew unwritten, and refused.
 #[cfg(feature = "legacy-kernels")]
+#[expect(clippy::inline_always, reason = "a `Completed` through memory: see `walked_user_stack`")]
+#[inline(always)]
 pub fn walked_user_stack() -> Completed {
-    let completed = || {
-        let walked = unwind::end_user_stack(scratch::slot()?)?;
-        let key = scratch_key()?;
-        complete(key, &walked)?;
-        Some(last_stack_id(key, scratch::slot()?).map_or(Completed::New, Completed::Last))
-    };
-    completed().unwrap_or(Completed::Lost)
+    scratch::slot().and_then(unwind::end_user_stack).map_or(Completed::Lost, |walked| completed(&walked))
+}
+
+/// Puts the current kernel stack in the scratch key, on kernels where it
+/// is stored in a stage of its own (see `probes::kernel`); `None` if it
+/// could not.
+#[cfg(feature = "legacy-kernels")]
+pub fn begin_kernel_stack<C: EbpfContext>(ctx: &C) -> Option<()> {
+    let key = scratch_key()?;
+    key.tgid = KERNEL_TGID;
+    key.python_depth = 0;
+    let depth = unwind::kernel_stack(ctx, &mut key.frames)?;
+    // SAFETY: a field of the scratch key.
+    unsafe { core::ptr::write_volatile(&raw mut key.depth, depth) };
+    Some(())
+}
+
+/// The kernel stack `begin_kernel_stack` took.
+#[cfg(feature = "legacy-kernels")]
+#[expect(clippy::inline_always, reason = "a `Completed` through memory: see `walked_user_stack`")]
+#[inline(always)]
+pub fn walked_kernel_stack() -> Completed {
+    let Some(key) = scratch_key() else { return Completed::Lost };
+    let depth = depth_of(key) as u32;
+    completed(&Walked { depth, end: WalkEnd::Root as u32, cached: false, unchanged: false })
+}
+
+/// Completes the stack of a walk that went in stages.
+#[cfg(feature = "legacy-kernels")]
+#[expect(clippy::inline_always, reason = "a `Completed` through memory: see `walked_user_stack`")]
+#[inline(always)]
+fn completed(walked: &Walked) -> Completed {
+    // Without closures, which are functions of their own in BPF.
+    let Some(key) = scratch_key() else { return Completed::Lost };
+    if complete(key, walked).is_none() {
+        return Completed::Lost;
+    }
+    let Some(slot) = scratch::slot() else { return Completed::Lost };
+    if let Some(id) = last_stack_id(key, slot) {
+        return Completed::Last(id);
+    }
+    let Some(probe) = STACK_PROBES.get_ptr_mut(slot.key()) else { return Completed::Lost };
+    let hash = hash_of(key);
+    // SAFETY: this CPU's slot, like the scratch key.
+    unsafe { *probe = StackProbe { id: 0, outcome: SEARCHING, index: 0, hash } };
+    Completed::New
 }
 
 /// A stack walked in stages, completed.
@@ -133,21 +174,60 @@ pub fn walked_user_stack() -> Completed {
 pub enum Completed {
     /// It is this CPU's last stack, whose id this is.
     Last(u64),
-    /// Another: `new_user_stack_id`, a stage of its own, stores it.
+    /// Another: `probe_slot`, in stages of its own, stores it.
     New,
     /// It cannot be stored: its scratch was missing.
     Lost,
 }
 
-/// The id of the stack `walked_user_stack` completed, stored now if new.
+/// Tries one of the `PROBE_SLOTS` in `STACK_IDS` for the stack a stage
+/// `Completed` as new, which makes it this CPU's last stack once stored
+/// or found: the main object's `find_or_insert`, one slot a stage, as
+/// the verifier of kernels without `bpf_loop` follows every frame of
+/// the comparisons each slot makes (4 slots in one program took
+/// 750 ms to load here, 22 s under emulation). Inlined, like `completed`.
 #[cfg(feature = "legacy-kernels")]
-pub fn new_user_stack_id(tgid: u32) -> u64 {
-    let stored = || new_stack_id_of(scratch_key()?, scratch::slot()?);
-    stored().unwrap_or_else(|| lost_stack(tgid))
+#[expect(clippy::inline_always, reason = "a `Completed` through memory: see `walked_user_stack`")]
+#[inline(always)]
+pub fn probe_slot() -> Probed {
+    let Some(slot) = scratch::slot() else { return Probed::Lost };
+    let Some(probe) = STACK_PROBES.get_ptr_mut(slot.key()) else { return Probed::Lost };
+    let Some(key) = scratch_key() else { return Probed::Lost };
+    // SAFETY: this CPU's slot, like the scratch key.
+    let (index, hash) = unsafe { ((*probe).index, (*probe).hash) };
+    let mut probing = Probing { key, probe, hash, scratch: slot.key() };
+    probe_step(u64::from(index), (&raw mut probing).cast());
+    // SAFETY: as above.
+    let StackProbe { id, outcome, .. } = unsafe { *probe };
+    if outcome == FOUND {
+        return match remember_as_last(key, slot, id) {
+            Some(()) => Probed::Stored(id),
+            None => Probed::Lost,
+        };
+    }
+    if outcome == FULL || index + 1 >= PROBE_SLOTS as u32 {
+        return Probed::Lost;
+    }
+    // SAFETY: as above.
+    unsafe { (*probe).index = index + 1 };
+    Probed::Again
+}
+
+/// Where `probe_slot` left the search.
+#[cfg(feature = "legacy-kernels")]
+pub enum Probed {
+    /// The stack is stored under this id.
+    Stored(u64),
+    /// Another stack holds the slot: the next stage tries the next.
+    Again,
+    /// The stack cannot be stored: the map is full, or every slot holds
+    /// another stack.
+    Lost,
 }
 
 /// Stores the stack the walk left in `key`, with its Python frames after
 /// its native ones: its id.
+#[cfg(not(feature = "legacy-kernels"))]
 fn store_walked(key: &mut StackKey, walked: &Walked) -> Option<u64> {
     let python = complete(key, walked)?;
     if walked.unchanged {
@@ -197,12 +277,19 @@ fn last_stack_id(key: &StackKey, slot: Slot) -> Option<u64> {
 
 /// The id stack `key` is stored under (stored now if new), which makes
 /// it this CPU's last stack.
+#[cfg(not(feature = "legacy-kernels"))]
 fn new_stack_id_of(key: &mut StackKey, slot: Slot) -> Option<u64> {
     let id = find_or_insert(key, slot)?;
+    remember_as_last(key, slot, id)?;
+    Some(id)
+}
+
+/// Makes `key`, stored as `id`, this CPU's last stack.
+fn remember_as_last(key: &StackKey, slot: Slot, id: u64) -> Option<()> {
     let last = LAST_STACK.get_ptr_mut(slot.key())?;
     // SAFETY: this CPU's slot, like the scratch key.
     remember(unsafe { &mut *last }, key, id);
-    Some(id)
+    Some(())
 }
 
 /// The id of stack `key`, stored under a new id if it is new: the first
@@ -210,10 +297,11 @@ fn new_stack_id_of(key: &mut StackKey, slot: Slot) -> Option<u64> {
 /// one. A loop with its outcome in map memory (`StackProbe`), so that the
 /// verifier checks a slot's step once, not once per way the slot before
 /// it ended.
+#[cfg(not(feature = "legacy-kernels"))]
 fn find_or_insert(key: &mut StackKey, scratch: Slot) -> Option<u64> {
     let probe = STACK_PROBES.get_ptr_mut(scratch.key())?;
     // SAFETY: this CPU's slot, like the scratch key.
-    unsafe { *probe = StackProbe { id: 0, outcome: SEARCHING, _padding: 0 } };
+    unsafe { *probe = StackProbe { id: 0, outcome: SEARCHING, index: 0, hash: 0 } };
     let mut probing = Probing { key, probe, hash: hash_of(key), scratch: scratch.key() };
     loops::repeat::<_, { PROBE_SLOTS as u32 }>(PROBE_SLOTS as u32, probe_step, &mut probing);
     // SAFETY: as above.
@@ -250,7 +338,8 @@ extern "C" fn probe_step(index: u64, ctx: *mut c_void) -> i64 {
         Some(id) => unsafe { *id },
         None => match insert(&slot, key, Slot::from_key(probing.scratch)) {
             Inserted::Stored(id) => {
-                *probe = StackProbe { id, outcome: FOUND, _padding: 0 };
+                probe.id = id;
+                probe.outcome = FOUND;
                 return 1;
             }
             Inserted::Full => {
@@ -266,7 +355,8 @@ extern "C" fn probe_step(index: u64, ctx: *mut c_void) -> i64 {
         },
     };
     if holding(id, key).is_some() {
-        *probe = StackProbe { id, outcome: FOUND, _padding: 0 };
+        probe.id = id;
+        probe.outcome = FOUND;
         return 1;
     }
     // Another stack holds the slot: try the next.

@@ -28,6 +28,17 @@ static PY_FSBASE_OFFSET: u32 = 0;
 static NEWCOMER_EXECS: u32 = 0;
 #[unsafe(no_mangle)]
 static CGROUP_LEVEL: u32 = CGROUP_LEVEL_UNKNOWN;
+#[cfg(feature = "legacy-kernels")]
+#[unsafe(no_mangle)]
+static CGROUP_WALK: memleak_common::CgroupWalk = memleak_common::CgroupWalk {
+    task_cgroups: 0,
+    css_set_cgroup: 0,
+    cgroup_level: 0,
+    cgroup_self: 0,
+    state_parent: 0,
+    cgroup_node: 0,
+    node_id: 0,
+};
 #[unsafe(no_mangle)]
 static IGNORED_CALLER_START: u64 = 0;
 #[unsafe(no_mangle)]
@@ -145,7 +156,8 @@ pub fn in_scope() -> bool {
 /// allocator call of every process mapping a probed file, so the cheapest
 /// correct test: `bpf_current_task_under_cgroup` is as exact but looks the
 /// cgroup up in a cgroup-array map, which aya 0.14's user side cannot
-/// fill, and walking ancestors in BPF would cost one read per level.
+/// fill, and walking ancestors in BPF costs one read per level (which
+/// kernels before 5.17 need: see `ancestor_cgroup_id`).
 fn in_cgroup_subtree(cgroup: u64) -> bool {
     // SAFETY: as above.
     let level = unsafe { core::ptr::read_volatile(&raw const CGROUP_LEVEL) };
@@ -155,9 +167,51 @@ fn in_cgroup_subtree(cgroup: u64) -> bool {
         // SAFETY: a helper without arguments.
         return unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup;
     };
-    // A level past the task's own gives 0, never a cgroup's id.
+    ancestor_cgroup_id(level) == cgroup
+}
+
+/// The id of the current task's cgroup's ancestor at `level`, 0 if the
+/// task is not that deep.
+#[cfg(not(feature = "legacy-kernels"))]
+fn ancestor_cgroup_id(level: i32) -> u64 {
     // SAFETY: a helper taking a plain integer.
-    unsafe { aya_ebpf::helpers::generated::bpf_get_current_ancestor_cgroup_id(level) == cgroup }
+    unsafe { aya_ebpf::helpers::generated::bpf_get_current_ancestor_cgroup_id(level) }
+}
+
+/// The same, on kernels before 5.17, whose tracing programs cannot call
+/// that helper: read from the kernel's structures, one read per level
+/// climbed, at the offsets user space found in its BTF.
+#[cfg(feature = "legacy-kernels")]
+fn ancestor_cgroup_id(level: i32) -> u64 {
+    // SAFETY: written by user space before loading, read-only since.
+    let walk = unsafe { core::ptr::read_volatile(&raw const CGROUP_WALK) };
+    // SAFETY: a helper without arguments.
+    let task = unsafe { aya_ebpf::helpers::generated::bpf_get_current_task() };
+    let mut cgroup =
+        kernel_word(kernel_word(task + u64::from(walk.task_cgroups)) + u64::from(walk.css_set_cgroup));
+    let depth_field = (cgroup + u64::from(walk.cgroup_level)) as *const i32;
+    // SAFETY: a kernel read that fails cleanly on a bad address.
+    let Ok(depth) = (unsafe { aya_ebpf::helpers::bpf_probe_read_kernel(depth_field) }) else { return 0 };
+    let mut climb = depth - level;
+    for _ in 0..memleak_common::MAX_CGROUP_CLIMB {
+        if climb <= 0 {
+            break;
+        }
+        let parent_state = kernel_word(cgroup + u64::from(walk.cgroup_self) + u64::from(walk.state_parent));
+        cgroup = parent_state.wrapping_sub(u64::from(walk.cgroup_self));
+        climb -= 1;
+    }
+    if climb != 0 {
+        return 0;
+    }
+    kernel_word(kernel_word(cgroup + u64::from(walk.cgroup_node)) + u64::from(walk.node_id))
+}
+
+/// The kernel's word at `address`, 0 if it cannot be read.
+#[cfg(feature = "legacy-kernels")]
+fn kernel_word(address: u64) -> u64 {
+    // SAFETY: a kernel read that fails cleanly on a bad address.
+    unsafe { aya_ebpf::helpers::bpf_probe_read_kernel(address as *const u64) }.unwrap_or(0)
 }
 
 /// Whether process `tgid` is one never recorded: see

@@ -7,8 +7,8 @@
 //! promises: a C leak's bytes and `file:line`, a C++ -O2 stack without frame
 //! pointers to `main`, Python frames of a live python3, `serve` scraped,
 //! kernel mode, a cgroup followed, and threads preempted mid-walk (the
-//! kernels boot with `BOOT_ARGUMENTS`). Kernels memleak refuses run
-//! `REFUSALS`: its one line, not a verifier's log. Under emulation (no KVM
+//! kernels boot with `BOOT_ARGUMENTS`), and memleak's one-line refusal
+//! of a kernel without BTF (`MISSING_BTF`). Under emulation (no KVM
 //! for distribution kernels here) a test takes about 30 times its time on
 //! the host, so the set is small and the VMs run one after the other.
 
@@ -19,16 +19,14 @@ use serde::Deserialize;
 
 use crate::{cargo, root, vm};
 
-/// The kernels the tests run in: Debian 12's, Debian 13's, and 6.18,
-/// the host's generation. The newest of all (7.3 today) is left out, to
+/// The kernels the tests run in: Debian 11's (without `bpf_loop`, so
+/// with the object built for older kernels), Debian 12's, Debian 13's,
+/// and 6.18, the host's generation. The newest of all (7.3 today) is left out, to
 /// keep CI's run short: `cargo xtask kernels newest` runs it, on one CPU
 /// (see `cpus_for`). What it alone showed, an oops in memleak's walk when
 /// a uprobe program is preempted, 6.18 booted with `BOOT_ARGUMENTS`
 /// shows too.
-pub const KERNELS: [&str; 3] = ["6.1", "6.12", "6.18"];
-
-/// Kernels memleak refuses: Debian 11's 5.10 has no `bpf_loop`.
-pub const REFUSING_KERNELS: [&str; 1] = ["5.10"];
+pub const KERNELS: [&str; 4] = ["5.10", "6.1", "6.12", "6.18"];
 
 /// (test target, test name): one test of each kind the kernels page
 /// promises.
@@ -57,13 +55,7 @@ struct Refusal {
     expected_line: &'static str,
 }
 
-/// In the refusing kernels: the missing helper. In every kernel: BTF
-/// hidden by a mount, as a container without /sys/kernel/btf would.
-const MISSING_BPF_LOOP: Refusal = Refusal {
-    name: "a_kernel_without_bpf_loop_is_refused_in_one_line",
-    setup: "",
-    expected_line: "lacks the BPF helper bpf_loop, which memleak's stack walker needs: memleak runs on Linux 5.17 or later",
-};
+/// BTF hidden by a mount, as a container without /sys/kernel/btf would.
 const MISSING_BTF: Refusal = Refusal {
     name: "a_kernel_without_btf_is_refused_in_one_line",
     setup: "mount --bind /dev/null /sys/kernel/btf/vmlinux",
@@ -75,19 +67,32 @@ const MISSING_BTF: Refusal = Refusal {
 /// emulation with two panicked at boot in 2 of 4 boots (with one, 6 of 6
 /// booted); two for the rest.
 fn cpus_for(release: &str) -> u32 {
-    if release.split('.').next().and_then(|major| major.parse::<u32>().ok()).is_some_and(|major| major >= 7) {
+    if major_of(release) >= 7 {
         1
     } else {
         vm::VmOptions::default().cpus
     }
 }
 
-/// Runs the cases in each of `kernels` (all of `KERNELS` and
-/// `REFUSING_KERNELS` when empty), after building the test binaries;
+/// The cases a kernel release runs: all of `CASES`, but the preemption
+/// case only from Linux 6.0, where uprobe programs became preemptible
+/// (before, it would check nothing the other cases do not, at a minute
+/// of emulation).
+fn cases_for(release: &str) -> Vec<(&'static str, &'static str)> {
+    CASES.into_iter().filter(|&(target, _)| target != "preemption" || major_of(release) >= 6).collect()
+}
+
+/// A kernel release's major version, 0 if it has none.
+fn major_of(release: &str) -> u32 {
+    release.split('.').next().and_then(|major| major.parse().ok()).unwrap_or(0)
+}
+
+/// Runs the cases in each of `kernels` (all of `KERNELS` when empty),
+/// after building the test binaries;
 /// fails naming each kernel where a case failed.
 pub fn run(kernels: &[String]) -> Result<()> {
     let kernels: Vec<String> = if kernels.is_empty() {
-        KERNELS.iter().chain(&REFUSING_KERNELS).map(|&kernel| kernel.to_owned()).collect()
+        KERNELS.iter().map(|&kernel| kernel.to_owned()).collect()
     } else {
         kernels.to_vec()
     };
@@ -97,16 +102,13 @@ pub fn run(kernels: &[String]) -> Result<()> {
     let (mut passed_in_all, mut failed_in_all, mut failed) = (0, 0, Vec::new());
     for kernel in &kernels {
         let started = Instant::now();
-        let refusing = REFUSING_KERNELS.contains(&kernel.as_str());
         let results = dir.join(format!("{kernel}.results"));
         let _ = fs::remove_file(&results);
         let script = dir.join(format!("{kernel}.sh"));
-        fs::write(&script, script_for(&binaries, refusing, &results)?)?;
-        eprintln!(
-            "xtask: kernel {kernel}: {}",
-            if refusing { "memleak's refusal" } else { "the end-to-end set" }
-        );
+        eprintln!("xtask: kernel {kernel}: the end-to-end set");
         let resolved = vm::resolve_kernel(kernel)?;
+        let cases = cases_for(&resolved.release);
+        fs::write(&script, script_for(&binaries, &cases, &results)?)?;
         let status = vm::run_in_vm(
             &resolved,
             &vm::VmOptions {
@@ -119,7 +121,7 @@ pub fn run(kernels: &[String]) -> Result<()> {
         let outcome = fs::read_to_string(&results).unwrap_or_default();
         let failures: Vec<&str> = outcome.lines().filter_map(|line| line.strip_prefix("FAIL ")).collect();
         let passed = outcome.lines().filter(|line| line.starts_with("PASS ")).count();
-        let expected = if refusing { 2 } else { CASES.len() + 1 };
+        let expected = cases.len() + 1;
         eprintln!(
             "xtask: kernel {kernel} ({}): {passed} passed, {} failed in {:.0} s",
             resolved.release,
@@ -145,7 +147,11 @@ pub fn run(kernels: &[String]) -> Result<()> {
 
 /// The script a VM runs: each case, its outcome appended to `results`
 /// as `PASS NAME` or `FAIL NAME`.
-fn script_for(binaries: &[(String, PathBuf)], refusing: bool, results: &std::path::Path) -> Result<String> {
+fn script_for(
+    binaries: &[(String, PathBuf)],
+    cases: &[(&str, &str)],
+    results: &std::path::Path,
+) -> Result<String> {
     let memleak = root().join("target/debug/memleak");
     // The setup runs in a mount namespace of its own: a mount it makes
     // stays out of the tests.
@@ -163,21 +169,15 @@ fn script_for(binaries: &[(String, PathBuf)], refusing: bool, results: &std::pat
         results = results.display(),
         memleak = memleak.display(),
     );
-    let refusals: &[&Refusal] = if refusing { &[&MISSING_BPF_LOOP, &MISSING_BTF] } else { &[&MISSING_BTF] };
-    for refusal in refusals {
-        let quoted = |text: &str| format!("'{}'", text.replace('\'', "'\\''"));
-        writeln!(
-            script,
-            "refusal {} {} {}",
-            refusal.name,
-            quoted(refusal.setup),
-            quoted(refusal.expected_line)
-        )?;
-    }
-    if refusing {
-        return Ok(script);
-    }
-    for (target, name) in CASES {
+    let quoted = |text: &str| format!("'{}'", text.replace('\'', "'\\''"));
+    writeln!(
+        script,
+        "refusal {} {} {}",
+        MISSING_BTF.name,
+        quoted(MISSING_BTF.setup),
+        quoted(MISSING_BTF.expected_line)
+    )?;
+    for &(target, name) in cases {
         let binary = binaries
             .iter()
             .find(|(found, _)| found == target)

@@ -7,7 +7,9 @@
 use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::raw_tracepoint, programs::RawTracePointContext};
 use memleak_common::{AllocationKey, Counter, KERNEL_TGID};
 
-use crate::{counters, record, scratch, stack, tunables};
+use crate::{counters, record, tunables};
+#[cfg(not(feature = "legacy-kernels"))]
+use crate::{scratch, stack};
 
 const PAGE_SIZE: u64 = 4096;
 
@@ -81,6 +83,10 @@ pub fn percpu_free_percpu(ctx: RawTracePointContext) -> i32 {
     0
 }
 
+// Inlined where it tail-calls (see `staged`): the kernel allows a tail
+// call only in a function that returns an int, which this one is not.
+#[cfg_attr(feature = "legacy-kernels", expect(clippy::inline_always, reason = "a tail call: see above"))]
+#[cfg_attr(feature = "legacy-kernels", inline(always))]
 fn record(ctx: &RawTracePointContext, address: u64, size: u64) {
     if address == 0 {
         counters::increment(KERNEL_TGID, Counter::FailedAllocations);
@@ -94,8 +100,14 @@ fn record(ctx: &RawTracePointContext, address: u64, size: u64) {
         return;
     }
     let key = AllocationKey { tgid: KERNEL_TGID, _padding: 0, address };
-    // An allocation in an interrupt may come in the middle of another's
-    // program run, which holds the scratch: see `scratch`.
+    record_with_stack(ctx, key, size);
+}
+
+/// Records `key` with the current kernel stack, or its lost stack if an
+/// allocation in an interrupt came in the middle of another's program
+/// run, which holds the scratch (see `scratch`).
+#[cfg(not(feature = "legacy-kernels"))]
+fn record_with_stack(ctx: &RawTracePointContext, key: AllocationKey, size: u64) {
     let stack_id = if scratch::hold().is_some() {
         let stack_id = stack::current_kernel_stack_id(ctx);
         scratch::release();
@@ -105,6 +117,103 @@ fn record(ctx: &RawTracePointContext, address: u64, size: u64) {
     };
     record::store(key, size, stack_id);
 }
+
+/// Kernels without `bpf_loop`: a program that took the kernel stack and
+/// stored it was past the verifier's million instructions (its frame
+/// comparisons are loops it follows through). The stack is taken here, in
+/// the scratch, and stored by `store_kernel_stack` and, if new,
+/// `insert_kernel_stack`, tail-called through `KERNEL_STACK_RECORDER` as
+/// the user stack's stages are (see `probes::recorder`).
+#[cfg(feature = "legacy-kernels")]
+mod staged {
+    use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
+    use memleak_common::{AllocationKey, KERNEL_STAGE_INSERT, KERNEL_STAGE_STORE, KERNEL_TGID};
+
+    use crate::{
+        deferred::{ALLOCATION, NOTHING},
+        maps::{KERNEL_STACK_RECORDER, PENDING_RECORD},
+        probes::recorder::pending,
+        record, scratch,
+        stack::{self, Completed, Probed},
+    };
+
+    /// Hands `key` and its stack to the stages, which record it; records
+    /// it with its lost stack if that could not happen.
+    ///
+    /// A run that finds its thread holding the scratch runs nested in
+    /// another: in an interrupt, or in the kernel's allocation of an entry
+    /// of memleak's own maps, which kernels before 6.1 make with kmalloc
+    /// inside the program that stores it, and which 5.10 does not keep
+    /// from running the allocation programs again. Recorded, it would
+    /// allocate again, nested deeper each time: it is left out, as later
+    /// kernels leave out a program that fires inside itself.
+    #[expect(clippy::inline_always, reason = "a tail call: see `record`")]
+    #[inline(always)]
+    pub(super) fn record_with_stack(ctx: &RawTracePointContext, key: AllocationKey, size: u64) {
+        let Some(slot) = scratch::hold() else { return };
+        if let Some(pending) = PENDING_RECORD.get_ptr_mut(slot.key()) {
+            if stack::begin_kernel_stack(ctx).is_some() {
+                // SAFETY: this CPU's slot, held until the last stage's end.
+                let pending = unsafe { &mut *pending };
+                pending.kind = ALLOCATION;
+                pending.tgid = KERNEL_TGID;
+                pending.key = key;
+                pending.size = size;
+                // SAFETY: the stages take the same context: a raw tracepoint's.
+                unsafe { KERNEL_STACK_RECORDER.tail_call(ctx, KERNEL_STAGE_STORE) };
+                pending.kind = NOTHING;
+            }
+        }
+        record::store(key, size, stack::lost_stack(KERNEL_TGID));
+        scratch::release();
+    }
+
+    #[raw_tracepoint]
+    pub fn store_kernel_stack(ctx: RawTracePointContext) -> i32 {
+        let stack_id = match stack::walked_kernel_stack() {
+            Completed::Last(id) => id,
+            Completed::New => inserted(&ctx),
+            Completed::Lost => stack::lost_stack(KERNEL_TGID),
+        };
+        record_released(stack_id);
+        0
+    }
+
+    #[raw_tracepoint]
+    pub fn insert_kernel_stack(ctx: RawTracePointContext) -> i32 {
+        let stack_id = match stack::probe_slot() {
+            Probed::Stored(id) => id,
+            Probed::Again => inserted(&ctx),
+            Probed::Lost => stack::lost_stack(KERNEL_TGID),
+        };
+        record_released(stack_id);
+        0
+    }
+
+    /// Hands the stack over to `insert_kernel_stack`, which does not come
+    /// back; the lost stack if it could not. Inlined: a tail call.
+    #[expect(clippy::inline_always, reason = "a tail call: see `record`")]
+    #[inline(always)]
+    fn inserted(ctx: &RawTracePointContext) -> u64 {
+        // SAFETY: the stage takes the same context.
+        unsafe { KERNEL_STACK_RECORDER.tail_call(ctx, KERNEL_STAGE_INSERT) };
+        stack::lost_stack(KERNEL_TGID)
+    }
+
+    /// Records the pending allocation with stack `stack_id`, and gives
+    /// the scratch back: last, so that allocations the record makes are
+    /// left out (see `record_with_stack`).
+    fn record_released(stack_id: u64) {
+        if let Some(pending) = pending() {
+            record::store(pending.key, pending.size, stack_id);
+            pending.kind = NOTHING;
+        }
+        scratch::release();
+    }
+}
+
+#[cfg(feature = "legacy-kernels")]
+use staged::record_with_stack;
 
 fn release(address: u64) {
     let _ = record::release(KERNEL_TGID, address, || false);

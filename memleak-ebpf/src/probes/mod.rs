@@ -9,4 +9,4 @@ mod fork;
 mod free;
 mod kernel;
 pub(crate) mod mmap;
-mod recorder;
+pub(crate) mod recorder;

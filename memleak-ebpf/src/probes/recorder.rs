@@ -11,8 +11,9 @@
 //! native walk, `walk_user_stack` takes `FRAMES_PER_STAGE` frames a run
 //! and calls itself again until the walk ends, `store_user_stack`
 //! completes the stack and records it if it is the CPU's last, and
-//! `insert_user_stack` stores a new one and records. A stage whose tail
-//! call fails records without the stack, counted as lost.
+//! `insert_user_stack` stores a new one, trying a slot of its hash a run
+//! (see `stack::probe_slot`), and records. A stage whose tail call fails
+//! records without the stack, counted as lost.
 
 use aya_ebpf::{macros::uretprobe, programs::RetProbeContext};
 
@@ -35,8 +36,9 @@ pub fn record_with_user_stack(ctx: RetProbeContext) -> u32 {
 }
 
 /// The record this CPU's slot holds, filled by the program that
-/// tail-called the recorder.
-fn pending<'a>() -> Option<&'a mut PendingRecord> {
+/// tail-called the recorder (or kernel mode's stages: see
+/// `probes::kernel`).
+pub(crate) fn pending<'a>() -> Option<&'a mut PendingRecord> {
     let pending = PENDING_RECORD.get_ptr_mut(scratch::slot()?.key())?;
     // SAFETY: this CPU's slot, held by this program run (see `scratch`).
     Some(unsafe { &mut *pending })
@@ -74,7 +76,7 @@ mod staged {
     use crate::{
         maps::{PendingRecord, USER_STACK_RECORDER},
         scratch,
-        stack::{self, Completed},
+        stack::{self, Completed, Probed},
         unwind,
     };
 
@@ -121,9 +123,12 @@ mod staged {
 
     #[uretprobe]
     pub fn insert_user_stack(ctx: RetProbeContext) -> u32 {
-        let _ = ctx;
         if let Some(pending) = pending() {
-            deliver(pending, stack::new_user_stack_id(pending.tgid));
+            match stack::probe_slot() {
+                Probed::Stored(id) => deliver(pending, id),
+                Probed::Again => hand_on(&ctx, pending, STAGE_INSERT),
+                Probed::Lost => deliver(pending, stack::lost_stack(pending.tgid)),
+            }
         }
         scratch::release();
         0

@@ -25,14 +25,18 @@ pub struct Walked {
     /// A `WalkEnd`.
     pub end: u32,
     /// Whether the walk is its CPU's last cached one (see `reuse`), whose
-    /// stack id `remember_stack_id` notes.
+    /// stack id `remember_stack_id` notes. Never, in the object for
+    /// kernels before 5.17, which reuses no walk.
+    #[cfg_attr(feature = "legacy-kernels", expect(dead_code, reason = "no stack reuse before 5.17"))]
     pub cached: bool,
     /// Whether it found exactly the frames of the cached walk before it,
     /// whose stack id `last_stack_id` gives. The key's frames are then
-    /// not filled in: `copy_last_walk` does it.
+    /// not filled in: `copy_last_walk` does it. Never before 5.17.
+    #[cfg_attr(feature = "legacy-kernels", expect(dead_code, reason = "no stack reuse before 5.17"))]
     pub unchanged: bool,
 }
 
+#[cfg(not(feature = "legacy-kernels"))]
 pub use reuse::{copy_last_walk, last_stack_id, remember_stack_id};
 
 /// The user stack of process `tgid`, from a return probe: through its

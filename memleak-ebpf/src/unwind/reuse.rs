@@ -181,6 +181,7 @@ pub fn end(depth: u32, end: u32, unchanged: bool, slot: Slot) {
 }
 
 /// The id the last walk's stack was stored under, if known.
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn last_stack_id(slot: Slot) -> Option<u64> {
     // The last walk is `previous` once `end` has swapped them, or kept it.
     let Caches { previous, .. } = caches(slot)?;
@@ -189,6 +190,7 @@ pub fn last_stack_id(slot: Slot) -> Option<u64> {
 
 /// Notes the id the last walk's stack was stored under, or that it is not
 /// known.
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn remember_stack_id(id: Option<u64>, slot: Slot) {
     let Some(Caches { previous, .. }) = caches(slot) else { return };
     previous.stack_known = u32::from(id.is_some());
@@ -343,6 +345,7 @@ struct Copying {
 
 /// Puts the last walk's frames in `key`: its stack, when the walk took
 /// them all without copying them (`whole_last_walk_checked`).
+#[cfg(not(feature = "legacy-kernels"))]
 pub fn copy_last_walk(key: *mut StackKey, slot: Slot) {
     if !ENABLED {
         return;

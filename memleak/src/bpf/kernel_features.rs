@@ -58,7 +58,7 @@ impl Loops {
     pub fn name(self) -> &'static str {
         match self {
             Self::BpfLoop => "bpf_loop",
-            Self::Bounded => "bounded loops",
+            Self::Bounded => "bounded loops, in stages, without stack reuse",
         }
     }
 }
@@ -107,7 +107,7 @@ pub struct Paths {
     /// seen.
     pub munmap_mprotect: &'static str,
     /// How the BPF programs loop over frames: "`bpf_loop`" or "bounded
-    /// loops" (see [`Loops`]).
+    /// loops, in stages, without stack reuse" (see [`Loops`]).
     pub loops: &'static str,
 }
 

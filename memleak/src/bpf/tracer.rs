@@ -13,13 +13,14 @@ use aya::{
     Ebpf, EbpfError, EbpfLoader, Pod,
 };
 use memleak_common::{
-    lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, Counter, PendingCall,
-    ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals, WalkCounts,
-    ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP, FOLLOWED_MAP,
-    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP,
-    PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP, REPLACEABLE_MAP, STACKS_MAP,
-    STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
-    USER_STACK_RECORDER_MAP, USER_STACK_STAGES, WALK_COUNTS_MAP,
+    lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, CgroupWalk, Counter,
+    PendingCall, ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals,
+    WalkCounts, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP,
+    FOLLOWED_MAP, KERNEL_STACK_RECORDER_MAP, KERNEL_STACK_STAGES, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
+    MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP,
+    PY_PROCS_MAP, PY_WALKING_MAP, REPLACEABLE_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
+    TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, USER_STACK_STAGES,
+    WALK_COUNTS_MAP,
 };
 
 use super::{
@@ -272,6 +273,33 @@ fn entry_program(site: &ProbeSite, loops: Loops) -> &'static str {
     programs::ENTRY_OF_FUNCTION.get(first).copied().unwrap_or(site.entry_program)
 }
 
+/// Where this kernel keeps a task's cgroup and the cgroup's ancestors,
+/// for the object for kernels before 5.17 when it filters by cgroup (see
+/// `memleak_common::CgroupWalk`).
+fn cgroup_walk(loops: Loops, cgroup_level: Option<u32>) -> Result<CgroupWalk, TracerError> {
+    if loops == Loops::BpfLoop || cgroup_level.is_none() {
+        return Ok(CgroupWalk::default());
+    }
+    let btf = std::path::Path::new(crate::attach::kernel_btf::VMLINUX_BTF);
+    let offset = |structure: &str, member: &str| {
+        crate::attach::kernel_btf::member_offset(btf, structure, member).map_err(|error| {
+            TracerError::KernelFeature {
+                feature: "the cgroup fields --cgroup reads".to_owned(),
+                detail: error.to_string(),
+            }
+        })
+    };
+    Ok(CgroupWalk {
+        task_cgroups: offset("task_struct", "cgroups")?,
+        css_set_cgroup: offset("css_set", "dfl_cgrp")?,
+        cgroup_level: offset("cgroup", "level")?,
+        cgroup_self: offset("cgroup", "self")?,
+        state_parent: offset("cgroup_subsys_state", "parent")?,
+        cgroup_node: offset("cgroup", "kn")?,
+        node_id: offset("kernfs_node", "id")?,
+    })
+}
+
 /// How many Python frames a stack may hold, if the BPF side walks them:
 /// two slots a frame, and one native frame at least.
 fn python_frame_limit(config: &TracerConfig) -> Option<u16> {
@@ -372,10 +400,12 @@ impl Tracer {
     /// the uprobes' parts when it traces the kernel's allocations).
     pub fn kernel_paths(&self) -> kernel_features::Paths {
         let kernel_mode = self.traces_kernel;
-        let uprobes = match (&self.multi, kernel_mode) {
-            (_, true) => "none",
-            (Some(_), false) => "multi-uprobe links",
-            (None, false) => "perf-event uprobes",
+        let uprobes = match (&self.multi, kernel_mode, self.loops) {
+            (_, true, _) => "none",
+            (Some(_), false, _) => "multi-uprobe links",
+            (None, false, Loops::BpfLoop) => "perf-event uprobes",
+            // No attach cookies: see `entry_program`.
+            (None, false, Loops::Bounded) => "perf-event uprobes, an entry program per function",
         };
         let munmap_mprotect = match (self.seen_in_kernel.is_empty(), kernel_mode) {
             (_, true) => "none",
@@ -404,6 +434,7 @@ impl Tracer {
         let settings = &config.settings;
         let loops = kernel_features::check()?;
         log::debug!("loops: {}", loops.name());
+        let cgroup_walk = cgroup_walk(loops, config.cgroup_level)?;
         // One statement: the loader borrows the values until it loads.
         let mut ebpf = size_maps(
             EbpfLoader::new()
@@ -427,6 +458,8 @@ impl Tracer {
                     &config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN),
                     true,
                 )
+                // Only in the object for kernels before 5.17.
+                .override_global(tunables::CGROUP_WALK, &cgroup_walk, false)
                 .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
                 .override_global(tunables::IGNORED_CALLER_END, &config.ignored_callers.end, true)
                 .override_global(
@@ -782,11 +815,25 @@ impl Tracer {
         // All loaded before any is attached, and frees attached first: an
         // allocation recorded while its free is not traced yet would stay
         // outstanding for good.
-        for &(program, _) in &sites {
+        // On a kernel without bpf_loop, the stages that store the stacks
+        // first, where the allocation programs tail-call them.
+        let stages = KERNEL_STACK_STAGES.iter().filter(|_| self.loops == Loops::Bounded);
+        for &program in stages.chain(sites.iter().map(|(program, _)| program)) {
             let loaded = raw_tracepoint(&mut self.ebpf, program)?;
             if loaded.fd().is_err() {
-                loaded.load().map_err(|error| missing(program, error))?;
+                let loading = std::time::Instant::now();
+                loaded.load().map_err(|error| {
+                    if KERNEL_STACK_STAGES.contains(&program) {
+                        TracerError::Verifier { program, source: error }
+                    } else {
+                        missing(program, error)
+                    }
+                })?;
+                log::debug!("{program} verified and loaded in {} ms", loading.elapsed().as_millis());
             }
+        }
+        if self.loops == Loops::Bounded {
+            self.set_kernel_stages()?;
         }
         let (frees, allocations): (Vec<_>, Vec<_>) =
             sites.iter().partition(|(program, _)| programs::KERNEL_RELEASES.contains(program));
@@ -797,6 +844,22 @@ impl Tracer {
             log::debug!("attached {program} to the {tracepoint} tracepoint");
         }
         self.traces_kernel = true;
+        Ok(())
+    }
+
+    /// Puts kernel mode's stages in their program array, each at its
+    /// index.
+    fn set_kernel_stages(&mut self) -> Result<(), TracerError> {
+        for (index, &stage) in (0u32..).zip(&KERNEL_STACK_STAGES) {
+            let program = raw_tracepoint(&mut self.ebpf, stage)?
+                .fd()
+                .and_then(|fd| fd.try_clone().map_err(ProgramError::from))
+                .map_err(|source| TracerError::Verifier { program: stage, source })?;
+            let mut stages: ProgramArray<&mut MapData> = self.map_mut(KERNEL_STACK_RECORDER_MAP)?;
+            stages
+                .set(index, &program, 0)
+                .map_err(|source| TracerError::ReadMap { map: KERNEL_STACK_RECORDER_MAP, source })?;
+        }
         Ok(())
     }
 
