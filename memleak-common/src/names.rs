@@ -165,8 +165,8 @@ pub const CGROUP_LEVEL_UNKNOWN: u32 = u32::MAX;
 
 /// Where a kernel keeps a task's cgroup and the cgroup's ancestors, read
 /// from its BTF: the object for kernels before 5.17 walks up from the
-/// task's cgroup itself ([`tunables::CGROUP_WALK`]), as their tracing
-/// programs cannot call `bpf_get_current_ancestor_cgroup_id`. Byte
+/// task's cgroup itself ([`tunables::CGROUP_WALK`]): 5.10's verifier
+/// refuses `bpf_get_current_ancestor_cgroup_id` in uprobe programs. Byte
 /// offsets, all 0 where there is no cgroup filter.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

@@ -178,9 +178,10 @@ fn ancestor_cgroup_id(level: i32) -> u64 {
     unsafe { aya_ebpf::helpers::generated::bpf_get_current_ancestor_cgroup_id(level) }
 }
 
-/// The same, on kernels before 5.17, whose tracing programs cannot call
-/// that helper: read from the kernel's structures, one read per level
-/// climbed, at the offsets user space found in its BTF.
+/// The same, in the object for kernels before 5.17: 5.10's verifier
+/// refuses that helper in uprobe programs ("unknown func"). Read from
+/// the kernel's structures, one read per level climbed, at the offsets
+/// user space found in its BTF.
 #[cfg(feature = "legacy-kernels")]
 fn ancestor_cgroup_id(level: i32) -> u64 {
     // SAFETY: written by user space before loading, read-only since.

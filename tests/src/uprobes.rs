@@ -40,6 +40,19 @@ pub fn links_of_type(holder: u32, kind: &str) -> usize {
     link_infos(holder).iter().filter(|info| field(info, "link_type") == Some(kind)).count()
 }
 
+/// Whether process `holder` has placed uprobes, through BPF links of
+/// either kind or, on kernels without perf-event links (before 5.15),
+/// through perf events its programs are set on, which are no links.
+pub fn placed_uprobes(holder: u32) -> bool {
+    if links_of_type(holder, "uprobe_multi") + links_of_type(holder, "perf") > 0 {
+        return true;
+    }
+    let Ok(fds) = fs::read_dir(format!("/proc/{holder}/fd")) else { return false };
+    fds.flatten().any(|fd| {
+        fs::read_link(fd.path()).is_ok_and(|target| target.as_os_str() == "anon_inode:[perf_event]")
+    })
+}
+
 fn link_infos(holder: u32) -> Vec<String> {
     let Ok(entries) = fs::read_dir(format!("/proc/{holder}/fdinfo")) else { return Vec::new() };
     entries

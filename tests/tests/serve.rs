@@ -10,7 +10,7 @@ use std::{
 
 use memleak_tests::{
     http::{self, get, get_until, serve_pid, Response},
-    uprobes::{byte_in_file, byte_in_process, links_of_type, multi_links},
+    uprobes::{byte_in_file, byte_in_process, multi_links, placed_uprobes},
     Leaker,
 };
 use serde_json::Value;
@@ -36,6 +36,20 @@ fn promtool_check(body: &str) {
     );
 }
 
+/// The offsets in libc of the uprobes process `holder` placed, checking
+/// that it placed some. Multi-uprobe links list their sites from 6.13 on;
+/// before 6.6 (the kernel tests' 6.1 and 5.10) memleak places perf-event
+/// uprobes, which list none either. Those are counted then, and the
+/// check that no breakpoint is left has no offsets.
+fn placed_offsets(holder: u32) -> Vec<u64> {
+    let offsets: Vec<u64> = multi_links(holder).iter().flat_map(|link| link.offsets.clone()).collect();
+    assert!(
+        !offsets.is_empty() || placed_uprobes(holder),
+        "memleak placed no uprobe, through multi-uprobe links or perf events"
+    );
+    offsets
+}
+
 /// The probes memleak placed in libc, and the check that each is gone
 /// from the traced process once memleak has ended.
 fn assert_detached(leaker: &Leaker, offsets: &[u64]) {
@@ -52,16 +66,7 @@ fn assert_detached(leaker: &Leaker, offsets: &[u64]) {
 fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let mut leaker = Leaker::start_waiting(&["all"]);
     let (memleak, port) = serve_pid(leaker.pid());
-    // Multi-uprobe links list their sites from 6.13 on; before 6.6 (the
-    // kernel tests' 6.1) memleak places perf-event uprobes, which list
-    // none either. Their links are counted then, and the check that no
-    // breakpoint is left below has no offsets.
-    let holder = memleak.child.id();
-    let offsets: Vec<u64> = multi_links(holder).iter().flat_map(|link| link.offsets.clone()).collect();
-    assert!(
-        !offsets.is_empty() || links_of_type(holder, "uprobe_multi") + links_of_type(holder, "perf") > 0,
-        "memleak placed no uprobe, through multi-uprobe links or perf events"
-    );
+    let offsets = placed_offsets(memleak.child.id());
     let health = get(port, "/healthz").expect("GET /healthz");
     assert_eq!((health.status, health.body.as_str()), (200, "ok\n"), "{health:#?}");
 
@@ -143,16 +148,7 @@ fn an_exited_process_keeps_its_last_report() {
 fn sigint_detaches_every_probe_and_exits_0() {
     let leaker = Leaker::start_waiting(&["all"]);
     let (memleak, port) = serve_pid(leaker.pid());
-    // Multi-uprobe links list their sites from 6.13 on; before 6.6 (the
-    // kernel tests' 6.1) memleak places perf-event uprobes, which list
-    // none either. Their links are counted then, and the check that no
-    // breakpoint is left below has no offsets.
-    let holder = memleak.child.id();
-    let offsets: Vec<u64> = multi_links(holder).iter().flat_map(|link| link.offsets.clone()).collect();
-    assert!(
-        !offsets.is_empty() || links_of_type(holder, "uprobe_multi") + links_of_type(holder, "perf") > 0,
-        "memleak placed no uprobe, through multi-uprobe links or perf events"
-    );
+    let offsets = placed_offsets(memleak.child.id());
     let health = get(port, "/healthz").expect("GET /healthz");
     assert_eq!(health.status, 200);
     memleak.signal(libc::SIGINT);
