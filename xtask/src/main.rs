@@ -188,8 +188,40 @@ pub fn install_missing_packages(packages: &[&str], purpose: &str) -> Result<()> 
         return Ok(());
     }
     eprintln!("xtask: installing {} for {purpose}", missing.join(" "));
-    run(Command::new("apt-get").arg("update"))?;
-    run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(&missing))
+    apt_get(&["update"])?;
+    apt_get(&[&["install", "-y", "--no-install-recommends"], missing.as_slice()].concat())
+}
+
+/// How long `apt_get` waits for another package manager's lock.
+const APT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_mins(15);
+
+/// Runs apt-get with `args`, waiting while another apt or dpkg holds the
+/// package manager's locks: cloud machines run apt at boot, and a fresh
+/// machine's first test run failed on its lock.
+fn apt_get(args: &[&str]) -> Result<()> {
+    let started = std::time::Instant::now();
+    loop {
+        // dpkg's own lock is waited for by apt itself; the lists' lock
+        // that `update` takes is not.
+        let output = Command::new("apt-get")
+            .args(["-o", &format!("DPkg::Lock::Timeout={}", APT_LOCK_WAIT.as_secs())])
+            .args(args)
+            .stdout(std::process::Stdio::inherit())
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .context("cannot run apt-get")?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        eprint!("{stderr}");
+        if output.status.success() {
+            return Ok(());
+        }
+        let locked = stderr.contains("Could not get lock") || stderr.contains("Unable to lock");
+        if !locked || started.elapsed() > APT_LOCK_WAIT {
+            bail!("apt-get {} failed with {}", args.join(" "), output.status);
+        }
+        eprintln!("xtask: another package manager holds apt's lock; waiting for it");
+        std::thread::sleep(std::time::Duration::from_secs(10));
+    }
 }
 
 /// Compiles a C fixture from tests/fixtures with debug info and frame
@@ -350,12 +382,14 @@ fn test(test_args: &[String]) -> Result<()> {
 /// for kernels before 5.17; any warning fails.
 fn lint() -> Result<()> {
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    // The whole workspace again, all targets: memleak-ebpf alone, as a
+    // host binary, has no panic handler (its test target links std's).
     run(cargo().args([
         "clippy",
-        "--package",
-        "memleak-ebpf",
+        "--workspace",
+        "--all-targets",
         "--features",
-        "legacy-kernels",
+        "memleak-ebpf/legacy-kernels",
         "--",
         "-D",
         "warnings",
