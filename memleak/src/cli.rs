@@ -372,7 +372,7 @@ pub struct ServeArgs {
     /// the kubelet's files below it name each process's pod and
     /// container (/host when memleak runs in a pod with the host's root
     /// mounted there).
-    #[arg(long, value_name = "DIR", default_value = "/")]
+    #[arg(long, value_name = "DIR", default_value = "/", value_parser = parse_host_root)]
     pub host_root: PathBuf,
 
     #[command(flatten)]
@@ -603,13 +603,31 @@ fn parse_advertise(text: &str) -> Result<String, String> {
     let host_is_good = if let Some(inside) = host.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')) {
         inside.parse::<std::net::Ipv6Addr>().is_ok()
     } else {
+        // DNS's limits: 253 characters a name, 63 a label.
         !host.is_empty()
+            && host.len() <= 253
+            && host.split('.').all(|label| label.len() <= 63)
             && host.bytes().all(|byte| byte.is_ascii_alphanumeric() || byte == b'.' || byte == b'-')
     };
     if host_is_good {
         Ok(text.to_owned())
     } else {
         Err(wanted())
+    }
+}
+
+/// A directory holding a root file system: one with `etc`, `var` or
+/// `run` (the runtimes' and the kubelet's files are in the last two). A wrong path would
+/// otherwise only leave every pod unnamed, without a word.
+fn parse_host_root(text: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(text);
+    match std::fs::metadata(&path) {
+        Err(error) => Err(format!("`{text}`: {}", crate::status::os_reason(&error))),
+        Ok(metadata) if !metadata.is_dir() => Err(format!("`{text}` is not a directory")),
+        Ok(_) if !["etc", "var", "run"].iter().any(|dir| path.join(dir).is_dir()) => {
+            Err(format!("`{text}` does not look like a root file system: it has no etc/, var/ or run/"))
+        }
+        Ok(_) => Ok(path),
     }
 }
 
@@ -768,6 +786,34 @@ mod tests {
             "invalid value `jsn` for `--format <FORMAT>` [possible values: text, json, folded, svg, pprof]; \
              did you mean `json`?"
         );
+    }
+
+    #[test]
+    fn a_host_root_must_be_a_root_file_system() {
+        assert_eq!(
+            refused("serve --pid 1 --host-root /dev/zero"),
+            "invalid value `/dev/zero` for `--host-root <DIR>`: `/dev/zero` is not a directory"
+        );
+        assert_eq!(
+            refused("serve --pid 1 --host-root /proc/self/fdinfo"),
+            "invalid value `/proc/self/fdinfo` for `--host-root <DIR>`: `/proc/self/fdinfo` does not look like a \
+             root file system: it has no etc/, var/ or run/"
+        );
+        assert_eq!(
+            refused("serve --pid 1 --host-root /nonexistent"),
+            "invalid value `/nonexistent` for `--host-root <DIR>`: `/nonexistent`: No such file or directory"
+        );
+        assert!(Args::try_parse_from(["memleak", "serve", "--pid", "1", "--host-root", "/"]).is_ok());
+    }
+
+    #[test]
+    fn an_advertised_name_keeps_to_dns_limits() {
+        let long_label = format!("serve --pid 1 --advertise {}.example:9943", "a".repeat(64));
+        assert!(refused(&long_label).contains("is not HOST:PORT"), "{}", refused(&long_label));
+        let long_name = format!("serve --pid 1 --advertise {}:9943", ["node"; 60].join("."));
+        assert!(refused(&long_name).contains("is not HOST:PORT"));
+        let fine = format!("{}.example:9943", "a".repeat(63));
+        assert!(Args::try_parse_from(["memleak", "serve", "--pid", "1", "--advertise", &fine]).is_ok());
     }
 
     #[test]

@@ -594,12 +594,16 @@ mod tests {
         };
         assert_eq!(config.selectors, vec![Selector::Exe("x".to_owned()), Selector::Workload(filter)]);
         assert!(config.session.follow_forks);
-        let config =
-            serve("serve --namespace shop --host-root /host").unwrap_or_else(|error| panic!("{error}"));
+        // A directory that looks like a root: --host-root checks.
+        let host = std::env::temp_dir().join(format!("memleak-host-root-{}", std::process::id()));
+        std::fs::create_dir_all(host.join("etc")).unwrap();
+        let config = serve(&format!("serve --namespace shop --host-root {}", host.display()))
+            .unwrap_or_else(|error| panic!("{error}"));
+        let _ = std::fs::remove_dir_all(&host);
         let Some(Selector::Workload(filter)) = config.selectors.first() else {
             panic!("{:?}", config.selectors)
         };
-        assert_eq!(filter.host_root, PathBuf::from("/host"));
+        assert_eq!(filter.host_root, host);
         let refused = serve("serve --pod web-(").err().unwrap_or_default();
         assert_eq!(refused, "--pod `web-(` is not a regular expression: unclosed group");
     }

@@ -426,3 +426,33 @@ fn a_full_disk_leaves_the_file_ending_on_a_complete_report() {
         leaker.exit();
     }
 }
+
+/// `memleak -c CMD --format json > out.json`: the command shares memleak's
+/// stdout, and writes to it all along. Each report is one write, so every
+/// line of the file is either the command's or a whole report.
+#[test]
+fn a_commands_output_never_lands_inside_a_json_report() {
+    let dir = TempDir::new("memleak-shared-stdout");
+    let out = dir.path().join("out.json");
+    let leaker = fixture("leaker");
+    let command = format!(
+        "sh -c '{} demo --exit & while kill -0 $! 2>/dev/null; do echo \"> 121393\"; done'",
+        leaker.display()
+    );
+    let status = Command::new(memleak_binary())
+        .args(["-c", &command, "--format", "json", "1"])
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(&out).unwrap())
+        .status()
+        .expect("run memleak");
+    assert!(status.success(), "memleak exited with {status}");
+    let written = fs::read_to_string(&out).unwrap();
+    let (commands, ours): (Vec<&str>, Vec<&str>) = written.lines().partition(|line| *line == "> 121393");
+    assert!(commands.len() > 100, "the command wrote all along: {} lines", commands.len());
+    let reports = reports(&ours.join("\n"), "the reports between the command's lines");
+    assert!(reports.len() >= 3, "a report every second, and the last: {reports:#?}");
+    assert!(
+        reports.iter().any(|report| report["stacks"].as_array().is_some_and(|stacks| !stacks.is_empty())),
+        "reports long enough to have been split: {reports:#?}"
+    );
+}

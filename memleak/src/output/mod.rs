@@ -211,8 +211,14 @@ impl Output {
                 direct.write(&bytes)
             }
             Sink::Stdout => {
+                // Rendered whole first, and written in one go: stdout
+                // writes each line as it ends, and a command run with -c
+                // shares stdout, so its output landed inside reports
+                // (in the middle of a JSON line longer than the buffer).
+                let mut bytes = Vec::new();
+                write(&mut bytes).map_err(OutputError::Stdout)?;
                 let mut out = io::stdout().lock();
-                match write(&mut out).and_then(|()| out.flush()) {
+                match out.write_all(&bytes).and_then(|()| out.flush()) {
                     Ok(()) => Ok(()),
                     Err(error) if error.kind() == io::ErrorKind::BrokenPipe => Err(OutputError::ReaderGone),
                     Err(error) => Err(OutputError::Stdout(error)),

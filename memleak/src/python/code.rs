@@ -288,9 +288,41 @@ pub enum PyFrame {
         /// compiler added, such as cleanup after an exception).
         line: Option<i32>,
     },
-    /// The code object could not be read, or its address no longer holds
-    /// a code object: shown as `<freed code 0x… +lasti>`, never named.
-    Unknown { code: u64, instruction: Instruction },
+    /// The code object could not be named: shown as `<freed code 0x…
+    /// +lasti>` or `<unreadable code 0x… +lasti>` (see `Unnamed`), never
+    /// named after another.
+    Unknown { code: u64, instruction: Instruction, why: Unnamed },
+}
+
+/// Why a Python frame has no name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unnamed {
+    /// Its address no longer holds the code object that ran, or holds
+    /// nothing readable: the code object was freed.
+    Freed,
+    /// The code object is there, but its name, file or line table could
+    /// not be read (too long, or not the objects they should be).
+    Unreadable,
+}
+
+impl Unnamed {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Freed => "freed",
+            Self::Unreadable => "unreadable",
+        }
+    }
+}
+
+impl CodeError {
+    /// Why a frame whose code object gave this error is unnamed: the
+    /// object itself gone, or only what it points to unreadable.
+    fn unnamed(&self) -> Unnamed {
+        match self {
+            Self::NotCode { .. } | Self::Unreadable { what: "code object", .. } => Unnamed::Freed,
+            _ => Unnamed::Unreadable,
+        }
+    }
 }
 
 impl fmt::Display for PyFrame {
@@ -300,11 +332,11 @@ impl fmt::Display for PyFrame {
                 write!(formatter, "{function} ({file}:{line})")
             }
             Self::Code { function, file, line: None } => write!(formatter, "{function} ({file})"),
-            Self::Unknown { code, instruction: Instruction::Unit(units) } => {
-                write!(formatter, "<freed code {code:#x} +{units}>")
+            Self::Unknown { code, instruction: Instruction::Unit(units), why } => {
+                write!(formatter, "<{} code {code:#x} +{units}>", why.label())
             }
-            Self::Unknown { code, instruction: Instruction::NotStarted } => {
-                write!(formatter, "<freed code {code:#x}>")
+            Self::Unknown { code, instruction: Instruction::NotStarted, why } => {
+                write!(formatter, "<{} code {code:#x}>", why.label())
             }
         }
     }
@@ -399,7 +431,7 @@ impl<M: Memory> CodeCache<M> {
                     "python frame shown as unknown: {code:#x} holds {}, not the code object it ran",
                     info.name
                 );
-                PyFrame::Unknown { code, instruction }
+                PyFrame::Unknown { code, instruction, why: Unnamed::Freed }
             }
             Ok(info) => PyFrame::Code {
                 function: info.name.clone(),
@@ -408,7 +440,7 @@ impl<M: Memory> CodeCache<M> {
             },
             Err(error) => {
                 log::debug!("python frame shown as unknown: {error}");
-                PyFrame::Unknown { code, instruction }
+                PyFrame::Unknown { code, instruction, why: error.unnamed() }
             }
         }
     }
@@ -619,7 +651,7 @@ mod tests {
         for address in [string, 0, 8, 0xdead_0000] {
             assert_eq!(
                 cache.resolve(address, Instruction::Unit(7)),
-                PyFrame::Unknown { code: address, instruction: Instruction::Unit(7) }
+                PyFrame::Unknown { code: address, instruction: Instruction::Unit(7), why: Unnamed::Freed }
             );
         }
         assert!(matches!(cache.code(string), Err(CodeError::NotCode { found: STR_TYPE, .. })));
@@ -634,6 +666,22 @@ mod tests {
         let name_address = u64_at(&memory.regions[&code], layout().co_qualname.unwrap());
         edit(memory.regions.get_mut(&name_address).unwrap());
         CodeCache::new(&memory, layout(), 16).code(code)
+    }
+
+    #[test]
+    fn a_live_code_object_whose_name_cannot_be_read_is_unreadable_not_freed() {
+        let mut memory = FakeMemory::default();
+        let code = memory.put_code("keep", "/app/svc.py", 9);
+        let name_address = u64_at(&memory.regions[&code], layout().co_qualname.unwrap());
+        let huge = u64::MAX.to_ne_bytes();
+        memory.regions.get_mut(&name_address).unwrap()[STR_LENGTH..][..8].copy_from_slice(&huge);
+        let mut cache = CodeCache::new(&memory, layout(), 16);
+        let frame = cache.resolve(code, Instruction::Unit(4));
+        assert_eq!(
+            frame,
+            PyFrame::Unknown { code, instruction: Instruction::Unit(4), why: Unnamed::Unreadable }
+        );
+        assert_eq!(frame.to_string(), format!("<unreadable code {code:#x} +4>"));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::code::{CodeCache, CodeLayout, PyFrame};
+use super::code::{CodeCache, CodeLayout, PyFrame, Unnamed};
 use super::line_table::Instruction;
 
 /// Its names cover every kind of str: ASCII, Latin-1 (`grüße`, and `é` in
@@ -213,7 +213,7 @@ fn check_interpreter(python: &str, minor: u8) {
         let got = cache.resolve(thing, Instruction::Unit(3));
         assert_eq!(
             got,
-            PyFrame::Unknown { code: thing, instruction: Instruction::Unit(3) },
+            PyFrame::Unknown { code: thing, instruction: Instruction::Unit(3), why: Unnamed::Freed },
             "{python}: {thing:#x}"
         );
         assert_eq!(got.to_string(), format!("<freed code {thing:#x} +3>"));

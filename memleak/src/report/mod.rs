@@ -405,9 +405,13 @@ pub fn shown_stacks(stacks: &[ReportStack], options: &ReportOptions, format: For
 }
 
 /// `text` with each control character (C0, DEL and C1: what
-/// `char::is_control` says) written as an escape, `\n`, `\x1b` or `\u{9b}`, so
-/// that a name cannot move the cursor, retitle the terminal or start a
-/// line of its own. Text without any comes back as it was, not copied.
+/// `char::is_control` says) and each bidirectional embedding, override or
+/// isolate (U+202A to U+202E, U+2066 to U+2069) written as an escape,
+/// `\n`, `\x1b` or `\u{202e}`, so that a name cannot move the cursor,
+/// retitle the terminal, start a line of its own or show its characters
+/// in another order than they are. A backslash is written `\\`, so that
+/// a name holding the four characters `\x1b` is not read as holding an
+/// escape. Text without any of these comes back as it was, not copied.
 ///
 /// Names are escaped here, as the text formats (text, folded, and svg,
 /// drawn from folded lines) write them, not once when frames are
@@ -416,15 +420,17 @@ pub fn shown_stacks(stacks: &[ReportStack], options: &ReportOptions, format: For
 /// want the real name; saved snapshots keep the real name too, so that
 /// `memleak diff` matches stacks by it; and snapshots saved before names
 /// were escaped are escaped when rendered. Only what these formats write
-/// changes, and only where a name holds a control character.
+/// changes, and only where a name holds one of these characters.
 pub fn printable(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
+    let escaped_here = |c: char| c.is_control() || c == '\\' || is_bidirectional_control(c);
+    if !text.chars().any(escaped_here) {
         return Cow::Borrowed(text);
     }
     let mut escaped = String::with_capacity(text.len() + 16);
     for c in text.chars() {
         match u32::from(c) {
-            _ if !c.is_control() => escaped.push(c),
+            _ if !escaped_here(c) => escaped.push(c),
+            _ if c == '\\' => escaped.push_str("\\\\"),
             _ if c == '\t' => escaped.push_str("\\t"),
             _ if c == '\n' => escaped.push_str("\\n"),
             _ if c == '\r' => escaped.push_str("\\r"),
@@ -437,6 +443,12 @@ pub fn printable(text: &str) -> Cow<'_, str> {
         }
     }
     Cow::Owned(escaped)
+}
+
+/// The characters that change the order text is shown in, up to the end
+/// of the line: a name holding U+202E shows what follows it backwards.
+fn is_bidirectional_control(c: char) -> bool {
+    matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 /// Drops leading frames inside the allocator's own entry points, so that
@@ -575,8 +587,14 @@ pub(crate) mod tests {
         );
         assert_eq!(printable("\x1b[31mred\nline\ttab\x7f\0"), "\\x1b[31mred\\nline\\ttab\\x7f\\x00");
         assert_eq!(printable("\u{9b}2J\u{85}"), "\\u{9b}2J\\u{85}", "C1 controls too");
-        let kept = "caf\u{e9} \u{a0}\u{2028}\u{200f}\\x1b";
-        assert_eq!(printable(kept), kept, "printable Unicode, and backslashes, are left as they are");
+        let kept = "caf\u{e9} \u{a0}\u{2028}\u{200f}";
+        assert_eq!(printable(kept), kept, "printable Unicode is left as it is");
+        assert_eq!(printable("a\\x1b"), "a\\\\x1b", "a backslash is escaped, so no escape is forged");
+        assert_eq!(
+            printable("evil\u{202e}txt.exe\u{2066}"),
+            "evil\\u{202e}txt.exe\\u{2066}",
+            "bidirectional overrides and isolates"
+        );
     }
 
     /// A report whose one stack a hostile program named: colour codes and a

@@ -264,10 +264,22 @@ fn process_labels(followed: &Followed) -> String {
     labels
 }
 
-/// A label value as the format wants it: backslash, double quote and
-/// line feed escaped. An executable may be named anything.
+/// The most characters of a label value: a pod or an executable may be
+/// named anything, as long as anything (a 1 MB pod name made every
+/// scrape 11 MB).
+const MAX_LABEL_CHARACTERS: usize = 256;
+
+/// A label value as the format wants it: control characters and
+/// bidirectional overrides shown as the text reports show them
+/// (`report::printable`), cut at `MAX_LABEL_CHARACTERS` with a marker,
+/// then backslash, double quote and line feed escaped.
 fn escape_label(value: &str) -> String {
-    let mut escaped = String::with_capacity(value.len());
+    let shown = crate::report::printable(value);
+    let mut escaped = String::with_capacity(shown.len().min(MAX_LABEL_CHARACTERS * 2));
+    let mut characters = shown.chars();
+    let kept: String = characters.by_ref().take(MAX_LABEL_CHARACTERS).collect();
+    let cut = characters.count();
+    let value = if cut == 0 { kept } else { format!("{kept}...[{cut} more characters]") };
     for character in value.chars() {
         match character {
             '\\' => escaped.push_str("\\\\"),
@@ -376,7 +388,18 @@ mod tests {
     #[test]
     fn label_values_are_escaped() {
         let body = render(&published(vec![followed(7, "/tmp/a\"b\\c\nd", 1)], 0));
-        assert!(body.contains("exe=\"a\\\"b\\\\c\\nd\""), "{body}");
+        // The backslash and the line feed as the text reports show them
+        // (`\\` and `\n`), then escaped for the format.
+        assert!(body.contains("exe=\"a\\\"b\\\\\\\\c\\\\nd\""), "{body}");
+        let body = render(&published(vec![followed(7, "/tmp/x\u{1b}]0;t\u{7}\u{202e}gpj.exe", 1)], 0));
+        assert!(body.contains("exe=\"x\\\\x1b]0;t\\\\x07\\\\u{202e}gpj.exe\""), "{body}");
+    }
+
+    #[test]
+    fn a_long_label_value_is_cut_with_a_marker() {
+        let body = render(&published(vec![followed(7, &format!("/tmp/{}", "n".repeat(1000)), 1)], 0));
+        let cut = format!("exe=\"{}...[744 more characters]\"", "n".repeat(256));
+        assert!(body.contains(&cut), "{body}");
     }
 
     #[test]

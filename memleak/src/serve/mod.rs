@@ -93,12 +93,17 @@ pub enum ServeError {
 }
 
 /// Follows the processes and serves their reports until SIGINT or
-/// SIGTERM; then every probe is detached.
+/// SIGTERM; then every probe is detached. SIGHUP is said, and changes
+/// nothing.
 pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // Before anything is attached: a signal from now on ends the run
     // cleanly instead of killing memleak with its probes half-placed.
     let mut interrupt = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
     let mut terminate = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
+    // A daemon outlives the terminal it was started from: SIGHUP, whose
+    // default action would end it without a word, is only said.
+    let mut hangup = signal(SignalKind::hangup()).map_err(ServeError::Signals)?;
+    raise_descriptor_limit();
     let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
     let (mut containers, found) = FollowedContainers::start(&config.containers)?;
     let selectors: Vec<Selector> = config.selectors.iter().cloned().chain(found).collect();
@@ -124,9 +129,12 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let server = http::Server::start(listener, reader, token, advertised).map_err(ServeError::Server)?;
     status::say(&format!("serving http://{serving}/; Ctrl-C to stop"));
     let stop = async {
-        tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
+        loop {
+            tokio::select! {
+                _ = interrupt.recv() => break,
+                _ = terminate.recv() => break,
+                _ = hangup.recv() => status::say("SIGHUP: nothing to reload, serving on (SIGTERM or Ctrl-C stops)"),
+            }
         }
     };
     let ended = tokio::select! {
@@ -137,6 +145,27 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     drop(session);
     server.stop();
     ended
+}
+
+/// Raises the soft limit on open descriptors to the hard one: each
+/// followed process takes descriptors (its probes' links, its symbol
+/// files), and at the usual soft limit of 1,024 a daemon following about
+/// 80 processes ran out, its listener first. The daemon runs no command
+/// of the user's that the higher limit could surprise (a `select` loop).
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the struct passed,
+    // alive for each call.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) != 0 || limit.rlim_cur >= limit.rlim_max {
+            return;
+        }
+        let soft = limit.rlim_cur;
+        limit.rlim_cur = limit.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raw const limit) == 0 {
+            log::debug!("open descriptors: soft limit raised from {soft} to {}", limit.rlim_max);
+        }
+    }
 }
 
 /// The HOST:PORT /api/v1/sd points scrapers to: --advertise, else the

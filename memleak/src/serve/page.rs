@@ -162,10 +162,11 @@ fn grouped(number: u64) -> String {
 }
 
 /// Text as HTML shows it: a program may be named anything, `<script>`
-/// included.
+/// included, and control characters and bidirectional overrides are
+/// shown as the text reports show them (`report::printable`).
 fn escape(text: &str) -> String {
     let mut escaped = String::with_capacity(text.len());
-    for character in text.chars() {
+    for character in crate::report::printable(text).chars() {
         match character {
             '&' => escaped.push_str("&amp;"),
             '<' => escaped.push_str("&lt;"),
