@@ -3,7 +3,13 @@
 //! what to collect, what to show and where to write it. Every check that
 //! clap cannot express is made here, so nothing below `main` sees `Args`.
 
-use std::{net::SocketAddr, num::NonZeroU64, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    net::SocketAddr,
+    num::NonZeroU64,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use crate::{
     attach::AllocatorChoice,
@@ -312,6 +318,24 @@ fn shown(
 /// The daemon takes the trace command's tracing flags (`Probing`), with
 /// the same defaults. Beyond loopback it wants a token: the reports name
 /// a host's programs and their files.
+/// A directory holding a root file system: one with `etc`, `var` or
+/// `run` (the runtimes' and the kubelet's files are in the last two). A
+/// wrong path would otherwise only leave every pod unnamed, without a
+/// word. Checked here, not when the flag is parsed: `--help` after it
+/// must not depend on the machine (the Kubernetes manifest's arguments are
+/// checked so).
+fn check_host_root(path: &Path) -> Result<(), String> {
+    let text = path.display();
+    match std::fs::metadata(path) {
+        Err(error) => Err(format!("--host-root `{text}`: {}", crate::status::os_reason(&error))),
+        Ok(metadata) if !metadata.is_dir() => Err(format!("--host-root `{text}` is not a directory")),
+        Ok(_) if !["etc", "var", "run"].iter().any(|dir| path.join(dir).is_dir()) => Err(format!(
+            "--host-root `{text}` does not look like a root file system: it has no etc/, var/ or run/"
+        )),
+        Ok(_) => Ok(()),
+    }
+}
+
 fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     let listen = listen_address(&args.listen, args.port)?;
     if !listen.ip().is_loopback() && args.token_file.is_none() {
@@ -322,6 +346,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     }
     check_unique(&args.pid)?;
     check_filters(&args.probing)?;
+    check_host_root(&args.host_root)?;
     let workload = workload_filter(&args)?;
     if args.pid.is_empty()
         && args.cgroup.is_empty()
@@ -563,6 +588,19 @@ mod tests {
             refused("127.0.0.1:x"),
             "invalid value `127.0.0.1:x` for `--listen <ADDR>`: `127.0.0.1:x`: `x` is not a port (0 to 65535)"
         );
+    }
+
+    #[test]
+    fn a_host_root_must_be_a_root_file_system() {
+        let refused =
+            |root: &str| serve(&format!("serve --pid 1 --host-root {root}")).err().unwrap_or_default();
+        assert_eq!(refused("/dev/zero"), "--host-root `/dev/zero` is not a directory");
+        assert_eq!(
+            refused("/proc/self/fdinfo"),
+            "--host-root `/proc/self/fdinfo` does not look like a root file system: it has no etc/, var/ or run/"
+        );
+        assert_eq!(refused("/nonexistent"), "--host-root `/nonexistent`: No such file or directory");
+        assert!(serve("serve --pid 1 --host-root /").is_ok());
     }
 
     #[test]
