@@ -1,6 +1,7 @@
-//! Files made to hurt whoever reads them: a snapshot that inflates to a
+//! Input made to hurt whoever reads it: a snapshot that inflates to a
 //! gigabyte is refused with one line, in bounded memory, by a user
-//! without privileges.
+//! without privileges; perf maps and Python code objects of a traced
+//! process are read in bounded memory however large they are.
 
 use std::{
     io::Write as _,
@@ -174,4 +175,41 @@ fn perf_maps_share_one_budget_and_a_map_past_its_share_is_dropped() {
     for target in targets {
         target.exit();
     }
+}
+
+#[test]
+fn python_code_objects_sharing_a_huge_name_and_line_table_are_kept_once() {
+    // 1,000 code objects, each its own, sharing one qualified name of
+    // 10,000 characters and one line table of 1 MiB: copied per code
+    // object, memleak took 1 GiB for them.
+    const FUNCTIONS: u64 = 1_000;
+    let mut program = Command::new("/usr/bin/python3.11");
+    program.arg(memleak_tests::workspace_root().join("tests/fixtures/python_code_flood.py"));
+    let mut python = Leaker::start_command(program);
+    let pid = python.pid().to_string();
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1", "1"]);
+    memleak.wait_attached();
+    python.send(&format!("flood {FUNCTIONS}"), "flooded");
+    let name = Value::from("generated_".repeat(1000));
+    // The first report where every one of them is in the top stack, named:
+    // by then every code object has been read.
+    let report = loop {
+        let line = memleak.stdout.wait_for("a report", |_| true);
+        let report: Value = serde_json::from_str(&line).unwrap();
+        if report["stacks"][0]["allocations"] == FUNCTIONS {
+            break report;
+        }
+    };
+    let peak = peak_resident(memleak.child.id());
+    memleak.signal(libc::SIGINT);
+    let stderr = memleak.stderr.rest();
+    let (status, _) = memleak.finish();
+    assert!(status.success(), "{stderr:#?}");
+    let top = &report["stacks"][0];
+    // bytearray(3000) asks malloc for room for a trailing NUL too.
+    assert_eq!(top["bytes"], FUNCTIONS * 3001);
+    let innermost = top["frames"].as_array().unwrap().iter().find(|frame| frame["kind"] == "python");
+    assert_eq!(innermost.map(|frame| &frame["function"]), Some(&name));
+    assert!(peak < 300 << 20, "memleak held {} MiB at its peak", peak >> 20);
+    python.exit();
 }

@@ -9,8 +9,9 @@
 //! compact str objects that end where their length says) and a frame whose
 //! code fails a check is shown as unknown rather than as another function.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::hash::Hash;
 use std::io;
 use std::sync::Arc;
 
@@ -100,6 +101,14 @@ const MAX_STRING_CHARS: usize = 16 * 1024;
 const MAX_LINE_TABLE: usize = 1 << 20;
 /// Code objects kept per process; past it, the least recently used goes.
 pub const CODE_CACHE_CAPACITY: usize = 64 * 1024;
+/// Bytes of names, file names and line tables kept per process; past
+/// it, the least recently used code objects go. A real program's take a
+/// few MiB; without a budget, a process making thousands of code objects
+/// with megabyte line tables made memleak copy gigabytes.
+pub const CODE_CACHE_BUDGET: usize = 32 << 20;
+/// What a cached code object costs beyond its strings and table: its
+/// slot, its `CodeInfo` and the `by_use` entry.
+const SLOT_OVERHEAD: usize = 160;
 
 /// What a frame shows of its code object.
 #[derive(Debug)]
@@ -112,7 +121,7 @@ pub struct CodeInfo {
     /// What BPF's check of this code object reads as
     /// (`memleak_common::python::py_code_check`).
     pub check: u64,
-    line_table: Box<[u8]>,
+    line_table: Arc<[u8]>,
     format: LineTableFormat,
 }
 
@@ -178,12 +187,15 @@ fn u64_at(bytes: &[u8], offset: usize) -> u64 {
     u64::from_ne_bytes(bytes[offset..][..8].try_into().unwrap_or_default())
 }
 
-/// Reads what `identity` points to, for the code object at `code`.
+/// Reads what `identity` points to, for the code object at `code`, its
+/// strings and line table shared through `kept` with every cached code
+/// object that has the same.
 fn read_code_info(
     memory: &impl Memory,
     layout: &CodeLayout,
     code: u64,
     identity: Identity,
+    kept: &mut Kept,
 ) -> Result<CodeInfo, CodeError> {
     let format = layout.line_table_format().ok_or(CodeError::UnsupportedVersion { minor: layout.minor })?;
     let (name_type, name) = read_str(memory, layout, identity.name).map_err(|why| why.of("name", code))?;
@@ -195,7 +207,14 @@ fn read_code_info(
     }
     let line_table = read_bytes(memory, identity.line_table).map_err(|why| why.of_line_table(code))?;
     let check = py_code_check(identity.name, identity.file, identity.first_line);
-    Ok(CodeInfo { name, file, first_line: identity.first_line, check, line_table, format })
+    Ok(CodeInfo {
+        name: kept.strings.share(name),
+        file: kept.strings.share(file),
+        first_line: identity.first_line,
+        check,
+        line_table: kept.line_tables.share(line_table.into()),
+        format,
+    })
 }
 
 /// Why a str or bytes object was refused, before it is known whose it is.
@@ -342,6 +361,75 @@ impl fmt::Display for PyFrame {
     }
 }
 
+/// Values kept once however many cached code objects hold them, and
+/// their bytes: in a module, every function has the same file name, and
+/// generated code may share one name or line table among thousands.
+struct Shared<T: ?Sized> {
+    values: HashSet<Arc<T>>,
+    bytes: usize,
+}
+
+impl<T: ?Sized + Hash + Eq> Shared<T> {
+    fn new() -> Self {
+        Self { values: HashSet::new(), bytes: 0 }
+    }
+
+    /// The kept value equal to `value`, which is kept if none is.
+    fn share(&mut self, value: Arc<T>) -> Arc<T> {
+        if let Some(kept) = self.values.get(&value) {
+            return kept.clone();
+        }
+        self.bytes += std::mem::size_of_val(&*value);
+        self.values.insert(value.clone());
+        value
+    }
+
+    /// Lets `value` go if nothing but this set holds it any more, once
+    /// its holder drops it (so at a count of 2: this set and the holder).
+    fn release(&mut self, value: &Arc<T>) {
+        if Arc::strong_count(value) <= 2 && self.values.remove(value) {
+            self.bytes -= std::mem::size_of_val(&**value);
+        }
+    }
+
+    /// Lets go every value nothing else holds.
+    fn sweep(&mut self) {
+        let mut bytes = 0;
+        self.values.retain(|value| {
+            let held = Arc::strong_count(value) > 1;
+            if held {
+                bytes += std::mem::size_of_val(&**value);
+            }
+            held
+        });
+        self.bytes = bytes;
+    }
+}
+
+/// The strings and line tables of a process's cached code objects.
+struct Kept {
+    strings: Shared<str>,
+    line_tables: Shared<[u8]>,
+}
+
+impl Kept {
+    fn bytes(&self) -> usize {
+        self.strings.bytes + self.line_tables.bytes
+    }
+
+    /// Lets go what only `info`, about to be dropped, held.
+    fn release(&mut self, info: &CodeInfo) {
+        self.strings.release(&info.name);
+        self.strings.release(&info.file);
+        self.line_tables.release(&info.line_table);
+    }
+
+    fn sweep(&mut self) {
+        self.strings.sweep();
+        self.line_tables.sweep();
+    }
+}
+
 struct Slot {
     identity: Identity,
     info: Arc<CodeInfo>,
@@ -352,7 +440,7 @@ struct Slot {
 
 /// One process's code objects, by address, read once each and kept while
 /// the address holds the same code object; at most `capacity` of them,
-/// the least recently used going first.
+/// in at most `budget` bytes, the least recently used going first.
 pub struct CodeCache<M = ProcessMemory> {
     memory: M,
     layout: CodeLayout,
@@ -361,16 +449,19 @@ pub struct CodeCache<M = ProcessMemory> {
     by_use: BTreeMap<u64, u64>,
     clock: u64,
     capacity: usize,
+    kept: Kept,
+    budget: usize,
 }
 
 impl CodeCache<ProcessMemory> {
     /// The cache of process `pid`, whose objects are laid out as `layout`.
     pub fn open(pid: u32, layout: CodeLayout) -> io::Result<Self> {
-        Ok(Self::new(ProcessMemory::open(pid)?, layout, CODE_CACHE_CAPACITY))
+        Ok(Self::new(ProcessMemory::open(pid)?, layout, CODE_CACHE_CAPACITY).with_budget(CODE_CACHE_BUDGET))
     }
 }
 
 impl<M: Memory> CodeCache<M> {
+    /// A cache of at most `capacity` code objects, without a byte budget.
     pub fn new(memory: M, layout: CodeLayout, capacity: usize) -> Self {
         Self {
             memory,
@@ -379,7 +470,17 @@ impl<M: Memory> CodeCache<M> {
             by_use: BTreeMap::new(),
             clock: 0,
             capacity: capacity.max(1),
+            kept: Kept { strings: Shared::new(), line_tables: Shared::new() },
+            budget: usize::MAX,
         }
+    }
+
+    /// This cache, keeping at most `budget` bytes of names, file names,
+    /// line tables and slots.
+    #[must_use]
+    pub fn with_budget(mut self, budget: usize) -> Self {
+        self.budget = budget;
+        self
     }
 
     /// The code object at `address`. Each call reads its header again (one
@@ -404,12 +505,8 @@ impl<M: Memory> CodeCache<M> {
             }
         }
         self.forget(address);
-        let info = Arc::new(read_code_info(&self.memory, &self.layout, address, identity)?);
-        if self.slots.len() >= self.capacity {
-            if let Some((_, oldest)) = self.by_use.pop_first() {
-                self.slots.remove(&oldest);
-            }
-        }
+        let info = Arc::new(read_code_info(&self.memory, &self.layout, address, identity, &mut self.kept)?);
+        self.make_room();
         self.slots.insert(address, Slot { identity, info: info.clone(), used: self.clock });
         self.by_use.insert(self.clock, address);
         Ok(info)
@@ -455,9 +552,37 @@ impl<M: Memory> CodeCache<M> {
         self.slots.len()
     }
 
+    /// The bytes this cache holds: its slots, and the strings and line
+    /// tables they share.
+    pub fn bytes(&self) -> usize {
+        self.slots.len() * SLOT_OVERHEAD + self.kept.bytes()
+    }
+
     fn forget(&mut self, address: u64) {
         if let Some(slot) = self.slots.remove(&address) {
             self.by_use.remove(&slot.used);
+            self.kept.release(&slot.info);
+        }
+    }
+
+    /// Lets the least recently used code objects go until one more fits
+    /// in the capacity and everything in the budget. The one just read is
+    /// kept however large: it is within `MAX_LINE_TABLE` and
+    /// `MAX_STRING_CHARS`.
+    fn make_room(&mut self) {
+        let full = |cache: &Self| {
+            cache.slots.len() >= cache.capacity || cache.bytes() + SLOT_OVERHEAD > cache.budget
+        };
+        if full(self) {
+            // What callers dropped since it was released (a code object
+            // whose frames were in hand when it went) goes first.
+            self.kept.sweep();
+        }
+        while full(self) {
+            let Some((_, oldest)) = self.by_use.pop_first() else { break };
+            if let Some(slot) = self.slots.remove(&oldest) {
+                self.kept.release(&slot.info);
+            }
         }
     }
 }
@@ -537,11 +662,17 @@ mod tests {
         }
 
         fn code_bytes(&mut self, name: &str, file: &str, first_line: i32) -> Vec<u8> {
-            let layout = layout();
             let name = self.put_str(name);
             let file = self.put_str(file);
             // One-line forms, line +1 each, 4 units each.
             let table = self.put_bytes(&[0x80 | 11 << 3 | 3, 0, 0, 0x80 | 11 << 3 | 3, 0, 0]);
+            Self::code_pointing_at(name, file, table, first_line)
+        }
+
+        /// A 3.12 code object of the str objects `name` and `file` and
+        /// the line table `table`, which may be other code objects' too.
+        fn code_pointing_at(name: u64, file: u64, table: u64, first_line: i32) -> Vec<u8> {
+            let layout = layout();
             let mut bytes = Self::object(CODE_TYPE, 0xd0);
             bytes[layout.co_qualname.unwrap()..][..8].copy_from_slice(&name.to_ne_bytes());
             bytes[layout.co_filename..][..8].copy_from_slice(&file.to_ne_bytes());
@@ -596,6 +727,59 @@ mod tests {
         let again = cache.code(code).unwrap();
         assert!(Arc::ptr_eq(&first, &again));
         assert_eq!(memory.reads.get() - reads, 1, "only the header is read again");
+    }
+
+    /// A line table of `length` bytes putting 4 code units on each line
+    /// after the first.
+    fn long_line_table(length: usize) -> Vec<u8> {
+        [0x80 | 11 << 3 | 3, 0, 0].into_iter().cycle().take(length).collect()
+    }
+
+    #[test]
+    fn code_objects_with_the_same_name_file_and_line_table_keep_one_copy() {
+        let mut memory = FakeMemory::default();
+        let name = memory.put_str(&"generated_".repeat(1_000));
+        let file = memory.put_str("<string>");
+        let table = memory.put_bytes(&long_line_table(MAX_LINE_TABLE));
+        let codes: Vec<u64> =
+            (0..64).map(|_| memory.put(FakeMemory::code_pointing_at(name, file, table, 1))).collect();
+        let mut cache = CodeCache::new(&memory, layout(), CODE_CACHE_CAPACITY).with_budget(CODE_CACHE_BUDGET);
+        for &code in &codes {
+            assert_eq!(
+                cache.resolve(code, Instruction::Unit(4)).to_string().len(),
+                10_000 + " (<string>:3)".len()
+            );
+        }
+        assert_eq!(cache.len(), 64);
+        assert_eq!(cache.bytes(), 64 * SLOT_OVERHEAD + 10_000 + "<string>".len() + MAX_LINE_TABLE);
+    }
+
+    #[test]
+    fn code_objects_past_the_budget_push_the_least_recently_used_out() {
+        const TABLE: usize = 64 * 1024;
+        let mut memory = FakeMemory::default();
+        let file = memory.put_str("/app/gen.py");
+        let codes: Vec<u64> = (0..40i32)
+            .map(|index| {
+                let name = memory.put_str(&format!("f{index}"));
+                // Each of another length, so that no two are the same.
+                let table = memory.put_bytes(&long_line_table((TABLE / 3 - index as usize) * 3));
+                memory.put(FakeMemory::code_pointing_at(name, file, table, index))
+            })
+            .collect();
+        let budget = 8 * TABLE;
+        let mut cache = CodeCache::new(&memory, layout(), CODE_CACHE_CAPACITY).with_budget(budget);
+        for (index, &code) in codes.iter().enumerate() {
+            assert_eq!(
+                cache.resolve(code, Instruction::Unit(4)).to_string(),
+                format!("f{index} (/app/gen.py:{})", index + 2)
+            );
+            assert!(cache.bytes() <= budget, "{} bytes after {index}", cache.bytes());
+        }
+        assert_eq!(cache.len(), 7, "8 tables do not fit with their names and slots");
+        // The first went long ago, and reads again.
+        assert_eq!(cache.resolve(codes[0], Instruction::Unit(8)).to_string(), "f0 (/app/gen.py:3)");
+        assert!(cache.bytes() <= budget);
     }
 
     #[test]
