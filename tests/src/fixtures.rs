@@ -121,9 +121,32 @@ pub fn split_debug_file(program: &Path, strip: &str) -> PathBuf {
 
 /// The Rust program of tests/fixtures/rust-jemalloc, a release build with
 /// Cargo's defaults (no frame pointers, no line tables) that allocates
-/// through tikv-jemallocator.
+/// through tikv-jemallocator: the build with line tables, stripped of
+/// them. Debug information changes no code, and building jemalloc twice,
+/// once per profile, took more than a minute of the suite.
 pub fn rust_jemalloc() -> PathBuf {
-    rust_jemalloc_built("release")
+    // Once per test process: a fixture must never be replaced under a
+    // process another test started from it (see `compile`).
+    static STRIPPED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    STRIPPED.get_or_init(strip_rust_jemalloc).clone()
+}
+
+fn strip_rust_jemalloc() -> PathBuf {
+    let with_lines = rust_jemalloc_with_line_tables();
+    let stripped = workspace_root().join("target/fixtures/rust-jemalloc/stripped");
+    std::fs::create_dir_all(&stripped).expect("create target/fixtures/rust-jemalloc/stripped");
+    let program = stripped.join("rust-jemalloc");
+    // Under a private name, then renamed: no test runs a half-written file.
+    let private = stripped.join(format!("rust-jemalloc.{}", std::process::id()));
+    let status = Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(&with_lines)
+        .arg(&private)
+        .status()
+        .expect("run objcopy (binutils)");
+    assert!(status.success(), "objcopy --strip-debug {} failed", with_lines.display());
+    std::fs::rename(&private, &program).expect("rename the stripped program");
+    program
 }
 
 /// The same program built with line tables (its `release-lines` profile),

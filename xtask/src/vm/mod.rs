@@ -96,6 +96,9 @@ pub struct VmOptions {
     /// Keep the run directory (console log, dmesg, the command's output)
     /// and say where it is.
     pub keep: bool,
+    /// Where the command's output goes as it comes: this file, else
+    /// xtask's own stdout and stderr.
+    pub output: Option<PathBuf>,
     pub verbosity: Verbosity,
 }
 
@@ -109,6 +112,7 @@ impl Default for VmOptions {
             accel: Accel::Auto,
             append: String::new(),
             keep: false,
+            output: None,
             verbosity: Verbosity::Normal,
         }
     }
@@ -203,6 +207,7 @@ fn run_cli(args: &Args) -> Result<i32> {
         accel: args.accel,
         append: args.append.clone(),
         keep: args.keep,
+        output: None,
         verbosity,
     };
     if args.rw_target {
@@ -264,7 +269,7 @@ pub fn run_in_vm(kernel: &Kernel, options: &VmOptions, command: &str) -> Result<
         "booting {} ({package}{accel}, {} vCPU, {})",
         kernel.release, options.cpus, options.memory
     ));
-    let outcome = boot(qemu, &run.path, options.timeout)?;
+    let outcome = boot(qemu, &run.path, options.timeout, options.output.as_deref())?;
     Ok(outcome.report(&kernel.release, &run.path, options))
 }
 
@@ -424,8 +429,8 @@ struct Outcome {
 }
 
 /// Runs qemu until it stops or `timeout` passes, passing the command's
-/// output on as the VM writes it.
-fn boot(mut qemu: Command, run: &Path, timeout: Duration) -> Result<Outcome> {
+/// output on as the VM writes it, to `output` if given.
+fn boot(mut qemu: Command, run: &Path, timeout: Duration, output: Option<&Path>) -> Result<Outcome> {
     let log_path = run.join("qemu.log");
     let log = fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
     let started = Instant::now();
@@ -437,9 +442,18 @@ fn boot(mut qemu: Command, run: &Path, timeout: Duration) -> Result<Outcome> {
             .context("cannot run qemu-system-x86_64")?,
     );
     let stop = Arc::new(AtomicBool::new(false));
+    let (to_stdout, to_stderr): (Box<dyn std::io::Write + Send>, Box<dyn std::io::Write + Send>) =
+        match output {
+            Some(path) => {
+                let file =
+                    fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+                (Box::new(file.try_clone()?), Box::new(file))
+            }
+            None => (Box::new(std::io::stdout()), Box::new(std::io::stderr())),
+        };
     let followers = [
-        follow(run.join("stdout"), Box::new(std::io::stdout()), Arc::clone(&stop)),
-        follow(run.join("stderr"), Box::new(std::io::stderr()), Arc::clone(&stop)),
+        follow(run.join("stdout"), to_stdout, Arc::clone(&stop)),
+        follow(run.join("stderr"), to_stderr, Arc::clone(&stop)),
     ];
     let mut command_started = None;
     let mut timed_out = false;
