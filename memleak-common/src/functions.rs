@@ -269,9 +269,10 @@ pub struct MappingFunction {
     pub name: &'static str,
     pub entry_program: &'static str,
     pub return_program: Option<&'static str>,
-    /// Whether the kernel's `programs::MAPPING_LOCK_TAKEN` sees its calls,
-    /// where that program is attached: its uprobe is then left out.
-    pub seen_in_kernel: bool,
+    /// The kernel function whose fentry program sees its calls (see
+    /// `programs::MAPPING_SYSTEM_CALLS`), where it is attached: its
+    /// uprobe is then left out.
+    pub seen_in_kernel: Option<&'static str>,
 }
 
 /// The mapping functions memleak probes (mmap64 is mmap on 64-bit
@@ -281,32 +282,32 @@ pub const MAPPING_FUNCTIONS: [MappingFunction; 5] = [
         name: "mmap",
         entry_program: programs::MMAP_ENTER,
         return_program: Some(programs::MAPPING_RETURN),
-        seen_in_kernel: false,
+        seen_in_kernel: None,
     },
     MappingFunction {
         name: "mmap64",
         entry_program: programs::MMAP_ENTER,
         return_program: Some(programs::MAPPING_RETURN),
-        seen_in_kernel: false,
+        seen_in_kernel: None,
     },
     MappingFunction {
         name: "munmap",
         entry_program: programs::MUNMAP_ENTER,
         return_program: None,
-        seen_in_kernel: true,
+        seen_in_kernel: Some("__x64_sys_munmap"),
     },
     // Turns a PROT_NONE reservation into memory that can be touched, or back.
     MappingFunction {
         name: "mprotect",
         entry_program: programs::MPROTECT_ENTER,
         return_program: None,
-        seen_in_kernel: true,
+        seen_in_kernel: Some("__x64_sys_mprotect"),
     },
     MappingFunction {
         name: "mremap",
         entry_program: programs::MREMAP_ENTER,
         return_program: Some(programs::MAPPING_RETURN),
-        seen_in_kernel: false,
+        seen_in_kernel: None,
     },
 ];
 

@@ -57,8 +57,9 @@ pub const PROCESS_COUNTERS_MAP: &str = "PROCESS_COUNTERS";
 pub const FOLLOWED_MAP: &str = "FOLLOWED";
 /// Process id (u32) -> flags (u32): the processes memleak traces, from
 /// before their probes are attached until they are forgotten.
-/// [`programs::MAPPING_LOCK_TAKEN`] fires for every process on the
-/// machine, and sends only these processes' calls. Flag
+/// [`programs::MAPPING_SYSTEM_CALLS`] (or [`programs::MAPPING_LOCK_TAKEN`])
+/// fire for every process on the machine, and send only these processes'
+/// calls. Flag
 /// [`RESERVES_ADDRESS_SPACE`]: the process has reserved address space of
 /// its own (see [`crate::MappingEvent::reserves_address_space`]); until then,
 /// an mprotect that gives access changes nothing memleak tracks, and is
@@ -238,11 +239,19 @@ pub mod programs {
     /// Kernels without attach cookies: mprotect's entry probe when it
     /// is placed past the system call (`PROBED_AFTER_SYSTEM_CALL`).
     pub const MPROTECT_PAST_CALL: &str = "mprotect_past_call";
-    /// The `mmap_lock_acquire_returned` tracepoint: munmap and mprotect
-    /// seen from the kernel, where a uprobe costs a trap per call (see
-    /// memleak-ebpf's `probes::mmap`). Program and tracepoint share the
-    /// name.
+    /// Where the kernel cannot attach `MAPPING_SYSTEM_CALLS` (built
+    /// without ftrace), munmap and mprotect are seen from the
+    /// `mmap_lock_acquire_returned` tracepoint: program and tracepoint
+    /// share the name.
     pub const MAPPING_LOCK_TAKEN: &str = "mmap_lock_acquire_returned";
+    /// munmap and mprotect seen from the kernel, at their system calls'
+    /// entry, where a uprobe costs a trap per call (see memleak-ebpf's
+    /// `probes::mmap`): (program, kernel function) of each fentry program.
+    pub const MAPPING_SYSTEM_CALLS: [(&str, &str); 3] = [
+        ("munmap_called", "__x64_sys_munmap"),
+        ("mprotect_called", "__x64_sys_mprotect"),
+        ("pkey_mprotect_called", "__x64_sys_pkey_mprotect"),
+    ];
     /// Kernel allocations: program name and tracepoint name are the same.
     pub const KERNEL: [&str; 6] =
         ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];

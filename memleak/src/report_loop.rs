@@ -12,7 +12,7 @@ use crate::{
     config::TraceConfig,
     output::{BackgroundFiles, NumberedFiles, Output, OutputError},
     process::feedback,
-    report::{saved, CgroupTotal, Report},
+    report::{saved, CgroupTotal, ExitedTotal, Report},
     session::{
         CgroupCensus, Session, SessionConfig, SessionError, SessionEvent, Target, TargetSpec,
         PYTHON_PENDING_RETRY,
@@ -96,7 +96,7 @@ pub async fn run(config: &TraceConfig) -> Result<(), RunError> {
 fn announce(session: &Session, target: &TargetSpec, stats: &mut Stats) -> Result<(), RunError> {
     for traced in session.targets() {
         if !traced.is_kernel() {
-            stats.probes(traced.pid, &traced.plan, session.seen_in_kernel())?;
+            stats.probes(traced.pid, &traced.plan, session.mapping_calls_seen_by())?;
             write_unwind_stats(session, traced, stats)?;
         }
         match target {
@@ -187,6 +187,8 @@ async fn drive(
         python_pending: true,
     };
     let mut printed = 0u64;
+    // Processes of the cgroup that exited since its last total.
+    let mut exited = ExitedTotal::default();
     loop {
         let round = next_round(session, sinks, &mut clocks, stop).await?;
         // Events that came before the report go out before it.
@@ -206,6 +208,7 @@ async fn drive(
             Round::Exec { pid } => restart(session, sinks, pid)?,
             Round::Exit { pid, ack } => {
                 drop(ack);
+                reports.iter().filter(|report| report.pid == pid).for_each(|report| exited.add(report));
                 // Its final report is out; the others go on. A cgroup's run
                 // goes on even with none: processes may join it later.
                 session.remove_exited_target(pid)?;
@@ -219,7 +222,11 @@ async fn drive(
             continue;
         }
         if let Some(cgroup) = session.cgroup() {
-            sinks.output.cgroup_total(&CgroupTotal::of(&cgroup.path, &reports))?;
+            sinks.output.cgroup_total(&CgroupTotal::of(
+                &cgroup.path,
+                &reports,
+                std::mem::take(&mut exited),
+            ))?;
         }
         printed += 1;
         if last || count_reached(printed) {
@@ -261,7 +268,7 @@ async fn next_round(
                 let targets = session.targets();
                 for target in &targets[targets.len() - added..] {
                     say_joined(target);
-                    sinks.stats.probes(target.pid, &target.plan, session.seen_in_kernel())?;
+                    sinks.stats.probes(target.pid, &target.plan, session.mapping_calls_seen_by())?;
                     write_unwind_stats(session, target, sinks.stats)?;
                 }
                 continue;
@@ -301,14 +308,14 @@ async fn next_round(
 
 /// Traces the new program of process `pid` after its execve, and says so.
 fn restart(session: &mut Session, sinks: &mut Sinks<'_>, pid: u32) -> Result<(), RunError> {
-    let seen_in_kernel = session.seen_in_kernel().to_vec();
+    let seen_by = session.mapping_calls_seen_by();
     if let Some(target) = session.restart_target(pid)? {
         status::say(&format!(
             "pid {pid} now runs {}: tracing it through {}",
             target.program,
             target.plan.describe()
         ));
-        sinks.stats.probes(target.pid, &target.plan, &seen_in_kernel)?;
+        sinks.stats.probes(target.pid, &target.plan, seen_by)?;
     }
     Ok(())
 }

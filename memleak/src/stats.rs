@@ -22,12 +22,12 @@ use std::{
     time::Duration,
 };
 
-use memleak_common::{programs, WalkCount, WalkCounts};
+use memleak_common::{WalkCount, WalkCounts};
 use serde::Serialize;
 
 use crate::{
     attach::AttachPlan,
-    bpf::kernel_features,
+    bpf::{kernel_features, mapping_calls_in_kernel::SeenBy},
     report::Report,
     unwind::tables::{TableBuilt, UnwindStats},
 };
@@ -112,10 +112,11 @@ struct Probe<'a> {
     in_object: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     in_path: Option<PathBuf>,
-    /// The kernel tracepoint that sees the function's calls instead of
-    /// its uprobes, which were left out (munmap and mprotect).
+    /// Where the kernel sees the function's calls instead of its uprobes,
+    /// which were left out (munmap and mprotect): the kernel function
+    /// whose fentry program sees them, or the tracepoint.
     #[serde(skip_serializing_if = "Option::is_none")]
-    tracepoint: Option<&'static str>,
+    kernel_hook: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -133,9 +134,9 @@ fn kernel_path(plan: &AttachPlan) -> PathBuf {
 
 /// The probes of `plan`, each naming its object when it is `elsewhere`
 /// than the record's.
-/// `plan`'s probes; `seen_in_kernel`: the entry programs whose uprobes a
-/// kernel tracepoint stands in for (see `Tracer::seen_in_kernel`).
-fn probes_of<'a>(plan: &'a AttachPlan, elsewhere: bool, seen_in_kernel: &[&str]) -> Vec<Probe<'a>> {
+/// `plan`'s probes; `seen_by`: how the kernel sees the mapping functions
+/// whose uprobes it stands in for (see `Tracer::mapping_calls_seen_by`).
+fn probes_of(plan: &AttachPlan, elsewhere: bool, seen_by: Option<SeenBy>) -> Vec<Probe<'_>> {
     let in_path = elsewhere.then(|| kernel_path(plan));
     plan.sites
         .iter()
@@ -146,7 +147,7 @@ fn probes_of<'a>(plan: &'a AttachPlan, elsewhere: bool, seen_in_kernel: &[&str])
             on_return: site.return_program.is_some(),
             in_object: elsewhere.then_some(plan.display_path.as_str()),
             in_path: in_path.clone(),
-            tracepoint: seen_in_kernel.contains(&site.entry_program).then_some(programs::MAPPING_LOCK_TAKEN),
+            kernel_hook: seen_by.and_then(|seen_by| seen_by.hook(site.entry_program)),
         })
         .collect()
 }
@@ -158,14 +159,14 @@ impl Stats {
         Ok(Self { sink: Some((path.to_path_buf(), BufWriter::new(file))) })
     }
 
-    /// Where the probes for process `pid` went; `seen_in_kernel` as
-    /// `Tracer::seen_in_kernel` says.
-    pub fn probes(&mut self, pid: u32, plan: &AttachPlan, seen_in_kernel: &[&str]) -> Result<(), StatsError> {
-        let mut probes = probes_of(plan, false, seen_in_kernel);
+    /// Where the probes for process `pid` went; `seen_by` as
+    /// `Tracer::mapping_calls_seen_by` says.
+    pub fn probes(&mut self, pid: u32, plan: &AttachPlan, seen_by: Option<SeenBy>) -> Result<(), StatsError> {
+        let mut probes = probes_of(plan, false, seen_by);
         // C++'s operators and CPython's allocator, probed in objects of
         // their own.
         for other in plan.operator_objects.iter().chain(plan.interpreter_object.as_deref()) {
-            probes.extend(probes_of(other, true, seen_in_kernel));
+            probes.extend(probes_of(other, true, seen_by));
         }
         let not_probed = plan
             .not_probed

@@ -241,9 +241,11 @@ fn mapped_at(report: &Value, marker: &str) -> (u64, u64) {
 
 #[test]
 fn mmap_munmap_and_mremap_are_followed_exactly() {
-    // munmap seen from the kernel's mmap_lock tracepoint (this kernel has
-    // it), and through its uprobe, as on kernels without it.
-    for env in [&[][..], &[("MEMLEAK_MAPPING_UPROBES", "1")][..]] {
+    // munmap seen from the kernel as it can (at its system call, or by
+    // the mmap_lock tracepoint where it has no ftrace), by the tracepoint,
+    // and through its uprobe, as on kernels with neither.
+    let ways = [&[][..], &[("MEMLEAK_MAPPING_TRACEPOINT", "1")][..], &[("MEMLEAK_MAPPING_UPROBES", "1")][..]];
+    for env in ways {
         let report = memleak_tests::trace_fixture_output_with_env("leaker", "mappings", &[], env)
             .pop()
             .expect("a report");

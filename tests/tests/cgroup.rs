@@ -49,6 +49,38 @@ fn processes_that_join_later_are_traced_and_others_are_not() {
     }
 }
 
+/// A cgroup whose process exited: the total after it counts what the
+/// process held at its exit, beside the processes left (none).
+#[test]
+fn the_total_after_a_process_exited_counts_what_it_held() {
+    let cgroup = TestCgroup::new();
+    let path = cgroup.arg();
+    let mut memleak = Memleak::start(&["--cgroup", path, "--format", "json", "-T", "1", "3600"]);
+    memleak.wait_attached();
+    let mut command = std::process::Command::new(memleak_tests::fixture("leaker"));
+    command.args(["all", "--wait"]);
+    let mut leaker = Leaker::start_command(command);
+    let pid = leaker.pid();
+    cgroup.join(pid);
+    let joined = format!("memleak: pid {pid} is in the cgroup");
+    memleak.stderr.wait_for("memleak to pick the process up", |line| line.starts_with(&joined));
+    leaker.go();
+    leaker.exit();
+    let report = format!("\"pid\":{pid},");
+    memleak.stdout.wait_for("the final report of the process", |line| line.contains(&report));
+    memleak.signal(libc::SIGINT);
+    let (status, lines) = memleak.finish();
+    assert!(status.success());
+    let total: &Value = lines.iter().find(|line| line.get("cgroup").is_some()).expect("a cgroup total");
+    assert_eq!((&total["processes"], &total["total_bytes"]), (&Value::from(0), &Value::from(0)), "{total}");
+    let exited = &total["exited"];
+    assert_eq!(exited["processes"], 1, "{total}");
+    assert_eq!(
+        (&exited["total_bytes"], &exited["total_allocations"]),
+        (&Value::from(17_264), &Value::from(15))
+    );
+}
+
 /// memleak may trace for days while processes come and go: each one's
 /// entries in the BPF maps are deleted once it has exited and had its
 /// final report, so that the maps hold only what live processes hold.

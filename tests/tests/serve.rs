@@ -3,7 +3,7 @@
 //! detach every probe and end it with 0.
 
 use std::{
-    io::Write as _,
+    io::{Read as _, Write as _},
     net::TcpStream,
     process::{Command, Stdio},
 };
@@ -11,7 +11,7 @@ use std::{
 use memleak_tests::{
     http::{self, get, get_until, serve_pid, Response},
     uprobes::{byte_in_file, byte_in_process, multi_links, placed_uprobes},
-    Leaker,
+    Leaker, PATIENCE,
 };
 use serde_json::Value;
 
@@ -103,6 +103,15 @@ fn metrics_show_the_exact_outstanding_bytes_of_the_followed_process() {
     let missing = get(port, "/nowhere").expect("GET /nowhere");
     assert_eq!(missing.status, 404, "{missing:#?}");
     assert_eq!(missing.body.lines().count(), 1, "one line of reason: {missing:#?}");
+    // A client that shuts its side down once its request is sent (as
+    // `nc -N` does) still gets the answer.
+    let mut half_closed = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    half_closed.write_all(b"GET /healthz HTTP/1.1\r\nHost: memleak\r\n\r\n").unwrap();
+    half_closed.shutdown(std::net::Shutdown::Write).unwrap();
+    half_closed.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut answer = String::new();
+    half_closed.read_to_string(&mut answer).expect("the answer, then the end");
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n") && answer.ends_with("\r\n\r\nok\n"), "{answer:?}");
     let bad_query = get(port, "/metrics?colour=red").expect("GET /metrics?colour=red");
     assert_eq!(bad_query.status, 400, "{bad_query:#?}");
     let not_followed = get(port, "/metrics?pid=1").expect("GET /metrics?pid=1");

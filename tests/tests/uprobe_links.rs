@@ -26,7 +26,7 @@ fn a_traced_process_gets_one_link_per_program_with_breakpoints_in_it_alone() {
     memleak.wait_attached();
     let links = multi_links(memleak.child.id());
     // 9 entry programs (the aligned allocations share one; munmap and
-    // mprotect have none, seen from the kernel's mmap_lock tracepoint)
+    // mprotect have none, seen from the kernel)
     // and 2 return programs: allocations' and mappings'.
     assert_eq!(links.len(), 11, "{links:#?}");
     assert!(links.iter().all(|link| link.pid == leaker.pid() && link.path == LIBC), "{links:#?}");

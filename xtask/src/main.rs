@@ -88,7 +88,8 @@ enum Task {
         /// mprotect call.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only"])]
         depth_only: bool,
-        /// Only what memleak adds to an mprotect call.
+        /// Only what memleak adds to an mprotect call, and what seeing
+        /// mapping calls costs processes it does not trace.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only"])]
         mprotect_only: bool,
         /// Only the workload untraced and under memleak, in each of these

@@ -1,7 +1,8 @@
 //! mmap, munmap, mremap and mprotect: sent to user space as events, which
 //! keeps the regions (a partial munmap splits them, which a hash map
-//! cannot do). munmap and mprotect are seen from a kernel tracepoint where
-//! it has one to spare the calls a trap, through uprobes elsewhere.
+//! cannot do). munmap and mprotect are seen at their system calls' entry
+//! where the kernel allows it, to spare the calls a trap, through uprobes
+//! elsewhere.
 
 use aya_ebpf::{
     bindings::pt_regs,
@@ -148,6 +149,95 @@ fn protected(ctx: &ProbeContext, past_system_call: bool) -> u32 {
     0
 }
 
+/// munmap and mprotect seen from the kernel, at the entry of their system
+/// calls: user space attaches these where the kernel allows it.
+#[cfg(not(feature = "legacy-kernels"))]
+mod system_calls {
+    use aya_ebpf::{bindings::pt_regs, macros::fentry, programs::FEntryContext};
+    use memleak_common::MappingChange;
+
+    use super::{protect_matters, send_range_change, traced_process};
+
+    /// The bits of an address within its page.
+    const PAGE_OFFSET_BITS: u64 = 4095;
+
+    /// `munmap(address, length)`, as the kernel enters it, for the
+    /// processes memleak traces, in place of its uprobe: a uprobe traps on
+    /// every call of the traced process, 8 µs a munmap, whose first
+    /// instruction the kernel single-steps. An fentry program costs only
+    /// the calls of munmap itself, of any process on the machine, tens of
+    /// nanoseconds each (`lock_taken`, where fentry is not to be had, fires
+    /// for every take of any process's mmap lock). The event is in the ring before the range is
+    /// unmapped, so before any other thread can map it again. A call the
+    /// kernel refuses before it changes anything (an address within a
+    /// page, a length of 0: `EINVAL`) is not sent.
+    #[fentry(function = "__x64_sys_munmap")]
+    pub fn munmap_called(ctx: FEntryContext) -> i32 {
+        // The wrapper's one argument: the task's user registers, saved at
+        // kernel entry.
+        let regs: *const pt_regs = ctx.arg(0);
+        // SAFETY: a BTF pointer the verifier checks each load through; the
+        // call's arguments, which its registers keep.
+        let (address, length) = unsafe { ((*regs).rdi, (*regs).rsi) };
+        if address & PAGE_OFFSET_BITS != 0 || length == 0 || traced_process().is_none() {
+            return 0;
+        }
+        send_range_change(address, length, MappingChange::Unmap, 0);
+        0
+    }
+
+    /// The protection bits the kernel takes (x86-64's: no architecture
+    /// bits of its own), and the two that say which way a stack grows;
+    /// both of those, or any other bit, and the call fails (`EINVAL`).
+    const PROT_KNOWN: u32 = 0x1 | 0x2 | 0x4 | 0x8;
+    const PROT_GROWSDOWN: u32 = 0x0100_0000;
+    const PROT_GROWSUP: u32 = 0x0200_0000;
+
+    /// Whether mprotect takes `prot`, as `do_mprotect_pkey` checks it
+    /// before it changes anything.
+    fn valid_protection(prot: u32) -> bool {
+        let grows = prot & (PROT_GROWSDOWN | PROT_GROWSUP);
+        grows != PROT_GROWSDOWN | PROT_GROWSUP && prot & !(PROT_KNOWN | PROT_GROWSDOWN | PROT_GROWSUP) == 0
+    }
+
+    /// `mprotect(address, length, prot)` as the kernel enters it (see
+    /// `munmap_called`). A call the kernel refuses before it changes
+    /// anything (an address within a page, unknown protection bits:
+    /// `EINVAL`; a length of 0) is not sent. An mprotect whose range has a hole fails after
+    /// changing what is before the hole: it is sent, and user space changes
+    /// the regions it knows in the whole range.
+    #[fentry(function = "__x64_sys_mprotect")]
+    pub fn mprotect_called(ctx: FEntryContext) -> i32 {
+        protect_called(&ctx)
+    }
+
+    /// `pkey_mprotect(address, length, prot, key)`: mprotect with a
+    /// protection key, where the kernel has them.
+    #[fentry(function = "__x64_sys_pkey_mprotect")]
+    pub fn pkey_mprotect_called(ctx: FEntryContext) -> i32 {
+        protect_called(&ctx)
+    }
+
+    #[expect(
+        clippy::inline_always,
+        reason = "the arguments read in each program itself, typed by its target"
+    )]
+    #[inline(always)]
+    fn protect_called(ctx: &FEntryContext) -> i32 {
+        let regs: *const pt_regs = ctx.arg(0);
+        // SAFETY: as in `munmap_called`.
+        let (address, length, prot) = unsafe { ((*regs).rdi, (*regs).rsi, (*regs).rdx as u32) };
+        if address & PAGE_OFFSET_BITS != 0 || length == 0 || !valid_protection(prot) {
+            return 0;
+        }
+        let Some(flags) = traced_process() else { return 0 };
+        if protect_matters(flags, prot) {
+            send_range_change(address, length, MappingChange::Protect, prot);
+        }
+        0
+    }
+}
+
 /// The `mmap_lock` tracepoint's program, for kernels with
 /// `bpf_task_pt_regs` (5.15): user space attaches it only where the
 /// tracepoint takes 3 arguments (6.x).
@@ -170,18 +260,15 @@ mod lock_taken {
 
     /// The kernel's `mmap_lock_acquire_returned(mm, write, success)`: munmap
     /// and mprotect seen from the kernel, for the processes memleak traces,
-    /// in place of their uprobes. A uprobe traps on every call: 0.8 µs more
-    /// an mprotect here, 8 µs a munmap, whose first instruction the kernel
-    /// single-steps; this tracepoint adds 0.1 µs (`cargo xtask bench
-    /// --mprotect-only`). Both calls take their process's mmap lock for
-    /// writing once, after checking their arguments, before changing
-    /// anything, and hold it until done: the event is in the ring before any
-    /// other thread can map the range again. An mprotect whose range has a
-    /// hole fails after changing what is before the hole: it is sent, and
-    /// user space changes the regions it knows in the whole range. Also fires
-    /// for every other taker of any process's mmap lock (page faults that
-    /// miss the per-VMA lock, /proc readers...), which the system call number
-    /// sends away first.
+    /// in place of their uprobes, where the kernel cannot attach fentry
+    /// programs (`system_calls`: built without ftrace). Both calls take
+    /// their process's mmap lock for writing once, after checking their
+    /// arguments, before changing anything, and hold it until done: the
+    /// event is in the ring before any other thread can map the range
+    /// again. Also fires for every other taker of any process's mmap lock
+    /// (mmap, brk, page faults that miss the per-VMA lock, /proc
+    /// readers...), which the system call number sends away first: about
+    /// 0.35 µs on each mapping system call of every process.
     #[btf_tracepoint(function = "mmap_lock_acquire_returned")]
     pub fn mmap_lock_acquire_returned(_ctx: BtfTracePointContext) -> i32 {
         // SAFETY: the current task is always valid, and the helper gives its
@@ -208,8 +295,8 @@ mod lock_taken {
 }
 
 /// The flags in `TRACED_PROCESSES` of the current process, if memleak
-/// traces it and it is in scope: a kernel tracepoint fires for every
-/// process on the machine, and a uprobe with --cgroup for every process
+/// traces it and it is in scope: a system call's fentry program fires for
+/// every process on the machine, and a uprobe with --cgroup for every process
 /// mapping the file.
 fn traced_process() -> Option<*mut u32> {
     let flags = TRACED_PROCESSES.get_ptr_mut(calls::process_id())?;

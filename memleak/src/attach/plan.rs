@@ -27,6 +27,8 @@ use crate::{
 pub enum PlanError {
     #[error("cannot read {path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot open {path}: {source}: memleak holds as many files as its limit allows (raise it: ulimit -n, or LimitNOFILE= in its unit)")]
+    OutOfDescriptors { path: PathBuf, source: std::io::Error },
     #[error("{0} is not an ELF file: give -O the allocator library or binary")]
     NotElf(PathBuf),
     #[error("{0} has no malloc and free symbols: give -O the object that provides the allocator")]
@@ -396,7 +398,15 @@ fn first_allocator(candidates: &[(PathBuf, String)], prefix: Option<&str>) -> Re
     let mut earlier: Vec<EarlierObject> = Vec::new();
     let mut not_probed = Vec::new();
     for (index, (path, display)) in candidates.iter().enumerate() {
-        let Ok((object, data)) = read_object(path, display) else { continue };
+        let (object, data) = match read_object(path, display) {
+            Ok(read) => read,
+            // Out of descriptors, every object would be skipped, and the
+            // process said to have no allocator.
+            Err(PlanError::Read { source, .. }) if is_out_of_descriptors(&source) => {
+                return Err(PlanError::OutOfDescriptors { path: PathBuf::from(display), source });
+            }
+            Err(_) => continue,
+        };
         let Ok(file) = object::File::parse(&*data) else { continue };
         let mut forms = operators::defined_forms(&file, index == 0);
         forms.retain(|(form, _)| !bound.contains(form));
@@ -492,6 +502,12 @@ fn releases_at(site: &ProbeSite) -> Option<bool> {
 }
 
 /// The file at `path`, opened and read once.
+/// Whether `error` is the process's or the system's descriptors running
+/// out.
+pub fn is_out_of_descriptors(error: &std::io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
 fn read_object(path: &Path, display_path: &str) -> Result<(File, Vec<u8>), PlanError> {
     let read_error = |source| PlanError::Read { path: PathBuf::from(display_path), source };
     let object = files::open_regular(path).map_err(read_error)?;

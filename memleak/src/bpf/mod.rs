@@ -1,7 +1,7 @@
 //! memleak's BPF object seen from user space: loading and attaching it
 //! (`tracer`), reading its maps once per report round (`contents`), its
 //! ring buffers (`rings`), and the unwind tables' maps (`unwind_maps`);
-//! munmap and mprotect seen from a kernel tracepoint (`mapping_tracepoint`);
+//! munmap and mprotect seen from the kernel (`mapping_calls_in_kernel`);
 //! what this kernel offers of the features the programs use
 //! (`kernel_features`), what all that takes of privileges on this kernel
 //! (`privileges`), the
@@ -11,7 +11,7 @@
 pub mod contents;
 pub mod kernel_features;
 pub mod map_costs;
-pub mod mapping_tracepoint;
+pub mod mapping_calls_in_kernel;
 pub mod multi_uprobes;
 pub mod privileges;
 pub mod rings;

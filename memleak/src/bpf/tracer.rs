@@ -26,7 +26,7 @@ use memleak_common::{
 use super::{
     kernel_features::{self, Loops},
     map_costs::{self, MapCost},
-    mapping_tracepoint,
+    mapping_calls_in_kernel::{self, SeenBy},
     multi_uprobes::{self, LoadError, MultiUprobePrograms},
     privileges::{self, Traced},
 };
@@ -223,9 +223,12 @@ pub struct Tracer {
     /// `PY_PROCS_MAP`: from the first process put there on.
     python_walking: bool,
     /// The entry programs of the C library's mapping functions whose calls
-    /// a kernel tracepoint sees instead (`mapping_tracepoint`): no
+    /// fentry programs at their system calls see instead
+    /// (`mapping_calls_in_kernel`): no
     /// `attach` places them.
     seen_in_kernel: Vec<&'static str>,
+    /// How the kernel sees them, where it does.
+    seen_by: Option<SeenBy>,
     /// Whether `attach_kernel` attached the kernel's allocation
     /// tracepoints.
     traces_kernel: bool,
@@ -407,10 +410,10 @@ impl Tracer {
             // No attach cookies: see `entry_program`.
             (None, false, Loops::Bounded) => "perf-event uprobes, an entry program per function",
         };
-        let munmap_mprotect = match (self.seen_in_kernel.is_empty(), kernel_mode) {
+        let munmap_mprotect = match (self.seen_by, kernel_mode) {
             (_, true) => "none",
-            (false, false) => "mmap_lock tracepoint",
-            (true, false) => "uprobes",
+            (Some(seen_by), false) => seen_by.label(),
+            (None, false) => "uprobes",
         };
         kernel_features::Paths {
             release: kernel_features::release(),
@@ -492,6 +495,7 @@ impl Tracer {
             python_max_frames: python_frame_limit(config),
             python_walking: false,
             seen_in_kernel: Vec::new(),
+            seen_by: None,
             traces_kernel: false,
         })
     }
@@ -722,13 +726,21 @@ impl Tracer {
     /// Attaches what every process traced needs besides its uprobes: the
     /// exec tracepoint (an execve by a traced process comes as a
     /// `MappingChange::Exec` event, and its table of mappings is dropped)
-    /// and the tracepoint that sees munmap and mprotect, where the kernel
-    /// has it; before the first `attach`, which then leaves their uprobes
-    /// out.
+    /// and the programs that see munmap and mprotect at their system
+    /// calls, where the kernel takes them; before the first `attach`, which
+    /// then leaves their uprobes out.
     pub fn watch_processes(&mut self) -> Result<(), TracerError> {
         self.attach_tracepoint(programs::PROCESS_EXEC)?;
         let btf = self.kernel_btf()?;
-        self.seen_in_kernel = mapping_tracepoint::attach(&mut self.ebpf, &btf);
+        self.seen_by = mapping_calls_in_kernel::attach(&mut self.ebpf, &btf);
+        self.seen_in_kernel = match self.seen_by {
+            Some(seen_by) => MAPPING_FUNCTIONS
+                .iter()
+                .filter(|function| seen_by.hook(function.entry_program).is_some())
+                .map(|function| function.entry_program)
+                .collect(),
+            None => Vec::new(),
+        };
         self.btf = Some(btf);
         Ok(())
     }
@@ -766,10 +778,9 @@ impl Tracer {
         }
     }
 
-    /// The entry programs of the mapping functions whose calls a kernel
-    /// tracepoint sees, their uprobes left out (see `mapping_tracepoint`).
-    pub fn seen_in_kernel(&self) -> &[&'static str] {
-        &self.seen_in_kernel
+    /// How the kernel sees munmap and mprotect, where it does.
+    pub fn mapping_calls_seen_by(&self) -> Option<SeenBy> {
+        self.seen_by
     }
 
     /// Counts process `tgid` among those traced, for the probes that fire

@@ -15,11 +15,11 @@ use std::{
     ops::Range,
     os::fd::AsRawFd as _,
     path::{Component, PathBuf},
-    sync::{Arc, OnceLock},
+    sync::{Arc, Mutex, OnceLock, Weak},
 };
 
 use super::{
-    files,
+    files::{self, FileIdentity},
     maps::{self, MapsEntry, Pathname},
 };
 use crate::{elf, model::ModuleMapping};
@@ -40,20 +40,66 @@ pub struct MappedObject {
     /// The file as reports name it: `path`, except for the program started
     /// through a link (see `started_as`).
     pub name: String,
+    open: Arc<OpenFile>,
+}
+
+/// A mapped file memleak holds open, one for every process that maps it:
+/// a node's hundred workers of one program hold one descriptor of each of
+/// its objects, read its build id once, and are symbolized through one
+/// `fd_path`, which the symbolizer parses once.
+#[derive(Debug)]
+struct OpenFile {
     file: File,
     build_id: OnceLock<Option<String>>,
+}
+
+/// The mapped files held open, by identity, while some process's model
+/// holds them.
+static OPEN_FILES: Mutex<OpenFiles> = Mutex::new(OpenFiles { by_identity: None, pruned_at: 0 });
+
+struct OpenFiles {
+    by_identity: Option<HashMap<FileIdentity, Weak<OpenFile>>>,
+    /// How many entries there were after the last pruning: the next is
+    /// due when they have doubled.
+    pruned_at: usize,
+}
+
+/// The file `entry` of process `pid` maps: the one held open already if
+/// another process maps it, else opened now. Its identity is taken from
+/// the file itself (`stat` of its `map_files` link, no descriptor), not
+/// from the maps' device and inode: btrfs subvolumes share a device
+/// there, and repeat inode numbers.
+fn open_shared(pid: u32, entry: &MapsEntry) -> Option<Arc<OpenFile>> {
+    let map_files = format!("/proc/{pid}/map_files/{:x}-{:x}", entry.start, entry.end);
+    let identity = std::fs::metadata(map_files).ok().map(|metadata| FileIdentity::of_metadata(&metadata));
+    let mut open_files = OPEN_FILES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let by_identity = open_files.by_identity.get_or_insert_with(HashMap::new);
+    if let Some(held) = identity.and_then(|identity| by_identity.get(&identity)?.upgrade()) {
+        return Some(held);
+    }
+    let file = files::open_mapped(pid, entry)?;
+    let open = Arc::new(OpenFile { file, build_id: OnceLock::new() });
+    if let Some(identity) = FileIdentity::of(&open.file) {
+        by_identity.insert(identity, Arc::downgrade(&open));
+        if by_identity.len() >= 2 * open_files.pruned_at.max(64) {
+            let by_identity = open_files.by_identity.get_or_insert_with(HashMap::new);
+            by_identity.retain(|_, held| held.strong_count() > 0);
+            open_files.pruned_at = by_identity.len();
+        }
+    }
+    Some(open)
 }
 
 impl MappedObject {
     /// A path that reopens this very file from memleak's own process, for
     /// as long as memleak holds it, whatever happens to the process.
     pub fn fd_path(&self) -> PathBuf {
-        PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+        PathBuf::from(format!("/proc/self/fd/{}", self.open.file.as_raw_fd()))
     }
 
     /// The file itself, open.
     pub fn file(&self) -> &File {
-        &self.file
+        &self.open.file
     }
 
     /// Whether the host's file at `path` is this very file (device and
@@ -64,12 +110,12 @@ impl MappedObject {
         use std::os::unix::fs::MetadataExt as _;
         let identity = |metadata: std::fs::Metadata| (metadata.dev(), metadata.ino());
         let on_host = std::fs::metadata(&self.path).map(identity);
-        on_host.is_ok_and(|on_host| self.file.metadata().map(identity).is_ok_and(|ours| ours == on_host))
+        on_host.is_ok_and(|on_host| self.file().metadata().map(identity).is_ok_and(|ours| ours == on_host))
     }
 
     /// The GNU build id, in hex, read once.
     pub fn build_id(&self) -> Option<&str> {
-        self.build_id.get_or_init(|| elf::build_id(&self.fd_path())).as_deref()
+        self.open.build_id.get_or_init(|| elf::build_id(&self.fd_path())).as_deref()
     }
 }
 
@@ -268,14 +314,13 @@ impl AddressSpace {
             objects.insert(id, object.clone());
             return Some(object);
         }
-        let file = files::open_mapped(self.pid, entry)?;
+        let open = open_shared(self.pid, entry)?;
         let name = if Some(path) == executable {
-            started_as(self.pid, &file).unwrap_or_else(|| path.to_owned())
+            started_as(self.pid, &open.file).unwrap_or_else(|| path.to_owned())
         } else {
             path.to_owned()
         };
-        let object =
-            Arc::new(MappedObject { id, path: path.to_owned(), name, file, build_id: OnceLock::new() });
+        let object = Arc::new(MappedObject { id, path: path.to_owned(), name, open });
         objects.insert(id, object.clone());
         Some(object)
     }
@@ -368,7 +413,7 @@ impl AddressSpace {
     /// the process maps it.
     pub fn object_of_file(&self, file: &File) -> Option<Arc<MappedObject>> {
         let identity = identity(file)?;
-        self.objects.values().find(|object| self::identity(&object.file) == Some(identity)).cloned()
+        self.objects.values().find(|object| self::identity(object.file()) == Some(identity)).cloned()
     }
 
     /// The leading part of a walked stack that can be trusted: up to the
@@ -544,6 +589,18 @@ mod tests {
         let function = own_space as fn() -> AddressSpace as usize as u64;
         let mapping = space.find(function).expect("this function's code is mapped");
         assert!(mapping.executable && mapping.object.id == objects[0].id);
+    }
+
+    #[test]
+    fn models_of_processes_that_map_one_file_hold_it_open_once() {
+        // Two models of this process stand for two processes of one
+        // program: a node's workers.
+        let (first, second) = (own_space(), own_space());
+        let (first, second) = (first.objects(), second.objects());
+        assert_eq!(first.len(), second.len());
+        for (one, other) in first.iter().zip(&second) {
+            assert_eq!(one.fd_path(), other.fd_path(), "{}: one descriptor", one.path);
+        }
     }
 
     #[test]

@@ -29,6 +29,31 @@ use std::{
 
 use super::maps::MapsEntry;
 
+/// A file told apart from every other, and from its own earlier
+/// contents: device, inode, size and modification time (ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileIdentity {
+    device: u64,
+    inode: u64,
+    size: u64,
+    modified_ns: i128,
+}
+
+impl FileIdentity {
+    pub fn of(file: &File) -> Option<Self> {
+        file.metadata().ok().map(|metadata| Self::of_metadata(&metadata))
+    }
+
+    pub fn of_metadata(metadata: &std::fs::Metadata) -> Self {
+        Self {
+            device: metadata.dev(),
+            inode: metadata.ino(),
+            size: metadata.size(),
+            modified_ns: i128::from(metadata.mtime()) * 1_000_000_000 + i128::from(metadata.mtime_nsec()),
+        }
+    }
+}
+
 /// The most memleak reads of any one file: ELF objects and their debug
 /// files. The largest Debian debug file (libLLVM's) is under 2 GiB.
 pub const READ_LIMIT: u64 = 4 << 30;

@@ -46,10 +46,11 @@ use object::read::ReadCache;
 use self::{
     memory::ProcessMemory,
     offsets::{CodeOffsets, GroupEnd, LastInstruction, Offsets, StringLayout},
-    runtime::{FileIdentity, PythonVersion},
+    runtime::PythonVersion,
     thread_state::{LibcLayout, SelfTest},
 };
 use crate::attach::kernel_btf;
+use crate::process::files::FileIdentity;
 
 /// What [`detect`] concluded about one process.
 #[derive(Debug)]

@@ -13,7 +13,7 @@ use object::{
 use crate::{
     elf,
     process::{
-        files,
+        files::{self, FileIdentity},
         maps::{self, MapsEntry},
     },
     unwind::eh_frame,
@@ -145,29 +145,6 @@ pub fn runtime_address(file: &Parsed<'_>) -> Option<u64> {
     symbol(file, "_PyRuntime")
         .map(|(address, _)| address)
         .or_else(|| file.section_by_name(".PyRuntime").map(|section| section.address()))
-}
-
-/// A file told apart from every other, and from its own earlier
-/// contents: device, inode, size and modification time (ns).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct FileIdentity {
-    device: u64,
-    inode: u64,
-    size: u64,
-    modified_ns: i128,
-}
-
-impl FileIdentity {
-    pub fn of(file: &File) -> Option<Self> {
-        use std::os::unix::fs::MetadataExt as _;
-        let metadata = file.metadata().ok()?;
-        Some(Self {
-            device: metadata.dev(),
-            inode: metadata.ino(),
-            size: metadata.size(),
-            modified_ns: i128::from(metadata.mtime()) * 1_000_000_000 + i128::from(metadata.mtime_nsec()),
-        })
-    }
 }
 
 /// What an object's dynamic symbols say of it.

@@ -173,23 +173,52 @@ pub struct ReportStack {
 }
 
 /// A cgroup's total over the processes reported in one round, written
-/// after their reports. Fields in the order JSON has always had them.
+/// after their reports, and over those that exited since the last total.
+/// Fields in the order JSON has always had them.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct CgroupTotal {
     pub cgroup: String,
     pub processes: usize,
     pub total_allocations: u64,
     pub total_bytes: u64,
+    /// The processes that exited since the last total, as their final
+    /// reports had them: without them, a cgroup whose one process exited
+    /// said 0 bytes in 0 processes under that process's report.
+    #[serde(skip_serializing_if = "ExitedTotal::is_empty")]
+    pub exited: ExitedTotal,
+}
+
+/// What processes that exited held, by their final reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ExitedTotal {
+    pub processes: usize,
+    pub total_allocations: u64,
+    pub total_bytes: u64,
+}
+
+impl ExitedTotal {
+    /// Counts the final report of a process that exited.
+    pub fn add(&mut self, report: &Report) {
+        self.processes += 1;
+        self.total_allocations += report.total_allocations;
+        self.total_bytes += report.total_bytes;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.processes == 0
+    }
 }
 
 impl CgroupTotal {
-    /// The total of `reports`, the processes of cgroup `cgroup`.
-    pub fn of(cgroup: &std::path::Path, reports: &[Report]) -> Self {
+    /// The total of `reports`, the processes of cgroup `cgroup`, beside
+    /// what those that exited since the last one held.
+    pub fn of(cgroup: &std::path::Path, reports: &[Report], exited: ExitedTotal) -> Self {
         Self {
             cgroup: cgroup.display().to_string(),
             processes: reports.len(),
             total_allocations: reports.iter().map(|report| report.total_allocations).sum(),
             total_bytes: reports.iter().map(|report| report.total_bytes).sum(),
+            exited,
         }
     }
 }

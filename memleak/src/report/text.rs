@@ -376,14 +376,28 @@ pub fn render_diff(diff: &Diff, full_stacks: bool, out: &mut (impl Write + ?Size
 }
 
 pub fn render_cgroup_total(total: &CgroupTotal, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
-    writeln!(
+    write!(
         out,
         "Cgroup {}: {} bytes in {} allocations outstanding in {} processes",
         printable(&total.cgroup),
         total.total_bytes,
         total.total_allocations,
         total.processes
-    )
+    )?;
+    let exited = &total.exited;
+    match exited.processes {
+        0 => writeln!(out),
+        1 => writeln!(
+            out,
+            "; 1 process exited since, with {} bytes in {} allocations outstanding at its exit",
+            exited.total_bytes, exited.total_allocations
+        ),
+        processes => writeln!(
+            out,
+            "; {processes} processes exited since, with {} bytes in {} allocations outstanding at their exits",
+            exited.total_bytes, exited.total_allocations
+        ),
+    }
 }
 
 /// What a stack's amounts count.
@@ -586,5 +600,33 @@ mod tests {
             line,
             "Not shown: 2097152 bytes of CPython's small-object arenas, whose objects only --python-allocator or PYTHONMALLOC=malloc show (--all-mmaps)"
         );
+    }
+
+    #[test]
+    fn a_cgroup_total_counts_the_processes_that_exited_apart() {
+        let mut report = sample_report(1);
+        let line = |exited: crate::report::ExitedTotal| {
+            let total = CgroupTotal::of(std::path::Path::new("/sys/fs/cgroup/app"), &[], exited);
+            let mut out = Vec::new();
+            render_cgroup_total(&total, &mut out).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        let mut exited = crate::report::ExitedTotal::default();
+        assert_eq!(
+            line(exited),
+            "Cgroup /sys/fs/cgroup/app: 0 bytes in 0 allocations outstanding in 0 processes\n"
+        );
+        report.total_bytes = 233_472;
+        report.total_allocations = 57;
+        exited.add(&report);
+        assert_eq!(
+            line(exited),
+            "Cgroup /sys/fs/cgroup/app: 0 bytes in 0 allocations outstanding in 0 processes; 1 process exited \
+             since, with 233472 bytes in 57 allocations outstanding at its exit\n"
+        );
+        exited.add(&report);
+        assert!(line(exited).ends_with(
+            "; 2 processes exited since, with 466944 bytes in 114 allocations outstanding at their exits\n"
+        ));
     }
 }

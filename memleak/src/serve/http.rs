@@ -177,6 +177,9 @@ fn http1() -> hyper::server::conn::http1::Builder {
     // The head's deadline is `connections`', which covers the waits
     // between kept-alive requests too.
     builder.header_read_timeout(None).max_buf_size(MAX_REQUEST_HEAD);
+    // A client may shut its side down once its request is sent (`nc -N`,
+    // some health checkers): it still waits for the answer.
+    builder.half_close(true);
     builder
 }
 

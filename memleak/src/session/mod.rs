@@ -25,8 +25,8 @@ pub use targets::{ReportRequest, Selector, Target, TargetSpec};
 use crate::{
     attach::{self, kernel_btf, AllocatorChoice, AttachPlan},
     bpf::{
-        rings, EventRing, MapContents, MapFill, StackCatalog, Tracer, TracerConfig, TracerError,
-        TracerSettings,
+        mapping_calls_in_kernel::SeenBy, rings, EventRing, MapContents, MapFill, StackCatalog, Tracer,
+        TracerConfig, TracerError, TracerSettings,
     },
     process::{
         cgroup::{Cgroup, CgroupError},
@@ -676,10 +676,10 @@ impl Session {
         &self.targets
     }
 
-    /// The entry programs whose uprobes a kernel tracepoint stands in for
-    /// (`Tracer::seen_in_kernel`).
-    pub fn seen_in_kernel(&self) -> &[&'static str] {
-        self.tracer.seen_in_kernel()
+    /// How the kernel sees munmap and mprotect, whose uprobes it stands in
+    /// for (`Tracer::mapping_calls_seen_by`).
+    pub fn mapping_calls_seen_by(&self) -> Option<SeenBy> {
+        self.tracer.mapping_calls_seen_by()
     }
 
     /// The path each part of the tracer takes on this kernel, also said

@@ -20,11 +20,20 @@
 //! - an object that names paths (`.gnu_debugaltlink`, `.debug_sup`): its
 //!   symbol table alone.
 
-use std::{collections::HashMap, fs::File, os::fd::AsRawFd as _, path::PathBuf, sync::Arc};
+use std::{
+    collections::HashMap,
+    fs::File,
+    os::fd::AsRawFd as _,
+    path::PathBuf,
+    sync::{Arc, Mutex, Weak},
+};
 
 use crate::{
     elf,
-    process::address_space::{FileId, MappedObject},
+    process::{
+        address_space::{FileId, MappedObject},
+        files::FileIdentity,
+    },
     unwind::debug_files,
 };
 
@@ -106,8 +115,34 @@ impl DebugLinks {
             .or_insert_with(|| {
                 let found = debug_files::find(pid, object)?;
                 log::debug!("debug file of {}: {}", object.path, found.place);
-                Some(Arc::new(SeparateFile { file: found.file, segments: elf::load_segments(object.file()) }))
+                Some(shared_separate_file(object, found.file))
             })
             .clone()
     }
+}
+
+/// Separate debug files held open, by their identity and their object's,
+/// while some process's routes hold them: processes that map the same
+/// object share one descriptor of its debug file.
+static SEPARATE_FILES: Mutex<Option<SeparateFiles>> = Mutex::new(None);
+
+/// (debug file, object) -> the debug file held open.
+type SeparateFiles = HashMap<(FileIdentity, FileIdentity), Weak<SeparateFile>>;
+
+/// `debug_file`, found for `object`, as the one held open already if
+/// another process's object found it too.
+fn shared_separate_file(object: &MappedObject, debug_file: File) -> Arc<SeparateFile> {
+    let make = |file| Arc::new(SeparateFile { file, segments: elf::load_segments(object.file()) });
+    let (Some(debug), Some(object)) = (FileIdentity::of(&debug_file), FileIdentity::of(object.file())) else {
+        return make(debug_file);
+    };
+    let mut held = SEPARATE_FILES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let held = held.get_or_insert_with(HashMap::new);
+    if let Some(shared) = held.get(&(debug, object)).and_then(Weak::upgrade) {
+        return shared;
+    }
+    held.retain(|_, file| file.strong_count() > 0);
+    let shared = make(debug_file);
+    held.insert((debug, object), Arc::downgrade(&shared));
+    shared
 }

@@ -13,9 +13,11 @@
 //! they would come from.
 
 use std::{
+    cell::RefCell,
     collections::HashMap,
     hash::{BuildHasherDefault, Hasher},
     path::PathBuf,
+    rc::{Rc, Weak},
     sync::Arc,
 };
 
@@ -79,7 +81,8 @@ pub const ANONYMOUS_CODE: &str = "anonymous executable memory";
 pub struct StackSymbolizer {
     /// Kernel stacks, symbolized through /proc/kallsyms.
     kernel: bool,
-    symbolizer: symbolize::Symbolizer,
+    /// Shared with other processes' (see `PROCESS_SYMBOLIZER`).
+    symbolizer: Rc<symbolize::Symbolizer>,
     /// Each stack's frames, by stack id.
     cache: WordMap<u64, Arc<[Arc<Frame>]>>,
     /// The frames of each return address (inlined ones first), symbolized
@@ -104,16 +107,49 @@ fn symbolizer(debug_dirs: &[PathBuf]) -> symbolize::Symbolizer {
         .build()
 }
 
+/// Processes that share one symbolizer: a symbolizer never lets go of a
+/// file it parsed, so a daemon that sees processes come and go for weeks
+/// starts a new one now and then; the old one goes with its last process.
+const PROCESSES_PER_SYMBOLIZER: usize = 256;
+
+/// The symbolizer new processes share, and how many it has served.
+struct SharedSymbolizer {
+    current: Weak<symbolize::Symbolizer>,
+    served: usize,
+}
+
+thread_local! {
+    /// blazesym parses each file once per symbolizer (keyed by device,
+    /// inode, size and modification time): processes that share one, as a
+    /// node's hundred workers of one program do, share their libc's
+    /// parse, and its descriptor.
+    static PROCESS_SYMBOLIZER: RefCell<SharedSymbolizer> =
+        const { RefCell::new(SharedSymbolizer { current: Weak::new(), served: 0 }) };
+}
+
+/// The symbolizer of a new process's stacks, shared (see
+/// `PROCESS_SYMBOLIZER`). No debug directories: blazesym follows no debug
+/// link of a process's objects; memleak finds their debug files itself
+/// (see `debug_links`).
+fn process_symbolizer() -> Rc<symbolize::Symbolizer> {
+    PROCESS_SYMBOLIZER.with_borrow_mut(|shared| {
+        if let Some(current) = shared.current.upgrade().filter(|_| shared.served < PROCESSES_PER_SYMBOLIZER) {
+            shared.served += 1;
+            return current;
+        }
+        let fresh = Rc::new(symbolizer(&[]));
+        *shared = SharedSymbolizer { current: Rc::downgrade(&fresh), served: 1 };
+        fresh
+    })
+}
+
 impl StackSymbolizer {
     /// For process `pid`, whose pid in its own namespace is
     /// `namespace_pid` (if it differs).
     pub fn new(pid: u32, namespace_pid: Option<u32>) -> Self {
-        // No debug directories: blazesym follows no debug link of a
-        // process's objects; memleak finds their debug files itself (see
-        // `debug_links`).
         Self {
             kernel: false,
-            symbolizer: symbolizer(&[]),
+            symbolizer: process_symbolizer(),
             cache: WordMap::default(),
             addresses: WordMap::default(),
             jit: Some(PerfMap::of_process(pid, namespace_pid)),
@@ -125,7 +161,7 @@ impl StackSymbolizer {
     pub fn kernel() -> Self {
         Self {
             kernel: true,
-            symbolizer: symbolizer(&debug_links::KERNEL_DEBUG_DIRS.map(PathBuf::from)),
+            symbolizer: Rc::new(symbolizer(&debug_links::KERNEL_DEBUG_DIRS.map(PathBuf::from))),
             cache: WordMap::default(),
             addresses: WordMap::default(),
             jit: None,

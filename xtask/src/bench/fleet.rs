@@ -105,9 +105,43 @@ impl Pod {
     }
 }
 
+/// What the fleet bench found: the scrapes, and what the daemon held
+/// with one process followed and with all of them.
+pub struct Fleet {
+    scrapes: Vec<Scrape>,
+    one: Holdings,
+    all: Holdings,
+}
+
+/// Goals for what each process followed beyond the first costs the
+/// daemon: memory, and descriptors (an unraised soft limit of 1,024 held
+/// about 80 processes when each took 20).
+const GOAL_KIB_PER_PROCESS: f64 = 1024.0;
+const GOAL_DESCRIPTORS_PER_PROCESS: f64 = 3.0;
+
+/// Releases the held `leakers` once the daemon has taken in every leaker
+/// of `pods` (probed before they allocate: a block allocated before its
+/// process was taken in is never seen), waits until it holds their every
+/// byte, has it symbolize their stacks (a node-wide profile), and says
+/// what it holds then.
+fn follow_and_symbolize(
+    daemon: &Daemon,
+    pods: &[Pod],
+    leakers: &mut [(Child, BufReader<ChildStderr>)],
+) -> Result<Holdings> {
+    let processes = if pods.len() == 1 { 1 } else { pods.len() * PER_POD };
+    wait_for_targets(daemon, processes)?;
+    for (leaker, _) in leakers {
+        super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
+    }
+    wait_for_pods(daemon, pods, processes)?;
+    get_bytes(daemon.port, "/debug/pprof/allocs")?;
+    daemon.holdings()
+}
+
 /// Runs the 200 leakers in their pods under `memleak serve --namespace`
 /// and scrapes the daemon.
-pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
+pub fn measure(memleak: &Path, leaker: &Path) -> Result<Fleet> {
     let host_root = crate::root().join("target/bench/fleet-host");
     let _ = std::fs::remove_dir_all(&host_root);
     let cgroup2 = cgroup2_mount()?;
@@ -118,31 +152,30 @@ pub fn measure(memleak: &Path, leaker: &Path) -> Result<Vec<Scrape>> {
         let daemon = Daemon::start(memleak, &["--namespace", NAMESPACE, "--host-root", host_root])?;
         let mut leakers = Vec::with_capacity(PODS * PER_POD);
         let scraped = (|| {
-            for pod in &pods {
-                for _ in 0..PER_POD {
+            // What the first process costs (the daemon reads its objects,
+            // their debug files and symbols for the first time) is
+            // measured apart from what each one more costs.
+            leakers.push(pods[0].start(leaker)?);
+            let one = follow_and_symbolize(&daemon, &pods[..1], &mut leakers)?;
+            for (index, pod) in pods.iter().enumerate() {
+                for _ in usize::from(index == 0)..PER_POD {
                     leakers.push(pod.start(leaker)?);
                 }
             }
-            // Probed before they allocate: a block allocated before its
-            // process was taken in is never seen.
-            wait_for_targets(&daemon, leakers.len())?;
-            for (leaker, _) in &mut leakers {
-                super::process::release(leaker.stdin.as_mut().context("no stdin")?)?;
-            }
-            wait_for_pods(&daemon, &pods)?;
+            let all = follow_and_symbolize(&daemon, &pods, &mut leakers[1..])?;
             let scrapes = [scrape(&daemon, "/metrics")?, scrape(&daemon, "/debug/pprof/allocs")?];
             // 200 processes' profile is tens of kilobytes gzipped: an
             // empty one (under 100 bytes) is no measure of it.
             if scrapes[1].bytes < 1024 {
                 bail!("the node-wide profile came back with {} bytes, no samples", scrapes[1].bytes);
             }
-            Ok(scrapes)
+            Ok(Fleet { scrapes: Vec::from(scrapes), one, all })
         })();
         for (mut leaker, _) in leakers {
             let _ = leaker.kill();
             let _ = leaker.wait();
         }
-        scraped.map(Vec::from)
+        scraped
     });
     remove_pods(&cgroup2);
     let _ = std::fs::remove_dir_all(&host_root);
@@ -313,9 +346,9 @@ fn wait_for_targets(daemon: &Daemon, count: usize) -> Result<()> {
     }
 }
 
-/// Waits until `/metrics` names every pod's container and holds every
-/// leaker's blocks.
-fn wait_for_pods(daemon: &Daemon, pods: &[Pod]) -> Result<()> {
+/// Waits until `/metrics` names every one of `pods`' containers and
+/// holds every block of `leakers` leakers.
+fn wait_for_pods(daemon: &Daemon, pods: &[Pod], leakers: usize) -> Result<()> {
     let deadline = Instant::now() + Duration::from_mins(2);
     loop {
         let metrics = get(daemon.port, "/metrics")?;
@@ -327,11 +360,11 @@ fn wait_for_pods(daemon: &Daemon, pods: &[Pod]) -> Result<()> {
             .lines()
             .filter(|line| line.starts_with("memleak_outstanding_bytes{") && line.ends_with(" 17264"))
             .count();
-        if named && full == PODS * PER_POD {
+        if named && full == leakers {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("the daemon followed {full} of {} leakers in 2 minutes", PODS * PER_POD);
+            bail!("the daemon followed {full} of {leakers} leakers in 2 minutes");
         }
         thread::sleep(Duration::from_millis(500));
     }
@@ -369,14 +402,24 @@ fn remove_pods(cgroup2: &Path) {
     let _ = std::fs::remove_dir(cgroup2.join("kubepods.slice"));
 }
 
-pub fn print(scrapes: &Result<Vec<Scrape>>) {
+pub fn print(fleet: &Result<Fleet>) {
+    let processes = PODS * PER_POD;
     println!(
-        "\nmemleak serve on a node: {} leakers in {PODS} pods (kubelet's cgroups, containerd's annotations \
-         under --host-root), --namespace {NAMESPACE}; one scrape, median of {SCRAPES}",
-        PODS * PER_POD
+        "\nmemleak serve on a node: {processes} leakers in {PODS} pods (kubelet's cgroups, containerd's annotations \
+         under --host-root), --namespace {NAMESPACE}; one scrape, median of {SCRAPES}"
     );
-    match scrapes {
-        Ok(scrapes) => {
+    match fleet {
+        Ok(Fleet { scrapes, one, all }) => {
+            let more = (processes - 1) as f64;
+            println!(
+                "  the daemon holds {} KiB and {} descriptors following 1 of them, {} KiB and {} following all",
+                one.rss_kib, one.descriptors, all.rss_kib, all.descriptors
+            );
+            println!(
+                "  each one more: {:.0} KiB (goal: under {GOAL_KIB_PER_PROCESS:.0}), {:.1} descriptors (goal: under {GOAL_DESCRIPTORS_PER_PROCESS:.0})",
+                all.rss_kib.saturating_sub(one.rss_kib) as f64 / more,
+                all.descriptors.saturating_sub(one.descriptors) as f64 / more
+            );
             println!("  {:<40} {:>10} {:>12}", "endpoint", "time", "body");
             for scrape in scrapes {
                 println!(

@@ -259,10 +259,13 @@ fn depth_section(memleak: &std::path::Path, runs: usize, heaptrack_installed: bo
     mprotect_section(memleak, runs)
 }
 
-/// What memleak adds to an mprotect call, each way it can see the call.
+/// What memleak adds to an mprotect call, each way it can see the call,
+/// and what each way costs processes it does not trace.
 fn mprotect_section(memleak: &std::path::Path, runs: usize) -> Result<()> {
     let mprotect_loop = build_fixture_with("mprotect_loop", &["-O2"])?;
     mprotect_calls::print(&mprotect_calls::measure(memleak, &mprotect_loop, runs));
+    let mapping_loop = build_fixture_with("mapping_loop", &["-O2"])?;
+    mprotect_calls::print_bystander(&mprotect_calls::measure_bystander(memleak, &mapping_loop, runs.max(10)));
     Ok(())
 }
 

@@ -1,13 +1,18 @@
 //! What memleak adds to an mprotect call: a program flips one page
 //! between read-write and read-only, as a JIT flips its code pages, and
 //! times its calls itself, chunk after chunk. memleak attaches to it and
-//! detaches in turns: seeing mprotect from the kernel's tracepoint, as it
-//! does where it can, and through a uprobe, as it does elsewhere. Nothing
-//! a leak report shows changes, so nothing should be sent.
+//! detaches in turns: seeing mprotect from the kernel, as it does where
+//! it can, and through a uprobe, as it does elsewhere. Nothing a leak
+//! report shows changes, so nothing should be sent.
 //!
 //! One process throughout: a call's cost depends on the mappings around
 //! the page (whether the kernel splits and merges them on every flip),
 //! which differ between runs by more than memleak adds.
+//!
+//! And what seeing munmap and mprotect from the kernel costs the processes
+//! memleak does not trace: a program that only maps, protects and unmaps
+//! memory runs alone and beside a memleak tracing another process, each
+//! way, in turns; the ratio of each run to the run alone next to it.
 
 use std::{
     path::Path,
@@ -20,7 +25,7 @@ use anyhow::{bail, Context as _, Result};
 
 use super::{
     median,
-    process::{lines_as_they_come, tracing, Killed},
+    process::{lines_as_they_come, run_to_end, tracing, Killed},
 };
 
 /// Calls per line the program prints: tens of milliseconds.
@@ -37,6 +42,87 @@ pub struct CallCosts {
     pub untraced: f64,
     pub tracepoint: f64,
     pub uprobe: f64,
+}
+
+/// The switch that keeps the `mmap_lock` tracepoint where fentry programs
+/// could serve.
+const MAPPING_TRACEPOINT: &str = "MEMLEAK_MAPPING_TRACEPOINT";
+/// Iterations of the bystander's loop in a run: a few hundred ms.
+const BYSTANDER_ITERATIONS: &str = "100000";
+/// Goal: a bystander's speed beside memleak, against its speed alone.
+const BYSTANDER_GOAL: f64 = 0.98;
+
+/// A bystander's runs one way: ns an iteration, and the ratio of its
+/// speed to the run alone in the same round.
+pub struct BystanderWay {
+    label: &'static str,
+    iteration_ns: Vec<f64>,
+    speed: Vec<f64>,
+}
+
+/// `mapping_loop`, untraced, alone and beside a memleak tracing a sleeping
+/// process each way, `rounds` times in turns.
+pub fn measure_bystander(memleak: &Path, mapping_loop: &Path, rounds: usize) -> Result<Vec<BystanderWay>> {
+    let ways: [(&str, Option<&str>); 4] = [
+        ("alone", None),
+        ("beside memleak -p (default: fentry at the system calls, else the tracepoint)", Some("")),
+        ("beside memleak -p, the mmap_lock tracepoint", Some(MAPPING_TRACEPOINT)),
+        ("beside memleak -p, uprobes in the traced process only", Some(MAPPING_UPROBES)),
+    ];
+    let mut rows: Vec<BystanderWay> = ways
+        .iter()
+        .map(|&(label, _)| BystanderWay { label, iteration_ns: Vec::new(), speed: Vec::new() })
+        .collect();
+    let mut sleeper = Killed(Command::new("sleep").arg("3600").spawn().context("cannot run sleep")?);
+    let pid = sleeper.0.id().to_string();
+    for round in 1..=rounds {
+        eprintln!("bench: a bystander's mapping calls, run {round}/{rounds}");
+        let mut alone = 0.0;
+        for (row, &(_, switch)) in rows.iter_mut().zip(&ways) {
+            let _traced = match switch {
+                None => None,
+                Some(switch) => {
+                    let mut command = Command::new(memleak);
+                    command.args(["-p", &pid]);
+                    if !switch.is_empty() {
+                        command.env(switch, "1");
+                    }
+                    Some(tracing(&mut command)?)
+                }
+            };
+            let finished = run_to_end(Command::new(mapping_loop).arg(BYSTANDER_ITERATIONS))?;
+            let ns: f64 = finished
+                .stdout
+                .strip_prefix("iteration_ns ")
+                .and_then(|ns| ns.trim().parse().ok())
+                .with_context(|| format!("not an iteration_ns line: {}", finished.stdout))?;
+            if switch.is_none() {
+                alone = ns;
+            }
+            row.iteration_ns.push(ns);
+            row.speed.push(alone / ns);
+        }
+    }
+    let _ = sleeper.0.kill();
+    Ok(rows)
+}
+
+pub fn print_bystander(rows: &Result<Vec<BystanderWay>>) {
+    println!(
+        "\nmapping calls of a process memleak does not trace: mmap, touch, mprotect and munmap in a loop, alone and beside a memleak tracing another process, in turns; medians"
+    );
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(error) => return println!("  not measured: {error:#}"),
+    };
+    println!("| the untraced loop | ns an iteration | speed against alone, paired |");
+    println!("|---|---:|---:|");
+    for row in rows {
+        let ns = median(&row.iteration_ns).unwrap_or(f64::NAN);
+        let speed = median(&row.speed).unwrap_or(f64::NAN);
+        println!("| {} | {ns:.0} | {speed:.3} |", row.label);
+    }
+    println!("goal: the default at least {BYSTANDER_GOAL} of the speed alone");
 }
 
 /// Medians over `rounds` rounds, each timing the program untraced, then
@@ -105,7 +191,7 @@ pub fn print(measured: &Result<CallCosts>) {
             println!("|---|---:|---:|");
             println!("| not attached | {untraced:.0} | |");
             println!(
-                "| from the kernel's tracepoint (default) | {tracepoint:.0} | {:.0} (goal: under {GOAL_NS:.0}) |",
+                "| from the kernel (default: fentry at the system call, else the tracepoint) | {tracepoint:.0} | {:.0} (goal: under {GOAL_NS:.0}) |",
                 tracepoint - untraced
             );
             println!("| through a uprobe ({MAPPING_UPROBES}=1) | {uprobe:.0} | {:.0} |", uprobe - untraced);

@@ -112,8 +112,8 @@ pub struct SoakPlan {
 /// What the daemon holds at one moment.
 #[derive(Clone, Copy)]
 pub(super) struct Holdings {
-    rss_kib: u64,
-    descriptors: u64,
+    pub(super) rss_kib: u64,
+    pub(super) descriptors: u64,
     map_entries: u64,
 }
 
