@@ -1,9 +1,12 @@
 //! munmap and mprotect seen from the kernel rather than through uprobes,
 //! where it allows it: their uprobes are then left out of every attach.
 //! memleak-ebpf's `probes::mmap` says why and how: fentry programs at the
-//! entry of their system calls, which cost only those calls; where the
-//! kernel has no ftrace for them, the `mmap_lock` tracepoint, which fires
-//! for every take of any process's mmap lock.
+//! entry of their system calls, which cost other processes only those
+//! calls. Where the kernel refuses them, uprobes in the traced processes:
+//! the `mmap_lock` tracepoint would spare those a trap, but every other
+//! process of the machine would pay for it on every take of its mmap lock
+//! (a loop of mapping calls ran 10% slower beside it, `cargo xtask bench
+//! --mprotect-only`), so it is used only when asked for.
 
 use std::path::Path;
 
@@ -19,8 +22,10 @@ use crate::{attach::kernel_btf, status};
 /// the kernel could see them, as the tests of that way do.
 pub const MAPPING_UPROBES: &str = "MEMLEAK_MAPPING_UPROBES";
 
-/// Set to anything: the `mmap_lock` tracepoint even where fentry programs
-/// could serve, as the tests of that way do.
+/// Set to anything: the `mmap_lock` tracepoint where the kernel refuses
+/// fentry programs, or even where it takes them (as the tests of that
+/// way do): traced processes then pay less for their munmap and mprotect
+/// calls, and every other process more for all of its mapping calls.
 pub const MAPPING_TRACEPOINT: &str = "MEMLEAK_MAPPING_TRACEPOINT";
 
 /// The tracepoint's arguments where it is cheap: (mm, write, success).
@@ -79,7 +84,13 @@ pub fn attach(ebpf: &mut Ebpf, btf: &Btf) -> Option<SeenBy> {
         Ok(()) => return Some(said(SeenBy::SystemCalls)),
         Err(why) => why,
     };
-    log::debug!("munmap and mprotect not seen at their system calls: {why_not_system_calls}");
+    if std::env::var_os(MAPPING_TRACEPOINT).is_none() {
+        log::debug!(
+            "munmap and mprotect probed in the C library: not seen at their system calls: {why_not_system_calls} \
+             ({MAPPING_TRACEPOINT}=1 would have the mmap_lock tracepoint see them, at a cost to every process)"
+        );
+        return None;
+    }
     match tracepoint_refused(Path::new(kernel_btf::VMLINUX_BTF)).map_or_else(
         || attach_tracepoint(ebpf, btf).map_err(|error| why_refused("the tracepoint", &error)),
         Err,

@@ -49,6 +49,8 @@ pub struct CallCosts {
 const MAPPING_TRACEPOINT: &str = "MEMLEAK_MAPPING_TRACEPOINT";
 /// Iterations of the bystander's loop in a run: a few hundred ms.
 const BYSTANDER_ITERATIONS: &str = "100000";
+/// How long memleak runs before the bystander starts.
+const SETTLE: Duration = Duration::from_secs(1);
 /// Goal: a bystander's speed beside memleak, against its speed alone.
 const BYSTANDER_GOAL: f64 = 0.98;
 
@@ -77,8 +79,12 @@ pub fn measure_bystander(memleak: &Path, mapping_loop: &Path, rounds: usize) -> 
     let pid = sleeper.0.id().to_string();
     for round in 1..=rounds {
         eprintln!("bench: a bystander's mapping calls, run {round}/{rounds}");
-        let mut alone = 0.0;
-        for (row, &(_, switch)) in rows.iter_mut().zip(&ways) {
+        // Each round starts with another way, so that no way always runs
+        // first, or right after memleak's start; each is paired with the
+        // run alone of its round.
+        let mut times = [0.0; 4];
+        for index in (0..ways.len()).map(|index| (index + round) % ways.len()) {
+            let switch = ways[index].1;
             let _traced = match switch {
                 None => None,
                 Some(switch) => {
@@ -87,20 +93,22 @@ pub fn measure_bystander(memleak: &Path, mapping_loop: &Path, rounds: usize) -> 
                     if !switch.is_empty() {
                         command.env(switch, "1");
                     }
-                    Some(tracing(&mut command)?)
+                    let traced = tracing(&mut command)?;
+                    // Past its start's work: what it costs from then on.
+                    std::thread::sleep(SETTLE);
+                    Some(traced)
                 }
             };
             let finished = run_to_end(Command::new(mapping_loop).arg(BYSTANDER_ITERATIONS))?;
-            let ns: f64 = finished
+            times[index] = finished
                 .stdout
                 .strip_prefix("iteration_ns ")
                 .and_then(|ns| ns.trim().parse().ok())
                 .with_context(|| format!("not an iteration_ns line: {}", finished.stdout))?;
-            if switch.is_none() {
-                alone = ns;
-            }
+        }
+        for (row, ns) in rows.iter_mut().zip(times) {
             row.iteration_ns.push(ns);
-            row.speed.push(alone / ns);
+            row.speed.push(times[0] / ns);
         }
     }
     let _ = sleeper.0.kill();
