@@ -177,27 +177,35 @@ fn perf_maps_share_one_budget_and_a_map_past_its_share_is_dropped() {
     }
 }
 
-#[test]
-fn python_code_objects_sharing_a_huge_name_and_line_table_are_kept_once() {
-    // 1,000 code objects, each its own, sharing one qualified name of
-    // 10,000 characters and one line table of 1 MiB: copied per code
-    // object, memleak took 1 GiB for them.
-    const FUNCTIONS: u64 = 1_000;
+/// memleak -p on the code-flood fixture after `command`, whose every
+/// function's frame is named `generated_...`: the stack of their blocks
+/// in the first report where it holds all `functions`, memleak's peak
+/// resident memory then, and every line it said.
+fn python_code_flood(command: &str, functions: u64) -> (Value, u64, Vec<String>) {
     let mut program = Command::new("/usr/bin/python3.11");
     program.arg(memleak_tests::workspace_root().join("tests/fixtures/python_code_flood.py"));
     let mut python = Leaker::start_command(program);
     let pid = python.pid().to_string();
-    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "1", "1"]);
+    let mut memleak = Memleak::start(&["-p", &pid, "--format", "json", "-T", "10", "1"]);
     memleak.wait_attached();
-    python.send(&format!("flood {FUNCTIONS}"), "flooded");
+    python.send(&format!("{command} {functions}"), "flooded");
     let name = Value::from("generated_".repeat(1000));
-    // The first report where every one of them is in the top stack, named:
-    // by then every code object has been read.
-    let report = loop {
+    let innermost_python = |stack: &Value| {
+        stack["frames"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|frame| frame["kind"] == "python")
+            .map(|frame| frame["function"].clone())
+    };
+    // By then every code object has been read.
+    let top = loop {
         let line = memleak.stdout.wait_for("a report", |_| true);
         let report: Value = serde_json::from_str(&line).unwrap();
-        if report["stacks"][0]["allocations"] == FUNCTIONS {
-            break report;
+        let stacks = report["stacks"].as_array().cloned().unwrap_or_default();
+        let kept = stacks.into_iter().find(|stack| innermost_python(stack).as_ref() == Some(&name));
+        if let Some(kept) = kept.filter(|stack| stack["allocations"] == functions) {
+            break kept;
         }
     };
     let peak = peak_resident(memleak.child.id());
@@ -205,11 +213,29 @@ fn python_code_objects_sharing_a_huge_name_and_line_table_are_kept_once() {
     let stderr = memleak.stderr.rest();
     let (status, _) = memleak.finish();
     assert!(status.success(), "{stderr:#?}");
-    let top = &report["stacks"][0];
-    // bytearray(3000) asks malloc for room for a trailing NUL too.
-    assert_eq!(top["bytes"], FUNCTIONS * 3001);
-    let innermost = top["frames"].as_array().unwrap().iter().find(|frame| frame["kind"] == "python");
-    assert_eq!(innermost.map(|frame| &frame["function"]), Some(&name));
-    assert!(peak < 300 << 20, "memleak held {} MiB at its peak", peak >> 20);
     python.exit();
+    // bytearray(3000) asks malloc for room for a trailing NUL too.
+    assert_eq!(top["bytes"], functions * 3001);
+    (top, peak, stderr)
+}
+
+#[test]
+fn python_code_objects_sharing_a_huge_name_and_line_table_are_kept_once() {
+    // 1,000 code objects, each its own, sharing one qualified name of
+    // 10,000 characters and one line table of 1 MiB: copied per code
+    // object, memleak took 1 GiB for them.
+    let (_, peak, stderr) = python_code_flood("flood", 1_000);
+    assert!(peak < 300 << 20, "memleak held {} MiB at its peak", peak >> 20);
+    assert!(!stderr.iter().any(|line| line.contains("Python code objects")), "{stderr:#?}");
+}
+
+#[test]
+fn python_code_objects_past_the_budget_are_let_go_and_read_again() {
+    // 48 line tables of 1 MiB each: past the 32 MiB kept a process, said
+    // once; every frame still named.
+    let (_, peak, stderr) = python_code_flood("distinct", 48);
+    let said: Vec<&String> = stderr.iter().filter(|line| line.contains("Python code objects")).collect();
+    assert_eq!(said.len(), 1, "{stderr:#?}");
+    assert!(said[0].ends_with("pass the 32 MiB memleak keeps of them: the least recently used are let go, and read again when a stack needs them"), "{said:?}");
+    assert!(peak < 300 << 20, "memleak held {} MiB at its peak", peak >> 20);
 }

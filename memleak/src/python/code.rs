@@ -451,12 +451,24 @@ pub struct CodeCache<M = ProcessMemory> {
     capacity: usize,
     kept: Kept,
     budget: usize,
+    /// The process, once its code objects have passed the budget: said
+    /// once, with -v's debug lines below it for each eviction.
+    past_budget: Option<PastBudget>,
+}
+
+/// Said once of a process whose code objects pass the budget.
+struct PastBudget {
+    pid: u32,
+    said: bool,
 }
 
 impl CodeCache<ProcessMemory> {
     /// The cache of process `pid`, whose objects are laid out as `layout`.
     pub fn open(pid: u32, layout: CodeLayout) -> io::Result<Self> {
-        Ok(Self::new(ProcessMemory::open(pid)?, layout, CODE_CACHE_CAPACITY).with_budget(CODE_CACHE_BUDGET))
+        let mut cache =
+            Self::new(ProcessMemory::open(pid)?, layout, CODE_CACHE_CAPACITY).with_budget(CODE_CACHE_BUDGET);
+        cache.past_budget = Some(PastBudget { pid, said: false });
+        Ok(cache)
     }
 }
 
@@ -472,6 +484,7 @@ impl<M: Memory> CodeCache<M> {
             capacity: capacity.max(1),
             kept: Kept { strings: Shared::new(), line_tables: Shared::new() },
             budget: usize::MAX,
+            past_budget: None,
         }
     }
 
@@ -578,10 +591,21 @@ impl<M: Memory> CodeCache<M> {
             // whose frames were in hand when it went) goes first.
             self.kept.sweep();
         }
+        let over_budget = self.bytes() + SLOT_OVERHEAD > self.budget;
         while full(self) {
             let Some((_, oldest)) = self.by_use.pop_first() else { break };
             if let Some(slot) = self.slots.remove(&oldest) {
                 self.kept.release(&slot.info);
+            }
+        }
+        if let Some(PastBudget { pid, said: said @ false }) = &mut self.past_budget {
+            if over_budget {
+                *said = true;
+                log::warn!(
+                    "pid {pid}: its Python code objects' names and line tables pass the {} MiB memleak keeps \
+                     of them: the least recently used are let go, and read again when a stack needs them",
+                    self.budget >> 20
+                );
             }
         }
     }

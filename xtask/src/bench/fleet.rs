@@ -207,6 +207,8 @@ pub fn measure_churn(memleak: &Path, leaker: &Path, pods: usize) -> Result<Churn
     let cgroup2 = cgroup2_mount()?;
     let besteffort = cgroup2.join(BESTEFFORT);
     let measured = (|| {
+        // A root as memleak takes one (with a run/), before the first pod.
+        std::fs::create_dir_all(host_root.join("run"))?;
         let root_text = host_root.to_str().context("a host root in UTF-8")?;
         let daemon = Daemon::start(
             memleak,
