@@ -165,12 +165,12 @@ mod system_calls {
     /// processes memleak traces, in place of its uprobe: a uprobe traps on
     /// every call of the traced process, 8 µs a munmap, whose first
     /// instruction the kernel single-steps. An fentry program costs only
-    /// the calls of munmap itself, of any process on the machine, tens of
-    /// nanoseconds each (`lock_taken`, where fentry is not to be had, fires
-    /// for every take of any process's mmap lock). The event is in the ring before the range is
-    /// unmapped, so before any other thread can map it again. A call the
-    /// kernel refuses before it changes anything (an address within a
-    /// page, a length of 0: `EINVAL`) is not sent.
+    /// the calls of munmap itself, of any process on the machine (where
+    /// `lock_taken` fires for every take of any process's mmap lock). The
+    /// event is in the ring before the range is unmapped, so before any
+    /// other thread can map it again. A call the kernel refuses before it
+    /// changes anything (an address within a page, a length of 0:
+    /// `EINVAL`) is not sent.
     #[fentry(function = "__x64_sys_munmap")]
     pub fn munmap_called(ctx: FEntryContext) -> i32 {
         // The wrapper's one argument: the task's user registers, saved at
@@ -203,9 +203,9 @@ mod system_calls {
     /// `mprotect(address, length, prot)` as the kernel enters it (see
     /// `munmap_called`). A call the kernel refuses before it changes
     /// anything (an address within a page, unknown protection bits:
-    /// `EINVAL`; a length of 0) is not sent. An mprotect whose range has a hole fails after
-    /// changing what is before the hole: it is sent, and user space changes
-    /// the regions it knows in the whole range.
+    /// `EINVAL`; a length of 0) is not sent. An mprotect whose range has a
+    /// hole fails after changing what is before the hole: it is sent, and
+    /// user space changes the regions it knows in the whole range.
     #[fentry(function = "__x64_sys_mprotect")]
     pub fn mprotect_called(ctx: FEntryContext) -> i32 {
         protect_called(&ctx)
@@ -260,8 +260,9 @@ mod lock_taken {
 
     /// The kernel's `mmap_lock_acquire_returned(mm, write, success)`: munmap
     /// and mprotect seen from the kernel, for the processes memleak traces,
-    /// in place of their uprobes, where the kernel cannot attach fentry
-    /// programs (`system_calls`: built without ftrace). Both calls take
+    /// in place of their uprobes, when asked for
+    /// (`MEMLEAK_MAPPING_TRACEPOINT`): user space prefers `system_calls`,
+    /// then uprobes, which cost other processes nothing. Both calls take
     /// their process's mmap lock for writing once, after checking their
     /// arguments, before changing anything, and hold it until done: the
     /// event is in the ring before any other thread can map the range

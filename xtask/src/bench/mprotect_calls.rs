@@ -40,6 +40,8 @@ const MAPPING_UPROBES: &str = "MEMLEAK_MAPPING_UPROBES";
 /// Median ns a call took, each way.
 pub struct CallCosts {
     pub untraced: f64,
+    /// As memleak sees it by default on this kernel.
+    pub default: f64,
     pub tracepoint: f64,
     pub uprobe: f64,
 }
@@ -67,7 +69,7 @@ pub struct BystanderWay {
 pub fn measure_bystander(memleak: &Path, mapping_loop: &Path, rounds: usize) -> Result<Vec<BystanderWay>> {
     let ways: [(&str, Option<&str>); 4] = [
         ("alone", None),
-        ("beside memleak -p (default: fentry at the system calls, else the tracepoint)", Some("")),
+        ("beside memleak -p (default: fentry at the system calls where the kernel takes them, else uprobes)", Some("")),
         ("beside memleak -p, the mmap_lock tracepoint", Some(MAPPING_TRACEPOINT)),
         ("beside memleak -p, uprobes in the traced process only", Some(MAPPING_UPROBES)),
     ];
@@ -145,7 +147,8 @@ pub fn measure(memleak: &Path, program: &Path, rounds: usize) -> Result<CallCost
     );
     let pid = flipper.0.id().to_string();
     let chunks = lines_as_they_come(flipper.0.stdout.take().context("no stdout")?);
-    let (mut untraced, mut tracepoint, mut uprobe) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut untraced, mut default, mut tracepoint, mut uprobe) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 1..=rounds {
         eprintln!("bench: mprotect, run {round}/{rounds}");
         untraced.push(time_window(&chunks)?);
@@ -155,15 +158,20 @@ pub fn measure(memleak: &Path, program: &Path, rounds: usize) -> Result<CallCost
             command
         };
         let traced = tracing(&mut memleak_by_pid())?;
+        default.push(time_window(&chunks)?);
+        drop(traced);
+        let traced = tracing(memleak_by_pid().env(MAPPING_TRACEPOINT, "1"))?;
         tracepoint.push(time_window(&chunks)?);
         drop(traced);
         let traced = tracing(memleak_by_pid().env(MAPPING_UPROBES, "1"))?;
         uprobe.push(time_window(&chunks)?);
         drop(traced);
     }
-    let medians = (median(&untraced), median(&tracepoint), median(&uprobe));
-    let (Some(untraced), Some(tracepoint), Some(uprobe)) = medians else { bail!("no rounds run") };
-    Ok(CallCosts { untraced, tracepoint, uprobe })
+    let medians = (median(&untraced), median(&default), median(&tracepoint), median(&uprobe));
+    let (Some(untraced), Some(default), Some(tracepoint), Some(uprobe)) = medians else {
+        bail!("no rounds run")
+    };
+    Ok(CallCosts { untraced, default, tracepoint, uprobe })
 }
 
 /// The median ns a call took in the chunks the program ends within the
@@ -194,12 +202,16 @@ pub fn print(measured: &Result<CallCosts>) {
         "\nmprotect: one page flipped in one process, memleak attached and detached in turns; ns a call as the program times it, medians"
     );
     match measured {
-        Ok(CallCosts { untraced, tracepoint, uprobe }) => {
+        Ok(CallCosts { untraced, default, tracepoint, uprobe }) => {
             println!("| memleak sees mprotect | ns a call | memleak adds |");
             println!("|---|---:|---:|");
             println!("| not attached | {untraced:.0} | |");
             println!(
-                "| from the kernel (default: fentry at the system call, else the tracepoint) | {tracepoint:.0} | {:.0} (goal: under {GOAL_NS:.0}) |",
+                "| as it does by default here (fentry at the system call where the kernel takes it, else a uprobe) | {default:.0} | {:.0} (goal: under {GOAL_NS:.0}) |",
+                default - untraced
+            );
+            println!(
+                "| from the mmap_lock tracepoint ({MAPPING_TRACEPOINT}=1) | {tracepoint:.0} | {:.0} |",
                 tracepoint - untraced
             );
             println!("| through a uprobe ({MAPPING_UPROBES}=1) | {uprobe:.0} | {:.0} |", uprobe - untraced);
