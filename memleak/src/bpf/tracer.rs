@@ -223,9 +223,8 @@ pub struct Tracer {
     /// `PY_PROCS_MAP`: from the first process put there on.
     python_walking: bool,
     /// The entry programs of the C library's mapping functions whose calls
-    /// fentry programs at their system calls see instead
-    /// (`mapping_calls_in_kernel`): no
-    /// `attach` places them.
+    /// the kernel sees instead (`mapping_calls_in_kernel`): no `attach`
+    /// places them.
     seen_in_kernel: Vec<&'static str>,
     /// How the kernel sees them, where it does.
     seen_by: Option<SeenBy>,
