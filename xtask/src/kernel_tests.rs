@@ -82,7 +82,7 @@ fn cpus_for(release: &str) -> u32 {
 /// where each has an entry program of its own (no attach cookies): from
 /// 6.0 they share the host's entry programs, which the host's suite
 /// checks. munmap and mprotect from 6.0, where fentry programs see them
-/// (the host, without ftrace, has the tracepoint). Preemption, kernel
+/// (the host's kernel refuses them: uprobes). Preemption, kernel
 /// mode and cgroups on the oldest and the newest kernel of the matrix:
 /// uprobe programs became preemptible in 6.0; before 5.17 kernel mode
 /// stores its stacks in programs of their own, and --cgroup climbs the
