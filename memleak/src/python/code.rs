@@ -106,6 +106,13 @@ pub const CODE_CACHE_CAPACITY: usize = 64 * 1024;
 /// few MiB; without a budget, a process making thousands of code objects
 /// with megabyte line tables made memleak copy gigabytes.
 pub const CODE_CACHE_BUDGET: usize = 32 << 20;
+/// Bytes of them kept for every process together: a daemon following a
+/// hundred such processes would hold 3 GiB at 32 MiB each. The process
+/// whose code object would pass it lets its own least recently used go.
+pub const ALL_PROCESSES_BUDGET: usize = 256 << 20;
+/// What the code caches of every process hold together (see
+/// `ALL_PROCESSES_BUDGET`).
+static ALL_PROCESSES_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 /// What a cached code object costs beyond its strings and table: its
 /// slot, its `CodeInfo` and the `by_use` entry.
 const SLOT_OVERHEAD: usize = 160;
@@ -451,14 +458,17 @@ pub struct CodeCache<M = ProcessMemory> {
     capacity: usize,
     kept: Kept,
     budget: usize,
-    /// The process, once its code objects have passed the budget: said
-    /// once, with -v's debug lines below it for each eviction.
-    past_budget: Option<PastBudget>,
+    /// For a process's cache (`open`): its share of `ALL_PROCESSES_BYTES`,
+    /// and what it has said of the budgets.
+    accounting: Option<Accounting>,
 }
 
-/// Said once of a process whose code objects pass the budget.
-struct PastBudget {
+/// A process's cache within the budget of every process.
+struct Accounting {
     pid: u32,
+    /// What this cache counts for in `ALL_PROCESSES_BYTES`.
+    counted: usize,
+    /// Whether passing a budget was said (once).
     said: bool,
 }
 
@@ -467,8 +477,16 @@ impl CodeCache<ProcessMemory> {
     pub fn open(pid: u32, layout: CodeLayout) -> io::Result<Self> {
         let mut cache =
             Self::new(ProcessMemory::open(pid)?, layout, CODE_CACHE_CAPACITY).with_budget(CODE_CACHE_BUDGET);
-        cache.past_budget = Some(PastBudget { pid, said: false });
+        cache.accounting = Some(Accounting { pid, counted: 0, said: false });
         Ok(cache)
+    }
+}
+
+impl<M> Drop for CodeCache<M> {
+    fn drop(&mut self) {
+        if let Some(accounting) = &self.accounting {
+            ALL_PROCESSES_BYTES.fetch_sub(accounting.counted, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
@@ -484,7 +502,7 @@ impl<M: Memory> CodeCache<M> {
             capacity: capacity.max(1),
             kept: Kept { strings: Shared::new(), line_tables: Shared::new() },
             budget: usize::MAX,
-            past_budget: None,
+            accounting: None,
         }
     }
 
@@ -522,6 +540,7 @@ impl<M: Memory> CodeCache<M> {
         self.make_room();
         self.slots.insert(address, Slot { identity, info: info.clone(), used: self.clock });
         self.by_use.insert(self.clock, address);
+        self.count_bytes();
         Ok(info)
     }
 
@@ -575,7 +594,30 @@ impl<M: Memory> CodeCache<M> {
         if let Some(slot) = self.slots.remove(&address) {
             self.by_use.remove(&slot.used);
             self.kept.release(&slot.info);
+            self.count_bytes();
         }
+    }
+
+    /// Brings this process's share of `ALL_PROCESSES_BYTES` up to date.
+    fn count_bytes(&mut self) {
+        let bytes = self.bytes();
+        if let Some(accounting) = &mut self.accounting {
+            ALL_PROCESSES_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+            ALL_PROCESSES_BYTES.fetch_sub(accounting.counted, std::sync::atomic::Ordering::Relaxed);
+            accounting.counted = bytes;
+        }
+    }
+
+    /// Whether one more code object's slot passes a budget: this cache's,
+    /// or (a process's cache) that of every process together.
+    fn over_budget(&self) -> bool {
+        let bytes = self.bytes() + SLOT_OVERHEAD;
+        let all = |accounting: &Accounting| {
+            ALL_PROCESSES_BYTES.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(accounting.counted)
+                + bytes
+        };
+        bytes > self.budget
+            || self.accounting.as_ref().is_some_and(|accounting| all(accounting) > ALL_PROCESSES_BUDGET)
     }
 
     /// Lets the least recently used code objects go until one more fits
@@ -583,28 +625,34 @@ impl<M: Memory> CodeCache<M> {
     /// kept however large: it is within `MAX_LINE_TABLE` and
     /// `MAX_STRING_CHARS`.
     fn make_room(&mut self) {
-        let full = |cache: &Self| {
-            cache.slots.len() >= cache.capacity || cache.bytes() + SLOT_OVERHEAD > cache.budget
-        };
+        let full = |cache: &Self| cache.slots.len() >= cache.capacity || cache.over_budget();
         if full(self) {
             // What callers dropped since it was released (a code object
             // whose frames were in hand when it went) goes first.
             self.kept.sweep();
         }
-        let over_budget = self.bytes() + SLOT_OVERHEAD > self.budget;
+        let over_budget = self.over_budget();
+        let own = self.bytes() + SLOT_OVERHEAD > self.budget;
         while full(self) {
             let Some((_, oldest)) = self.by_use.pop_first() else { break };
             if let Some(slot) = self.slots.remove(&oldest) {
                 self.kept.release(&slot.info);
             }
         }
-        if let Some(PastBudget { pid, said: said @ false }) = &mut self.past_budget {
+        if let Some(Accounting { pid, said: said @ false, .. }) = &mut self.accounting {
             if over_budget {
                 *said = true;
+                let budget = if own {
+                    format!("the {} MiB memleak keeps of them a process", self.budget >> 20)
+                } else {
+                    format!(
+                        "what is left of the {} MiB memleak keeps of them for every process",
+                        ALL_PROCESSES_BUDGET >> 20
+                    )
+                };
                 log::warn!(
-                    "pid {pid}: its Python code objects' names and line tables pass the {} MiB memleak keeps \
-                     of them: the least recently used are let go, and read again when a stack needs them",
-                    self.budget >> 20
+                    "pid {pid}: its Python code objects' names and line tables pass {budget}: the least recently \
+                     used are let go, and read again when a stack needs them"
                 );
             }
         }
@@ -873,7 +921,8 @@ mod tests {
         let code = memory.put_code("keep", "/app/svc.py", 9);
         let name_address = u64_at(&memory.regions[&code], layout().co_qualname.unwrap());
         edit(memory.regions.get_mut(&name_address).unwrap());
-        CodeCache::new(&memory, layout(), 16).code(code)
+        let mut cache = CodeCache::new(&memory, layout(), 16);
+        cache.code(code)
     }
 
     #[test]
