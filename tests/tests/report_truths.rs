@@ -159,13 +159,26 @@ fn munmap_and_mprotect_are_seen_from_the_kernel_where_it_can() {
         assert_eq!(default.hooks, []);
     }
     assert_eq!(default.reserved_bytes, 255 * 4096);
-    // The tracepoint, asked for.
+    // The tracepoint, asked for: where it passes (mm, write, success), as
+    // from 6.2; 6.1's builds a memory cgroup's path for every take of the
+    // lock, and memleak keeps the uprobes there.
     let tracepoint = mapping_calls_seen(&[("MEMLEAK_MAPPING_TRACEPOINT", "1")]);
-    assert_eq!(
-        tracepoint.said,
-        "memleak: debug: munmap and mprotect seen from the kernel: mmap_lock tracepoint"
-    );
-    assert_eq!(tracepoint.hooks, hooks(["mmap_lock_acquire_returned"; 2]));
+    if tracepoint.said.contains("probed in the C library") {
+        assert!(
+            tracepoint.said.ends_with(
+                "tracepoint builds a memory cgroup's path on every take of any process's mmap lock"
+            ),
+            "{}",
+            tracepoint.said
+        );
+        assert_eq!(tracepoint.hooks, []);
+    } else {
+        assert_eq!(
+            tracepoint.said,
+            "memleak: debug: munmap and mprotect seen from the kernel: mmap_lock tracepoint"
+        );
+        assert_eq!(tracepoint.hooks, hooks(["mmap_lock_acquire_returned"; 2]));
+    }
     assert_eq!(tracepoint.reserved_bytes, 255 * 4096);
 }
 
