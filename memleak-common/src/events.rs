@@ -39,9 +39,19 @@ pub enum MappingChange {
     /// the one that forked it.
     Fork = 5,
     /// A process memleak does not trace called execve (reported only when
-    /// user space asks for it): `tgid` may be one to follow.
+    /// user space asks for it): `tgid` may be one to follow. `address` is
+    /// [`HELD`] when BPF stopped it there (see
+    /// [`tunables::EXEC_HOLD`](crate::tunables::EXEC_HOLD)).
     Launched = 6,
+    /// A process held at its execve reached its dynamic loader's
+    /// `_dl_debug_state`, its libraries mapped or about to be, and was
+    /// stopped there again; `address` is [`HELD`].
+    LoaderReady = 7,
 }
+
+/// A [`MappingEvent`]'s `address` for an event whose process BPF stopped
+/// with `SIGSTOP` as it sent it: user space sends `SIGCONT` once done.
+pub const HELD: u64 = 1;
 
 impl TryFrom<u32> for MappingChange {
     type Error = u32;
@@ -55,6 +65,7 @@ impl TryFrom<u32> for MappingChange {
             4 => Ok(MappingChange::Protect),
             5 => Ok(MappingChange::Fork),
             6 => Ok(MappingChange::Launched),
+            7 => Ok(MappingChange::LoaderReady),
             _ => Err(raw),
         }
     }

@@ -19,16 +19,17 @@ pub mod python;
 pub mod records;
 pub mod unwind;
 
-pub use events::{MappingChange, MappingEvent, TraceEvent, MAP_ANONYMOUS, MAP_STACK, PROT_NONE};
+pub use events::{MappingChange, MappingEvent, TraceEvent, HELD, MAP_ANONYMOUS, MAP_STACK, PROT_NONE};
 pub use functions::{
     AllocatorFunction, CxxForm, FunctionSet, MappingFunction, ALLOCATOR_FUNCTIONS, MAPPING_FUNCTIONS,
     OPERATOR_DELETE, OPERATOR_DELETE_FORMS, OPERATOR_NEW, OPERATOR_NEW_FORMS, PROBED_AFTER_SYSTEM_CALL,
     PY_MEM_FREE, PY_OBJECT_FREE,
 };
 pub use names::{
-    programs, tunables, CgroupWalk, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, CGROUP_FILTER_MAP,
-    CGROUP_LEVEL_UNKNOWN, EVENTS_MAP, FOLLOWED_MAP, KERNEL_STACK_RECORDER_MAP, KERNEL_STACK_STAGES,
-    KERNEL_STAGE_INSERT, KERNEL_STAGE_STORE, MAPPING_EVENTS_MAP, MAX_CGROUP_CLIMB, MAX_IGNORED_PROCESSES,
+    programs, tunables, CgroupWalk, ExecHold, HeldCgroup, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP,
+    CGROUP_FILTER_MAP, CGROUP_LEVEL_UNKNOWN, EVENTS_MAP, FOLLOWED_MAP, HELD_CGROUPS_MAP,
+    KERNEL_STACK_RECORDER_MAP, KERNEL_STACK_STAGES, KERNEL_STAGE_INSERT, KERNEL_STAGE_STORE,
+    MAPPING_EVENTS_MAP, MAX_CGROUP_CLIMB, MAX_HELD_CGROUPS, MAX_HELD_NAMES, MAX_IGNORED_PROCESSES,
     PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP,
     REPLACEABLE_MAP, RESERVES_ADDRESS_SPACE, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, STAGE_INSERT,
     STAGE_STORE, STAGE_WALK, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP,
@@ -61,6 +62,10 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for super::CgroupWalk {}
     // SAFETY: as above.
+    unsafe impl aya::Pod for super::ExecHold {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::HeldCgroup {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for super::StackTotals {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::TraceEvent {}
@@ -77,6 +82,8 @@ mod pod {
 }
 
 const _: () = assert!(core::mem::size_of::<Allocation>() == 32);
+const _: () = assert!(core::mem::size_of::<ExecHold>() == 24 + 16 * MAX_HELD_NAMES);
+const _: () = assert!(core::mem::size_of::<HeldCgroup>() == 16);
 const _: () = assert!(core::mem::size_of::<AllocatorCode>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 56);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 16 + 8 * MAX_STACK_DEPTH);
@@ -112,6 +119,7 @@ mod tests {
             MappingChange::Protect,
             MappingChange::Fork,
             MappingChange::Launched,
+            MappingChange::LoaderReady,
         ] {
             assert_eq!(MappingChange::try_from(change as u32), Ok(change));
         }

@@ -159,6 +159,58 @@ pub mod tunables {
     /// event printed causing more. Checked where one probe serves many
     /// processes (--cgroup, the kernel); elsewhere they are never probed.
     pub const IGNORED_PROCESSES: &str = "IGNORED_PROCESSES";
+    /// [`crate::ExecHold`]: which newcomers BPF stops at their execve
+    /// until their probes are placed.
+    pub const EXEC_HOLD: &str = "EXEC_HOLD";
+}
+
+/// What BPF checks to stop a newcomer at its execve (with `SIGSTOP`,
+/// before its first instruction) until user space has placed its probes
+/// and sends `SIGCONT`: else what it allocates in its first milliseconds
+/// is missed. Only a process with no controlling terminal is held (a
+/// job-control shell would show the stop as "Stopped" and take the
+/// terminal back), never a child of memleak's own (it may be waiting for
+/// it), and only one that a name of `names` or a cgroup of
+/// [`HELD_CGROUPS_MAP`] selects. Offsets from the kernel's BTF.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExecHold {
+    /// 0 holds no process.
+    pub enabled: u32,
+    /// `task_struct.signal`.
+    pub task_signal: u32,
+    /// `signal_struct.tty`: the controlling terminal, or null.
+    pub signal_tty: u32,
+    /// `task_struct.real_parent`.
+    pub task_real_parent: u32,
+    /// `task_struct.tgid`.
+    pub task_tgid: u32,
+    pub _padding: u32,
+    /// Names a process is started under (its `comm`: at most 15 bytes,
+    /// NUL-padded), an empty one past the last.
+    pub names: [[u8; 16]; MAX_HELD_NAMES],
+}
+
+/// How many names [`ExecHold`] holds: `--exe` given more often holds only
+/// the first ones' processes.
+pub const MAX_HELD_NAMES: usize = 8;
+
+/// Array of [`HeldCgroup`], [`MAX_HELD_CGROUPS`] entries: the cgroups
+/// whose newcomers (and those of cgroups below them) are held at their
+/// execve; an entry of id 0 is unused.
+pub const HELD_CGROUPS_MAP: &str = "HELD_CGROUPS";
+
+/// How many cgroups [`HELD_CGROUPS_MAP`] holds.
+pub const MAX_HELD_CGROUPS: u32 = 8;
+
+/// A cgroup whose newcomers are held, and its level below the cgroup2
+/// root ([`CGROUP_LEVEL_UNKNOWN`]: only tasks directly in it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeldCgroup {
+    pub id: u64,
+    pub level: u32,
+    pub _padding: u32,
 }
 
 /// [`tunables::CGROUP_LEVEL`] when the cgroup's level is not known.
@@ -269,4 +321,8 @@ pub mod programs {
     pub const PROCESS_EXEC: &str = "sched_process_exec";
     /// The `sched_process_fork` tracepoint: a followed process's child.
     pub const PROCESS_FORK: &str = "sched_process_fork";
+    /// Uprobe on the dynamic loader's `_dl_debug_state`, for a process
+    /// held at its execve whose allocator was not mapped yet: stops it
+    /// again there (`MappingChange::LoaderReady`).
+    pub const LOADER_READY: &str = "loader_ready";
 }

@@ -33,6 +33,7 @@ mod checked;
 mod counters;
 mod deferred;
 mod events;
+mod holds;
 mod loops;
 mod maps;
 mod probes;

@@ -66,6 +66,12 @@ pub static TRACED_PROCESSES: HashMap<u32, u32> = HashMap::with_max_entries(1024,
 #[map(name = "CGROUP_FILTER")]
 pub static CGROUP_FILTER: Array<u64> = Array::with_max_entries(1, 0);
 
+/// The cgroups whose newcomers are held at their execve; see
+/// `memleak_common::HELD_CGROUPS_MAP`.
+#[map(name = "HELD_CGROUPS")]
+pub static HELD_CGROUPS: Array<memleak_common::HeldCgroup> =
+    Array::with_max_entries(memleak_common::MAX_HELD_CGROUPS, 0);
+
 /// Slot 0: whether `PY_PROCS` may hold a process; see
 /// `memleak_common::PY_WALKING_MAP`.
 #[map(name = "PY_WALKING")]

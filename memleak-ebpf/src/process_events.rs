@@ -23,12 +23,11 @@ const WAKE_AT_BYTES: u64 = 64 << 10;
 /// a reader on another CPU cost the changing call 8 µs here (an IPI,
 /// which a VM traps), where the call itself takes 1: programs that
 /// mprotect or munmap often paid it on every call.
-pub fn send(mut event: MappingEvent) {
-    // SAFETY: a helper without arguments.
-    event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
+pub fn send(event: MappingEvent) {
+    let event = stamped(event);
     let acted_on_at_once = matches!(
         MappingChange::try_from(event.change),
-        Ok(MappingChange::Exec | MappingChange::Launched | MappingChange::Fork)
+        Ok(MappingChange::Exec | MappingChange::Launched | MappingChange::Fork | MappingChange::LoaderReady)
     );
     let wake = if acted_on_at_once || MAPPING_EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= WAKE_AT_BYTES {
         // Forced: after records sent without waking, the ring's own choice
@@ -40,4 +39,11 @@ pub fn send(mut event: MappingEvent) {
     if MAPPING_EVENTS.output::<MappingEvent>(&event, u64::from(wake)).is_err() {
         counters::increment(event.tgid, Counter::EventsLost);
     }
+}
+
+/// `event`, stamped now.
+pub fn stamped(mut event: MappingEvent) -> MappingEvent {
+    // SAFETY: a helper without arguments.
+    event.timestamp_ns = unsafe { bpf_ktime_get_ns() };
+    event
 }

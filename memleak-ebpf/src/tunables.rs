@@ -45,6 +45,16 @@ static IGNORED_CALLER_START: u64 = 0;
 static IGNORED_CALLER_END: u64 = 0;
 #[unsafe(no_mangle)]
 static IGNORED_PROCESSES: [u32; MAX_IGNORED_PROCESSES] = [0; MAX_IGNORED_PROCESSES];
+#[unsafe(no_mangle)]
+static EXEC_HOLD: memleak_common::ExecHold = memleak_common::ExecHold {
+    enabled: 0,
+    task_signal: 0,
+    signal_tty: 0,
+    task_real_parent: 0,
+    task_tgid: 0,
+    _padding: 0,
+    names: [[0; 16]; memleak_common::MAX_HELD_NAMES],
+};
 
 // Volatile reads: without them the compiler folds in the defaults above
 // and the values the loader writes would never be seen.
@@ -105,6 +115,36 @@ pub fn trace() -> bool {
 pub fn newcomer_execs() -> bool {
     // SAFETY: as above.
     unsafe { core::ptr::read_volatile(&raw const NEWCOMER_EXECS) != 0 }
+}
+
+/// Which newcomers are held at their execve: see
+/// `memleak_common::ExecHold`.
+pub fn holds_at_exec() -> bool {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(&raw const EXEC_HOLD.enabled) != 0 }
+}
+
+/// The offsets of `memleak_common::ExecHold`: `task_struct.signal`,
+/// `signal_struct.tty`, `task_struct.real_parent`, `task_struct.tgid`.
+pub fn hold_offsets() -> [u32; 4] {
+    // SAFETY: as above, field by field: the whole would not fit the stack.
+    unsafe {
+        [
+            core::ptr::read_volatile(&raw const EXEC_HOLD.task_signal),
+            core::ptr::read_volatile(&raw const EXEC_HOLD.signal_tty),
+            core::ptr::read_volatile(&raw const EXEC_HOLD.task_real_parent),
+            core::ptr::read_volatile(&raw const EXEC_HOLD.task_tgid),
+        ]
+    }
+}
+
+/// The `index`th name held, all NUL past the last.
+pub fn held_name(index: usize) -> [u8; 16] {
+    match EXEC_HOLD.names.get(index) {
+        // SAFETY: as above.
+        Some(name) => unsafe { core::ptr::read_volatile(name) },
+        None => [0; 16],
+    }
 }
 
 /// Offset of `size` in the kernel's struct `kmem_cache`, from its BTF.
@@ -168,6 +208,16 @@ fn in_cgroup_subtree(cgroup: u64) -> bool {
         return unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() } == cgroup;
     };
     ancestor_cgroup_id(level) == cgroup
+}
+
+/// Whether the current task's cgroup is `cgroup`, at `level` below the
+/// root, or below it; [`CGROUP_LEVEL_UNKNOWN`]: only `cgroup` itself.
+pub fn in_cgroup(cgroup: u64, level: u32) -> bool {
+    match i32::try_from(level) {
+        Ok(level) => ancestor_cgroup_id(level) == cgroup,
+        // SAFETY: a helper without arguments.
+        Err(_) => (unsafe { aya_ebpf::helpers::generated::bpf_get_current_cgroup_id() }) == cgroup,
+    }
 }
 
 /// The id of the current task's cgroup's ancestor at `level`, 0 if the

@@ -112,6 +112,22 @@ pub fn interpreter(file: &object::File) -> Option<String> {
     })
 }
 
+/// The `PT_INTERP` of the ELF file at `path`, read from its first 64
+/// KiB only: a program's headers and its interpreter's name come first,
+/// and a program may be hundreds of MB.
+pub fn interpreter_at(path: &Path) -> Option<String> {
+    use std::io::Read as _;
+    let mut start = Vec::new();
+    std::fs::File::open(path).ok()?.take(64 << 10).read_to_end(&mut start).ok()?;
+    let data = start.as_slice();
+    let header = object::elf::FileHeader64::<object::Endianness>::parse(data).ok()?;
+    let endian = header.endian().ok()?;
+    header.program_headers(endian, data).ok()?.iter().find_map(|segment| {
+        let bytes = segment.interpreter(endian, data).ok()??;
+        Some(String::from_utf8_lossy(bytes).into_owned())
+    })
+}
+
 /// The GNU build id of the ELF file at `path`, in hex.
 pub fn build_id(path: &Path) -> Option<String> {
     let bytes = blazesym::helper::read_elf_build_id(path).ok().flatten()?;

@@ -6,7 +6,7 @@
 use std::{
     fs,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
 };
 
 use memleak_tests::{
@@ -319,4 +319,69 @@ fn holdings_settled(daemon: u32, wanted: Option<&Holdings>) -> Holdings {
         }
         last = now;
     }
+}
+
+/// Runs `command` (the leaker's `all --exit`, which allocates at once)
+/// `runs` times with no controlling terminal, as services run, each to
+/// its end, and checks that the daemon counted every byte of each run:
+/// it was held at its execve until its probes were in. The first run of
+/// the program is stopped again at its loader, its allocator not mapped
+/// at its execve; the others are probed with the first run's plan.
+fn every_run_counted_from_its_first_instruction(
+    port: u16,
+    runs: usize,
+    mut command: impl FnMut() -> Command,
+) {
+    use std::os::unix::process::CommandExt as _;
+    for run in 1..=runs {
+        let mut command = command();
+        // SAFETY: setsid is async-signal-safe, as pre_exec requires.
+        unsafe {
+            command
+                .pre_exec(|| if libc::setsid() < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) })
+        };
+        let status = command.stdin(Stdio::null()).stderr(Stdio::null()).status().expect("run the leaker");
+        assert!(status.success(), "run {run}: {status}");
+        let list = get_until(port, "/api/v1/targets", |response| {
+            targets(response).iter().filter(|target| target["exited"] == true).count() == run
+        });
+        let list = targets(&list);
+        let counted: Vec<&Value> = list.iter().map(|target| &target["outstanding_bytes"]).collect();
+        assert!(
+            counted.iter().all(|&bytes| *bytes == 17_264),
+            "run {run}: each run's 17,264 bytes, from its first instruction: {counted:?}"
+        );
+    }
+}
+
+#[test]
+fn exe_counts_what_a_process_allocates_at_its_start() {
+    let (_dir, binary, name) = named_leaker("start");
+    let (memleak, port) = serve(&["--exe", &name, "--retain", "10m"]);
+    every_run_counted_from_its_first_instruction(port, 20, || {
+        let mut command = Command::new(&binary);
+        command.args(["all", "--exit"]);
+        command
+    });
+    stop(memleak);
+}
+
+/// A process that joins the cgroup and then calls execve, as a container's
+/// first process does: held by its cgroup, whatever its name.
+#[test]
+fn cgroup_counts_what_a_process_allocates_at_its_start() {
+    let cgroup = TestCgroup::named(&format!("memleak-serve-start-{}", std::process::id()));
+    let (memleak, port) = serve(&["--cgroup", cgroup.arg(), "--retain", "10m"]);
+    let procs = cgroup.path().join("cgroup.procs");
+    let leaker = fixture("leaker");
+    every_run_counted_from_its_first_instruction(port, 5, || {
+        let mut command = Command::new("sh");
+        command.arg("-c").arg(format!(
+            "echo $$ > {} && exec {} all --exit",
+            procs.display(),
+            leaker.display()
+        ));
+        command
+    });
+    stop(memleak);
 }

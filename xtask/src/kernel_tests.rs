@@ -31,7 +31,7 @@ pub const KERNELS: [&str; 3] = ["5.10", "6.1", "6.12"];
 
 /// (test target, test name): one test of each kind the kernels page
 /// promises.
-const CASES: [(&str, &str); 9] = [
+const CASES: [(&str, &str); 10] = [
     ("allocations", "every_allocation_function_is_recorded_exactly"),
     ("report_truths", "munmap_and_mprotect_are_seen_from_the_kernel_where_it_can"),
     ("allocations", "frames_name_function_file_line_and_module"),
@@ -40,6 +40,7 @@ const CASES: [(&str, &str); 9] = [
     ("serve", "metrics_show_the_exact_outstanding_bytes_of_the_followed_process"),
     ("kernel", "open_files_show_up_as_kmem_cache_objects"),
     ("cgroup", "processes_that_join_later_are_traced_and_others_are_not"),
+    ("serve_follow", "cgroup_counts_what_a_process_allocates_at_its_start"),
     ("preemption", "threads_preempted_mid_walk_keep_their_own_whole_stacks"),
 ];
 
@@ -85,8 +86,9 @@ fn cpus_for(release: &str) -> u32 {
 /// (the host's kernel refuses them: uprobes). Preemption, kernel
 /// mode and cgroups on the oldest and the newest kernel of the matrix:
 /// uprobe programs became preemptible in 6.0; before 5.17 kernel mode
-/// stores its stacks in programs of their own, and --cgroup climbs the
-/// task's cgroups itself.
+/// stores its stacks in programs of their own, and --cgroup (and the
+/// hold of a cgroup's newcomers at their execve) climbs the task's
+/// cgroups itself.
 fn cases_for(release: &str) -> Vec<(&'static str, &'static str)> {
     let modern = major_of(release) >= 6;
     // The matrix's newest, or one newer (`cargo xtask kernels newest`).
@@ -98,7 +100,8 @@ fn cases_for(release: &str) -> Vec<(&'static str, &'static str)> {
             "munmap_and_mprotect_are_seen_from_the_kernel_where_it_can" => modern,
             "threads_preempted_mid_walk_keep_their_own_whole_stacks" => newest,
             "open_files_show_up_as_kmem_cache_objects"
-            | "processes_that_join_later_are_traced_and_others_are_not" => !modern || newest,
+            | "processes_that_join_later_are_traced_and_others_are_not"
+            | "cgroup_counts_what_a_process_allocates_at_its_start" => !modern || newest,
             _ => true,
         })
         .collect()
@@ -372,7 +375,7 @@ mod tests {
         assert!(old.contains(&"processes_that_join_later_are_traced_and_others_are_not"));
         assert!(debian_12.contains(&"munmap_and_mprotect_are_seen_from_the_kernel_where_it_can"));
         assert!(!debian_12.contains(&"threads_preempted_mid_walk_keep_their_own_whole_stacks"));
-        assert_eq!(debian_13.len(), 8);
+        assert_eq!(debian_13.len(), 9);
         assert_eq!(newer, debian_13);
     }
 

@@ -8,7 +8,7 @@ use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use memleak_common::{MappingChange, MappingEvent};
 
 use crate::{
-    calls,
+    calls, holds,
     maps::{PROCESS_MAPPINGS, PY_PROCS},
     process_events::send,
     tunables,
@@ -29,7 +29,12 @@ pub fn sched_process_exec(_ctx: BtfTracePointContext) -> i32 {
         // Rare next to allocations (a busy host execs hundreds of times a
         // second at most), and user space checks each against what it
         // follows: a filter here would duplicate that check.
-        if tunables::newcomer_execs() {
+        if !tunables::newcomer_execs() {
+            return 0;
+        }
+        if holds::wanted() {
+            holds::send_held(tgid, MappingChange::Launched);
+        } else {
             send(MappingEvent { tgid, change: MappingChange::Launched as u32, ..MappingEvent::default() });
         }
         return 0;

@@ -8,5 +8,6 @@ mod exec;
 mod fork;
 mod free;
 mod kernel;
+mod loader;
 pub(crate) mod mmap;
 pub(crate) mod recorder;

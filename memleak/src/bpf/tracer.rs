@@ -14,13 +14,13 @@ use aya::{
 };
 use memleak_common::{
     lost_stack_id, programs, tunables, Allocation, AllocationKey, AllocatorCode, CgroupWalk, Counter,
-    PendingCall, ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot, StackTotals,
-    WalkCounts, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP, EVENTS_MAP,
-    FOLLOWED_MAP, KERNEL_STACK_RECORDER_MAP, KERNEL_STACK_STAGES, MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS,
-    MAX_IGNORED_PROCESSES, PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP,
-    PY_PROCS_MAP, PY_WALKING_MAP, REPLACEABLE_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP,
-    TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP, UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, USER_STACK_STAGES,
-    WALK_COUNTS_MAP,
+    ExecHold, HeldCgroup, PendingCall, ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot,
+    StackTotals, WalkCounts, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP,
+    EVENTS_MAP, FOLLOWED_MAP, HELD_CGROUPS_MAP, KERNEL_STACK_RECORDER_MAP, KERNEL_STACK_STAGES,
+    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_HELD_CGROUPS, MAX_IGNORED_PROCESSES, PENDING_MAP,
+    PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP,
+    REPLACEABLE_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP,
+    UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, USER_STACK_STAGES, WALK_COUNTS_MAP,
 };
 
 use super::{
@@ -156,6 +156,9 @@ pub struct TracerConfig {
     /// Processes never recorded where a probe serves many (--cgroup, the
     /// kernel): memleak, and with --trace the readers of its output.
     pub ignored_processes: Vec<u32>,
+    /// Which newcomers BPF stops at their execve until user space has
+    /// probed them (`enabled` 0: none).
+    pub exec_hold: ExecHold,
 }
 
 impl TracerConfig {
@@ -170,6 +173,7 @@ impl TracerConfig {
             newcomer_execs: false,
             cgroup_level: None,
             ignored_processes: Vec::new(),
+            exec_hold: ExecHold::default(),
         }
     }
 }
@@ -276,10 +280,11 @@ fn entry_program(site: &ProbeSite, loops: Loops) -> &'static str {
 }
 
 /// Where this kernel keeps a task's cgroup and the cgroup's ancestors,
-/// for the object for kernels before 5.17 when it filters by cgroup (see
-/// `memleak_common::CgroupWalk`).
-fn cgroup_walk(loops: Loops, cgroup_level: Option<u32>) -> Result<CgroupWalk, TracerError> {
-    if loops == Loops::BpfLoop || cgroup_level.is_none() {
+/// for the object for kernels before 5.17 when it filters by cgroup or
+/// holds a cgroup's newcomers (see `memleak_common::CgroupWalk`).
+fn cgroup_walk(loops: Loops, config: &TracerConfig) -> Result<CgroupWalk, TracerError> {
+    let walks_cgroups = config.cgroup_level.is_some() || config.exec_hold.enabled != 0;
+    if loops == Loops::BpfLoop || !walks_cgroups {
         return Ok(CgroupWalk::default());
     }
     let btf = std::path::Path::new(crate::attach::kernel_btf::VMLINUX_BTF);
@@ -436,7 +441,8 @@ impl Tracer {
         let settings = &config.settings;
         let loops = kernel_features::check()?;
         log::debug!("loops: {}", loops.name());
-        let cgroup_walk = cgroup_walk(loops, config.cgroup_level)?;
+        let cgroup_walk = cgroup_walk(loops, config)?;
+        let cgroup_level = config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN);
         // One statement: the loader borrows the values until it loads.
         let mut ebpf = size_maps(
             EbpfLoader::new()
@@ -455,11 +461,7 @@ impl Tracer {
                 .override_global(tunables::TASK_TGID_OFFSET, &config.task_tgid_offset, true)
                 .override_global(tunables::PY_FSBASE_OFFSET, &config.py_fsbase_offset, true)
                 .override_global(tunables::NEWCOMER_EXECS, &u32::from(config.newcomer_execs), true)
-                .override_global(
-                    tunables::CGROUP_LEVEL,
-                    &config.cgroup_level.unwrap_or(memleak_common::CGROUP_LEVEL_UNKNOWN),
-                    true,
-                )
+                .override_global(tunables::CGROUP_LEVEL, &cgroup_level, true)
                 // Only in the object for kernels before 5.17.
                 .override_global(tunables::CGROUP_WALK, &cgroup_walk, false)
                 .override_global(tunables::IGNORED_CALLER_START, &config.ignored_callers.start, true)
@@ -468,7 +470,8 @@ impl Tracer {
                     tunables::IGNORED_PROCESSES,
                     &ignored_processes(&config.ignored_processes),
                     true,
-                ),
+                )
+                .override_global(tunables::EXEC_HOLD, &config.exec_hold, true),
             settings,
         )
         .load(match loops {
@@ -793,6 +796,63 @@ impl Tracer {
         traced
             .insert(tgid, 0, 0)
             .map_err(|source| TracerError::WriteMap { map: TRACED_PROCESSES_MAP, source })
+    }
+
+    /// Has BPF hold the newcomers of `cgroups` (and of the cgroups below
+    /// them) at their execve, the first `MAX_HELD_CGROUPS` of them; the
+    /// rest are found as they run.
+    pub fn hold_cgroups(&mut self, cgroups: &[HeldCgroup]) -> Result<(), TracerError> {
+        let mut held: Array<&mut MapData, HeldCgroup> = self.map_mut(HELD_CGROUPS_MAP)?;
+        let unused = std::iter::repeat(HeldCgroup::default());
+        for (index, cgroup) in (0..MAX_HELD_CGROUPS).zip(cgroups.iter().copied().chain(unused)) {
+            held.set(index, cgroup, 0)
+                .map_err(|source| TracerError::WriteMap { map: HELD_CGROUPS_MAP, source })?;
+        }
+        Ok(())
+    }
+
+    /// Stops process `pid` (held at its execve) again at the breakpoint
+    /// of its dynamic loader, `offset` in the file at `loader`, with a
+    /// `MappingChange::LoaderReady` event each time.
+    pub fn stop_at_loader(
+        &mut self,
+        loader: &std::path::Path,
+        offset: u64,
+        pid: std::num::NonZeroU32,
+    ) -> Result<UProbeLinkId, TracerError> {
+        let probe = uprobe(&mut self.ebpf, programs::LOADER_READY)?;
+        if probe.fd().is_err() {
+            probe
+                .load()
+                .map_err(|source| TracerError::Verifier { program: programs::LOADER_READY, source })?;
+        }
+        let point =
+            UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: None };
+        probe.attach(point, loader, UProbeScope::OneProcess(pid)).map_err(|source| {
+            TracerError::KernelFeature {
+                feature: format!("a uprobe on the loader {}", loader.display()),
+                detail: source.to_string(),
+            }
+        })
+    }
+
+    /// Detaches the programs that stop processes (the exec tracepoint's
+    /// and `stop_at_loader`'s): none is stopped once this returns.
+    pub fn stop_holding(&mut self) {
+        if let Ok(exec) = btf_tracepoint(&mut self.ebpf, programs::PROCESS_EXEC) {
+            let _ = exec.unload();
+        }
+        if let Ok(loader) = uprobe(&mut self.ebpf, programs::LOADER_READY) {
+            let _ = loader.unload();
+        }
+    }
+
+    /// Takes out a `stop_at_loader` probe.
+    pub fn remove_loader_stop(&mut self, link: UProbeLinkId) {
+        if let Ok(probe) = uprobe(&mut self.ebpf, programs::LOADER_READY) {
+            // Gone with its process, perhaps.
+            let _ = probe.detach(link);
+        }
     }
 
     /// Follows the children process `tgid` makes from now on.

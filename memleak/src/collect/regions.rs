@@ -93,7 +93,12 @@ impl Regions {
             // The old program's regions stay for its final report; the
             // session then starts the process's books afresh. A fork is
             // another process's news.
-            Ok(MappingChange::Exec | MappingChange::Fork | MappingChange::Launched) => {}
+            Ok(
+                MappingChange::Exec
+                | MappingChange::Fork
+                | MappingChange::Launched
+                | MappingChange::LoaderReady,
+            ) => {}
             Err(unknown) => log::debug!("unknown mapping change {unknown}: ignored"),
         }
     }

@@ -8,6 +8,7 @@
 //! state its reports need; `newcomers`: processes that start or join
 //! after the session began.
 
+mod holds;
 mod newcomers;
 mod targets;
 
@@ -221,6 +222,8 @@ pub struct Session {
     watching_forks: bool,
     /// Processes forked by targets, (child, parent), not followed yet.
     forks: std::collections::VecDeque<(u32, u32)>,
+    /// The newcomers held at their execve now.
+    holds: holds::ExecHolds,
 }
 
 impl Session {
@@ -281,6 +284,7 @@ impl Session {
             follow_forks: config.follow_forks,
             watching_forks: false,
             forks: std::collections::VecDeque::new(),
+            holds: holds::ExecHolds::default(),
         };
         let rows = session.tracer.unwind_rows(config.tracer.unwind_rows())?;
         session.unwind = Some(UnwindTables::new(rows, config.tracer.unwinding));
@@ -401,6 +405,7 @@ impl Session {
             ignored_processes: excluded_pids(config),
             ..process_tracer_config(config)?
         };
+        tracer_config.exec_hold = holds::exec_hold(tracer_config.newcomer_execs, &exes);
         // BPF can check one cgroup subtree: with one cgroup and nothing
         // else followed, a process that leaves it stops being recorded.
         let cgroup_filter = cgroups_to_come == CgroupsToCome::No
@@ -426,6 +431,7 @@ impl Session {
         session.cgroups_to_come = cgroups_to_come;
         session.exes = exes;
         session.workloads = workloads;
+        session.holds.enabled = tracer_config.exec_hold.enabled != 0;
         session.follow_newcomers();
         Ok(session)
     }
@@ -827,9 +833,19 @@ impl Session {
         for event in &events {
             let change = MappingChange::try_from(event.change);
             let traced = self.targets.iter().any(|target| target.pid == event.tgid);
-            if change == Ok(MappingChange::Launched) && !traced {
+            let launched = matches!(change, Ok(MappingChange::Launched | MappingChange::LoaderReady));
+            let held = launched && event.address == memleak_common::HELD;
+            if held {
+                self.holds.stopped(event.tgid);
+            }
+            if launched && !traced {
                 self.launched.push_back(event.tgid);
                 continue;
+            }
+            if held {
+                // Being taken in as it called execve: probed, or planned
+                // again as its exec.
+                self.release(event.tgid, true);
             }
             if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
                 // The BPF side follows only the children of followed processes.
@@ -1037,6 +1053,13 @@ impl Drop for Session {
         // new ones, before waiting for the command to end.
         self.exit_events.close();
         while self.exit_events.try_recv().is_ok() {}
+        if self.holds.enabled {
+            // No process is held from now on; those BPF stopped, told of
+            // or not yet, are continued (`holds::Stopped`).
+            self.tracer.stop_holding();
+            self.take_mapping_events();
+            self.holds.continue_all();
+        }
         if let Some(command) = self.command.take() {
             command.finish();
         }

@@ -96,6 +96,7 @@ impl Session {
     /// its own. Returns how many were added.
     pub(super) fn follow_newcomers(&mut self) -> CgroupCensus {
         self.follow_remade_cgroup();
+        self.hold_cgroups();
         let mut known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
         known.extend(self.unplannable.iter().filter(|(_, failure)| failure.given_up).map(|(key, _)| key.pid));
         let mut seen = HashSet::new();
@@ -389,32 +390,45 @@ impl Session {
         let now = Instant::now();
         self.loading.retain(|_, watched_until| *watched_until > now);
         let loading: Vec<u32> = self.loading.keys().copied().collect();
+        let mut taken_in = None;
         for pid in loading {
             if self.adopt_at(pid, true) {
                 self.loading.remove(&pid);
                 if let Some(target) = self.targets.last_mut() {
                     target.found_at_exec = true;
                 }
-                return Some(pid);
+                taken_in = Some(pid);
+                break;
             }
         }
-        None
+        self.stop_no_more_at_loaders();
+        taken_in
     }
 
     /// Takes in the processes that called execve untraced and that a
-    /// selector names. Returns the first taken in, if any: the others
-    /// wait for the next call.
+    /// selector names, and those held at their loader's breakpoint.
+    /// Returns the first taken in, if any: the others wait for the next
+    /// call.
     pub(super) fn take_launched(&mut self) -> Option<u32> {
         while let Some(pid) = self.launched.pop_front() {
             // A new program may have the allocator its old one lacked.
             self.unplannable.retain(|key, _| key.pid != pid);
-            if self.adopt_at(pid, true) {
+            let taken_in = self.adopt_at(pid, true);
+            if taken_in {
+                self.loading.remove(&pid);
+            }
+            // Held, it runs on: probed, let go, or to be stopped again at
+            // its loader.
+            self.release(pid, taken_in);
+            if taken_in {
                 if let Some(target) = self.targets.last_mut() {
                     target.found_at_exec = true;
                 }
+                self.stop_no_more_at_loaders();
                 return Some(pid);
             }
         }
+        self.stop_no_more_at_loaders();
         None
     }
 }

@@ -229,8 +229,9 @@ const PICKUP_BLOCK: u64 = 123_457;
 /// Debian's python3 makes `PICKUP_ALLOCATIONS` blocks of `PICKUP_BLOCK` bytes a
 /// millisecond apart from its start, and the allocations the daemon saw
 /// are counted, in each of `runs` runs one after another under one
-/// daemon (the first run of a program is planned as it loads, the next
-/// ones with its plan at their execve).
+/// daemon (each held at its execve until probed: the first run of a
+/// program is stopped again at its loader, the next ones are probed with
+/// its plan).
 pub fn measure_pickup(memleak: &Path, runs: usize) -> Result<Vec<u64>> {
     let python = std::fs::canonicalize("/usr/bin/python3").context("no /usr/bin/python3")?;
     let name = python.file_name().and_then(|name| name.to_str()).context("python's name")?.to_owned();
@@ -240,12 +241,21 @@ pub fn measure_pickup(memleak: &Path, runs: usize) -> Result<Vec<u64>> {
     let daemon = Daemon::start(memleak, &["--exe", &name])?;
     (0..runs)
         .map(|_| {
-            let mut program = Command::new(&python)
-                .args(["-c", &script])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("cannot run python3")?;
+            let mut command = Command::new(&python);
+            command.args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null());
+            // As a service runs, with no controlling terminal: the daemon
+            // holds no process that has one (see docs/src/daemon.md).
+            // SAFETY: setsid is async-signal-safe, as pre_exec requires.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                    if libc::setsid() < 0 {
+                        Err(std::io::Error::last_os_error())
+                    } else {
+                        Ok(())
+                    }
+                })
+            };
+            let mut program = command.spawn().context("cannot run python3")?;
             let pid = program.id();
             // Its allocations are all made well within this.
             thread::sleep(Duration::from_secs(2));
