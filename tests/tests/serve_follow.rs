@@ -321,67 +321,76 @@ fn holdings_settled(daemon: u32, wanted: Option<&Holdings>) -> Holdings {
     }
 }
 
-/// Runs `command` (the leaker's `all --exit`, which allocates at once)
-/// `runs` times with no controlling terminal, as services run, each to
-/// its end, and checks that the daemon counted every byte of each run:
-/// it was held at its execve until its probes were in. The first run of
-/// the program is stopped again at its loader, its allocator not mapped
-/// at its execve; the others are probed with the first run's plan.
-fn every_run_counted_from_its_first_instruction(
-    port: u16,
-    runs: usize,
-    mut command: impl FnMut() -> Command,
-) {
+/// `command` with no controlling terminal, as services run: the daemon
+/// holds no process that has one.
+fn as_a_service(mut command: Command) -> Command {
     use std::os::unix::process::CommandExt as _;
-    for run in 1..=runs {
-        let mut command = command();
-        // SAFETY: setsid is async-signal-safe, as pre_exec requires.
-        unsafe {
-            command
-                .pre_exec(|| if libc::setsid() < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) })
-        };
-        let status = command.stdin(Stdio::null()).stderr(Stdio::null()).status().expect("run the leaker");
-        assert!(status.success(), "run {run}: {status}");
-        let list = get_until(port, "/api/v1/targets", |response| {
-            targets(response).iter().filter(|target| target["exited"] == true).count() == run
-        });
-        let list = targets(&list);
-        let counted: Vec<&Value> = list.iter().map(|target| &target["outstanding_bytes"]).collect();
-        assert!(
-            counted.iter().all(|&bytes| *bytes == 17_264),
-            "run {run}: each run's 17,264 bytes, from its first instruction: {counted:?}"
-        );
-    }
+    // SAFETY: setsid is async-signal-safe, as pre_exec requires.
+    unsafe { command.pre_exec(|| if libc::setsid() < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }) };
+    command.stderr(Stdio::null());
+    command
 }
 
+/// Waits until `runs` processes have exited under the daemon, and checks
+/// that it counted every byte of each: the leaker's `all` makes its 15
+/// allocations (17,264 bytes) as soon as it starts.
+fn assert_every_run_counted(port: u16, runs: usize) {
+    let response = get_until(port, "/api/v1/targets", |response| {
+        targets(response).iter().filter(|target| target["exited"] == true).count() == runs
+    });
+    let list = targets(&response);
+    let counted: Vec<&Value> = list.iter().map(|target| &target["outstanding_bytes"]).collect();
+    assert!(
+        counted.iter().all(|&bytes| *bytes == 17_264),
+        "run {runs}: each run's 17,264 bytes, from its first instruction: {counted:?}"
+    );
+}
+
+/// 20 runs of a program that allocates at once and exits: each is held
+/// at its execve until its probes are in. The first run of the program
+/// is stopped again at its loader, its allocator not mapped at its
+/// execve; the others are probed with the first run's plan.
 #[test]
 fn exe_counts_what_a_process_allocates_at_its_start() {
     let (_dir, binary, name) = named_leaker("start");
     let (memleak, port) = serve(&["--exe", &name, "--retain", "10m"]);
-    every_run_counted_from_its_first_instruction(port, 20, || {
-        let mut command = Command::new(&binary);
-        command.args(["all", "--exit"]);
-        command
-    });
+    for run in 1..=20 {
+        let mut command = as_a_service(Command::new(&binary));
+        let status = command.args(["all", "--exit"]).stdin(Stdio::null()).status().expect("run the leaker");
+        assert!(status.success(), "run {run}: {status}");
+        assert_every_run_counted(port, run);
+    }
     stop(memleak);
 }
 
 /// A process that joins the cgroup and then calls execve, as a container's
-/// first process does: held by its cgroup, whatever its name.
+/// first process does: held by its cgroup, whatever its name. In even
+/// runs it is taken in before its execve (a shell, followed already,
+/// that runs the leaker with `exec`), in odd runs at its execve.
 #[test]
 fn cgroup_counts_what_a_process_allocates_at_its_start() {
+    use std::io::Write as _;
     let cgroup = TestCgroup::named(&format!("memleak-serve-start-{}", std::process::id()));
     let (memleak, port) = serve(&["--cgroup", cgroup.arg(), "--retain", "10m"]);
     let procs = cgroup.path().join("cgroup.procs");
     let leaker = fixture("leaker");
-    every_run_counted_from_its_first_instruction(port, 5, || {
-        let mut command = Command::new("sh");
-        command.arg("-c").arg(format!(
-            "echo $$ > {} && exec {} all --exit",
-            procs.display(),
-            leaker.display()
-        ));
-        command
-    });
+    for run in 1..=4 {
+        let script =
+            format!("echo $$ > {} && read -r _ && exec {} all --exit", procs.display(), leaker.display());
+        let mut command = as_a_service(Command::new("sh"));
+        let mut shell = command.arg("-c").arg(script).stdin(Stdio::piped()).spawn().expect("run sh");
+        let pid = shell.id();
+        if run % 2 == 0 {
+            targets_until(port, pid, |target| target.is_some_and(|target| target["executable"] == "sh"));
+        } else {
+            while !fs::read_to_string(&procs).unwrap_or_default().lines().any(|line| line == pid.to_string()) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        shell.stdin.take().expect("sh's stdin").write_all(b"go\n").expect("tell sh to go on");
+        let status = shell.wait().expect("wait for the leaker");
+        assert!(status.success(), "run {run}: {status}");
+        assert_every_run_counted(port, run);
+    }
     stop(memleak);
 }

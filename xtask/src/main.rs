@@ -97,6 +97,10 @@ enum Task {
         /// with `vm`: the slowdown on each kernel's paths.
         #[arg(long, num_args = 0.., value_delimiter = ',', conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only"])]
         kernels: Option<Vec<String>>,
+        /// Only the workload's overhead table, and its costs per
+        /// malloc/free pair and per run from two workload sizes.
+        #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only", "kernels"])]
+        overhead_only: bool,
         /// Inside a kernel's VM: the part `--kernels` runs there.
         #[arg(long, hide = true)]
         in_vm: bool,
@@ -122,13 +126,23 @@ fn main() -> Result<()> {
         Task::Dist { debug } => dist::run(if debug { dist::Profile::Test } else { dist::Profile::Release }),
         Task::Bench { in_vm: true, .. } => bench::in_vm(),
         Task::Bench { kernels: Some(kernels), .. } => bench::on_kernels(&kernels),
-        Task::Bench { quick, serve_only, save_only, python_only, depth_only, mprotect_only, .. } => {
-            let part = match (serve_only, save_only, python_only, depth_only, mprotect_only) {
+        Task::Bench {
+            quick,
+            serve_only,
+            save_only,
+            python_only,
+            depth_only,
+            mprotect_only,
+            overhead_only,
+            ..
+        } => {
+            let part = match (serve_only, save_only, python_only, depth_only, mprotect_only, overhead_only) {
                 (true, ..) => bench::Part::Serve,
                 (_, true, ..) => bench::Part::Save,
                 (_, _, true, ..) => bench::Part::Python,
-                (_, _, _, true, _) => bench::Part::Depth,
-                (.., true) => bench::Part::Mprotect,
+                (_, _, _, true, ..) => bench::Part::Depth,
+                (_, _, _, _, true, _) => bench::Part::Mprotect,
+                (.., true) => bench::Part::Overhead,
                 _ => bench::Part::All,
             };
             bench::run(quick, part)

@@ -40,6 +40,12 @@ pub fn sched_process_exec(_ctx: BtfTracePointContext) -> i32 {
         return 0;
     }
     let _ = PROCESS_MAPPINGS.remove(tgid);
-    send(MappingEvent { tgid, change: MappingChange::Exec as u32, ..MappingEvent::default() });
+    // A followed process that runs a new program (a shell's `exec`) is
+    // held as a newcomer is, until its new program is probed.
+    if holds::wanted() {
+        holds::send_held(tgid, MappingChange::Exec);
+    } else {
+        send(MappingEvent { tgid, change: MappingChange::Exec as u32, ..MappingEvent::default() });
+    }
     0
 }

@@ -55,6 +55,11 @@ impl ExecHolds {
         self.stopped.insert(pid, Stopped(pid));
     }
 
+    /// Whether BPF stopped process `pid` and it is not continued yet.
+    pub(super) fn is_stopped(&self, pid: u32) -> bool {
+        self.stopped.contains_key(&pid)
+    }
+
     /// Continues every process held.
     pub(super) fn continue_all(&mut self) {
         self.stopped.clear();
@@ -142,6 +147,24 @@ impl Session {
             }
         }
         drop(stopped);
+    }
+
+    /// Continues the held processes whose events were handled: those
+    /// not waiting in a queue of `next_event` (a newcomer to take in, a
+    /// target's exec to report). The exec of a target is continued by
+    /// `restart_target` or `adopt` once its new program is probed, and
+    /// here if neither took it.
+    pub(super) fn release_handled(&mut self) {
+        let handled: Vec<u32> = self
+            .holds
+            .stopped
+            .keys()
+            .copied()
+            .filter(|pid| !self.launched.contains(pid) && !self.execs.contains(pid))
+            .collect();
+        for pid in handled {
+            self.release(pid, false);
+        }
     }
 
     /// Takes out the loader probes of the processes no longer loading.

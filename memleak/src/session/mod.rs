@@ -779,6 +779,7 @@ impl Session {
     /// mmap events are taken in as they come.
     pub async fn next_event(&mut self) -> Result<SessionEvent, SessionError> {
         loop {
+            self.release_handled();
             if let Some(pid) = self.execs.pop_front() {
                 return Ok(SessionEvent::Exec { pid });
             }
@@ -834,18 +835,14 @@ impl Session {
             let change = MappingChange::try_from(event.change);
             let traced = self.targets.iter().any(|target| target.pid == event.tgid);
             let launched = matches!(change, Ok(MappingChange::Launched | MappingChange::LoaderReady));
-            let held = launched && event.address == memleak_common::HELD;
-            if held {
+            let execs = launched || change == Ok(MappingChange::Exec);
+            if execs && event.address == memleak_common::HELD {
+                // Continued once handled (see `release_handled`).
                 self.holds.stopped(event.tgid);
             }
             if launched && !traced {
                 self.launched.push_back(event.tgid);
                 continue;
-            }
-            if held {
-                // Being taken in as it called execve: probed, or planned
-                // again as its exec.
-                self.release(event.tgid, true);
             }
             if MappingChange::try_from(event.change) == Ok(MappingChange::Fork) {
                 // The BPF side follows only the children of followed processes.
@@ -1033,6 +1030,7 @@ impl Session {
             );
         }
         self.push(target)?;
+        self.release(pid, true);
         Ok(self.targets.last())
     }
 

@@ -370,9 +370,14 @@ impl Session {
 
     /// Starts tracing process `pid` if a cgroup or executable followed
     /// names it and it is not traced yet: after its execve, say, once
-    /// `restart_target` has let it go. Returns whether it is traced.
+    /// `restart_target` has let it go. Returns whether it is traced; held
+    /// at its execve, it runs on from here.
     pub fn adopt(&mut self, pid: u32) -> bool {
-        self.adopt_at(pid, false)
+        // Held at its execve, it has just called it.
+        let held = self.holds.is_stopped(pid);
+        let taken_in = self.adopt_at(pid, held);
+        self.release(pid, taken_in);
+        taken_in
     }
 
     /// `adopt`; `at_exec` as for `take_in`.

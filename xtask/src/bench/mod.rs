@@ -50,6 +50,7 @@ mod python_frames;
 mod redis;
 mod saving;
 mod serve;
+mod slopes;
 mod stack_depth;
 mod stats;
 mod tracer;
@@ -131,6 +132,8 @@ pub enum Part {
     Depth,
     /// What an mprotect call costs.
     Mprotect,
+    /// The workload's overhead table and its costs per pair and per run.
+    Overhead,
 }
 
 pub fn run(quick: bool, part: Part) -> Result<()> {
@@ -160,17 +163,10 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
         return daemon(&memleak, &spread, &settings.soak);
     }
     let workload = build_workload(&settings, memleak)?;
-    let plan = ProbePlan::read(&workload)?;
-    let mut contenders = contenders(&workload, &plan, heaptrack_installed)?;
-
-    println!(
-        "workload: {} threads x {} malloc/free pairs of 16..4096 bytes, 1 in {LEAK_EVERY} leaked via \
-         leak_one(); median of {} runs",
-        settings.threads, settings.iterations, settings.runs
-    );
-    println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
-    overhead::measure(&mut contenders, &workload, settings.runs)?;
-    overhead::print(&contenders);
+    let contenders = overhead_section(&workload, &settings, heaptrack_installed)?;
+    if part == Part::Overhead {
+        return overhead::memleak_exact(&contenders);
+    }
     python_section(&workload.memleak, &settings.python);
     depth_section(&workload.memleak, settings.runs, heaptrack_installed)?;
     eprintln!("bench: redis-server under redis-benchmark");
@@ -192,6 +188,35 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
     daemon(&workload.memleak, &spread, &settings.soak)?;
 
     overhead::memleak_exact(&contenders)
+}
+
+/// The overhead table, then the costs per pair and per run.
+fn overhead_section(
+    workload: &Workload,
+    settings: &Settings,
+    heaptrack_installed: bool,
+) -> Result<Vec<Contender>> {
+    let plan = ProbePlan::read(workload)?;
+    let mut contenders = contenders(workload, &plan, heaptrack_installed)?;
+
+    println!(
+        "workload: {} threads x {} malloc/free pairs of 16..4096 bytes, 1 in {LEAK_EVERY} leaked via \
+         leak_one(); median of {} runs",
+        settings.threads, settings.iterations, settings.runs
+    );
+    println!("floor: empty BPF programs at {} in {}", plan.description, plan.libc.display());
+    overhead::measure(&mut contenders, workload, settings.runs)?;
+    overhead::print(&contenders);
+    let slopes = slopes::measure(
+        workload,
+        &plan,
+        settings.threads,
+        settings.iterations,
+        settings.runs,
+        heaptrack_installed,
+    )?;
+    slopes::print(&slopes);
+    Ok(contenders)
 }
 
 /// The malloc-heavy workload, both builds, run by `memleak`.

@@ -110,7 +110,7 @@ pub fn measure(contenders: &mut [Contender], workload: &Workload, rounds: usize)
 }
 
 /// Runs `build` of the workload once under `tracer`.
-fn run_once(tracer: &Tracer, build: Build, workload: &Workload) -> Result<Run> {
+pub fn run_once(tracer: &Tracer, build: Build, workload: &Workload) -> Result<Run> {
     let path = workload.path(build);
     let env = || workload.env.iter().map(|(name, value)| (name, value));
     let finished = match tracer {
