@@ -245,3 +245,26 @@ fn python_code_objects_past_the_budget_are_let_go_and_read_again() {
     );
     assert!(peak < 300 << 20, "memleak held {} MiB at its peak", peak >> 20);
 }
+
+#[test]
+fn the_daemon_counts_the_python_code_objects_it_let_go() {
+    // 48 distinct line tables of 1 MiB in one process: past the 32 MiB
+    // kept a process, at least 16 go (the strings and slots take room
+    // too), and /metrics counts them.
+    let mut program = Command::new("/usr/bin/python3.11");
+    program.arg(memleak_tests::workspace_root().join("tests/fixtures/python_code_flood.py"));
+    let mut python = Leaker::start_command(program);
+    let (memleak, port) = memleak_tests::http::serve_pid(python.pid());
+    python.send("distinct 48", "flooded");
+    let counted = |body: &str| -> Option<u64> {
+        body.lines()
+            .find_map(|line| line.strip_prefix("memleak_python_code_objects_let_go_total ")?.parse().ok())
+    };
+    let metrics = memleak_tests::http::get_until(port, "/metrics", |response| {
+        counted(&response.body).is_some_and(|let_go| let_go >= 16)
+    });
+    let let_go = counted(&metrics.body).unwrap();
+    assert!(let_go <= 48, "{let_go} code objects let go, of 48");
+    memleak_tests::http::stop(memleak);
+    python.exit();
+}

@@ -326,7 +326,9 @@ fn holdings_settled(daemon: u32, wanted: Option<&Holdings>) -> Holdings {
 fn as_a_service(mut command: Command) -> Command {
     use std::os::unix::process::CommandExt as _;
     // SAFETY: setsid is async-signal-safe, as pre_exec requires.
-    unsafe { command.pre_exec(|| if libc::setsid() < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }) };
+    unsafe {
+        command.pre_exec(|| if libc::setsid() < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) })
+    };
     command.stderr(Stdio::null());
     command
 }
@@ -383,7 +385,8 @@ fn cgroup_counts_what_a_process_allocates_at_its_start() {
         if run % 2 == 0 {
             targets_until(port, pid, |target| target.is_some_and(|target| target["executable"] == "sh"));
         } else {
-            while !fs::read_to_string(&procs).unwrap_or_default().lines().any(|line| line == pid.to_string()) {
+            while !fs::read_to_string(&procs).unwrap_or_default().lines().any(|line| line == pid.to_string())
+            {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }

@@ -181,6 +181,22 @@ pub fn cargo() -> Command {
     command
 }
 
+/// Has `command` start a session of its own, with no controlling
+/// terminal, as a service starts whatever terminal xtask runs in:
+/// `memleak serve` holds a newcomer at its execve only then.
+pub fn as_a_service(command: &mut Command) -> &mut Command {
+    // SAFETY: setsid is async-signal-safe, as pre_exec requires.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(command, || {
+            if libc::setsid() < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        })
+    }
+}
+
 pub fn require_root(what: &str) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {

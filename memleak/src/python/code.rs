@@ -113,6 +113,16 @@ pub const ALL_PROCESSES_BUDGET: usize = 256 << 20;
 /// What the code caches of every process hold together (see
 /// `ALL_PROCESSES_BUDGET`).
 static ALL_PROCESSES_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Code objects let go to stay within `CODE_CACHE_BUDGET` or
+/// `ALL_PROCESSES_BUDGET`, every process's since memleak started.
+static LET_GO_PAST_BUDGET: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many code objects every process's cache has let go to stay within
+/// a budget (not counting those let go for `CODE_CACHE_CAPACITY`).
+pub fn let_go_past_budget() -> u64 {
+    LET_GO_PAST_BUDGET.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// What a cached code object costs beyond its strings and table: its
 /// slot, its `CodeInfo` and the `by_use` entry.
 const SLOT_OVERHEAD: usize = 160;
@@ -634,9 +644,13 @@ impl<M: Memory> CodeCache<M> {
         let over_budget = self.over_budget();
         let own = self.bytes() + SLOT_OVERHEAD > self.budget;
         while full(self) {
+            let past_budget = self.over_budget();
             let Some((_, oldest)) = self.by_use.pop_first() else { break };
             if let Some(slot) = self.slots.remove(&oldest) {
                 self.kept.release(&slot.info);
+                if past_budget {
+                    LET_GO_PAST_BUDGET.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         }
         if let Some(Accounting { pid, said: said @ false, .. }) = &mut self.accounting {

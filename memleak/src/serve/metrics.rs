@@ -194,6 +194,14 @@ pub fn render_for(published: &Published, only: Option<u32>) -> String {
         "Processes a selector named that were left untraced because --max-processes was reached.",
     );
     let _ = writeln!(out, "memleak_processes_not_followed_total {}", published.processes_not_followed);
+    header(
+        &mut out,
+        "memleak_python_code_objects_let_go_total",
+        Kind::Counter,
+        "Python code objects whose names and line tables memleak let go to stay within its memory budget; \
+         each is read again when a stack needs it.",
+    );
+    let _ = writeln!(out, "memleak_python_code_objects_let_go_total {}", published.python_code_let_go);
     out
 }
 
@@ -317,7 +325,7 @@ mod tests {
     }
 
     fn published(targets: Vec<Followed>, metrics_top_stacks: usize) -> Published {
-        Published { targets, map_fill: None, metrics_top_stacks, processes_not_followed: 0 }
+        Published { targets, metrics_top_stacks, ..Published::default() }
     }
 
     #[test]
@@ -327,10 +335,11 @@ mod tests {
         let lines: Vec<&str> = body.lines().collect();
         assert_eq!(
             lines.len(),
-            PROCESS_METRICS.len() * 3 + 3,
-            "HELP, TYPE and one series each, and the processes not followed:\n{body}"
+            PROCESS_METRICS.len() * 3 + 6,
+            "HELP, TYPE and one series each, the processes not followed and the code objects let go:\n{body}"
         );
-        assert_eq!(lines.last(), Some(&"memleak_processes_not_followed_total 0"));
+        assert_eq!(lines.last(), Some(&"memleak_python_code_objects_let_go_total 0"));
+        assert!(lines.contains(&"memleak_processes_not_followed_total 0"));
         assert_eq!(
             lines[0],
             "# HELP memleak_outstanding_bytes Bytes allocated and not freed, as of the latest report."

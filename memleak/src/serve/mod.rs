@@ -455,6 +455,7 @@ impl Collector {
         board.publish(Published {
             targets: self.followed.values().map(|entry| entry.followed.clone()).collect(),
             processes_not_followed: self.processes_not_followed,
+            python_code_let_go: crate::python::code::let_go_past_budget(),
             ..Published::default()
         });
     }

@@ -22,6 +22,9 @@ pub struct Published {
     /// Processes a selector named that were left untraced because
     /// --max-processes was reached, each counted once.
     pub processes_not_followed: u64,
+    /// Python code objects let go to keep memleak within its budgets
+    /// (see `python::code::let_go_past_budget`).
+    pub python_code_let_go: u64,
 }
 
 impl Published {

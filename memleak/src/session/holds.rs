@@ -60,6 +60,12 @@ impl ExecHolds {
         self.stopped.contains_key(&pid)
     }
 
+    /// The processes held, or to be stopped again at their loader: taken
+    /// in by the events of their execve and their loader, never by a look.
+    pub(super) fn pending(&self) -> impl Iterator<Item = u32> + '_ {
+        self.stopped.keys().chain(self.at_loader.keys()).copied()
+    }
+
     /// Continues every process held.
     pub(super) fn continue_all(&mut self) {
         self.stopped.clear();

@@ -99,6 +99,8 @@ impl Session {
         self.hold_cgroups();
         let mut known: HashSet<u32> = self.targets.iter().map(|target| target.pid).collect();
         known.extend(self.unplannable.iter().filter(|(_, failure)| failure.given_up).map(|(key, _)| key.pid));
+        // Those found at their execve are taken in there, each once.
+        known.extend(self.launched.iter().copied().chain(self.holds.pending()));
         let mut seen = HashSet::new();
         let mut candidates: Vec<CgroupProcess> = self
             .cgroups
@@ -394,7 +396,9 @@ impl Session {
     pub(super) fn take_loaded(&mut self) -> Option<u32> {
         let now = Instant::now();
         self.loading.retain(|_, watched_until| *watched_until > now);
-        let loading: Vec<u32> = self.loading.keys().copied().collect();
+        // Those stopped at their loader are taken in there.
+        let pending: HashSet<u32> = self.holds.pending().collect();
+        let loading: Vec<u32> = self.loading.keys().copied().filter(|pid| !pending.contains(pid)).collect();
         let mut taken_in = None;
         for pid in loading {
             if self.adopt_at(pid, true) {

@@ -87,6 +87,10 @@ pub struct Run {
     pub reported_bytes: Option<u64>,
     /// memleak's own CPU time and peak memory.
     pub memleak_usage: Option<Usage>,
+    /// The CPU time of every process the run took (user+sys): the
+    /// workload's (with the BPF programs run in its context) and the
+    /// tracer's own, heaptrack's `heaptrack_interpret` included.
+    pub cpu_ns: u64,
 }
 
 /// Runs every contender once per round. Untraced runs are what every ratio
@@ -138,6 +142,7 @@ pub fn run_once(tracer: &Tracer, build: Build, workload: &Workload) -> Result<Ru
         leaked_bytes: summary.leaked_bytes,
         reported_bytes: None,
         memleak_usage: None,
+        cpu_ns: finished.usage.cpu_ns,
     };
     if let Tracer::Memleak { .. } = tracer {
         run.reported_bytes = Some(leak_one_bytes(&finished)?);

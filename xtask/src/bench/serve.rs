@@ -243,19 +243,7 @@ pub fn measure_pickup(memleak: &Path, runs: usize) -> Result<Vec<u64>> {
         .map(|_| {
             let mut command = Command::new(&python);
             command.args(["-c", &script]).stdout(Stdio::null()).stderr(Stdio::null());
-            // As a service runs, with no controlling terminal: the daemon
-            // holds no process that has one (see docs/src/daemon.md).
-            // SAFETY: setsid is async-signal-safe, as pre_exec requires.
-            unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut command, || {
-                    if libc::setsid() < 0 {
-                        Err(std::io::Error::last_os_error())
-                    } else {
-                        Ok(())
-                    }
-                })
-            };
-            let mut program = command.spawn().context("cannot run python3")?;
+            let mut program = crate::as_a_service(&mut command).spawn().context("cannot run python3")?;
             let pid = program.id();
             // Its allocations are all made well within this.
             thread::sleep(Duration::from_secs(2));

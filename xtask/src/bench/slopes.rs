@@ -1,12 +1,14 @@
 //! What each tracer costs per malloc/free pair, apart from what it costs
 //! once per run: the workload at two sizes, N and 2N pairs a thread, under
 //! each tracer, in rounds whose order rotates. The difference between the
-//! two sizes' median loop times over N is the cost of one pair (the
-//! slope); what is left at N once N pairs are taken out is the run's fixed
-//! cost (the intercept: the tracer's start, its exit, and its first sight
-//! of each stack). One workload size alone mixes the two, and a ratio of
-//! slowdowns then depends on the size chosen: heaptrack's fixed cost is
-//! larger than memleak's, its cost per pair smaller than it looks.
+//! two sizes' medians over N is the cost of one pair (the slope); what is
+//! left at N once N pairs are taken out is the run's fixed cost (the
+//! intercept: the tracer's start, its exit, and its first sight of each
+//! stack). One workload size alone mixes the two, and a ratio of
+//! slowdowns then depends on the size chosen. Wall time per pair is what
+//! the program waits (a thread's loop); CPU per pair counts every process
+//! (heaptrack hands each event to `heaptrack_interpret`, which runs
+//! beside the program, where memleak's BPF programs run in it).
 
 use std::time::Instant;
 
@@ -23,14 +25,26 @@ use super::{
 pub struct Line {
     label: &'static str,
     tracer: Tracer,
-    /// (loop ns, whole run ns) at N pairs a thread, then at 2N.
-    runs: [Vec<(u64, u64)>; 2],
+    /// Each run at N pairs a thread, then at 2N.
+    runs: [Vec<Timed>; 2],
     failure: Option<String>,
+}
+
+/// What one run took, in ns.
+#[derive(Clone, Copy)]
+struct Timed {
+    /// The allocation loops' wall time.
+    loop_wall: u64,
+    /// From the tracer's start to its exit.
+    whole_wall: u64,
+    /// Every process's CPU (see `overhead::Run::cpu_ns`).
+    cpu: u64,
 }
 
 /// What was measured, and at which N.
 pub struct Slopes {
     pairs: u32,
+    threads: u32,
     lines: Vec<Line>,
 }
 
@@ -76,8 +90,12 @@ pub fn measure(
                 let started = Instant::now();
                 match run_once(&line.tracer, Build::FramePointers, &workloads[size]) {
                     Ok(run) => {
-                        let whole = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                        line.runs[size].push((run.elapsed_ns, whole));
+                        let whole_wall = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                        line.runs[size].push(Timed {
+                            loop_wall: run.elapsed_ns,
+                            whole_wall,
+                            cpu: run.cpu_ns,
+                        });
                     }
                     Err(error) if matches!(line.tracer, Tracer::Untraced) => return Err(error),
                     Err(error) => line.failure = Some(format!("failed: {error:#}")),
@@ -85,7 +103,7 @@ pub fn measure(
             }
         }
     }
-    Ok(Slopes { pairs, lines })
+    Ok(Slopes { pairs, threads, lines })
 }
 
 impl Line {
@@ -93,70 +111,112 @@ impl Line {
         Self { label, tracer, runs: [Vec::new(), Vec::new()], failure: None }
     }
 
-    /// Median (loop, whole run) ns at size `size` (0: N, 1: 2N).
-    fn medians(&self, size: usize) -> Option<(f64, f64)> {
-        let loops: Vec<u64> = self.runs[size].iter().map(|&(loop_ns, _)| loop_ns).collect();
-        let wholes: Vec<u64> = self.runs[size].iter().map(|&(_, whole_ns)| whole_ns).collect();
-        Some((median(&loops)? as f64, median(&wholes)? as f64))
+    /// The median of `field` over the runs at size `size` (0: N, 1: 2N).
+    fn median_of(&self, size: usize, field: fn(&Timed) -> u64) -> Option<f64> {
+        let values: Vec<u64> = self.runs[size].iter().map(field).collect();
+        Some(median(&values)? as f64)
     }
 
-    /// ns per pair a thread (from the loops), and the run's fixed ns
-    /// (from whole runs: start to exit).
-    fn costs(&self, pairs: u32) -> Option<Cost> {
-        let ((small_loop, small_whole), (large_loop, large_whole)) = (self.medians(0)?, self.medians(1)?);
+    /// The slope and intercept of `field` against pairs a thread.
+    fn line_of(&self, pairs: u32, field: fn(&Timed) -> u64) -> Option<(f64, f64)> {
+        let (small, large) = (self.median_of(0, field)?, self.median_of(1, field)?);
         let pairs = f64::from(pairs);
-        let whole_per_pair = (large_whole - small_whole) / pairs;
+        let slope = (large - small) / pairs;
+        Some((slope, small - pairs * slope))
+    }
+
+    /// What a pair and what a run cost.
+    fn costs(&self, pairs: u32, threads: u32) -> Option<Cost> {
+        let (wall_per_pair, _) = self.line_of(pairs, |run| run.loop_wall)?;
+        let (_, fixed_wall) = self.line_of(pairs, |run| run.whole_wall)?;
+        let (cpu_per_thread_pair, fixed_cpu) = self.line_of(pairs, |run| run.cpu)?;
         Some(Cost {
-            per_pair_ns: (large_loop - small_loop) / pairs,
-            fixed_ns: small_whole - pairs * whole_per_pair,
+            wall_per_pair,
+            fixed_wall,
+            cpu_per_pair: cpu_per_thread_pair / f64::from(threads),
+            fixed_cpu,
         })
     }
 }
 
+/// What a tracer costs, as the slope and intercept of its runs, in ns.
 #[derive(Clone, Copy)]
 struct Cost {
-    per_pair_ns: f64,
-    fixed_ns: f64,
+    /// Wall time of one pair in a thread's loop: what the program waits.
+    wall_per_pair: f64,
+    /// Wall time from the start to the exit, pairs aside.
+    fixed_wall: f64,
+    /// CPU time of one pair, every process's.
+    cpu_per_pair: f64,
+    /// CPU time of a run, pairs aside.
+    fixed_cpu: f64,
 }
 
-/// The table, each cost also over the untraced one, and memleak's added
-/// cost per pair over heaptrack's and over the floor's.
+impl Cost {
+    fn minus(self, base: Self) -> Self {
+        Self {
+            wall_per_pair: self.wall_per_pair - base.wall_per_pair,
+            fixed_wall: self.fixed_wall - base.fixed_wall,
+            cpu_per_pair: self.cpu_per_pair - base.cpu_per_pair,
+            fixed_cpu: self.fixed_cpu - base.fixed_cpu,
+        }
+    }
+}
+
+/// The table of what each tracer adds to the untraced run, and memleak's
+/// added cost per pair over heaptrack's and over the floor's.
 pub fn print(slopes: &Slopes) {
-    let pairs = slopes.pairs;
+    let (pairs, threads) = (slopes.pairs, slopes.threads);
     println!();
     println!(
-        "Per malloc/free pair and per run, from {pairs} and {} pairs a thread (slope and intercept of the \
-         medians):",
+        "What each tracer adds, per malloc/free pair and per run, from {pairs} and {} pairs a thread ({threads} \
+         threads; slope and intercept of the medians):",
         2 * pairs
     );
     println!();
-    println!("| run | per pair | added per pair | fixed (start to exit) | added fixed |");
+    println!("| run | wall per pair (a thread's) | CPU per pair (every process's) | fixed wall (start to exit) | fixed CPU |");
     println!("|---|---|---|---|---|");
-    let untraced = slopes.lines.first().and_then(|line| line.costs(pairs));
-    let added = |line: &Line| Some((line.costs(pairs)?, untraced?));
+    let untraced = slopes.lines.first().and_then(|line| line.costs(pairs, threads));
+    let added = |line: &Line| Some(line.costs(pairs, threads)?.minus(untraced?));
     for line in &slopes.lines {
-        match (line.costs(pairs), added(line)) {
-            (Some(cost), Some((_, base))) => println!(
-                "| {} | {:.0} ns | {:.0} ns | {:.1} ms | {:.1} ms |",
+        match added(line) {
+            Some(cost) if !matches!(line.tracer, Tracer::Untraced) => println!(
+                "| {} | {:.0} ns | {:.0} ns | {:.0} ms | {:.0} ms |",
                 line.label,
-                cost.per_pair_ns,
-                cost.per_pair_ns - base.per_pair_ns,
-                cost.fixed_ns / 1e6,
-                (cost.fixed_ns - base.fixed_ns) / 1e6
+                cost.wall_per_pair,
+                cost.cpu_per_pair,
+                cost.fixed_wall / 1e6,
+                cost.fixed_cpu / 1e6
             ),
-            _ => println!("| {} | {} | | | |", line.label, line.failure.as_deref().unwrap_or("not measured")),
+            Some(_) => {
+                let cost = untraced.unwrap_or(Cost {
+                    wall_per_pair: 0.0,
+                    fixed_wall: 0.0,
+                    cpu_per_pair: 0.0,
+                    fixed_cpu: 0.0,
+                });
+                println!(
+                    "| untraced (itself, not added) | {:.0} ns | {:.0} ns | {:.0} ms | {:.0} ms |",
+                    cost.wall_per_pair,
+                    cost.cpu_per_pair,
+                    cost.fixed_wall / 1e6,
+                    cost.fixed_cpu / 1e6
+                );
+            }
+            None => {
+                println!("| {} | {} | | | |", line.label, line.failure.as_deref().unwrap_or("not measured"));
+            }
         }
     }
-    let added_per_pair = |label: &str| {
-        let line = slopes.lines.iter().find(|line| line.label.starts_with(label))?;
-        Some(line.costs(pairs)?.per_pair_ns - untraced?.per_pair_ns)
-    };
+    let added_of = |label: &str| added(slopes.lines.iter().find(|line| line.label.starts_with(label))?);
     println!();
     for (what, theirs) in [("heaptrack's", "heaptrack"), ("the floor's", "empty probes")] {
-        match (added_per_pair("memleak"), added_per_pair(theirs)) {
-            (Some(ours), Some(theirs)) => {
-                println!("memleak's added cost per pair / {what}: {:.2}", ours / theirs);
-            }
+        match (added_of("memleak"), added_of(theirs)) {
+            (Some(ours), Some(theirs)) => println!(
+                "memleak's added cost per pair / {what}: wall {:.2}, CPU {:.2}",
+                ours.wall_per_pair / theirs.wall_per_pair,
+                ours.cpu_per_pair / theirs.cpu_per_pair
+            ),
             _ => println!("memleak's added cost per pair / {what}: not measured"),
         }
     }

@@ -860,10 +860,10 @@ fn serve_exe(workshop: &mut Workshop) -> Result<Made> {
     }
     let mut daemon = memleak_running(workshop, &args)?;
     daemon.wait_for_start("memleak: serving ")?;
-    let mut process = target(workshop, &renamed, &["all", "--wait"], "ready")?;
-    daemon.wait_for("the newcomer", |line| {
-        line.contains("found at its execve") || line.contains("tracing pid")
-    })?;
+    let mut command = workshop.command(&renamed);
+    let mut process = Run::interactive(crate::as_a_service(command.args(["all", "--wait"])))?;
+    process.wait_for("\"ready\" from readme-leaker", |line| line == "ready")?;
+    daemon.wait_for("the newcomer", |line| line.contains("tracing pid"))?;
     // Its first report, which growth is counted from, before it leaks.
     let url = format!("127.0.0.1:{port}/api/v1/targets");
     curl_until(&url, |body| reported(body, process.pid()))?;
