@@ -28,7 +28,8 @@ pub fn sched_process_exec(_ctx: BtfTracePointContext) -> i32 {
     if unsafe { PROCESS_MAPPINGS.get(tgid) }.is_none() {
         // Rare next to allocations (a busy host execs hundreds of times a
         // second at most), and user space checks each against what it
-        // follows: a filter here would duplicate that check.
+        // follows. The hold's check is a first cut of that one (names,
+        // cgroups), made here because the process must not run on first.
         if !tunables::newcomer_execs() {
             return 0;
         }
