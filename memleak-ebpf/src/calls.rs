@@ -4,11 +4,7 @@
 //! deep inside the allocator it is, and only the outermost call is the
 //! program's allocation.
 
-use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
-    programs::ProbeContext,
-    EbpfContext as _,
-};
+use aya_ebpf::{helpers::bpf_get_current_pid_tgid, programs::ProbeContext};
 use memleak_common::{CallKind, FunctionSet, PendingCall, UPROBES_PAGE};
 
 use crate::{maps::PENDING, tunables};
@@ -76,20 +72,17 @@ pub fn enter(ctx: &ProbeContext, size: u64, argument: u64, kind: CallKind, funct
 #[cfg(not(feature = "legacy-kernels"))]
 pub fn attach_cookie(ctx: &ProbeContext) -> u64 {
     // SAFETY: the helper reads the cookie of the program's attachment.
-    unsafe { aya_ebpf::helpers::generated::bpf_get_attach_cookie(ctx.as_ptr()) }
+    unsafe { aya_ebpf::helpers::generated::bpf_get_attach_cookie(aya_ebpf::EbpfContext::as_ptr(ctx)) }
 }
 
 /// Blocks from this size on are mapped on their own by glibc (its
 /// smallest mmap threshold) and by most allocators' large-block paths.
 const MAPPED_SIZE: u64 = 128 << 10;
 
-/// Where the call starting at this entry probe returns: at rsp, before
-/// anything is pushed; 0 if it cannot be read.
+/// Where the call starting at this entry probe returns; 0 if it cannot
+/// be read.
 fn return_address(ctx: &ProbeContext) -> u64 {
-    let regs = ctx.as_ptr() as *const aya_ebpf::bindings::pt_regs;
-    // SAFETY: the probe's registers, which the kernel hands over; then a
-    // read of user memory, which the helper makes fault-safe.
-    unsafe { bpf_probe_read_user((*regs).rsp as *const u64) }.unwrap_or(0)
+    crate::registers::Registers::of(ctx).return_address_at_entry()
 }
 
 /// Ends this thread's call; `None` while still inside a nested one, or

@@ -40,6 +40,7 @@ mod probes;
 mod process_events;
 mod python;
 mod record;
+mod registers;
 mod scratch;
 mod stack;
 mod totals;

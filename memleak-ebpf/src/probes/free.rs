@@ -1,7 +1,7 @@
 //! What the entry probe of free and the other functions that give memory
 //! back does (the programs are `alloc`'s).
 
-use aya_ebpf::{bindings::pt_regs, helpers::bpf_probe_read_user, programs::ProbeContext, EbpfContext as _};
+use aya_ebpf::programs::ProbeContext;
 
 use crate::{
     calls::{self, Release},
@@ -30,17 +30,13 @@ pub fn released(ctx: &ProbeContext, function: u32) {
     events::send(function, address, size.unwrap_or(0));
 }
 
-/// Whether the allocator itself made this call: its return address, on
-/// top of the stack (the probe comes before anything the function
-/// pushes: see memleak's `attach::placement`), lies in the allocator's
-/// code. Asked only of a release of a block memleak had not recorded.
+/// Whether the allocator itself made this call: its return address (the
+/// probe comes before anything the function pushes: see memleak's
+/// `attach::placement`) lies in the allocator's code. Asked only of a
+/// release of a block memleak had not recorded.
 fn called_from_allocator(ctx: &ProbeContext, tgid: u32) -> bool {
     // SAFETY: a lookup in a map of plain values.
     let Some(code) = (unsafe { ALLOCATOR_CODE.get(tgid) }) else { return false };
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: the probe's registers, which the kernel hands over.
-    let sp = unsafe { (*regs).rsp };
-    // SAFETY: reads user memory; a fault only yields an error.
-    let caller: u64 = unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0);
+    let caller = crate::registers::Registers::of(ctx).return_address_at_entry();
     (code.start..code.end).contains(&caller)
 }

@@ -5,10 +5,8 @@
 //! elsewhere.
 
 use aya_ebpf::{
-    bindings::pt_regs,
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
-    EbpfContext as _,
 };
 #[cfg(not(feature = "legacy-kernels"))]
 use memleak_common::PROBED_AFTER_SYSTEM_CALL;
@@ -137,9 +135,7 @@ pub fn mprotect_past_call(ctx: ProbeContext) -> u32 {
 
 fn protected(ctx: &ProbeContext, past_system_call: bool) -> u32 {
     scratch::own_stack(ctx);
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: the probe's registers, which the kernel hands over.
-    if past_system_call && unsafe { (*regs).rax } != 0 {
+    if past_system_call && crate::registers::Registers::of(ctx).return_value() != 0 {
         return 0;
     }
     let prot = ctx.arg(2).unwrap_or(0);
@@ -153,10 +149,11 @@ fn protected(ctx: &ProbeContext, past_system_call: bool) -> u32 {
 /// calls: user space attaches these where the kernel allows it.
 #[cfg(not(feature = "legacy-kernels"))]
 mod system_calls {
-    use aya_ebpf::{bindings::pt_regs, macros::fentry, programs::FEntryContext};
+    use aya_ebpf::{macros::fentry, programs::FEntryContext};
     use memleak_common::MappingChange;
 
     use super::{protect_matters, send_range_change, traced_process};
+    use crate::registers::Registers;
 
     /// The bits of an address within its page.
     const PAGE_OFFSET_BITS: u64 = 4095;
@@ -175,10 +172,9 @@ mod system_calls {
     pub fn munmap_called(ctx: FEntryContext) -> i32 {
         // The wrapper's one argument: the task's user registers, saved at
         // kernel entry.
-        let regs: *const pt_regs = ctx.arg(0);
-        // SAFETY: a BTF pointer the verifier checks each load through; the
-        // call's arguments, which its registers keep.
-        let (address, length) = unsafe { ((*regs).rdi, (*regs).rsi) };
+        // A BTF pointer the verifier checks each load through; the call's
+        // arguments, which its registers keep.
+        let [address, length, _] = Registers::at(ctx.arg(0)).system_call_arguments();
         if address & PAGE_OFFSET_BITS != 0 || length == 0 || traced_process().is_none() {
             return 0;
         }
@@ -224,9 +220,9 @@ mod system_calls {
     )]
     #[inline(always)]
     fn protect_called(ctx: &FEntryContext) -> i32 {
-        let regs: *const pt_regs = ctx.arg(0);
-        // SAFETY: as in `munmap_called`.
-        let (address, length, prot) = unsafe { ((*regs).rdi, (*regs).rsi, (*regs).rdx as u32) };
+        // As in `munmap_called`.
+        let [address, length, prot] = Registers::at(ctx.arg(0)).system_call_arguments();
+        let prot = prot as u32;
         if address & PAGE_OFFSET_BITS != 0 || length == 0 || !valid_protection(prot) {
             return 0;
         }
@@ -240,8 +236,9 @@ mod system_calls {
 
 /// The `mmap_lock` tracepoint's program, for kernels with
 /// `bpf_task_pt_regs` (5.15): user space attaches it only where the
-/// tracepoint takes 3 arguments (6.x).
-#[cfg(not(feature = "legacy-kernels"))]
+/// tracepoint takes 3 arguments (6.x). It tells the calls apart by
+/// x86-64's system call numbers.
+#[cfg(all(not(feature = "legacy-kernels"), not(bpf_target_arch = "aarch64")))]
 mod lock_taken {
     use aya_ebpf::{
         bindings::pt_regs,
@@ -252,6 +249,7 @@ mod lock_taken {
     use memleak_common::MappingChange;
 
     use super::{protect_matters, send_range_change, traced_process};
+    use crate::registers::{self, Registers};
 
     /// x86-64's system call numbers of munmap, mprotect and `pkey_mprotect`.
     const SYS_MUNMAP: u64 = 11;
@@ -276,16 +274,15 @@ mod lock_taken {
         // user registers (saved at kernel entry) as a pointer the verifier
         // checks each load through.
         let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
-        // SAFETY: as above; orig_rax is the system call's number, or -1
-        // outside one (a page fault).
-        let change = match unsafe { (*regs).orig_rax } {
+        let change = match registers::system_call_number(regs) {
             SYS_MUNMAP => MappingChange::Unmap,
             SYS_MPROTECT | SYS_PKEY_MPROTECT => MappingChange::Protect,
             _ => return 0,
         };
         let Some(flags) = traced_process() else { return 0 };
-        // SAFETY: as above: the call's arguments, which its registers keep.
-        let (address, length, prot) = unsafe { ((*regs).rdi, (*regs).rsi, (*regs).rdx as u32) };
+        // The call's arguments, which its registers keep.
+        let [address, length, prot] = Registers::at(regs).system_call_arguments();
+        let prot = prot as u32;
         if change == MappingChange::Unmap {
             send_range_change(address, length, change, 0);
         } else if protect_matters(flags, prot) {

@@ -5,7 +5,7 @@
 //! buffer, where a walk of a few frames costs a fraction of that. Both
 //! follow the same chain.
 
-use aya_ebpf::{bindings::pt_regs, helpers::bpf_probe_read_user, EbpfContext};
+use aya_ebpf::{helpers::bpf_probe_read_user, EbpfContext};
 use memleak_common::{StackFrames, MAX_STACK_DEPTH};
 
 /// The caller's return address, then each saved return address along the
@@ -15,9 +15,8 @@ use memleak_common::{StackFrames, MAX_STACK_DEPTH};
 /// probes: there the registers are the caller's, so its frame is the first.
 /// Keeps at most `limit` frames.
 pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames, limit: u32) -> u32 {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: a uprobe's context is the task's saved user registers.
-    let (ip, mut frame_pointer) = unsafe { ((*regs).rip, (*regs).rbp) };
+    let regs = crate::registers::Registers::of(ctx);
+    let (ip, mut frame_pointer) = (regs.instruction_pointer(), regs.frame_pointer());
     frames[0] = ip;
     let depth_limit = limit as usize;
     let mut depth = 1;

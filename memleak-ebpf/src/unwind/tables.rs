@@ -15,7 +15,7 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    bindings::{pt_regs, BPF_NOEXIST},
+    bindings::BPF_NOEXIST,
     helpers::{
         bpf_probe_read_user,
         generated::{bpf_ktime_get_ns, bpf_probe_read_user as bpf_probe_read_user_raw},
@@ -105,9 +105,8 @@ pub fn begin<C: EbpfContext>(
     python_frames: bool,
     scratch: Slot,
 ) -> Option<*mut WalkState> {
-    let regs = ctx.as_ptr() as *const pt_regs;
-    // SAFETY: a uprobe's context is the task's saved user registers.
-    let (ip, sp, bp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
+    let regs = crate::registers::Registers::of(ctx);
+    let (ip, sp, bp) = (regs.instruction_pointer(), regs.stack_pointer(), regs.frame_pointer());
     key.frames[0] = ip;
     set_depth(key, 1);
     // SAFETY: a live map value, as in `next_frame`.

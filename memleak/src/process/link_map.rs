@@ -7,10 +7,10 @@
 //! program's first allocation, which would otherwise be walked before
 //! memleak knew their code.
 //!
-//! A breakpoint (int3) goes on the hook at the exec stop, while the
-//! program is single-threaded; it is removed at the first stop that finds
-//! the list consistent, before any thread that ptrace does not follow
-//! could meet it.
+//! A breakpoint (x86-64's int3, arm64's brk) goes on the hook at the
+//! exec stop, while the program is single-threaded; it is removed at the
+//! first stop that finds the list consistent, before any thread that
+//! ptrace does not follow could meet it.
 
 use std::{fs, io};
 
@@ -25,7 +25,29 @@ use crate::elf;
 const R_STATE_OFFSET: u64 = 24;
 /// `RT_CONSISTENT` of `enum r_state`.
 const RT_CONSISTENT: libc::c_long = 0;
-const INT3: libc::c_long = 0xcc;
+
+/// The breakpoint instruction and the bits of a word it takes: int3, one
+/// byte; the program counter stops past it.
+#[cfg(target_arch = "x86_64")]
+mod breakpoint {
+    pub const INSTRUCTION: libc::c_long = 0xcc;
+    pub const MASK: libc::c_long = 0xff;
+    /// Where the program counter is once the breakpoint at `address` trapped.
+    pub fn stopped_at(address: u64) -> u64 {
+        address + 1
+    }
+}
+
+/// `brk #0`, one 4-byte instruction; the program counter stays on it.
+#[cfg(target_arch = "aarch64")]
+mod breakpoint {
+    pub const INSTRUCTION: libc::c_long = 0xd420_0000;
+    pub const MASK: libc::c_long = 0xffff_ffff;
+    /// Where the program counter is once the breakpoint at `address` trapped.
+    pub fn stopped_at(address: u64) -> u64 {
+        address
+    }
+}
 
 /// A breakpoint on the hook of a stopped tracee.
 pub struct LinkMapHook {
@@ -46,7 +68,7 @@ impl LinkMapHook {
         let entries = maps::parse(&fs::read_to_string(format!("/proc/{pid}/maps")).ok()?);
         let (address, r_state) = entries.iter().find_map(|entry| hook_in(pid as u32, entry, &entries))?;
         let original = peek(pid, address).ok()?;
-        poke(pid, address, (original & !0xff) | INT3).ok()?;
+        poke(pid, address, with_breakpoint(original)).ok()?;
         Some(Self { address, original, r_state })
     }
 
@@ -55,11 +77,11 @@ impl LinkMapHook {
     /// out; `step_over` or `remove` follows.
     pub fn hit(&self, pid: libc::pid_t) -> bool {
         let Ok(mut registers) = registers(pid) else { return false };
-        if registers.rip != self.address + 1 {
+        if *program_counter(&mut registers) != breakpoint::stopped_at(self.address) {
             return false;
         }
-        registers.rip = self.address;
-        set_registers(pid, &registers).is_ok() && poke(pid, self.address, self.original).is_ok()
+        *program_counter(&mut registers) = self.address;
+        set_registers(pid, &mut registers).is_ok() && poke(pid, self.address, self.original).is_ok()
     }
 
     /// Whether the linker's list of objects is consistent: all mapped.
@@ -80,7 +102,7 @@ impl LinkMapHook {
         if unsafe { libc::waitpid(pid, &raw mut status, libc::__WALL) } < 0 || !libc::WIFSTOPPED(status) {
             return Err(io::Error::other("the tracee did not stop after one step"));
         }
-        poke(pid, self.address, (self.original & !0xff) | INT3)
+        poke(pid, self.address, with_breakpoint(self.original))
     }
 }
 
@@ -123,19 +145,58 @@ fn poke(pid: libc::pid_t, address: u64, word: libc::c_long) -> io::Result<()> {
     Ok(())
 }
 
+/// `word` with the breakpoint in place of its first instruction's bytes.
+fn with_breakpoint(word: libc::c_long) -> libc::c_long {
+    (word & !breakpoint::MASK) | breakpoint::INSTRUCTION
+}
+
+/// The program counter among the registers.
+fn program_counter(registers: &mut libc::user_regs_struct) -> &mut u64 {
+    #[cfg(target_arch = "x86_64")]
+    return &mut registers.rip;
+    #[cfg(target_arch = "aarch64")]
+    return &mut registers.pc;
+}
+
+/// The tracee's general registers, through `PTRACE_GETREGSET` (which
+/// every architecture has, where `PTRACE_GETREGS` is x86's).
 fn registers(pid: libc::pid_t) -> io::Result<libc::user_regs_struct> {
-    // SAFETY: plain data that PTRACE_GETREGS fills in.
+    // SAFETY: plain data that the kernel fills in.
     let mut registers: libc::user_regs_struct = unsafe { std::mem::zeroed() };
-    // SAFETY: the tracee is in a ptrace stop; `registers` is large enough.
-    if unsafe { libc::ptrace(libc::PTRACE_GETREGS, pid, 0, &raw mut registers) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    register_set(pid, Direction::Read, &mut registers)?;
     Ok(registers)
 }
 
-fn set_registers(pid: libc::pid_t, registers: &libc::user_regs_struct) -> io::Result<()> {
-    // SAFETY: as above.
-    if unsafe { libc::ptrace(libc::PTRACE_SETREGS, pid, 0, std::ptr::from_ref(registers)) } != 0 {
+fn set_registers(pid: libc::pid_t, registers: &mut libc::user_regs_struct) -> io::Result<()> {
+    register_set(pid, Direction::Write, registers)
+}
+
+enum Direction {
+    Read,
+    Write,
+}
+
+/// Reads or writes the tracee's `NT_PRSTATUS` register set. (The two
+/// requests are named, not passed: glibc's and musl's types differ.)
+fn register_set(
+    pid: libc::pid_t,
+    direction: Direction,
+    registers: &mut libc::user_regs_struct,
+) -> io::Result<()> {
+    let mut vector = libc::iovec {
+        iov_base: std::ptr::from_mut(registers).cast(),
+        iov_len: std::mem::size_of::<libc::user_regs_struct>(),
+    };
+    let set = libc::NT_PRSTATUS;
+    // SAFETY: the tracee is in a ptrace stop; the vector describes
+    // `registers`, which is as large as the set.
+    let result = unsafe {
+        match direction {
+            Direction::Read => libc::ptrace(libc::PTRACE_GETREGSET, pid, set, &raw mut vector),
+            Direction::Write => libc::ptrace(libc::PTRACE_SETREGSET, pid, set, &raw mut vector),
+        }
+    };
+    if result != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
