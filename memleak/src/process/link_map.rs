@@ -171,6 +171,7 @@ fn set_registers(pid: libc::pid_t, registers: &mut libc::user_regs_struct) -> io
     register_set(pid, Direction::Write, registers)
 }
 
+#[derive(Clone, Copy)]
 enum Direction {
     Read,
     Write,
