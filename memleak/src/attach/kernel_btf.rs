@@ -29,20 +29,63 @@ pub fn member_offset(path: &Path, structure: &str, member: &str) -> Result<u32, 
         .ok_or_else(|| BtfError::NoMember { structure: structure.to_owned(), member: member.to_owned() })
 }
 
-/// Byte offset of a field reached through nested structs, from the BTF
-/// at `path` read once: `[("task_struct", "thread"), ("thread_struct",
-/// "fsbase")]` is where `task->thread.fsbase` lies in a task.
-pub fn nested_member_offset(path: &Path, fields: &[(&str, &str)]) -> Result<u32, BtfError> {
+/// Byte offset of a field reached through nested members, from struct
+/// `structure` in the BTF at `path`, each member's type followed:
+/// `("task_struct", ["thread", "fsbase"])` is where `task->thread.fsbase`
+/// lies in a task. A member whose struct has no name of its own (arm64's
+/// `thread.uw`) is followed as any other.
+pub fn member_path_offset(path: &Path, structure: &str, members: &[&str]) -> Result<u32, BtfError> {
     let data =
         std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
+    let btf = Btf::new(&data)?;
+    let missing =
+        |member: &str| BtfError::NoMember { structure: structure.to_owned(), member: member.to_owned() };
+    let named = btf.types().find(|found| {
+        found
+            .as_ref()
+            .map_or(true, |found| found.kind() == KIND_STRUCT && btf.name(found) == structure.as_bytes())
+    });
+    let mut current = named.transpose()?.ok_or_else(|| missing(members.first().copied().unwrap_or("")))?;
     let mut total = 0;
-    for &(structure, member) in fields {
-        total += find_member_offset(&data, structure, member)?.ok_or_else(|| BtfError::NoMember {
-            structure: structure.to_owned(),
-            member: member.to_owned(),
-        })?;
+    for (index, &member) in members.iter().enumerate() {
+        let (offset, type_id) = member_of(&btf, &current, member)?.ok_or_else(|| missing(member))?;
+        total += offset;
+        if index + 1 < members.len() {
+            current = composite(&btf, type_id)?.ok_or_else(|| missing(member))?;
+        }
     }
     Ok(total)
+}
+
+/// The byte offset and type id of member `member` of struct or union
+/// `found`.
+fn member_of(btf: &Btf<'_>, found: &BtfType, member: &str) -> Result<Option<(u32, u32)>, BtfError> {
+    let bitfields = found.info >> 31 == 1;
+    for index in 0..found.vlen() {
+        let entry = found.data_at + index * 12;
+        if btf.string(word(btf.data, entry)?) == member.as_bytes() {
+            let offset = word(btf.data, entry + 8)?;
+            let bits = if bitfields { offset & 0x00ff_ffff } else { offset };
+            return Ok(Some((bits / 8, word(btf.data, entry + 4)?)));
+        }
+    }
+    Ok(None)
+}
+
+/// The struct or union type `id` is, through typedefs and qualifiers.
+fn composite(btf: &Btf<'_>, mut id: u32) -> Result<Option<BtfType>, BtfError> {
+    // Each step goes one typedef or qualifier down: a few at most.
+    for _ in 0..16 {
+        let Some(found) = btf.get(id)? else { return Ok(None) };
+        match found.kind() {
+            KIND_STRUCT | KIND_UNION => return Ok(Some(found)),
+            KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG => {
+                id = found.size_or_type;
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(None)
 }
 
 /// How many arguments the kernel's BTF-enabled tracepoint `name` passes
@@ -95,9 +138,14 @@ pub fn enum_has_value(path: &Path, name: &str, value: &str) -> Result<bool, BtfE
 }
 
 const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
 const KIND_ENUM: u32 = 6;
 const KIND_TYPEDEF: u32 = 8;
+const KIND_VOLATILE: u32 = 9;
+const KIND_CONST: u32 = 10;
+const KIND_RESTRICT: u32 = 11;
 const KIND_FUNC_PROTO: u32 = 13;
+const KIND_TYPE_TAG: u32 = 18;
 
 /// One type of a BTF blob: its common header, and where the data of its
 /// kind follows.
@@ -270,12 +318,14 @@ mod tests {
     }
 
     #[test]
-    fn a_nested_field_adds_up_the_offsets() {
+    fn a_nested_field_adds_up_the_offsets_of_the_members_types() {
         let path = Path::new(VMLINUX_BTF);
         let thread = member_offset(path, "task_struct", "thread").unwrap();
         let fsbase = member_offset(path, "thread_struct", "fsbase").unwrap();
-        let nested = [("task_struct", "thread"), ("thread_struct", "fsbase")];
-        assert_eq!(nested_member_offset(path, &nested).unwrap(), thread + fsbase);
+        assert_eq!(member_path_offset(path, "task_struct", &["thread", "fsbase"]).unwrap(), thread + fsbase);
+        // task->signal is a pointer: no member is followed through it.
+        let through_pointer = member_path_offset(path, "task_struct", &["signal", "tty"]);
+        assert!(matches!(through_pointer, Err(BtfError::NoMember { .. })), "{through_pointer:?}");
     }
 
     #[test]

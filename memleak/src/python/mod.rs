@@ -403,15 +403,23 @@ fn self_test_settled(subject: &thread_state::Subject<'_>, layout: LibcLayout) ->
     outcome
 }
 
-/// `offsetof(task_struct, thread.fsbase)`, read once from the kernel's
-/// BTF: where BPF finds the current thread's fsbase.
+/// Where a task keeps its user thread pointer, which the C library's
+/// thread data hangs from: x86-64's fsbase.
+#[cfg(target_arch = "x86_64")]
+const THREAD_POINTER: [&str; 2] = ["thread", "fsbase"];
+/// arm64's `TPIDR_EL0`, saved at each switch.
+#[cfg(target_arch = "aarch64")]
+const THREAD_POINTER: [&str; 3] = ["thread", "uw", "tp_value"];
+
+/// `offsetof(task_struct, thread.fsbase)` (`thread.uw.tp_value` on
+/// arm64), read once from the kernel's BTF: where BPF finds the current
+/// thread's thread pointer.
 pub fn fsbase_offset() -> Result<u32, String> {
     static OFFSET: OnceLock<Result<u32, String>> = OnceLock::new();
     OFFSET
         .get_or_init(|| {
-            let fields = [("task_struct", "thread"), ("thread_struct", "fsbase")];
-            kernel_btf::nested_member_offset(Path::new(kernel_btf::VMLINUX_BTF), &fields)
-                .map_err(|error| format!("cannot find a thread's fsbase in the kernel: {error}"))
+            kernel_btf::member_path_offset(Path::new(kernel_btf::VMLINUX_BTF), "task_struct", &THREAD_POINTER)
+                .map_err(|error| format!("cannot find a thread's thread pointer in the kernel: {error}"))
         })
         .clone()
 }
