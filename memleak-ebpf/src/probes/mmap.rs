@@ -249,7 +249,7 @@ mod lock_taken {
     use memleak_common::MappingChange;
 
     use super::{protect_matters, send_range_change, traced_process};
-    use crate::registers::{self, Registers};
+    use crate::registers::Registers;
 
     /// x86-64's system call numbers of munmap, mprotect and `pkey_mprotect`.
     const SYS_MUNMAP: u64 = 11;
@@ -274,7 +274,7 @@ mod lock_taken {
         // user registers (saved at kernel entry) as a pointer the verifier
         // checks each load through.
         let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const pt_regs;
-        let change = match registers::system_call_number(regs) {
+        let change = match Registers::at(regs).system_call_number() {
             SYS_MUNMAP => MappingChange::Unmap,
             SYS_MPROTECT | SYS_PKEY_MPROTECT => MappingChange::Protect,
             _ => return 0,

@@ -23,10 +23,23 @@ pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 
 /// Byte offset of `member` in `struct structure`, from the BTF at `path`.
 pub fn member_offset(path: &Path, structure: &str, member: &str) -> Result<u32, BtfError> {
+    let [offset] = member_offsets(path, [(structure, member)])?;
+    Ok(offset)
+}
+
+/// The byte offset of each (struct, member) of `fields`, from the BTF at
+/// `path` read once: a kernel's is some MB.
+pub fn member_offsets<const N: usize>(path: &Path, fields: [(&str, &str); N]) -> Result<[u32; N], BtfError> {
     let data =
         std::fs::read(path).map_err(|source| BtfError::Read { path: path.display().to_string(), source })?;
-    find_member_offset(&data, structure, member)?
-        .ok_or_else(|| BtfError::NoMember { structure: structure.to_owned(), member: member.to_owned() })
+    let mut offsets = [0; N];
+    for (offset, (structure, member)) in offsets.iter_mut().zip(fields) {
+        *offset = find_member_offset(&data, structure, member)?.ok_or_else(|| BtfError::NoMember {
+            structure: structure.to_owned(),
+            member: member.to_owned(),
+        })?;
+    }
+    Ok(offsets)
 }
 
 /// Byte offset of a field reached through nested members, from struct

@@ -20,6 +20,10 @@ use super::{
 };
 use crate::elf;
 
+/// The dynamic linker's function a debugger breaks on: glibc's calls it
+/// before and after it maps a program's libraries, musl's once they are.
+pub const LOADER_HOOK: &str = "_dl_debug_state";
+
 /// `r_state` of `struct r_debug`: after `int r_version`, its padding, and
 /// two pointers-sized fields.
 const R_STATE_OFFSET: u64 = 24;
@@ -114,7 +118,7 @@ fn hook_in(pid: u32, entry: &MapsEntry, entries: &[MapsEntry]) -> Option<(u64, O
     }
     let data = files::read_limited(&files::open_mapped(pid, entry)?, files::READ_LIMIT).ok()?;
     let file = object::File::parse(&*data).ok()?;
-    let hook = elf::dynamic_symbol(&file, "_dl_debug_state")?;
+    let hook = elf::dynamic_symbol(&file, LOADER_HOOK)?;
     let r_debug = elf::dynamic_symbol(&file, "_r_debug");
     // The bias that every mapping of this file shares.
     let first_vaddr = elf::first_load_vaddr(&file)?;

@@ -14,15 +14,15 @@ use aya::programs::uprobe::UProbeLinkId;
 use memleak_common::{ExecHold, HeldCgroup, CGROUP_LEVEL_UNKNOWN, MAX_HELD_NAMES};
 
 use super::{Session, SessionError};
-use crate::{attach::kernel_btf, elf, process::cgroup::Cgroup};
+use crate::{
+    attach::kernel_btf,
+    elf,
+    process::{cgroup::Cgroup, link_map::LOADER_HOOK},
+};
 
 /// Set to anything, no process is held: newcomers are found as they run,
 /// and what they allocate before their probes are in is missed.
 pub const NO_EXEC_HOLD: &str = "MEMLEAK_NO_EXEC_HOLD";
-
-/// The dynamic loader's function a debugger breaks on: glibc's loader
-/// calls it before and after it maps a program's libraries.
-const LOADER_BREAKPOINT: &str = "_dl_debug_state";
 
 /// A process BPF stopped: continued when dropped, on every path out of
 /// its handling, memleak's own exit included.
@@ -81,17 +81,16 @@ pub(super) fn exec_hold(newcomer_execs: bool, names: &[String]) -> ExecHold {
     if !newcomer_execs || std::env::var_os(NO_EXEC_HOLD).is_some() {
         return ExecHold::default();
     }
-    let btf = std::path::Path::new(kernel_btf::VMLINUX_BTF);
-    let offset = |structure, member| kernel_btf::member_offset(btf, structure, member);
-    let offsets = (|| {
-        Ok::<_, kernel_btf::BtfError>((
-            offset("task_struct", "signal")?,
-            offset("signal_struct", "tty")?,
-            offset("task_struct", "real_parent")?,
-            offset("task_struct", "tgid")?,
-        ))
-    })();
-    let (task_signal, signal_tty, task_real_parent, task_tgid) = match offsets {
+    let offsets = kernel_btf::member_offsets(
+        std::path::Path::new(kernel_btf::VMLINUX_BTF),
+        [
+            ("task_struct", "signal"),
+            ("signal_struct", "tty"),
+            ("task_struct", "real_parent"),
+            ("task_struct", "tgid"),
+        ],
+    );
+    let [task_signal, signal_tty, task_real_parent, task_tgid] = match offsets {
         Ok(offsets) => offsets,
         Err(error) => {
             log::warn!("newcomers are not held at their execve, the kernel's task layout unread: {error}");
@@ -145,7 +144,7 @@ impl Session {
                     self.holds.at_loader.insert(pid, link);
                 }
                 Ok(None) => {
-                    log::debug!("pid {pid}: its loader has no {LOADER_BREAKPOINT}: planned as it loads");
+                    log::debug!("pid {pid}: its loader has no {LOADER_HOOK}: planned as it loads");
                 }
                 Err(error) => {
                     log::debug!("pid {pid}: not stopped at its loader, planned as it loads: {error}");
@@ -211,6 +210,6 @@ fn loader_breakpoint(pid: u32) -> Option<(PathBuf, u64)> {
     let loader = PathBuf::from(format!("/proc/{pid}/root{interpreter}"));
     let data = std::fs::read(&loader).ok()?;
     let parsed = object::File::parse(&*data).ok()?;
-    let address = elf::dynamic_symbol(&parsed, LOADER_BREAKPOINT)?;
+    let address = elf::dynamic_symbol(&parsed, LOADER_HOOK)?;
     Some((loader, elf::file_offset(&parsed, address)?))
 }
