@@ -201,6 +201,15 @@ struct Entry {
     exited_at: Option<Instant>,
 }
 
+impl Entry {
+    /// Its process called execve and runs `program` now, traced afresh.
+    fn now_runs(&mut self, program: &str) {
+        program.clone_into(&mut self.followed.program);
+        self.followed.report = None;
+        self.followed.growth = Growth::default();
+    }
+}
+
 /// The latest report of each process followed, published after each
 /// round; and the last collection error, said once. Processes are keyed
 /// by pid and start time: a pid reused by a new process is a new entry,
@@ -242,7 +251,13 @@ impl Collector {
         for target in session.targets() {
             let key = target.key();
             self.live.insert(target.pid, key);
-            if self.followed.contains_key(&key) {
+            if let Some(entry) = self.followed.get_mut(&key) {
+                // Taken in after its execve, once its loader mapped its
+                // libraries (see `restart`).
+                if entry.followed.program != target.program {
+                    status::say(&format!("pid {} now runs {}: tracing it", target.pid, target.program));
+                    entry.now_runs(&target.program);
+                }
                 continue;
             }
             status::say(&describe_newcomer(target));
@@ -355,10 +370,15 @@ impl Collector {
         if let (true, Some(target)) = (restarted, target) {
             status::say(&format!("pid {pid} now runs {}: tracing it", target.program));
             if let Some(entry) = self.followed.get_mut(&key) {
-                entry.followed.program.clone_from(&target.program);
-                entry.followed.report = None;
-                entry.followed.growth = Growth::default();
+                entry.now_runs(&target.program);
             }
+        } else if session.is_loading(pid) {
+            // Its allocator is not mapped yet: it is taken in once its
+            // loader has mapped it, and said then (`sync`).
+            log::debug!(
+                "pid {pid} now runs {}: traced once its libraries are loaded",
+                lifecycle::program(pid)
+            );
         } else {
             status::say(&format!(
                 "pid {pid} now runs {}, which is not followed; its last report stays",

@@ -178,9 +178,17 @@ impl Session {
         whose: &str,
         at_exec: bool,
     ) -> Option<(AttachPlan, AddressSpace, bool)> {
+        // The program is named before it is planned, and the plan kept
+        // for it only if it still runs it after: a process that calls
+        // execve meanwhile (`runc init` running a container's program)
+        // would have its old program's plan kept for its new one.
+        let program = ProgramKey::of(pid);
         match plan_process(pid, &self.allocator) {
             Ok((plan, space)) => {
-                self.remember_plan(pid, &plan);
+                if let Some(program) = program.filter(|program| ProgramKey::of(pid).as_ref() == Some(program))
+                {
+                    self.remember_plan(program, &plan);
+                }
                 Some((plan, space, false))
             }
             Err(error) if at_exec => {
@@ -211,10 +219,8 @@ impl Session {
         }
     }
 
-    /// Keeps `plan`, made for process `pid`, for the next runs of its
-    /// program.
-    fn remember_plan(&mut self, pid: u32, plan: &AttachPlan) {
-        let Some(program) = ProgramKey::of(pid) else { return };
+    /// Keeps `plan` for the next runs of `program`.
+    fn remember_plan(&mut self, program: ProgramKey, plan: &AttachPlan) {
         if self.plans_by_program.len() >= PLANS_KEPT && !self.plans_by_program.contains_key(&program) {
             self.plans_by_program.clear();
         }
@@ -380,6 +386,12 @@ impl Session {
         let taken_in = self.adopt_at(pid, held);
         self.release(pid, taken_in);
         taken_in
+    }
+
+    /// Whether process `pid`, found at its execve before its loader
+    /// mapped its allocator, is to be taken in once it has.
+    pub fn is_loading(&self, pid: u32) -> bool {
+        self.loading.contains_key(&pid)
     }
 
     /// `adopt`; `at_exec` as for `take_in`.
