@@ -13,13 +13,22 @@
 
 /// How to step from a frame to its caller, for the code from
 /// [`UnwindRow::pc`] up to the next row's.
+///
+/// The kinds are named for x86-64's registers; on arm64 rsp is sp, rbp is
+/// the frame pointer x29, and the return address is where the callee
+/// saved the link register x30: in the frame record, the slot just above
+/// the saved x29 (`stp x29, x30, [sp, #-N]!`), so a rule's `rbp_slot` is
+/// at least 2; or, with x29 left alone, in the slot of
+/// [`RuleKind::CfaRspReturnSlot`].
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RuleKind {
     /// The caller's stack pointer (the CFA) is rsp plus the offset; the
-    /// return address is just below it, at CFA - 8.
+    /// return address is just below it, at CFA - 8 (on arm64: just above
+    /// the saved x29).
     CfaRsp = 0,
-    /// The CFA is rbp plus the offset; the return address at CFA - 8.
+    /// The CFA is rbp plus the offset; the return address at CFA - 8 (on
+    /// arm64: just above the saved x29).
     CfaRbp = 1,
     /// The end of the stack: no caller (`_start`, the child side of
     /// `clone`), the return address being undefined.
@@ -40,6 +49,10 @@ pub enum RuleKind {
     /// frame pointers lead on. One frame-pointer step that may move to
     /// another stack, trusted only if it lands in code.
     GoStackSwitch = 6,
+    /// arm64 only: the CFA is sp plus the offset, the return address
+    /// saved at CFA - 8 × the rule's `rbp_slot`, and x29 unchanged (a
+    /// function that saves x30 alone, `str x30, [sp, #-16]!`).
+    CfaRspReturnSlot = 7,
 }
 
 impl TryFrom<u32> for RuleKind {
@@ -54,6 +67,7 @@ impl TryFrom<u32> for RuleKind {
             4 => Ok(RuleKind::FramePointer),
             5 => Ok(RuleKind::Unsupported),
             6 => Ok(RuleKind::GoStackSwitch),
+            7 => Ok(RuleKind::CfaRspReturnSlot),
             _ => Err(raw),
         }
     }
@@ -266,5 +280,7 @@ mod tests {
             assert_eq!(WalkEnd::try_from(raw).map(|end| end as u32), Ok(raw));
         }
         assert_eq!(RuleKind::try_from(6), Ok(RuleKind::GoStackSwitch));
+        assert_eq!(RuleKind::try_from(7), Ok(RuleKind::CfaRspReturnSlot));
+        assert_eq!(RuleKind::try_from(8), Err(8));
     }
 }

@@ -34,6 +34,7 @@ pub fn walk_user_stack<C: EbpfContext>(ctx: &C, frames: &mut StackFrames, limit:
         else {
             break;
         };
+        let return_address = super::code_address(return_address);
         if return_address == 0 {
             break;
         }

@@ -18,6 +18,20 @@ use crate::{maps::PROCESS_MAPPINGS, scratch::Slot, tunables};
 
 pub use kernel::kernel_stack;
 
+/// A return address read off the stack, as a code address. arm64 code
+/// built with `-mbranch-protection` signs the return addresses it saves
+/// (pointer authentication), in the bits above the 48 that user addresses
+/// take.
+#[expect(clippy::inline_always, reason = "one mask, or none")]
+#[inline(always)]
+fn code_address(saved: u64) -> u64 {
+    if cfg!(bpf_target_arch = "aarch64") {
+        saved & ((1 << 48) - 1)
+    } else {
+        saved
+    }
+}
+
 /// What a walk found.
 pub struct Walked {
     /// Frames filled in.

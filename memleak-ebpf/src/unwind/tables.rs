@@ -259,7 +259,7 @@ fn next_frame(walk: &mut WalkState, walking: &Walking) -> Option<()> {
     let mappings = unsafe { &*walking.mappings };
     let rule = rule_at(walk, mappings, pc)?;
     let caller = match RuleKind::try_from(rule.kind()) {
-        Ok(RuleKind::CfaRsp | RuleKind::CfaRbp) => cfa_step(walk, rule)?,
+        Ok(RuleKind::CfaRsp | RuleKind::CfaRbp | RuleKind::CfaRspReturnSlot) => cfa_step(walk, rule)?,
         Ok(RuleKind::Stop) => return end(walk, WalkEnd::Root),
         Ok(RuleKind::Signal) => signal_step(walk)?,
         Ok(RuleKind::FramePointer | RuleKind::Unsupported | RuleKind::GoStackSwitch) | Err(_) => {
@@ -336,18 +336,43 @@ struct Caller {
     slot: u64,
 }
 
+/// Where a rule says a frame's caller saved its return address and its
+/// frame pointer: slots below the CFA (at CFA - 8 × slot), the frame
+/// pointer's 0 when it is left unchanged.
+struct SavedSlots {
+    return_address: u32,
+    frame_pointer: u32,
+}
+
+/// x86-64: the call pushed the return address just below the CFA.
+#[cfg(not(bpf_target_arch = "aarch64"))]
+fn saved_slots(rule: Rule) -> SavedSlots {
+    SavedSlots { return_address: 1, frame_pointer: rule.rbp_slot() }
+}
+
+/// arm64: the callee saved the link register, in its frame record just
+/// above x29, or alone (see `RuleKind`).
+#[cfg(bpf_target_arch = "aarch64")]
+fn saved_slots(rule: Rule) -> SavedSlots {
+    if rule.kind() == RuleKind::CfaRspReturnSlot as u32 {
+        SavedSlots { return_address: rule.rbp_slot(), frame_pointer: 0 }
+    } else {
+        SavedSlots { return_address: rule.rbp_slot().saturating_sub(1), frame_pointer: rule.rbp_slot() }
+    }
+}
+
 /// A step by a CFA rule: the caller's stack pointer is the CFA, its
-/// return address just below, its rbp where the rule says it was saved.
+/// return address and rbp where the rule says they were saved.
 fn cfa_step(walk: &mut WalkState, rule: Rule) -> Option<Caller> {
     let base = if rule.kind() == RuleKind::CfaRbp as u32 { walk.bp } else { walk.sp };
     let cfa = base.wrapping_add(u64::from(rule.cfa_offset()));
-    if cfa <= walk.sp {
+    let SavedSlots { return_address: pc_slot, frame_pointer: slot } = saved_slots(rule);
+    if cfa <= walk.sp || pc_slot == 0 {
         end(walk, WalkEnd::BadFrame);
         return None;
     }
     // One read for the return address and a saved rbp, which sit just
     // below the CFA in all but huge frames: each read is a helper call.
-    let slot = rule.rbp_slot();
     let words = (&raw mut walk.below_cfa).cast::<[u64; WORDS_BELOW_CFA as usize]>();
     // SAFETY: a fault-safe read of user memory into the walk's own words,
     // map memory as large as the read.
@@ -358,22 +383,28 @@ fn cfa_step(walk: &mut WalkState, rule: Rule) -> Option<Caller> {
             (cfa - 8 * u64::from(WORDS_BELOW_CFA)) as *const c_void,
         )
     };
-    let (pc, bp) = if status == 0 && slot < WORDS_BELOW_CFA {
+    let (pc, bp) = if status == 0 && slot < WORDS_BELOW_CFA && pc_slot < WORDS_BELOW_CFA {
         // SAFETY: the words the read above has just filled.
         let words = unsafe { &*words };
         let index = opaque(u64::from(WORDS_BELOW_CFA - slot)) as usize & (WORDS_BELOW_CFA as usize - 1);
         let bp = if slot == 0 { walk.bp } else { words[index] };
-        (words[7], bp)
+        // On x86-64 the word just below the CFA, a constant.
+        let pc_index = if cfg!(bpf_target_arch = "aarch64") {
+            opaque(u64::from(WORDS_BELOW_CFA - pc_slot)) as usize & (WORDS_BELOW_CFA as usize - 1)
+        } else {
+            WORDS_BELOW_CFA as usize - 1
+        };
+        (words[pc_index], bp)
     } else {
-        // Near the stack's end, or rbp saved further down: word by word.
-        let Some(pc) = read(cfa - 8) else {
+        // Near the stack's end, or saved further down: word by word.
+        let Some(pc) = read(cfa.wrapping_sub(8 * u64::from(pc_slot))) else {
             end(walk, WalkEnd::BadFrame);
             return None;
         };
         let bp = if slot == 0 { walk.bp } else { read(cfa.wrapping_sub(8 * u64::from(slot))).unwrap_or(0) };
         (pc, bp)
     };
-    Some(Caller { pc, sp: cfa, bp, slot: Frame::slot_of(slot) })
+    Some(Caller { pc: super::code_address(pc), sp: cfa, bp, slot: Frame::slot_of(slot) })
 }
 
 /// A step through a signal frame: the interrupted code's registers.
@@ -408,7 +439,7 @@ fn frame_pointer_step(walk: &mut WalkState, lowest: u64) -> Option<Caller> {
         return None;
     };
     // The caller's rbp was the word at its stack pointer - 16.
-    Some(Caller { pc, sp: bp + 16, bp: caller_bp, slot: 2 })
+    Some(Caller { pc: super::code_address(pc), sp: bp + 16, bp: caller_bp, slot: 2 })
 }
 
 /// Whether `pc` lies in an executable mapping of the process. Most

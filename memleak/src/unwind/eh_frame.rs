@@ -30,12 +30,12 @@ use std::{
 };
 
 use gimli::{
-    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianSlice, FrameDescriptionEntry, LittleEndian,
-    RegisterRule, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
+    AArch64, BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianSlice, FrameDescriptionEntry,
+    LittleEndian, RegisterRule, UnwindContext, UnwindSection, UnwindTableRow, Vendor, X86_64,
 };
 use memleak_common::{Rule, RuleKind, UnwindRow};
 use object::{
-    elf::{EM_X86_64, PF_X, PT_LOAD},
+    elf::{EM_AARCH64, EM_X86_64, PF_X, PT_LOAD},
     read::elf::{ElfFile64, FileHeader as _, ProgramHeader as _},
     read::ReadCache,
     CompressedData, CompressionFormat, Endianness, Object as _, ObjectSection as _, ObjectSymbol as _,
@@ -146,8 +146,8 @@ pub struct DebugFile<'a> {
 pub enum TableError {
     #[error("{path} is not a 64-bit ELF object: {source}")]
     NotElf { path: PathBuf, source: object::Error },
-    #[error("{path} is not an x86-64 object: memleak unwinds x86-64 code only")]
-    NotX86_64 { path: PathBuf },
+    #[error("{path} is not an {} object, the code of the machine memleak runs on", Machine::HOST.name())]
+    OtherMachine { path: PathBuf },
     #[error("{path} has no executable segment")]
     NoExecutableCode { path: PathBuf },
     #[error("the code of {path} spans {span:#x} bytes, more than unwind rows address (4 GiB)")]
@@ -179,18 +179,29 @@ pub fn build_with_debug_file(
     elf: &[u8],
     debug_file: Option<DebugFile<'_>>,
 ) -> Result<ObjectTable, TableError> {
-    let object = parse_x86_64_elf(path, elf)?;
-    let mut builder = Builder::new(ExecutableCode::of(path, &object)?);
+    build_for(Machine::HOST, path, elf, debug_file)
+}
+
+/// [`build_with_debug_file`] for the code of `machine`.
+fn build_for(
+    machine: Machine,
+    path: &Path,
+    elf: &[u8],
+    debug_file: Option<DebugFile<'_>>,
+) -> Result<ObjectTable, TableError> {
+    let object = parse_elf(machine, path, elf)?;
+    let mut builder = Builder::new(machine, ExecutableCode::of(path, &object)?);
     builder.add_go_runtime_rules(&object);
     if let Some(section) = section_bytes(path, &object, ".eh_frame")? {
         let mut eh_frame = EhFrame::new(&section.bytes, LittleEndian);
         eh_frame.set_address_size(8);
+        eh_frame.set_vendor(machine.vendor());
         builder.add_section(path, &eh_frame, &eh_frame_bases(&object, section.address), Source::EhFrame);
     }
     builder.add_debug_frame(path, &object, Source::DebugFrame)?;
     if let Some(debug_file) = debug_file {
         let cache = ReadCache::new(debug_file.file);
-        let debug_object = parse_x86_64_elf(debug_file.path, &cache)?;
+        let debug_object = parse_elf(machine, debug_file.path, &cache)?;
         if build_id(&object).zip(build_id(&debug_object)).is_some_and(|(ours, its)| ours != its) {
             return Err(TableError::DebugFileMismatch {
                 path: path.to_owned(),
@@ -207,20 +218,68 @@ pub fn build_with_debug_file(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FdeSpan {
     pub code: Range<u64>,
-    /// Its first row puts the CFA at rsp + 8, just past a return address:
-    /// a function's entry. A part the compiler moved out of a function
-    /// (GCC's `.cold`) is jumped to from its body, with the body's frame
-    /// on the stack, and starts with that frame's rule instead.
+    /// Its first row puts the CFA where a call leaves it (x86-64: rsp +
+    /// 8, just past the return address; arm64: sp): a function's entry.
+    /// A part the compiler moved out of a function (GCC's `.cold`) is
+    /// jumped to from its body, with the body's frame on the stack, and
+    /// starts with that frame's rule instead.
     pub entered_by_call: bool,
+}
+
+/// The machines whose code memleak unwinds: each object's table is built
+/// for the machine memleak runs on, whose registers its BPF walker steps
+/// with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Machine {
+    X86_64,
+    Aarch64,
+}
+
+impl Machine {
+    const HOST: Self = if cfg!(target_arch = "aarch64") { Self::Aarch64 } else { Self::X86_64 };
+
+    fn e_machine(self) -> u16 {
+        match self {
+            Self::X86_64 => EM_X86_64,
+            Self::Aarch64 => EM_AARCH64,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::X86_64 => "x86-64",
+            Self::Aarch64 => "arm64",
+        }
+    }
+
+    /// How gimli reads the machine's vendor extensions: arm64's
+    /// `DW_CFA_AARCH64_negate_ra_state`, in every function that signs its
+    /// return address, shares its opcode with SPARC's `window_save`.
+    fn vendor(self) -> Vendor {
+        match self {
+            Self::X86_64 => Vendor::Default,
+            Self::Aarch64 => Vendor::AArch64,
+        }
+    }
+
+    /// The CFA at a function's first instruction, just after a call.
+    fn cfa_at_entry(self) -> CfaRule<usize> {
+        match self {
+            Self::X86_64 => CfaRule::RegisterAndOffset { register: X86_64::RSP, offset: 8 },
+            Self::Aarch64 => CfaRule::RegisterAndOffset { register: AArch64::SP, offset: 0 },
+        }
+    }
 }
 
 /// The FDEs of the object's `.eh_frame`, sorted by address: functions,
 /// and parts of functions that no symbol may name.
 pub fn fde_spans<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Vec<FdeSpan>, TableError> {
-    let object = parse_x86_64_elf(path, data)?;
+    let machine = Machine::HOST;
+    let object = parse_elf(machine, path, data)?;
     let Some(section) = section_bytes(path, &object, ".eh_frame")? else { return Ok(Vec::new()) };
     let mut eh_frame = EhFrame::new(&section.bytes, LittleEndian);
     eh_frame.set_address_size(8);
+    eh_frame.set_vendor(machine.vendor());
     let bases = eh_frame_bases(&object, section.address);
     let mut context = UnwindContext::new();
     let mut entries = eh_frame.entries(&bases);
@@ -233,8 +292,7 @@ pub fn fde_spans<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Vec<F
             .rows(&eh_frame, &bases, &mut context)
             .ok()
             .and_then(|mut rows| rows.next_row().ok().flatten().map(|row| row.cfa().clone()));
-        let entered_by_call =
-            first_cfa == Some(CfaRule::RegisterAndOffset { register: X86_64::RSP, offset: 8 });
+        let entered_by_call = first_cfa == Some(machine.cfa_at_entry());
         spans.push(FdeSpan { code: fde.initial_address()..fde.end_address(), entered_by_call });
     }
     spans.sort_by_key(|span| (span.code.start, span.code.end));
@@ -244,11 +302,16 @@ pub fn fde_spans<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Vec<F
 type Elf<'data, R = &'data [u8]> = ElfFile64<'data, Endianness, R>;
 type Reader<'data> = EndianSlice<'data, LittleEndian>;
 
-fn parse_x86_64_elf<'data, R: ReadRef<'data>>(path: &Path, data: R) -> Result<Elf<'data, R>, TableError> {
+/// The object at `data`, if it is one of `machine`'s.
+fn parse_elf<'data, R: ReadRef<'data>>(
+    machine: Machine,
+    path: &Path,
+    data: R,
+) -> Result<Elf<'data, R>, TableError> {
     let object =
         Elf::<R>::parse(data).map_err(|source| TableError::NotElf { path: path.to_owned(), source })?;
-    if object.elf_header().e_machine(object.endian()) != EM_X86_64 || !object.is_little_endian() {
-        return Err(TableError::NotX86_64 { path: path.to_owned() });
+    if object.elf_header().e_machine(object.endian()) != machine.e_machine() || !object.is_little_endian() {
+        return Err(TableError::OtherMachine { path: path.to_owned() });
     }
     Ok(object)
 }
@@ -445,6 +508,7 @@ enum Unsupported {
 }
 
 struct Builder {
+    machine: Machine,
     code: ExecutableCode,
     /// Every FDE's rows as (address, rule), merged within each FDE only.
     rows: Vec<(u64, Rule)>,
@@ -457,8 +521,9 @@ struct Builder {
 }
 
 impl Builder {
-    fn new(code: ExecutableCode) -> Self {
+    fn new(machine: Machine, code: ExecutableCode) -> Self {
         Self {
+            machine,
             code,
             rows: Vec::new(),
             fdes: Vec::new(),
@@ -474,8 +539,9 @@ impl Builder {
     /// is `NAME.abi0`, and `NAME` a wrapper for Go callers with a frame
     /// of its own, which keeps the rules its call frame information
     /// gives.
+    /// x86-64's only: Go's stack switches on arm64 are not followed yet.
     fn add_go_runtime_rules<'data, R: ReadRef<'data>>(&mut self, object: &Elf<'data, R>) {
-        if !crate::elf::is_go_program(object) {
+        if self.machine != Machine::X86_64 || !crate::elf::is_go_program(object) {
             return;
         }
         self.go = true;
@@ -513,6 +579,7 @@ impl Builder {
         if let Some(section) = section_bytes(path, object, ".debug_frame")? {
             let mut debug_frame = DebugFrame::new(&section.bytes, LittleEndian);
             debug_frame.set_address_size(8);
+            debug_frame.set_vendor(self.machine.vendor());
             // .debug_frame addresses are absolute: no bases needed.
             self.add_section(path, &debug_frame, &BaseAddresses::default(), source);
         }
@@ -561,7 +628,7 @@ impl Builder {
             return;
         }
         let (first_row, stats_before) = (self.rows.len(), self.stats);
-        let evaluated = if fde.is_signal_trampoline() {
+        let evaluated = if fde.is_signal_trampoline() && self.machine == Machine::X86_64 {
             // glibc's __restore_rt: the walker reads the signal frame
             // whatever the rows would say.
             self.stats.signal_fdes += 1;
@@ -608,7 +675,7 @@ impl Builder {
                 continue;
             }
             self.stats.cfi_rows += 1;
-            let rule = rule_of(row).unwrap_or_else(|reason| {
+            let rule = rule_of(self.machine, row).unwrap_or_else(|reason| {
                 self.stats.count_unsupported(reason);
                 Rule::of(RuleKind::Unsupported)
             });
@@ -680,10 +747,19 @@ impl TableStats {
     }
 }
 
-/// The walker's rule for a row of call frame information. The return
-/// address comes first: where it is undefined the stack ends, whatever the
-/// CFA (`_start`, the child side of `clone`).
-fn rule_of(row: &UnwindTableRow<usize>) -> Result<Rule, Unsupported> {
+/// The walker's rule for a row of call frame information of `machine`'s
+/// code.
+fn rule_of(machine: Machine, row: &UnwindTableRow<usize>) -> Result<Rule, Unsupported> {
+    match machine {
+        Machine::X86_64 => x86_64_rule_of(row),
+        Machine::Aarch64 => aarch64_rule_of(row),
+    }
+}
+
+/// The rule of a row of x86-64 code. The return address comes first:
+/// where it is undefined the stack ends, whatever the CFA (`_start`, the
+/// child side of `clone`).
+fn x86_64_rule_of(row: &UnwindTableRow<usize>) -> Result<Rule, Unsupported> {
     match row.register(X86_64::RA) {
         Some(RegisterRule::Undefined) => return Ok(Rule::of(RuleKind::Stop)),
         Some(RegisterRule::Offset(-8)) => {}
@@ -706,6 +782,42 @@ fn rule_of(row: &UnwindTableRow<usize>) -> Result<Rule, Unsupported> {
     };
     let cfa_offset = u32::try_from(cfa_offset).map_err(|_| Unsupported::OffsetRange)?;
     Rule::new(kind, cfa_offset, rbp_slot).ok_or(Unsupported::OffsetRange)
+}
+
+/// The rule of a row of arm64 code: the CFA on sp or x29, and where the
+/// link register x30, which held the return address at the call, and
+/// x29 were saved. Where x30 still holds it (a function's first
+/// instructions, a leaf), no frame at a call site stands: a walk from a
+/// return probe never meets the row, which becomes Unsupported.
+fn aarch64_rule_of(row: &UnwindTableRow<usize>) -> Result<Rule, Unsupported> {
+    let return_slot = match row.register(AArch64::X30) {
+        Some(RegisterRule::Undefined) => return Ok(Rule::of(RuleKind::Stop)),
+        Some(RegisterRule::Offset(offset)) => slot_below_cfa(offset).ok_or(Unsupported::ReturnAddress)?,
+        _ => return Err(Unsupported::ReturnAddress),
+    };
+    let (kind, cfa_offset) = match *row.cfa() {
+        CfaRule::RegisterAndOffset { register: AArch64::SP, offset } => (RuleKind::CfaRsp, offset),
+        CfaRule::RegisterAndOffset { register: AArch64::X29, offset } => (RuleKind::CfaRbp, offset),
+        CfaRule::RegisterAndOffset { .. } => return Err(Unsupported::CfaRegister),
+        CfaRule::Expression(_) => return Err(Unsupported::CfaExpression),
+    };
+    let cfa_offset = u32::try_from(cfa_offset).map_err(|_| Unsupported::OffsetRange)?;
+    let rule = match row.register(AArch64::X29) {
+        None | Some(RegisterRule::SameValue | RegisterRule::Undefined) if kind == RuleKind::CfaRsp => {
+            Rule::new(RuleKind::CfaRspReturnSlot, cfa_offset, return_slot)
+        }
+        // The frame record: x29, and x30 just above it.
+        Some(RegisterRule::Offset(offset)) if slot_below_cfa(offset) == Some(return_slot + 1) => {
+            Rule::new(kind, cfa_offset, return_slot + 1)
+        }
+        _ => return Err(Unsupported::SavedRbp),
+    };
+    rule.ok_or(Unsupported::OffsetRange)
+}
+
+/// The slot of a register saved at CFA + `offset`: n for CFA - 8n.
+fn slot_below_cfa(offset: i64) -> Option<u32> {
+    (offset < 0 && offset % 8 == 0).then(|| u32::try_from(offset.unsigned_abs() / 8).ok()).flatten()
 }
 
 /// A rule of Go's own `.debug_frame`, with where rbp was saved. Go's
@@ -998,8 +1110,13 @@ mod tests {
 
         /// Compiles [`WALKER_C`] into `output`.
         fn compile(&self, output: &str, flags: &[&str]) -> PathBuf {
+            self.compile_with("gcc", output, flags)
+        }
+
+        /// Compiles [`WALKER_C`] into `output` with `compiler`.
+        fn compile_with(&self, compiler: &str, output: &str, flags: &[&str]) -> PathBuf {
             fs::write(self.0.join("walker.c"), WALKER_C).unwrap();
-            self.run("gcc", &[flags, &["-o", output, "walker.c"]].concat());
+            self.run(compiler, &[flags, &["-o", output, "walker.c"]].concat());
             self.0.join(output)
         }
     }
@@ -1007,6 +1124,73 @@ mod tests {
     impl Drop for Scratch {
         fn drop(&mut self) {
             let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// Debian's arm64 C library, as its cross-compiling package
+    /// (libc6-arm64-cross) ships it.
+    const ARM64_LIBC: &str = "/usr/aarch64-linux-gnu/lib/libc.so.6";
+
+    /// Debian's compiler for arm64 (gcc-aarch64-linux-gnu).
+    const ARM64_GCC: &str = "aarch64-linux-gnu-gcc";
+
+    fn arm64_table_of(path: &Path) -> ObjectTable {
+        let data = fs::read(path).unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
+        let table = build_for(Machine::Aarch64, path, &data, None).unwrap_or_else(|error| panic!("{error}"));
+        assert_well_formed(&path.display().to_string(), &table);
+        table
+    }
+
+    /// The addresses of the `bl` instructions (calls) in the function
+    /// `name` of an arm64 program.
+    fn arm64_calls_in(data: &[u8], name: &str) -> Vec<u64> {
+        let object = Elf::parse(data).unwrap();
+        let function = object.symbols().find(|symbol| symbol.name() == Ok(name)).expect("the function");
+        let (address, size) = (function.address(), function.size());
+        let (base, code) = executable_segments(data)
+            .into_iter()
+            .find(|(base, code)| (*base..*base + code.len() as u64).contains(&address))
+            .unwrap();
+        let start = usize::try_from(address - base).unwrap();
+        code[start..start + usize::try_from(size).unwrap()]
+            .chunks_exact(4)
+            .enumerate()
+            .filter(|(_, word)| u32::from_le_bytes((*word).try_into().unwrap()) >> 26 == 0b10_0101)
+            .map(|(index, _)| address + 4 * index as u64)
+            .collect()
+    }
+
+    #[test]
+    fn arm64_code_steps_through_the_frame_records_it_saves() {
+        let table = arm64_table_of(Path::new(ARM64_LIBC));
+        eprintln!("{ARM64_LIBC}: {} rows\n  {:?}", table.rows.len(), table.stats);
+        assert_eq!(table.stats.skipped_fdes + table.stats.truncated_sections, 0, "{:?}", table.stats);
+        assert_eq!(table.stats.stop_rows, 1, "_start's undefined return address");
+        let scratch = Scratch::new("arm64");
+        for (output, flags, expected) in [
+            // str x30, [sp, #-16]!: the return address alone, x29 left
+            // as it was.
+            ("walker-arm64", &["-O2", "-fomit-frame-pointer"][..], rule(RuleKind::CfaRspReturnSlot, 16, 2)),
+            // paciasp; stp x29, x30, [sp, #-16]!; mov x29, sp: the frame
+            // record, x29 in the CFA's second slot below, the return
+            // address (signed) above it. Every function that signs it
+            // negates the RA state, an opcode of arm64's own.
+            (
+                "walker-arm64-pac",
+                &["-O2", "-fno-omit-frame-pointer", "-mbranch-protection=standard"][..],
+                rule(RuleKind::CfaRsp, 16, 2),
+            ),
+        ] {
+            let program = scratch.compile_with(ARM64_GCC, output, flags);
+            let table = arm64_table_of(&program);
+            let data = fs::read(&program).unwrap();
+            let calls = arm64_calls_in(&data, "walker");
+            assert_eq!(calls.len(), 1, "{output}: walker calls leaf once: {calls:x?}");
+            assert_eq!(rule_at(&table, calls[0]), expected, "{output}");
+            // At walker's entry the return address is still in x30: no
+            // walk from a return probe stands there.
+            assert_eq!(kind_at(&table, symbol(&data, "walker")), RuleKind::Unsupported, "{output}");
+            assert_eq!(table.stats.skipped_fdes, 0, "{output}: {:?}", table.stats);
         }
     }
 
@@ -1158,10 +1342,10 @@ mod tests {
 
     #[test]
     fn sections_merge_by_preference_and_padding_merges_away() {
-        let mut builder = Builder::new(ExecutableCode {
-            text_base: 0x1000,
-            segments: vec![0x1000..0x2000, 0x3000..0x3100],
-        });
+        let mut builder = Builder::new(
+            Machine::X86_64,
+            ExecutableCode { text_base: 0x1000, segments: vec![0x1000..0x2000, 0x3000..0x3100] },
+        );
         let (rsp8, rsp16, rbp) =
             (rule(RuleKind::CfaRsp, 8, 0), rule(RuleKind::CfaRsp, 16, 0), rule(RuleKind::CfaRbp, 16, 2));
         let mut add = |code: Range<u64>, rows: &[(u64, Rule)], source| {
