@@ -100,7 +100,7 @@ const _: () = assert!(core::mem::size_of::<TraceEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<MappingEvent>() == 72);
 const _: () = assert!(core::mem::size_of::<PendingMapping>() == 40);
 const _: () = assert!(core::mem::size_of::<StackFrames>() == 8 * MAX_STACK_DEPTH);
-const _: () = assert!(core::mem::size_of::<PyProcConfig>() == 40);
+const _: () = assert!(core::mem::size_of::<PyProcConfig>() == 44);
 
 #[cfg(test)]
 mod tests {

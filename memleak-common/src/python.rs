@@ -31,17 +31,18 @@ pub const PY_OWNED_BY_CSTACK: u8 = 3;
 pub const PY_DEFAULT_MAX_FRAMES: u16 = 63;
 
 /// A stack word that is a Python frame, not a return address: user-space
-/// return addresses are below 2^47 on x86-64.
+/// return addresses are below 2^47 on x86-64, 2^48 on arm64.
 pub const PY_FRAME: u64 = 1 << 63;
 /// The last Python frame one native `_PyEval_EvalFrameDefault` ran.
 pub const PY_GROUP_END: u64 = 1 << 62;
-/// Bits 61..18 of a Python frame word: the code object's address >> 3
-/// (below 2^47, and 8-aligned as every object is).
-pub const PY_CODE_SHIFT: u32 = 18;
+/// Bits 61..17 of a Python frame word: the code object's address >> 3
+/// (below 2^48, and 8-aligned as every object is).
+pub const PY_CODE_SHIFT: u32 = 17;
 /// How many bits of the word the code object's address >> 3 takes.
-pub const PY_CODE_BITS: u32 = 44;
-/// Bits 17..0: the instruction index + 1, in 2-byte code units, clamped;
-/// 0 is a frame that has not started (its line is `co_firstlineno`).
+pub const PY_CODE_BITS: u32 = 45;
+/// Bits 16..0: the instruction index + 1, in 2-byte code units, clamped
+/// (a function of more than 131,070 code units is rare); 0 is a frame
+/// that has not started (its line is `co_firstlineno`).
 pub const PY_LASTI_MASK: u64 = (1 << PY_CODE_SHIFT) - 1;
 
 /// How the BPF walker finds and reads the Python frames of one process
@@ -60,6 +61,10 @@ pub struct PyProcConfig {
     /// glibc: `struct pthread.specific`, the second-level blocks (keys of
     /// 32 and more).
     pub tsd_l2_off: u32,
+    /// How far below the thread pointer `struct pthread` starts, which
+    /// the offsets above count from: 0 on x86-64, whose thread pointer is
+    /// the `pthread_t`; `sizeof(struct pthread)` on arm64.
+    pub pthread_below_tp: u32,
     /// `tstate->frame` (3.8 to 3.10), `tstate->cframe` (3.11, 3.12) or
     /// `tstate->current_frame` (3.13).
     pub ts_frame: u16,
@@ -143,15 +148,15 @@ mod tests {
     #[test]
     fn a_frame_word_reads_back() {
         let code = 0x7f12_3456_7890;
-        for (lasti, end) in [(-1, false), (0, true), (20, false), (0x3fffe, true)] {
+        for (lasti, end) in [(-1, false), (0, true), (20, false), (0x1fffe, true)] {
             let word = py_frame_word(code, lasti, end);
             assert_eq!(py_frame_parts(word), (code, lasti, end), "{word:#x}");
             assert!(word & PY_FRAME != 0, "marked as a Python frame");
         }
-        assert_eq!(py_frame_parts(py_frame_word(code, 1 << 20, false)).1, 0x3fffe, "clamped");
+        assert_eq!(py_frame_parts(py_frame_word(code, 1 << 20, false)).1, 0x1fffe, "clamped");
         assert_eq!(py_frame_parts(py_frame_word(code, -5, false)).1, -1, "not started");
-        // The highest user-space object address still fits.
-        let top = (1 << 47) - 16;
+        // The highest user-space object address still fits (arm64's).
+        let top = (1 << 48) - 16;
         assert_eq!(py_frame_parts(py_frame_word(top, 3, false)).0, top);
     }
 }

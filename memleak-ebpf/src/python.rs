@@ -96,16 +96,18 @@ fn current_frame(config: &memleak_common::PyProcConfig, fsbase_offset: u32) -> O
     let task = unsafe { bpf_get_current_task() };
     // SAFETY: a kernel read at the offset user space found in the
     // kernel's BTF, which fails cleanly on a bad address.
-    let fsbase: u64 =
+    let thread_pointer: u64 =
         unsafe { bpf_probe_read_kernel((task + u64::from(fsbase_offset)) as *const u64) }.ok()?;
+    // The thread's `struct pthread`, which libc's offsets count from.
+    let pthread = thread_pointer.wrapping_sub(u64::from(config.pthread_below_tp));
     let key = u64::from(config.tss_key);
     let slot = if config.flags & PY_MUSL != 0 {
-        read_user(fsbase + u64::from(config.tsd_off))? + 8 * key
+        read_user(pthread + u64::from(config.tsd_off))? + 8 * key
     } else if key < 32 {
         // glibc's `specific_1stblock`: 16-byte slots, the data at +8.
-        fsbase + u64::from(config.tsd_off) + 16 * key + 8
+        pthread + u64::from(config.tsd_off) + 16 * key + 8
     } else {
-        read_user(fsbase + u64::from(config.tsd_l2_off) + 8 * (key >> 5))? + 16 * (key & 31) + 8
+        read_user(pthread + u64::from(config.tsd_l2_off) + 8 * (key >> 5))? + 16 * (key & 31) + 8
     };
     let thread_state = read_user(slot)?;
     if thread_state == 0 {

@@ -352,7 +352,8 @@ fn read_facts(object: &runtime::InterpreterObject) -> Result<InterpreterFacts, S
     if free_threaded {
         return Err(format!("free-threaded CPython {version} ({path}) is not supported"));
     }
-    let table = offsets::for_minor(version.minor).ok_or("no offsets for this version")?;
+    let table = offsets::on_this_machine(version.minor)
+        .ok_or_else(|| format!("no offsets for CPython {version} ({path}) on {}", std::env::consts::ARCH))?;
     let symbol = |name: &str| {
         runtime::symbol(&parsed, name)
             .map(|(address, _)| address)
@@ -373,7 +374,13 @@ fn read_facts(object: &runtime::InterpreterObject) -> Result<InterpreterFacts, S
 /// Where the libc process `pid` runs on keeps thread-specific data.
 fn libc_layout(pid: u32, mappings: &runtime::Mappings) -> Result<LibcLayout, String> {
     match thread_state::libc_of(mappings.paths()) {
-        Some(thread_state::Libc::Glibc) => Ok(thread_state::GLIBC),
+        Some(thread_state::Libc::Glibc) if cfg!(target_arch = "x86_64") => Ok(thread_state::GLIBC),
+        Some(thread_state::Libc::Glibc) => {
+            let path = mappings.paths().find(|path| path.ends_with("/libc.so.6")).unwrap_or("libc.so.6");
+            let file = mappings.open(pid, path).ok_or_else(|| format!("cannot open glibc's {path}"))?;
+            thread_state::glibc_arm64_layout(&file)
+                .map_err(|reason| format!("cannot read glibc's layout in {path}: {reason}"))
+        }
         Some(thread_state::Libc::Musl { path }) => {
             let file = mappings.open(pid, path).ok_or_else(|| format!("cannot open musl's {path}"))?;
             thread_state::musl_layout(&file)
@@ -511,11 +518,13 @@ fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcCon
             (0, offset)
         }
     };
-    let (tsd_off, tsd_l2_off) = match libc {
-        LibcLayout::Glibc { first_block, second_level } => (first_block, second_level),
+    let (tsd_off, tsd_l2_off, pthread_below_tp) = match libc {
+        LibcLayout::Glibc { first_block, second_level, below_thread_pointer } => {
+            (first_block, second_level, below_thread_pointer)
+        }
         LibcLayout::Musl { tsd } => {
             flags |= PY_MUSL;
-            (tsd, 0)
+            (tsd, 0, 0)
         }
     };
     let too_far = |what: &str, offset: u64| format!("{what} at {offset:#x} is farther than the walk reads");
@@ -525,6 +534,7 @@ fn config(offsets: &Offsets, tss_key: u32, libc: LibcLayout) -> Result<PyProcCon
         tss_key,
         tsd_off,
         tsd_l2_off,
+        pthread_below_tp,
         ts_frame: u16::try_from(offsets.thread.tstate_frame)
             .map_err(|_| too_far("the thread state's frame", offsets.thread.tstate_frame))?,
         cframe_cur: u8::try_from(offsets.thread.cframe_current.unwrap_or(0))

@@ -189,6 +189,7 @@ fn debians_static_stripped_python3_11() {
             tss_key: 0,
             tsd_off: 0x310,
             tsd_l2_off: 0x510,
+            pthread_below_tp: 0,
             ts_frame: 0x38,
             cframe_cur: 0x8,
             f_code: 0x20,

@@ -9,18 +9,56 @@ use super::{
 };
 
 /// Where libc keeps a thread's `pthread_getspecific` values, from its
-/// `struct pthread` (at fsbase on x86-64).
+/// `struct pthread` (its `pthread_t`: at the thread pointer on x86-64,
+/// `below_thread_pointer` bytes below it on arm64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LibcLayout {
     /// `specific_1stblock[key].data` for keys below 32, `specific[key /
     /// 32][key % 32].data` above; slots of 16 bytes whose data is at +8.
     /// The same in glibc 2.27 to 2.38 (Pyroscope's table) and 2.36 here.
-    Glibc { first_block: u32, second_level: u32 },
+    Glibc { first_block: u32, second_level: u32, below_thread_pointer: u32 },
     /// `self->tsd[key]`: a pointer at `tsd` to an array of 8-byte values.
     Musl { tsd: u32 },
 }
 
-pub const GLIBC: LibcLayout = LibcLayout::Glibc { first_block: 0x310, second_level: 0x510 };
+/// glibc's layout on x86-64.
+pub const GLIBC: LibcLayout =
+    LibcLayout::Glibc { first_block: 0x310, second_level: 0x510, below_thread_pointer: 0 };
+
+/// glibc's layout on arm64, whose `struct pthread` starts with an 8-byte
+/// header where x86-64's has a 192-byte `tcbhead_t` (glibc 2.36's
+/// `pthread_getspecific`: `specific_1stblock` at 0x630 below the thread
+/// pointer, `specific` at 0x430). The struct ends at the thread pointer,
+/// so where it starts below it changes with its size from one glibc to
+/// the next: `pthread_self` says (`mrs x0, tpidr_el0; sub x0, x0, #SIZE`).
+pub fn glibc_arm64_layout(file: &std::fs::File) -> Result<LibcLayout, String> {
+    use object::{read::ReadCache, ReadRef as _};
+    /// `pthread_self`'s first instruction.
+    const MRS_X0_TPIDR_EL0: u32 = 0xd53b_d040;
+    let cache = ReadCache::new(file);
+    let parsed = object::File::parse(&cache).map_err(|error| error.to_string())?;
+    let (address, _) = super::runtime::symbol(&parsed, "pthread_self").ok_or("no symbol pthread_self")?;
+    let offset = super::runtime::file_offset(&parsed, address).ok_or("pthread_self is not in the file")?;
+    let code = cache.read_bytes_at(offset, 8).map_err(|()| "cannot read pthread_self")?;
+    let word = |index: usize| u32::from_le_bytes(code[4 * index..4 * index + 4].try_into().expect("4 bytes"));
+    // sub x0, x0, #imm12 (lsl #12 when bit 22 is set).
+    let below = match (word(0), word(1)) {
+        (MRS_X0_TPIDR_EL0, sub) if sub & 0xffc0_03ff == 0xd100_0000 => {
+            let immediate = (sub >> 10) & 0xfff;
+            if sub & (1 << 22) != 0 {
+                immediate << 12
+            } else {
+                immediate
+            }
+        }
+        (first, second) => {
+            return Err(format!(
+                "pthread_self is not `mrs x0, tpidr_el0; sub x0, x0, #N`: {first:#x} {second:#x}"
+            ));
+        }
+    };
+    Ok(LibcLayout::Glibc { first_block: 0x110, second_level: 0x310, below_thread_pointer: below })
+}
 
 /// glibc's `header.self` in `struct pthread`: the thread's own address.
 const GLIBC_HEADER_SELF: u64 = 0x10;
@@ -62,6 +100,9 @@ pub fn libc_of<'a>(mut paths: impl Iterator<Item = &'a str>) -> Option<Libc<'a>>
 pub fn musl_layout(file: &std::fs::File) -> Result<LibcLayout, String> {
     use iced_x86::{Decoder, DecoderOptions, Register};
     use object::{read::ReadCache, ReadRef as _};
+    if !cfg!(target_arch = "x86_64") {
+        return Err("memleak reads musl's layout from its x86-64 code only".to_owned());
+    }
     let cache = ReadCache::new(file);
     let parsed = object::File::parse(&cache).map_err(|error| error.to_string())?;
     let (address, _) =
@@ -240,7 +281,9 @@ fn check_thread(
     fsbase: u64,
 ) -> Result<Thread, String> {
     let Subject { memory, key, .. } = *subject;
-    if matches!(layout, LibcLayout::Glibc { .. }) {
+    // x86-64's glibc thread starts with its `tcbhead_t`, whose `self`
+    // points at itself; arm64's has none.
+    if matches!(layout, LibcLayout::Glibc { below_thread_pointer: 0, .. }) {
         match read(memory, fsbase + GLIBC_HEADER_SELF, "a thread's glibc header") {
             Ok(own) if own == fsbase => {}
             Ok(own) => {
@@ -335,6 +378,20 @@ fn check_frames(subject: &Subject<'_>, tstate: u64) -> Result<usize, FrameCheck>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Debian 12's arm64 glibc (libc6-arm64-cross): `pthread_self` is
+    /// the thread pointer less 0x740, and `pthread_getspecific` reads key
+    /// 0's slot at the thread pointer less 0x630: 0x110 into the thread.
+    #[test]
+    fn arm64_glibc_says_where_its_threads_start() {
+        let open = |path: &str| std::fs::File::open(path).unwrap_or_else(|error| panic!("{path}: {error}"));
+        assert_eq!(
+            glibc_arm64_layout(&open("/usr/aarch64-linux-gnu/lib/libc.so.6")),
+            Ok(LibcLayout::Glibc { first_block: 0x110, second_level: 0x310, below_thread_pointer: 0x740 })
+        );
+        let x86_64 = glibc_arm64_layout(&open("/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(x86_64.is_err_and(|error| error.starts_with("pthread_self is not `mrs x0, tpidr_el0")));
+    }
 
     #[test]
     fn the_libc_is_told_by_its_file_name() {
