@@ -128,7 +128,7 @@ pub fn run(kernels: &[String]) -> Result<()> {
     } else {
         kernels.to_vec()
     };
-    let binaries = test_binaries()?;
+    let binaries = test_binaries(&mut cargo())?;
     let dir = root().join("target/vm/kernel-tests");
     fs::create_dir_all(&dir)?;
     // One after the other: apt's downloads and unpacking share a cache.
@@ -334,10 +334,11 @@ struct Target {
     kind: Vec<String>,
 }
 
-/// Builds the end-to-end test binaries and returns (target, executable)
+/// Builds the end-to-end test binaries with `cargo` (a cargo command,
+/// told which target to build for, say) and returns (target, executable)
 /// for each.
-fn test_binaries() -> Result<Vec<(String, PathBuf)>> {
-    let output = cargo()
+pub fn test_binaries(cargo: &mut std::process::Command) -> Result<Vec<(String, PathBuf)>> {
+    let output = cargo
         .args(["test", "--package", "memleak-tests", "--no-run", "--message-format=json"])
         .stderr(Stdio::inherit())
         .output()
