@@ -18,7 +18,11 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::{cargo, kernel_tests::test_binaries, root, run, vm};
+use crate::{
+    cargo,
+    kernel_tests::{linker_variable, test_binaries},
+    root, run, vm,
+};
 
 /// The kernels the set runs in when none is named: Debian 12's, whose
 /// arm64 kernel cloud images (Graviton, Ampere) boot.
@@ -94,11 +98,7 @@ pub fn run_set(kernels: &[String]) -> Result<()> {
     timed("cross toolchains", install_cross_toolchains)?;
     let memleak = timed("memleak for aarch64 musl", build_memleak)?;
     let binaries = timed("test binaries for aarch64", || {
-        test_binaries(
-            cargo()
-                .args(["--target", TESTS_TARGET])
-                .env(linker_variable(TESTS_TARGET), format!("{CROSS_PREFIX}gcc")),
-        )
+        test_binaries(Some((TESTS_TARGET, &format!("{CROSS_PREFIX}gcc"))))
     })?;
     let fixtures = timed("fixtures for aarch64", build_fixtures)?;
     let dir = root().join("target/vm/kernel-tests");
@@ -132,11 +132,6 @@ fn install_cross_toolchains() -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Cargo's variable naming `target`'s linker.
-fn linker_variable(target: &str) -> String {
-    format!("CARGO_TARGET_{}_LINKER", target.to_uppercase().replace('-', "_"))
 }
 
 /// memleak, static: rust-lld links musl's own C library, shipped with
@@ -215,7 +210,7 @@ fn script_for(memleak: &Path, binaries: &[(String, PathBuf)], results: &Path) ->
     let mut script = format!(
         "cd {root}\nresults={results}\n\
          export MEMLEAK_BIN={memleak} MEMLEAK_TESTS_REUSE_FIXTURES=1\n\
-         case() {{ # NAME BINARY\n\
+         run_case() {{ # NAME BINARY\n\
          \x20 started=${{EPOCHREALTIME/./}}\n\
          \x20 if \"$2\" --exact \"$1\" --test-threads=1; then outcome=PASS; else outcome=FAIL; fi\n\
          \x20 ms=$(( (${{EPOCHREALTIME/./}} - started) / 1000 ))\n\
@@ -231,7 +226,7 @@ fn script_for(memleak: &Path, binaries: &[(String, PathBuf)], results: &Path) ->
             .find(|(found, _)| found == target)
             .map(|(_, binary)| binary)
             .with_context(|| format!("no test binary {target}"))?;
-        writeln!(script, "case {name} {}", binary.display())?;
+        writeln!(script, "run_case {name} {}", binary.display())?;
     }
     Ok(script)
 }
