@@ -74,11 +74,9 @@ impl Verbosity {
 }
 
 /// The architecture of the kernel booted, and so of the VM.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Arch {
     /// This machine's: its `/` is the VM's.
-    #[default]
-    #[value(name = "amd64")]
     Amd64,
     /// Emulated, on a root of Debian's arm64 packages.
     Arm64,
