@@ -76,7 +76,7 @@ impl Verbosity {
 /// The architecture of the kernel booted, and so of the VM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Arch {
-    /// This machine's: its `/` is the VM's.
+    /// x86-64, as this machine: the VM's `/` is this machine's.
     Amd64,
     /// Emulated, on a root of Debian's arm64 packages.
     Arm64,
