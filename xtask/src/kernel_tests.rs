@@ -128,7 +128,7 @@ pub fn run(kernels: &[String]) -> Result<()> {
     } else {
         kernels.to_vec()
     };
-    let binaries = test_binaries()?;
+    let binaries = test_binaries(None)?;
     let dir = root().join("target/vm/kernel-tests");
     fs::create_dir_all(&dir)?;
     // One after the other: apt's downloads and unpacking share a cache.
@@ -321,6 +321,11 @@ fn script_for(
     Ok(script)
 }
 
+/// Cargo's variable naming `target`'s linker.
+pub fn linker_variable(target: &str) -> String {
+    format!("CARGO_TARGET_{}_LINKER", target.to_uppercase().replace('-', "_"))
+}
+
 #[derive(Deserialize)]
 struct Artifact {
     reason: String,
@@ -334,14 +339,16 @@ struct Target {
     kind: Vec<String>,
 }
 
-/// Builds the end-to-end test binaries and returns (target, executable)
-/// for each.
-fn test_binaries() -> Result<Vec<(String, PathBuf)>> {
-    let output = cargo()
-        .args(["test", "--package", "memleak-tests", "--no-run", "--message-format=json"])
-        .stderr(Stdio::inherit())
-        .output()
-        .context("cannot run cargo test --no-run")?;
+/// Builds the end-to-end test binaries, for the host or for `cross`
+/// (a Rust target and the linker for it), and returns (target,
+/// executable) for each.
+pub fn test_binaries(cross: Option<(&str, &str)>) -> Result<Vec<(String, PathBuf)>> {
+    let mut cargo = cargo();
+    cargo.args(["test", "--package", "memleak-tests", "--no-run", "--message-format=json"]);
+    if let Some((target, linker)) = cross {
+        cargo.args(["--target", target]).env(linker_variable(target), linker);
+    }
+    let output = cargo.stderr(Stdio::inherit()).output().context("cannot run cargo test --no-run")?;
     if !output.status.success() {
         bail!("cargo test --no-run failed");
     }

@@ -1,6 +1,7 @@
 //! Everything besides cargo itself: toolchain setup, the demo, the book
 //! and its examples, the privileged test run and the benchmark.
 
+mod arm64_tests;
 mod bench;
 mod dist;
 mod docs;
@@ -107,10 +108,14 @@ enum Task {
     },
     /// Run the end-to-end set in other kernels (Debian's 6.1, 6.12, 6.18,
     /// and 5.10 for memleak's refusal), each booted with `vm`, as root;
-    /// `cargo xtask test` ends with it.
+    /// `cargo xtask test` ends with it. With --arch arm64, the arm64 set,
+    /// cross-built, in Debian's arm64 6.1 under emulation.
     Kernels {
         /// Only these kernels (a series such as 6.1, `newest`, or a .deb).
         kernels: Vec<String>,
+        /// The kernels' architecture.
+        #[arg(long, value_enum, default_value_t = vm::Arch::Amd64)]
+        arch: vm::Arch,
     },
     /// Boot another Linux kernel (a Debian package, or a series such as
     /// 5.10, 6.1, 6.12, newest) under qemu with this machine's / and run
@@ -150,7 +155,12 @@ fn main() -> Result<()> {
         Task::Docs { examples, check, fresh, names } => {
             docs::run(&docs::Options { examples, check, fresh, only: names })
         }
-        Task::Kernels { kernels } => {
+        Task::Kernels { kernels, arch: vm::Arch::Arm64 } => {
+            setup::run()?;
+            require_root("the kernel tests")?;
+            arm64_tests::run_set(&kernels)
+        }
+        Task::Kernels { kernels, arch: vm::Arch::Amd64 } => {
             setup::run()?;
             require_root("the kernel tests")?;
             install_missing_packages(&TEST_PACKAGES, "the tests")?;

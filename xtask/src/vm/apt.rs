@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use super::Verbosity;
+use super::{Arch, Verbosity};
 
 /// The suites whose kernels can be had from Debian's registry here:
 /// bullseye's 5.10, bookworm's 6.1, bookworm-backports' and trixie's
@@ -58,9 +58,10 @@ pub struct Record {
 }
 
 impl Apt {
-    /// Writes the configuration under `dir` and updates the lists when
-    /// they are missing, older than a day or of other sources.
-    pub fn new(dir: &Path, verbosity: Verbosity) -> Result<Self> {
+    /// Writes the configuration for `arch`'s packages under `dir` and
+    /// updates the lists when they are missing, older than a day or of
+    /// other sources.
+    pub fn new(dir: &Path, arch: Arch, verbosity: Verbosity) -> Result<Self> {
         let apt = Self { dir: dir.to_owned() };
         for sub in ["sources.list.d", "preferences.d", "lists/partial", "cache/archives/partial"] {
             fs::create_dir_all(dir.join(sub)).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -68,19 +69,27 @@ impl Apt {
         let sources = sources_list();
         write_if_changed(&dir.join("sources.list"), &sources)?;
         write_if_changed(&dir.join("preferences"), "")?;
-        write_if_changed(&apt.config(), &apt_conf(dir))?;
+        write_if_changed(&apt.config(), &apt_conf(dir, arch))?;
         let stamp = dir.join("updated");
         let fresh = fs::read_to_string(&stamp).is_ok_and(|updated_for| updated_for == sources)
             && fs::metadata(&stamp).and_then(|metadata| metadata.modified()).is_ok_and(|modified| {
                 SystemTime::now().duration_since(modified).unwrap_or_default() < LISTS_MAX_AGE
             });
         if !fresh {
-            verbosity
-                .say("updating the lists of Debian's packages (apt-get update, private to target/vm/apt)");
+            verbosity.say(format!(
+                "updating the lists of Debian's {} packages (apt-get update, private to {})",
+                arch.debian_name(),
+                dir.display()
+            ));
             run_quietly(apt.command("apt-get").args(["-q", "update"]))?;
             fs::write(&stamp, &sources).with_context(|| format!("cannot write {}", stamp.display()))?;
         }
         Ok(apt)
+    }
+
+    /// Where its configuration, lists and cache are.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     fn config(&self) -> PathBuf {
@@ -152,8 +161,9 @@ fn sources_list() -> String {
 /// apt.conf.d, read before this file, which may hold the proxy that
 /// reaches deb.debian.org. The status file is empty: nothing counts as
 /// installed, so nothing the host has pins a version.
-fn apt_conf(dir: &Path) -> String {
+fn apt_conf(dir: &Path, arch: Arch) -> String {
     let dir = dir.display();
+    let arch = arch.debian_name();
     format!(
         "Dir::Etc::SourceList \"{dir}/sources.list\";\n\
          Dir::Etc::SourceParts \"{dir}/sources.list.d\";\n\
@@ -162,8 +172,8 @@ fn apt_conf(dir: &Path) -> String {
          Dir::State::Lists \"{dir}/lists\";\n\
          Dir::Cache \"{dir}/cache\";\n\
          Dir::State::status \"/dev/null\";\n\
-         APT::Architecture \"amd64\";\n\
-         APT::Architectures {{ \"amd64\"; }};\n\
+         APT::Architecture \"{arch}\";\n\
+         APT::Architectures {{ \"{arch}\"; }};\n\
          Acquire::Languages \"none\";\n\
          APT::Sandbox::User \"root\";\n"
     )

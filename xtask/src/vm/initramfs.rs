@@ -30,9 +30,10 @@ const STAGE2: &str = include_str!("stage2.sh");
 /// What mounting the host's root takes; their dependencies come along.
 const MODULES: [&str; 4] = ["virtio_pci", "9pnet_virtio", "9p", "overlay"];
 
-/// The initramfs for `kernel`, made unless one made from the same
-/// scripts, busybox and modules is there.
-pub fn build(kernel: &Kernel, busybox: &Path, verbosity: Verbosity) -> Result<PathBuf> {
+/// The initramfs for `kernel`, with `busybox` of the kernel's
+/// architecture, made unless one made from the same scripts, busybox and
+/// modules is there. `host_busybox` runs here to write the archive.
+pub fn build(kernel: &Kernel, busybox: &Path, host_busybox: &Path, verbosity: Verbosity) -> Result<PathBuf> {
     let dir = cache_dir().join("initrd");
     let initrd = dir.join(format!("{}.cpio", kernel.release));
     let stamp_path = dir.join(format!("{}.cpio.stamp", kernel.release));
@@ -52,7 +53,7 @@ pub fn build(kernel: &Kernel, busybox: &Path, verbosity: Verbosity) -> Result<Pa
     }
     let made = fill(&work, kernel, busybox, verbosity).and_then(|()| {
         let partial = dir.join(format!("{}.cpio.tmp", kernel.release));
-        archive(&work, busybox, &partial)?;
+        archive(&work, host_busybox, &partial)?;
         fs::rename(&partial, &initrd).with_context(|| format!("cannot write {}", initrd.display()))
     });
     let _ = fs::remove_dir_all(&work);

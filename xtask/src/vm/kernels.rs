@@ -16,7 +16,7 @@ use regex::Regex;
 
 use super::{
     apt::{self, Apt},
-    Verbosity,
+    Arch, Verbosity,
 };
 
 /// A kernel ready to boot: its image and the modules built with it.
@@ -34,6 +34,7 @@ pub struct Kernel {
     pub package: Option<String>,
     /// That package's version, e.g. `6.1.192-3`.
     pub package_version: Option<String>,
+    pub arch: Arch,
 }
 
 /// The kernel `name` stands for, fetched and unpacked if need be: a
@@ -43,26 +44,27 @@ pub struct Kernel {
 /// `6.1`, `6.12`... or `newest`, the newest package of the highest
 /// series Debian has. Says which package a series resolved to on stderr.
 pub fn resolve_kernel(name: &str) -> Result<Kernel> {
-    resolve_kernel_with(name, Verbosity::Normal)
+    resolve_kernel_for(name, Arch::Amd64, Verbosity::Normal)
 }
 
-/// `resolve_kernel`, saying nothing when `verbosity` is quiet.
-pub fn resolve_kernel_with(name: &str, verbosity: Verbosity) -> Result<Kernel> {
-    super::install_host_tools()?;
+/// `resolve_kernel` for a kernel of `arch` (the packages' flavour: -amd64,
+/// -arm64), saying nothing when `verbosity` is quiet.
+pub fn resolve_kernel_for(name: &str, arch: Arch, verbosity: Verbosity) -> Result<Kernel> {
+    super::install_host_tools(arch)?;
     let _lock = super::lock_cache()?;
     let path = Path::new(name);
     let is_deb = |part: &str| Path::new(part).extension().is_some_and(|extension| extension == "deb");
     if name.split(',').all(is_deb) {
         let debs: Vec<PathBuf> = name.split(',').map(PathBuf::from).collect();
-        return from_local_debs(&debs, verbosity);
+        return from_local_debs(&debs, arch, verbosity);
     }
     if path.is_dir() {
-        return from_unpacked(path, None, None);
+        return from_unpacked(path, None, None, arch);
     }
     if path.exists() {
         bail!("{name} is neither a linux-image-*.deb nor a directory holding one unpacked");
     }
-    from_registry(name, verbosity)
+    from_registry(name, arch, verbosity)
 }
 
 /// target/vm/, where everything this harness makes or fetches is kept.
@@ -70,7 +72,7 @@ pub fn cache_dir() -> PathBuf {
     crate::root().join("target/vm")
 }
 
-fn from_local_debs(debs: &[PathBuf], verbosity: Verbosity) -> Result<Kernel> {
+fn from_local_debs(debs: &[PathBuf], arch: Arch, verbosity: Verbosity) -> Result<Kernel> {
     for deb in debs {
         if !deb.is_file() {
             bail!("no such package: {}", deb.display());
@@ -80,6 +82,14 @@ fn from_local_debs(debs: &[PathBuf], verbosity: Verbosity) -> Result<Kernel> {
         Ok(apt::output_of(Command::new("dpkg-deb").arg("-f").arg(&debs[0]).arg(field))?.trim().to_owned())
     };
     let (package, version) = (field("Package")?, field("Version")?);
+    let deb_arch = field("Architecture")?;
+    if deb_arch != arch.debian_name() {
+        bail!(
+            "{} is a kernel for {deb_arch}, not {}: give --arch {deb_arch}",
+            debs[0].display(),
+            arch.debian_name()
+        );
+    }
     // A package built again under the same name and version must be
     // unpacked again: the marker names each file with its size and time.
     let mut sources = String::new();
@@ -105,7 +115,16 @@ fn from_local_debs(debs: &[PathBuf], verbosity: Verbosity) -> Result<Kernel> {
         unpack(debs, &unpacked, verbosity)?;
         fs::write(&done, &sources).with_context(|| format!("cannot write {}", done.display()))?;
     }
-    from_unpacked(&unpacked, Some(package), Some(version))
+    from_unpacked(&unpacked, Some(package), Some(version), arch)
+}
+
+/// The private apt configuration for `arch`'s packages:
+/// target/vm/apt/, apt-arm64/ for arm64's.
+fn apt_dir(arch: Arch) -> PathBuf {
+    cache_dir().join(match arch {
+        Arch::Amd64 => "apt",
+        Arch::Arm64 => "apt-arm64",
+    })
 }
 
 fn unpacked_dir(package: &str, version: &str) -> PathBuf {
@@ -128,7 +147,12 @@ fn unpack(debs: &[PathBuf], into: &Path, verbosity: Verbosity) -> Result<()> {
 /// The kernel in a directory holding a kernel package unpacked:
 /// boot/vmlinuz-RELEASE with lib/modules/RELEASE or usr/lib/modules/RELEASE
 /// up to 6.x, usr/lib/modules/RELEASE/vmlinuz in Debian's 7.x packages.
-pub fn from_unpacked(dir: &Path, package: Option<String>, package_version: Option<String>) -> Result<Kernel> {
+pub fn from_unpacked(
+    dir: &Path,
+    package: Option<String>,
+    package_version: Option<String>,
+    arch: Arch,
+) -> Result<Kernel> {
     let dir = dir.canonicalize().with_context(|| format!("no such directory: {}", dir.display()))?;
     let mut images = Vec::new();
     for (parent, in_modules_dir) in [("boot", false), ("usr/lib/modules", true), ("lib/modules", true)] {
@@ -163,7 +187,7 @@ pub fn from_unpacked(dir: &Path, package: Option<String>, package_version: Optio
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())
         .with_context(|| format!("{} names no release", modules.display()))?;
-    Ok(Kernel { vmlinuz, modules, release, package, package_version })
+    Ok(Kernel { vmlinuz, modules, release, package, package_version, arch })
 }
 
 /// A Debian kernel package's name, with its series (X.Y).
@@ -172,12 +196,15 @@ struct Candidate {
     series: (u32, u32),
 }
 
-/// The generic amd64 flavours: linux-image-X.Y.N-M-amd64 (up to 6.1) and
-/// linux-image-X.Y.N+debNN[.P]-amd64 (from 6.12), not -cloud-, -rt-,
-/// -dbg, -unsigned or the meta packages (linux-image-amd64,
+/// The generic flavours of `arch`: linux-image-X.Y.N-M-amd64 (up to 6.1)
+/// and linux-image-X.Y.N+debNN[.P]-amd64 (from 6.12), not -cloud-, -rt-,
+/// -dbg, -unsigned, arm64's -16k or the meta packages (linux-image-amd64,
 /// linux-image-6.1-amd64), which would only bring one of these along.
-fn candidates(names: &[String]) -> Result<Vec<Candidate>> {
-    let pattern = Regex::new(r"^linux-image-(\d+)\.(\d+)\.\d+(-\d+|\+deb\d+(\.\d+)?)-amd64$")?;
+fn candidates(names: &[String], arch: Arch) -> Result<Vec<Candidate>> {
+    let pattern = Regex::new(&format!(
+        r"^linux-image-(\d+)\.(\d+)\.\d+(-\d+|\+deb\d+(\.\d+)?)-{}$",
+        arch.debian_name()
+    ))?;
     Ok(names
         .iter()
         .filter_map(|name| {
@@ -195,7 +222,7 @@ fn parse_series(name: &str) -> Option<(u32, u32)> {
 
 /// `name` resolved through Debian's registry, downloaded and unpacked
 /// unless it was before.
-fn from_registry(name: &str, verbosity: Verbosity) -> Result<Kernel> {
+fn from_registry(name: &str, arch: Arch, verbosity: Verbosity) -> Result<Kernel> {
     let wanted_package = name.starts_with("linux-image-").then_some(name);
     let wanted_series = if name == "newest" { None } else { parse_series(name) };
     if wanted_package.is_none() && wanted_series.is_none() && name != "newest" {
@@ -204,11 +231,11 @@ fn from_registry(name: &str, verbosity: Verbosity) -> Result<Kernel> {
              a package name, a series such as 6.1, or newest"
         );
     }
-    let apt = Apt::new(&cache_dir().join("apt"), verbosity)?;
+    let apt = Apt::new(&apt_dir(arch), arch, verbosity)?;
     let names = if let Some(package) = wanted_package {
         vec![package.to_owned()]
     } else {
-        let all = candidates(&apt.package_names("linux-image-")?)?;
+        let all = candidates(&apt.package_names("linux-image-")?, arch)?;
         let series = match wanted_series {
             Some(series) => series,
             None => all.iter().map(|candidate| candidate.series).max().context("Debian lists no kernel")?,
@@ -226,7 +253,11 @@ fn from_registry(name: &str, verbosity: Verbosity) -> Result<Kernel> {
                 .then_with(|| left.package.cmp(&right.package))
         })
         .with_context(|| {
-            format!("Debian has no kernel package for {name} (its lists are in target/vm/apt)")
+            format!(
+                "Debian has no {} kernel package for {name} (its lists are in {})",
+                arch.debian_name(),
+                apt.dir().display()
+            )
         })?;
     // The parts a split 7.x kernel keeps its vmlinuz and modules in: not
     // linux-base-*, whose scripts a VM needs none of, and which the
@@ -241,7 +272,7 @@ fn from_registry(name: &str, verbosity: Verbosity) -> Result<Kernel> {
     if !unpacked.join(".done").exists() {
         download_and_unpack(&apt, &newest, &parts, &unpacked, verbosity)?;
     }
-    from_unpacked(&unpacked, Some(newest.package), Some(newest.version))
+    from_unpacked(&unpacked, Some(newest.package), Some(newest.version), arch)
 }
 
 /// Fetches the package and the parts it is split in, of the same version,
@@ -270,16 +301,20 @@ fn download_and_unpack(
     Ok(())
 }
 
-/// A static busybox for the initramfs: Debian's busybox-static, fetched
-/// through the private apt configuration and kept as
-/// target/vm/busybox/busybox. The host's busybox, if any, may be dynamic.
-pub fn busybox(verbosity: Verbosity) -> Result<PathBuf> {
-    let dir = cache_dir().join("busybox");
+/// A static busybox of `arch`, for the initramfs: Debian's
+/// busybox-static, fetched through the private apt configuration and kept
+/// as target/vm/busybox/busybox (busybox-arm64/ for arm64). The host's
+/// busybox, if any, may be dynamic.
+pub fn busybox(arch: Arch, verbosity: Verbosity) -> Result<PathBuf> {
+    let dir = cache_dir().join(match arch {
+        Arch::Amd64 => "busybox",
+        Arch::Arm64 => "busybox-arm64",
+    });
     let busybox = dir.join("busybox");
     if busybox.is_file() {
         return Ok(busybox);
     }
-    let apt = Apt::new(&cache_dir().join("apt"), verbosity)?;
+    let apt = Apt::new(&apt_dir(arch), arch, verbosity)?;
     let record = apt
         .records(&["busybox-static".to_owned()])?
         .into_iter()
@@ -287,7 +322,7 @@ pub fn busybox(verbosity: Verbosity) -> Result<PathBuf> {
         .context("Debian lists no busybox-static")?;
     verbosity.say(format!("downloading busybox-static {}", record.version));
     let deb = apt.download(&record.package, &record.version, &cache_dir().join("debs"))?;
-    let unpacked = cache_dir().join("busybox.tmp");
+    let unpacked = dir.with_extension("tmp");
     unpack(std::slice::from_ref(&deb), &unpacked, Verbosity::Quiet)?;
     // In /bin up to bookworm, /usr/bin from trixie on.
     let found = [unpacked.join("bin/busybox"), unpacked.join("usr/bin/busybox")]
@@ -321,7 +356,7 @@ mod tests {
         ]
         .map(str::to_owned)
         .into();
-        let found: Vec<(String, (u32, u32))> = candidates(&names)
+        let found: Vec<(String, (u32, u32))> = candidates(&names, Arch::Amd64)
             .expect("the pattern compiles")
             .into_iter()
             .map(|candidate| (candidate.name, candidate.series))

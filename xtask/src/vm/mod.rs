@@ -12,8 +12,14 @@
 //! initramfs made here (initramfs.rs). Where the host's KVM cannot run a
 //! distribution kernel (no `kvm_intel` or `kvm_amd`: a PVM sandbox), qemu
 //! emulates (TCG): slower, but the command starts in seconds.
+//!
+//! An arm64 kernel (`--arch arm64`) boots under qemu-system-aarch64, always
+//! emulated, on a root of Debian's own arm64 packages unpacked under
+//! target/vm/arm64/ (`arm64_root.rs`) rather than this machine's `/`, with
+//! the workspace shared read-only at its own path.
 
 mod apt;
+mod arm64_root;
 mod initramfs;
 mod kernels;
 
@@ -34,7 +40,7 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-pub use kernels::{resolve_kernel, resolve_kernel_with, Kernel};
+pub use kernels::{resolve_kernel, resolve_kernel_for, Kernel};
 
 /// The exit status when the VM ran past its time, as timeout(1) has it.
 pub const TIMED_OUT: i32 = 124;
@@ -67,6 +73,40 @@ impl Verbosity {
     }
 }
 
+/// The architecture of the kernel booted, and so of the VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    /// x86-64, as this machine: the VM's `/` is this machine's.
+    Amd64,
+    /// Emulated, on a root of Debian's arm64 packages.
+    Arm64,
+}
+
+impl Arch {
+    /// The name Debian gives it, in package names and `Architecture:`.
+    pub fn debian_name(self) -> &'static str {
+        match self {
+            Self::Amd64 => "amd64",
+            Self::Arm64 => "arm64",
+        }
+    }
+
+    fn qemu(self) -> &'static str {
+        match self {
+            Self::Amd64 => "qemu-system-x86_64",
+            Self::Arm64 => "qemu-system-aarch64",
+        }
+    }
+
+    /// The serial port the kernel's console is on.
+    fn console(self) -> &'static str {
+        match self {
+            Self::Amd64 => "ttyS0",
+            Self::Arm64 => "ttyAMA0",
+        }
+    }
+}
+
 /// How qemu runs the guest's CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Accel {
@@ -80,6 +120,22 @@ pub enum Accel {
     Tcg,
 }
 
+/// A directory of this machine's that the VM sees.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub host: PathBuf,
+    /// Where the VM sees it.
+    pub guest: PathBuf,
+    pub writable: bool,
+}
+
+impl Share {
+    /// `dir`, read-write, at its own path.
+    pub fn read_write(dir: PathBuf) -> Self {
+        Self { guest: dir.clone(), host: dir, writable: true }
+    }
+}
+
 /// How the VM is made and how long it may run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmOptions {
@@ -88,8 +144,9 @@ pub struct VmOptions {
     pub memory: String,
     /// For the whole VM, boot included.
     pub timeout: Duration,
-    /// Directories shared read-write, each at its own path.
-    pub read_write: Vec<PathBuf>,
+    /// Directories shared, mounted in this order (a share may go over a
+    /// directory of one before it).
+    pub shares: Vec<Share>,
     pub accel: Accel,
     /// More kernel command-line arguments.
     pub append: String,
@@ -108,7 +165,7 @@ impl Default for VmOptions {
             cpus: 2,
             memory: "2G".to_owned(),
             timeout: Duration::from_mins(15),
-            read_write: Vec::new(),
+            shares: Vec::new(),
             accel: Accel::Auto,
             append: String::new(),
             keep: false,
@@ -123,7 +180,7 @@ impl VmOptions {
     /// a test in the VM can leave what the host should see.
     #[must_use]
     pub fn sharing_target(mut self) -> Self {
-        self.read_write.push(crate::root().join("target"));
+        self.shares.push(Share::read_write(crate::root().join("target")));
         self
     }
 }
@@ -138,6 +195,10 @@ tracefs, bpffs and securityfs are mounted, and the kernel's modules are at /lib/
 Exit status: the command's; 124 when the VM ran past --timeout; 125 when it never ran the command \
 (no boot, a panic: the console's last lines are printed) or the harness failed.
 
+With --arch arm64, / is a root of Debian bookworm's arm64 packages (bash, coreutils, python3.11, \
+the C and C++ runtimes, promtool) made under target/vm/arm64/, and the workspace is shared \
+read-only at its own path; the CPU (a Cortex-A72) is always emulated.
+
 Kernels, busybox, initramfs images and run directories are kept under target/vm/.";
 
 /// `cargo xtask vm`'s command line.
@@ -149,6 +210,9 @@ pub struct Args {
     /// package name, or a series fetched from Debian: 5.10, 6.1, 6.12,
     /// ... or newest.
     kernel: String,
+    /// The kernel's architecture.
+    #[arg(long, value_enum, default_value_t = Arch::Amd64)]
+    arch: Arch,
     /// Virtual CPUs.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     cpus: u32,
@@ -195,15 +259,12 @@ pub fn run(args: &Args) -> ! {
 
 fn run_cli(args: &Args) -> Result<i32> {
     let verbosity = if args.quiet { Verbosity::Quiet } else { Verbosity::Normal };
-    let kernel = match verbosity {
-        Verbosity::Normal => resolve_kernel(&args.kernel)?,
-        Verbosity::Quiet => resolve_kernel_with(&args.kernel, verbosity)?,
-    };
+    let kernel = resolve_kernel_for(&args.kernel, args.arch, verbosity)?;
     let mut options = VmOptions {
         cpus: args.cpus,
         memory: args.mem.clone(),
         timeout: Duration::from_secs(args.timeout),
-        read_write: args.read_write.clone(),
+        shares: args.read_write.iter().cloned().map(Share::read_write).collect(),
         accel: args.accel,
         append: args.append.clone(),
         keep: args.keep,
@@ -229,21 +290,33 @@ pub fn run_in_vm(kernel: &Kernel, options: &VmOptions, command: &str) -> Result<
              run as root (sudo -E cargo xtask vm ...)"
         );
     }
-    install_host_tools()?;
-    let (accel, accel_arguments) = accel_arguments(options.accel)?;
-    let initrd = {
+    install_host_tools(kernel.arch)?;
+    let (accel, accel_arguments) = accel_arguments(options.accel, kernel.arch)?;
+    let (initrd, root) = {
         let _lock = lock_cache()?;
-        let busybox = kernels::busybox(options.verbosity)?;
-        initramfs::build(kernel, &busybox, options.verbosity)?
+        let host_busybox = kernels::busybox(Arch::Amd64, options.verbosity)?;
+        let guest_busybox = kernels::busybox(kernel.arch, options.verbosity)?;
+        let root = match kernel.arch {
+            Arch::Amd64 => PathBuf::from("/"),
+            Arch::Arm64 => arm64_root::build(options.verbosity)?,
+        };
+        (initramfs::build(kernel, &guest_busybox, &host_busybox, options.verbosity)?, root)
     };
-    let read_write = options
-        .read_write
-        .iter()
-        .map(|dir| dir.canonicalize().with_context(|| format!("cannot share {}", dir.display())))
-        .collect::<Result<Vec<_>>>()?;
+    let mut shares = options.shares.clone();
+    if kernel.arch == Arch::Arm64 {
+        // Its root is not this machine's: the workspace (memleak's
+        // builds, the tests and their fixtures) is shared, before the
+        // shares asked for, which may go over parts of it.
+        let workspace = crate::root();
+        shares.insert(0, Share { host: workspace.clone(), guest: workspace, writable: false });
+    }
+    for share in &mut shares {
+        share.host =
+            share.host.canonicalize().with_context(|| format!("cannot share {}", share.host.display()))?;
+    }
     let run = RunDir::create(&kernel.release, options)?;
-    run.prepare(kernel, command, &read_write)?;
-    let mut qemu = Command::new("qemu-system-x86_64");
+    run.prepare(kernel, command, &shares)?;
+    let mut qemu = Command::new(kernel.arch.qemu());
     qemu.args(["-nodefaults", "-no-user-config"])
         .args(accel_arguments)
         .args(["-smp", &options.cpus.to_string(), "-m", &options.memory])
@@ -254,13 +327,14 @@ pub fn run_in_vm(kernel: &Kernel, options: &VmOptions, command: &str) -> Result<
         .arg(&initrd)
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 panic=-1 loglevel=4 random.trust_cpu=on xtask.vm_run={} {}",
+            "console={} panic=-1 loglevel=4 random.trust_cpu=on xtask.vm_run={} {}",
+            kernel.arch.console(),
             run.path.display(),
             options.append
         ))
         .arg("-serial")
         .arg(format!("file:{}", run.path.join("console.log").display()))
-        .args(shares(&run.path, &read_write));
+        .args(qemu_shares(&root, &run.path, &shares));
     let package = match (&kernel.package, &kernel.package_version) {
         (Some(package), Some(version)) => format!("{package} {version}; "),
         _ => String::new(),
@@ -273,19 +347,23 @@ pub fn run_in_vm(kernel: &Kernel, options: &VmOptions, command: &str) -> Result<
     Ok(outcome.report(&kernel.release, &run.path, options))
 }
 
-/// qemu's -virtfs arguments sharing the host's root (read-only), the run
-/// directory and the read-write directories, whose mount tags stage2.sh
-/// knows: hostroot, vmrun, rw0, rw1...
-fn shares(run: &Path, read_write: &[PathBuf]) -> Vec<String> {
-    let mut shares =
-        vec![("hostroot".to_owned(), Path::new("/"), ",readonly=on"), ("vmrun".to_owned(), run, "")];
-    shares
-        .extend(read_write.iter().enumerate().map(|(index, dir)| (format!("rw{index}"), dir.as_path(), "")));
-    shares
+/// qemu's -virtfs arguments sharing the VM's root (read-only), the run
+/// directory and the other shares, whose mount tags stage2.sh knows:
+/// hostroot, vmrun, share0, share1...
+fn qemu_shares(root: &Path, run: &Path, shares: &[Share]) -> Vec<String> {
+    let mut tagged = vec![("hostroot".to_owned(), root, false), ("vmrun".to_owned(), run, true)];
+    tagged.extend(
+        shares
+            .iter()
+            .enumerate()
+            .map(|(index, share)| (format!("share{index}"), share.host.as_path(), share.writable)),
+    );
+    tagged
         .into_iter()
-        .flat_map(|(tag, dir, read_only)| {
+        .flat_map(|(tag, dir, writable)| {
             // qemu's options take a comma written twice as a comma.
             let dir = dir.display().to_string().replace(',', ",,");
+            let read_only = if writable { "" } else { ",readonly=on" };
             [
                 "-virtfs".to_owned(),
                 format!("local,path={dir},mount_tag={tag},security_model=none,multidevs=remap{read_only}"),
@@ -294,14 +372,16 @@ fn shares(run: &Path, read_write: &[PathBuf]) -> Vec<String> {
         .collect()
 }
 
-/// The Debian packages the VMs take: qemu, dpkg-deb to unpack kernels,
-/// xz and zstd for their modules, Debian's keys for the private apt
-/// configuration's lists.
-pub fn install_host_tools() -> Result<()> {
-    crate::install_missing_packages(
-        &["qemu-system-x86", "dpkg", "xz-utils", "zstd", "debian-archive-keyring"],
-        "the kernel VMs",
-    )
+/// The Debian packages the VMs of `arch` take: qemu, dpkg-deb to unpack
+/// kernels, xz and zstd for their modules, Debian's keys for the private
+/// apt configuration's lists; for arm64, mmdebstrap to make its root.
+pub fn install_host_tools(arch: Arch) -> Result<()> {
+    let mut packages = vec!["dpkg", "xz-utils", "zstd", "debian-archive-keyring"];
+    match arch {
+        Arch::Amd64 => packages.push("qemu-system-x86"),
+        Arch::Arm64 => packages.extend(["qemu-system-arm", "mmdebstrap"]),
+    }
+    crate::install_missing_packages(&packages, "the kernel VMs")
 }
 
 /// Holds target/vm/ for this process until dropped, so runs at once do
@@ -325,7 +405,15 @@ fn lock_cache() -> Result<fs::File> {
 }
 
 /// Which accelerator to use, and qemu's arguments for it.
-fn accel_arguments(accel: Accel) -> Result<(&'static str, Vec<&'static str>)> {
+fn accel_arguments(accel: Accel, arch: Arch) -> Result<(&'static str, Vec<&'static str>)> {
+    if arch == Arch::Arm64 {
+        if accel == Accel::Kvm {
+            bail!("--accel kvm: an arm64 kernel is emulated on this machine");
+        }
+        // -cpu max emulates pointer authentication and SVE too, and ran
+        // the same commands about twice as slowly.
+        return Ok(("tcg", vec!["-accel", "tcg,thread=multi", "-cpu", "cortex-a72", "-machine", "virt"]));
+    }
     let kvm_writable = || fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
     // kvm_pvm, the KVM of some sandboxes, only runs kernels made for it:
     // a distribution kernel never gets past its decompressor there.
@@ -372,9 +460,9 @@ impl RunDir {
     }
 
     /// The files stage2.sh reads: the command, the directory to run it
-    /// in, the modules directory, the read-write directories (rw.N); and
-    /// the empty output files the host follows.
-    fn prepare(&self, kernel: &Kernel, command: &str, read_write: &[PathBuf]) -> Result<()> {
+    /// in, the modules directory, the shares (share.N: `rw` or `ro`, and
+    /// where it goes); and the empty output files the host follows.
+    fn prepare(&self, kernel: &Kernel, command: &str, shares: &[Share]) -> Result<()> {
         let cwd = std::env::current_dir().context("no current directory")?;
         let mut files = vec![
             ("command".to_owned(), format!("{command}\n")),
@@ -383,12 +471,14 @@ impl RunDir {
             ("stdout".to_owned(), String::new()),
             ("stderr".to_owned(), String::new()),
         ];
-        files.extend(
-            read_write
-                .iter()
-                .enumerate()
-                .map(|(index, dir)| (format!("rw.{index}"), format!("{}\n", dir.display()))),
-        );
+        for (index, share) in shares.iter().enumerate() {
+            let guest = share.guest.display().to_string();
+            if guest.contains(char::is_whitespace) {
+                bail!("{guest} has a space in its path: stage2.sh could not read where it goes");
+            }
+            let mode = if share.writable { "rw" } else { "ro" };
+            files.push((format!("share.{index}"), format!("{mode} {guest}\n")));
+        }
         for (name, contents) in files {
             let path = self.path.join(name);
             fs::write(&path, contents).with_context(|| format!("cannot write {}", path.display()))?;
@@ -434,12 +524,13 @@ fn boot(mut qemu: Command, run: &Path, timeout: Duration, output: Option<&Path>)
     let log_path = run.join("qemu.log");
     let log = fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
     let started = Instant::now();
+    let program = qemu.get_program().to_string_lossy().into_owned();
     let mut qemu = Qemu(
         qemu.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
-            .context("cannot run qemu-system-x86_64")?,
+            .with_context(|| format!("cannot run {program}"))?,
     );
     let stop = Arc::new(AtomicBool::new(false));
     let (to_stdout, to_stderr): (Box<dyn std::io::Write + Send>, Box<dyn std::io::Write + Send>) =

@@ -1,11 +1,15 @@
 #!/.xtask-vm/busybox sh
-# Run on the host's root (cargo xtask vm): mounts what a running system
-# has, the directories shared read-write and the run directory, then runs
-# the command with bash as root. Its output and status go to files in the
-# run directory, which the host reads as they grow; the VM then powers off.
+# Run on the VM's root, the host's or an arm64 one (cargo xtask vm): mounts
+# what a running system has, the shared directories and the run directory,
+# then runs the command with bash as root. Its output and status go to files
+# in the run directory, which the host reads as they grow; the VM then
+# powers off.
 # busybox is called by its path: the host's tools may not all be there.
 bb=/.xtask-vm/busybox
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# An arm64 root, unpacked packages only, may lack the mount points.
+$bb mkdir -p /proc /sys /dev /run /tmp /root
+$bb chmod 1777 /tmp
 $bb mount -t proc proc /proc
 $bb mount -t sysfs sysfs /sys
 $bb mount -t devtmpfs devtmpfs /dev
@@ -22,18 +26,23 @@ $bb ip link set lo up
 $bb hostname vm
 set -- $($bb cat /proc/cmdline)
 for a; do case "$a" in xtask.vm_run=*) run=${a#xtask.vm_run=} ;; esac; done
-# Read before anything is mounted over them: the run directory's files as
-# the host wrote them before booting, seen through the read-only root.
-moddir=$($bb cat "$run/moddir")
-cwd=$($bb cat "$run/cwd")
-# The shared directories, then the run directory, last, so a shared
-# directory holding it (target/) does not hide it.
+# The run directory is mounted here first, its files read, and bound at
+# its own path only after the shares: one of them (target/) may hold it,
+# and the root may not (an arm64 root is not this machine's).
+runmount=/.xtask-vm/run
+$bb mkdir -p "$runmount"
+$bb mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 vmrun "$runmount"
+moddir=$($bb cat "$runmount/moddir")
+cwd=$($bb cat "$runmount/cwd")
 i=0
-while [ -e "$run/rw.$i" ]; do
-    $bb mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 "rw$i" "$($bb cat "$run/rw.$i")"
+while [ -e "$runmount/share.$i" ]; do
+    read -r mode dir <"$runmount/share.$i"
+    $bb mkdir -p "$dir"
+    $bb mount -t 9p -o "trans=virtio,version=9p2000.L,msize=262144,$mode" "share$i" "$dir"
     i=$((i + 1))
 done
-$bb mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 vmrun "$run"
+$bb mkdir -p "$run"
+$bb mount --bind "$runmount" "$run"
 kver=$($bb uname -r)
 if [ -d "$moddir" ]; then
     $bb mkdir -p "/lib/modules/$kver"
@@ -50,4 +59,5 @@ $bb dmesg >"$run/dmesg" 2>&1
 $bb mv "$run/rc.tmp" "$run/rc"
 $bb sync
 $bb umount "$run" 2>/dev/null
+$bb umount "$runmount" 2>/dev/null
 $bb reboot -f
