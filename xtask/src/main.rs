@@ -344,8 +344,11 @@ fn demo() -> Result<()> {
 /// tests of `cargo xtask dist`'s files use: file and readelf (binutils)
 /// to see the binary is static, man-db to render the man pages, and
 /// systemd for systemd-analyze, and strace, which slows memleak's
-/// system calls down as a slow machine would.
-const TEST_PACKAGES: [&str; 25] = [
+/// system calls down as a slow machine would. libc6-dbg names glibc's
+/// local functions (`start_thread`) in the stacks the tests check; Debian's
+/// arm64 cross compiler, with the arm64 glibc it brings, is what the unit
+/// tests build arm64 unwind tables and thread layouts from.
+const TEST_PACKAGES: [&str; 27] = [
     "bpftool",
     "strace",
     "python3",
@@ -353,6 +356,8 @@ const TEST_PACKAGES: [&str; 25] = [
     "gcc",
     "g++",
     "libc6-dev",
+    "libc6-dbg",
+    "gcc-aarch64-linux-gnu",
     "musl-tools",
     "libjemalloc2",
     "libtcmalloc-minimal4",
