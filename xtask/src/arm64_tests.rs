@@ -237,11 +237,7 @@ mod tests {
 
     #[test]
     fn every_case_names_a_test_that_exists() {
-        for (target, name) in CASES {
-            let source = fs::read_to_string(root().join(format!("tests/tests/{target}.rs")))
-                .unwrap_or_else(|error| panic!("tests/tests/{target}.rs: {error}"));
-            assert!(source.contains(&format!("fn {name}()")), "no test {name} in tests/tests/{target}.rs");
-        }
+        crate::kernel_tests::assert_cases_exist(&CASES);
     }
 
     /// A fixture built with other flags than the tests crate's would be
