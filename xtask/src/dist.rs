@@ -7,10 +7,13 @@
 //!   (`memleak __dist-files DIR`);
 //! - `memleak_VERSION_amd64.deb`: all of it, with the systemd unit and
 //!   contrib/, for Debian and Ubuntu;
-//! - `SHA256SUMS` of the binary and the package.
+//! - `SHA256SUMS` of the binary and the package;
+//! - `arm64/`: the same for arm64 (`aarch64-unknown-linux-musl`, its BPF
+//!   object built for arm64's registers, `memleak_VERSION_arm64.deb`), its
+//!   man pages and completions those of the x86-64 binary, which runs here.
 //!
-//! `cargo xtask test` makes the same files with a debug build (1m45s from
-//! scratch on 2 cores, against 4m35s for the release one) under
+//! `cargo xtask test` makes the x86-64 files with a debug build (1m45s
+//! from scratch on 2 cores, against 4m35s for the release one) under
 //! target/dist-test/, where the tests of tests/tests/dist.rs take them.
 
 use std::{
@@ -24,9 +27,39 @@ use anyhow::{bail, Context as _, Result};
 
 use crate::{cargo, root, run as run_command};
 
-/// The static target: musl's libc linked in, which Rust's toolchain
-/// carries itself (no musl-gcc needed to link memleak).
-pub const TARGET: &str = "x86_64-unknown-linux-musl";
+/// A machine a release ships memleak for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Machine {
+    Amd64,
+    Arm64,
+}
+
+impl Machine {
+    /// The static target: musl's libc linked in, which Rust's toolchain
+    /// carries itself (no musl-gcc needed to link memleak).
+    fn rust_target(self) -> &'static str {
+        match self {
+            Self::Amd64 => "x86_64-unknown-linux-musl",
+            Self::Arm64 => "aarch64-unknown-linux-musl",
+        }
+    }
+
+    /// Its name in Debian's architectures, and for its files' folder.
+    fn debian(self) -> &'static str {
+        match self {
+            Self::Amd64 => "amd64",
+            Self::Arm64 => "arm64",
+        }
+    }
+
+    /// What `file` calls its code.
+    fn file_says(self) -> &'static str {
+        match self {
+            Self::Amd64 => "x86-64",
+            Self::Arm64 => "ARM aarch64",
+        }
+    }
+}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Profile {
@@ -46,13 +79,21 @@ impl Profile {
     }
 }
 
-/// `cargo xtask dist`.
+/// `cargo xtask dist`: x86-64's files, then, for a release, arm64's.
 pub fn run(profile: Profile) -> Result<()> {
     crate::setup::run()?;
-    let made = build(profile)?;
-    println!("{}: {} bytes, static", made.binary.display(), size(&made.binary)?);
-    println!("{}: {} bytes", made.deb.display(), size(&made.deb)?);
-    println!("{}", made.version);
+    let amd64 = build(profile)?;
+    let mut made = vec![&amd64];
+    let arm64;
+    if profile == Profile::Release {
+        arm64 = build_for(profile, Machine::Arm64, Some(&amd64))?;
+        made.push(&arm64);
+    }
+    for made in made {
+        println!("{}: {} bytes, static", made.binary.display(), size(&made.binary)?);
+        println!("{}: {} bytes", made.deb.display(), size(&made.deb)?);
+    }
+    println!("{}", amd64.version);
     Ok(())
 }
 
@@ -64,18 +105,34 @@ pub struct Made {
     pub version: String,
 }
 
-/// Builds the static binary, checks that it is static and runs, then
-/// writes the man pages, completions and the .deb beside it.
+/// Builds the static x86-64 binary, checks that it is static and runs,
+/// then writes the man pages, completions and the .deb beside it.
 pub fn build(profile: Profile) -> Result<Made> {
-    add_rust_target()?;
+    build_for(profile, Machine::Amd64, None)
+}
+
+/// Builds `machine`'s static binary and its files, in the profile's
+/// folder (x86-64's) or a folder of its own in it. One that cannot run
+/// here (arm64) takes its version, man pages and completions from
+/// x86-64's, `documented_by`, built from the same sources.
+fn build_for(profile: Profile, machine: Machine, documented_by: Option<&Made>) -> Result<Made> {
+    let target = machine.rust_target();
+    add_rust_target(target)?;
     crate::install_missing_packages(&["file", "binutils"], "checking that memleak is static")?;
-    let out = root().join(profile.directory());
+    let mut out = root().join(profile.directory());
+    if machine != Machine::Amd64 {
+        out.push(machine.debian());
+    }
     if out.exists() {
         fs::remove_dir_all(&out).with_context(|| format!("cannot empty {}", out.display()))?;
     }
     fs::create_dir_all(&out)?;
     let mut build = cargo();
-    build.args(["build", "--package", "memleak", "--target", TARGET]);
+    build.args(["build", "--package", "memleak", "--target", target]);
+    if machine == Machine::Arm64 {
+        // Rust's own linker: no arm64 C toolchain needed for a musl build.
+        build.env(crate::kernel_tests::linker_variable(target), "rust-lld");
+    }
     let profile_folder = match profile {
         Profile::Release => {
             build.arg("--release");
@@ -88,30 +145,42 @@ pub fn build(profile: Profile) -> Result<Made> {
     };
     run_command(&mut build)?;
     let binary = out.join("memleak");
-    fs::copy(root().join("target").join(TARGET).join(profile_folder).join("memleak"), &binary)?;
-    check_static(&binary)?;
-    let version = output(Command::new(&binary).arg("--version"))?.trim().to_owned();
-    run_command(Command::new(&binary).arg("__dist-files").arg(&out))?;
-    let deb = debian_package(&out, profile)?;
+    fs::copy(root().join("target").join(target).join(profile_folder).join("memleak"), &binary)?;
+    check_static(&binary, machine)?;
+    let version = match documented_by {
+        None => {
+            let version = output(Command::new(&binary).arg("--version"))?.trim().to_owned();
+            run_command(Command::new(&binary).arg("__dist-files").arg(&out))?;
+            version
+        }
+        Some(documented) => {
+            let from = documented.binary.parent().context("a binary in a folder")?;
+            for folder in ["man", "completions"] {
+                copy_tree(&from.join(folder), &out.join(folder))?;
+            }
+            documented.version.clone()
+        }
+    };
+    let deb = debian_package(&out, profile, machine)?;
     let deb_name = deb.file_name().context("the package has a file name")?;
     let sums = output(Command::new("sha256sum").arg("memleak").arg(deb_name).current_dir(&out))?;
     fs::write(out.join("SHA256SUMS"), sums)?;
     Ok(Made { binary, deb, version })
 }
 
-fn add_rust_target() -> Result<()> {
+fn add_rust_target(target: &str) -> Result<()> {
     let sysroot = output(Command::new("rustc").args(["--print", "sysroot"]))?;
-    if Path::new(sysroot.trim()).join("lib/rustlib").join(TARGET).is_dir() {
+    if Path::new(sysroot.trim()).join("lib/rustlib").join(target).is_dir() {
         return Ok(());
     }
-    eprintln!("xtask: adding the {TARGET} target");
-    run_command(Command::new("rustup").args(["target", "add", TARGET]))
+    eprintln!("xtask: adding the {target} target");
+    run_command(Command::new("rustup").args(["target", "add", target]))
 }
 
 /// A static executable has no program interpreter (`PT_INTERP`) and no
 /// shared library to load; `file` says "static-pie linked" for Rust's
-/// musl binaries.
-fn check_static(binary: &Path) -> Result<()> {
+/// musl binaries, and names the machine.
+fn check_static(binary: &Path, machine: Machine) -> Result<()> {
     let headers =
         output(Command::new("readelf").args(["--program-headers", "--dynamic", "--wide"]).arg(binary))?;
     if headers.contains("INTERP") || headers.contains("(NEEDED)") {
@@ -120,6 +189,9 @@ fn check_static(binary: &Path) -> Result<()> {
     let kind = output(Command::new("file").arg("--brief").arg(binary))?;
     if !kind.contains("static") {
         bail!("file does not call {} static: {kind}", binary.display());
+    }
+    if !kind.contains(machine.file_says()) {
+        bail!("file does not call {} {} code: {kind}", binary.display(), machine.file_says());
     }
     Ok(())
 }
@@ -180,7 +252,7 @@ const SERVE_ENV: &str = "etc/memleak/serve.env";
 /// Stages the package's files and has dpkg-deb build it: Debian's own
 /// tool, from fields read from memleak/Cargo.toml, rather than cargo-deb,
 /// which would be one more program to build on every CI machine.
-fn debian_package(out: &Path, profile: Profile) -> Result<PathBuf> {
+fn debian_package(out: &Path, profile: Profile, machine: Machine) -> Result<PathBuf> {
     let metadata = metadata()?;
     let stage = out.join("deb");
     let write = |to: &str, bytes: &[u8], mode: u32| -> Result<()> {
@@ -216,8 +288,8 @@ fn debian_package(out: &Path, profile: Profile) -> Result<PathBuf> {
     write(SERVE_ENV, SERVE_ENV_TEXT.as_bytes(), 0o644)?;
     copy_tree(&root().join("contrib"), &stage.join(DOC).join("contrib"))?;
     write(&format!("{DOC}/copyright"), copyright_text(&metadata).as_bytes(), 0o644)?;
-    write_control(&stage, &metadata)?;
-    let deb = out.join(format!("memleak_{}_amd64.deb", metadata.version));
+    write_control(&stage, &metadata, machine)?;
+    let deb = out.join(format!("memleak_{}_{}.deb", metadata.version, machine.debian()));
     let mut build = Command::new("dpkg-deb");
     build.args(["--root-owner-group", "--build"]);
     if profile == Profile::Test {
@@ -248,7 +320,7 @@ fn copyright_text(metadata: &Metadata) -> String {
 }
 
 /// DEBIAN/: control, conffiles and md5sums.
-fn write_control(stage: &Path, metadata: &Metadata) -> Result<()> {
+fn write_control(stage: &Path, metadata: &Metadata, machine: Machine) -> Result<()> {
     let installed_kib = output(Command::new("du").args(["-sk", "--apparent-size"]).arg(stage))?
         .split_whitespace()
         .next()
@@ -269,7 +341,7 @@ fn write_control(stage: &Path, metadata: &Metadata) -> Result<()> {
         format!(
             "Package: memleak\n\
              Version: {version}\n\
-             Architecture: amd64\n\
+             Architecture: {architecture}\n\
              Maintainer: {maintainer}\n\
              Installed-Size: {installed_kib}\n\
              Section: utils\n\
@@ -280,6 +352,7 @@ fn write_control(stage: &Path, metadata: &Metadata) -> Result<()> {
              flame graphs or pprof profiles; memleak serve exports them to\n \
              Prometheus. Needs root (or CAP_BPF and CAP_PERFMON).\n",
             version = metadata.version,
+            architecture = machine.debian(),
             maintainer = metadata.maintainer,
             description = metadata.description,
         ),

@@ -61,10 +61,11 @@ enum Task {
         names: Vec<String>,
     },
     /// Build what a release ships, under target/dist/: a static memleak
-    /// (`x86_64` musl), its man pages and shell completions, and a .deb.
+    /// (`x86_64` musl), its man pages and shell completions, and a .deb;
+    /// the same for arm64 under target/dist/arm64/.
     Dist {
         /// A debug build without debug info under target/dist-test/, as
-        /// `cargo xtask test` makes for tests/tests/dist.rs.
+        /// `cargo xtask test` makes for tests/tests/dist.rs: `x86_64` only.
         #[arg(long)]
         debug: bool,
     },
