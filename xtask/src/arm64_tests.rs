@@ -43,7 +43,7 @@ const CASES: [(&str, &str); 6] = [
 
 /// The Rust targets: memleak's, static as a release ships it, and the
 /// test binaries', which link the root's glibc as the fixtures do.
-const MEMLEAK_TARGET: &str = "aarch64-unknown-linux-musl";
+const MEMLEAK_TARGET: &str = vm::Arch::Arm64.musl_target();
 const TESTS_TARGET: &str = "aarch64-unknown-linux-gnu";
 
 /// Debian's cross compilers, which link the test binaries too.

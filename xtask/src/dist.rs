@@ -25,39 +25,13 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::{cargo, root, run as run_command};
+use crate::{cargo, root, run as run_command, vm::Arch};
 
-/// A machine a release ships memleak for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Machine {
-    Amd64,
-    Arm64,
-}
-
-impl Machine {
-    /// The static target: musl's libc linked in, which Rust's toolchain
-    /// carries itself (no musl-gcc needed to link memleak).
-    fn rust_target(self) -> &'static str {
-        match self {
-            Self::Amd64 => "x86_64-unknown-linux-musl",
-            Self::Arm64 => "aarch64-unknown-linux-musl",
-        }
-    }
-
-    /// Its name in Debian's architectures, and for its files' folder.
-    fn debian(self) -> &'static str {
-        match self {
-            Self::Amd64 => "amd64",
-            Self::Arm64 => "arm64",
-        }
-    }
-
-    /// What `file` calls its code.
-    fn file_says(self) -> &'static str {
-        match self {
-            Self::Amd64 => "x86-64",
-            Self::Arm64 => "ARM aarch64",
-        }
+/// What `file` calls the code of `machine`.
+fn file_says(machine: Arch) -> &'static str {
+    match machine {
+        Arch::Amd64 => "x86-64",
+        Arch::Arm64 => "ARM aarch64",
     }
 }
 
@@ -86,7 +60,7 @@ pub fn run(profile: Profile) -> Result<()> {
     let mut made = vec![&amd64];
     let arm64;
     if profile == Profile::Release {
-        arm64 = build_for(profile, Machine::Arm64, Some(&amd64))?;
+        arm64 = build_for(profile, Arch::Arm64, Some(&amd64))?;
         made.push(&arm64);
     }
     for made in made {
@@ -108,20 +82,20 @@ pub struct Made {
 /// Builds the static x86-64 binary, checks that it is static and runs,
 /// then writes the man pages, completions and the .deb beside it.
 pub fn build(profile: Profile) -> Result<Made> {
-    build_for(profile, Machine::Amd64, None)
+    build_for(profile, Arch::Amd64, None)
 }
 
 /// Builds `machine`'s static binary and its files, in the profile's
 /// folder (x86-64's) or a folder of its own in it. One that cannot run
 /// here (arm64) takes its version, man pages and completions from
 /// x86-64's, `documented_by`, built from the same sources.
-fn build_for(profile: Profile, machine: Machine, documented_by: Option<&Made>) -> Result<Made> {
-    let target = machine.rust_target();
+fn build_for(profile: Profile, machine: Arch, documented_by: Option<&Made>) -> Result<Made> {
+    let target = machine.musl_target();
     add_rust_target(target)?;
     crate::install_missing_packages(&["file", "binutils"], "checking that memleak is static")?;
     let mut out = root().join(profile.directory());
-    if machine != Machine::Amd64 {
-        out.push(machine.debian());
+    if machine != Arch::Amd64 {
+        out.push(machine.debian_name());
     }
     if out.exists() {
         fs::remove_dir_all(&out).with_context(|| format!("cannot empty {}", out.display()))?;
@@ -129,7 +103,7 @@ fn build_for(profile: Profile, machine: Machine, documented_by: Option<&Made>) -
     fs::create_dir_all(&out)?;
     let mut build = cargo();
     build.args(["build", "--package", "memleak", "--target", target]);
-    if machine == Machine::Arm64 {
+    if machine == Arch::Arm64 {
         // Rust's own linker: no arm64 C toolchain needed for a musl build.
         build.env(crate::kernel_tests::linker_variable(target), "rust-lld");
     }
@@ -180,7 +154,7 @@ fn add_rust_target(target: &str) -> Result<()> {
 /// A static executable has no program interpreter (`PT_INTERP`) and no
 /// shared library to load; `file` says "static-pie linked" for Rust's
 /// musl binaries, and names the machine.
-fn check_static(binary: &Path, machine: Machine) -> Result<()> {
+fn check_static(binary: &Path, machine: Arch) -> Result<()> {
     let headers =
         output(Command::new("readelf").args(["--program-headers", "--dynamic", "--wide"]).arg(binary))?;
     if headers.contains("INTERP") || headers.contains("(NEEDED)") {
@@ -190,8 +164,8 @@ fn check_static(binary: &Path, machine: Machine) -> Result<()> {
     if !kind.contains("static") {
         bail!("file does not call {} static: {kind}", binary.display());
     }
-    if !kind.contains(machine.file_says()) {
-        bail!("file does not call {} {} code: {kind}", binary.display(), machine.file_says());
+    if !kind.contains(file_says(machine)) {
+        bail!("file does not call {} {} code: {kind}", binary.display(), file_says(machine));
     }
     Ok(())
 }
@@ -252,7 +226,7 @@ const SERVE_ENV: &str = "etc/memleak/serve.env";
 /// Stages the package's files and has dpkg-deb build it: Debian's own
 /// tool, from fields read from memleak/Cargo.toml, rather than cargo-deb,
 /// which would be one more program to build on every CI machine.
-fn debian_package(out: &Path, profile: Profile, machine: Machine) -> Result<PathBuf> {
+fn debian_package(out: &Path, profile: Profile, machine: Arch) -> Result<PathBuf> {
     let metadata = metadata()?;
     let stage = out.join("deb");
     let write = |to: &str, bytes: &[u8], mode: u32| -> Result<()> {
@@ -289,7 +263,7 @@ fn debian_package(out: &Path, profile: Profile, machine: Machine) -> Result<Path
     copy_tree(&root().join("contrib"), &stage.join(DOC).join("contrib"))?;
     write(&format!("{DOC}/copyright"), copyright_text(&metadata).as_bytes(), 0o644)?;
     write_control(&stage, &metadata, machine)?;
-    let deb = out.join(format!("memleak_{}_{}.deb", metadata.version, machine.debian()));
+    let deb = out.join(format!("memleak_{}_{}.deb", metadata.version, machine.debian_name()));
     let mut build = Command::new("dpkg-deb");
     build.args(["--root-owner-group", "--build"]);
     if profile == Profile::Test {
@@ -320,7 +294,7 @@ fn copyright_text(metadata: &Metadata) -> String {
 }
 
 /// DEBIAN/: control, conffiles and md5sums.
-fn write_control(stage: &Path, metadata: &Metadata, machine: Machine) -> Result<()> {
+fn write_control(stage: &Path, metadata: &Metadata, machine: Arch) -> Result<()> {
     let installed_kib = output(Command::new("du").args(["-sk", "--apparent-size"]).arg(stage))?
         .split_whitespace()
         .next()
@@ -352,7 +326,7 @@ fn write_control(stage: &Path, metadata: &Metadata, machine: Machine) -> Result<
              flame graphs or pprof profiles; memleak serve exports them to\n \
              Prometheus. Needs root (or CAP_BPF and CAP_PERFMON).\n",
             version = metadata.version,
-            architecture = machine.debian(),
+            architecture = machine.debian_name(),
             maintainer = metadata.maintainer,
             description = metadata.description,
         ),

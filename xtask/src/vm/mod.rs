@@ -91,6 +91,15 @@ impl Arch {
         }
     }
 
+    /// Rust's static target for it: musl's libc linked in, which Rust's
+    /// toolchain carries itself (no musl-gcc needed to link memleak).
+    pub const fn musl_target(self) -> &'static str {
+        match self {
+            Self::Amd64 => "x86_64-unknown-linux-musl",
+            Self::Arm64 => "aarch64-unknown-linux-musl",
+        }
+    }
+
     fn qemu(self) -> &'static str {
         match self {
             Self::Amd64 => "qemu-system-x86_64",
