@@ -294,14 +294,14 @@ pub const MAPPING_FUNCTIONS: [MappingFunction; 5] = [
         name: "munmap",
         entry_program: programs::MUNMAP_ENTER,
         return_program: None,
-        seen_in_kernel: Some("__x64_sys_munmap"),
+        seen_in_kernel: Some(programs::SYS_MUNMAP),
     },
     // Turns a PROT_NONE reservation into memory that can be touched, or back.
     MappingFunction {
         name: "mprotect",
         entry_program: programs::MPROTECT_ENTER,
         return_program: None,
-        seen_in_kernel: Some("__x64_sys_mprotect"),
+        seen_in_kernel: Some(programs::SYS_MPROTECT),
     },
     MappingFunction {
         name: "mremap",

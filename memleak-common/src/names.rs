@@ -300,10 +300,24 @@ pub mod programs {
     /// entry, where a uprobe costs a trap per call (see memleak-ebpf's
     /// `probes::mmap`): (program, kernel function) of each fentry program.
     pub const MAPPING_SYSTEM_CALLS: [(&str, &str); 3] = [
-        ("munmap_called", "__x64_sys_munmap"),
-        ("mprotect_called", "__x64_sys_mprotect"),
-        ("pkey_mprotect_called", "__x64_sys_pkey_mprotect"),
+        ("munmap_called", SYS_MUNMAP),
+        ("mprotect_called", SYS_MPROTECT),
+        ("pkey_mprotect_called", SYS_PKEY_MPROTECT),
     ];
+    /// The kernel's wrappers of those system calls, named by architecture:
+    /// each takes the task's saved user registers.
+    #[cfg(not(target_arch = "aarch64"))]
+    pub const SYS_MUNMAP: &str = "__x64_sys_munmap";
+    #[cfg(not(target_arch = "aarch64"))]
+    pub const SYS_MPROTECT: &str = "__x64_sys_mprotect";
+    #[cfg(not(target_arch = "aarch64"))]
+    pub const SYS_PKEY_MPROTECT: &str = "__x64_sys_pkey_mprotect";
+    #[cfg(target_arch = "aarch64")]
+    pub const SYS_MUNMAP: &str = "__arm64_sys_munmap";
+    #[cfg(target_arch = "aarch64")]
+    pub const SYS_MPROTECT: &str = "__arm64_sys_mprotect";
+    #[cfg(target_arch = "aarch64")]
+    pub const SYS_PKEY_MPROTECT: &str = "__arm64_sys_pkey_mprotect";
     /// Kernel allocations: program name and tracepoint name are the same.
     pub const KERNEL: [&str; 6] =
         ["kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free"];

@@ -108,6 +108,36 @@ pub fn munmap_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
+/// The bits of an address within its page.
+const PAGE_OFFSET_BITS: u64 = 4095;
+
+/// The protection bits the kernel takes (x86-64's: no architecture
+/// bits of its own; arm64's: `PROT_BTI` and `PROT_MTE` too, the first
+/// of which glibc's loader sets on every BTI object it maps), and the
+/// two that say which way a stack grows; both of those, or any other
+/// bit, and the call fails (`EINVAL`).
+#[cfg(not(bpf_target_arch = "aarch64"))]
+const PROT_KNOWN: u32 = 0x1 | 0x2 | 0x4 | 0x8;
+#[cfg(bpf_target_arch = "aarch64")]
+const PROT_KNOWN: u32 = 0x1 | 0x2 | 0x4 | 0x8 | 0x10 | 0x20;
+const PROT_GROWSDOWN: u32 = 0x0100_0000;
+const PROT_GROWSUP: u32 = 0x0200_0000;
+
+/// Whether mprotect takes `prot`, as `do_mprotect_pkey` checks it
+/// before it changes anything.
+fn valid_protection(prot: u32) -> bool {
+    let grows = prot & (PROT_GROWSDOWN | PROT_GROWSUP);
+    grows != PROT_GROWSDOWN | PROT_GROWSUP && prot & !(PROT_KNOWN | PROT_GROWSDOWN | PROT_GROWSUP) == 0
+}
+
+/// Whether the kernel refuses `mprotect(address, length, prot)` before it
+/// changes anything (`EINVAL`; a length of 0 changes nothing): an address
+/// within a page, unknown protection bits. Seen at the call's entry, such
+/// a call is not sent.
+fn refused_at_once(address: u64, length: u64, prot: u32) -> bool {
+    address & PAGE_OFFSET_BITS != 0 || length == 0 || !valid_protection(prot)
+}
+
 /// `mprotect(address, length, prot)`: a reservation made usable, or back.
 /// Probed past its system call where memleak could (see its
 /// `attach::placement`): a call that failed then changes nothing. The
@@ -138,15 +168,23 @@ fn protected(ctx: &ProbeContext, past_system_call: bool) -> u32 {
     if past_system_call && crate::registers::Registers::of(ctx).return_value() != 0 {
         return 0;
     }
-    let prot = ctx.arg(2).unwrap_or(0);
+    let (address, length, prot) = (ctx.arg(0).unwrap_or(0), ctx.arg(1).unwrap_or(0), ctx.arg(2).unwrap_or(0));
+    // At the entry (arm64's probes, or code memleak could not place a
+    // probe past the call in), a call the kernel refuses is still sent
+    // unless it is seen to be one.
+    if !past_system_call && refused_at_once(address, length, prot) {
+        return 0;
+    }
     if traced_process().is_some_and(|flags| protect_matters(flags, prot)) {
-        send_range_change(ctx.arg(0).unwrap_or(0), ctx.arg(1).unwrap_or(0), MappingChange::Protect, prot);
+        send_range_change(address, length, MappingChange::Protect, prot);
     }
     0
 }
 
 /// munmap and mprotect seen from the kernel, at the entry of their system
-/// calls: user space attaches these where the kernel allows it.
+/// calls: user space attaches these where the kernel allows it, each to
+/// its architecture's wrapper (`programs::MAPPING_SYSTEM_CALLS`:
+/// `__x64_sys_munmap`, `__arm64_sys_munmap`).
 #[cfg(not(feature = "legacy-kernels"))]
 mod system_calls {
     use aya_ebpf::{macros::fentry, programs::FEntryContext};
@@ -154,9 +192,6 @@ mod system_calls {
 
     use super::{protect_matters, send_range_change, traced_process};
     use crate::registers::Registers;
-
-    /// The bits of an address within its page.
-    const PAGE_OFFSET_BITS: u64 = 4095;
 
     /// `munmap(address, length)`, as the kernel enters it, for the
     /// processes memleak traces, in place of its uprobe: a uprobe traps on
@@ -168,32 +203,18 @@ mod system_calls {
     /// other thread can map it again. A call the kernel refuses before it
     /// changes anything (an address within a page, a length of 0:
     /// `EINVAL`) is not sent.
-    #[fentry(function = "__x64_sys_munmap")]
+    #[fentry]
     pub fn munmap_called(ctx: FEntryContext) -> i32 {
         // The wrapper's one argument: the task's user registers, saved at
         // kernel entry.
         // A BTF pointer the verifier checks each load through; the call's
         // arguments, which its registers keep.
         let [address, length, _] = Registers::at(ctx.arg(0)).system_call_arguments();
-        if address & PAGE_OFFSET_BITS != 0 || length == 0 || traced_process().is_none() {
+        if address & super::PAGE_OFFSET_BITS != 0 || length == 0 || traced_process().is_none() {
             return 0;
         }
         send_range_change(address, length, MappingChange::Unmap, 0);
         0
-    }
-
-    /// The protection bits the kernel takes (x86-64's: no architecture
-    /// bits of its own), and the two that say which way a stack grows;
-    /// both of those, or any other bit, and the call fails (`EINVAL`).
-    const PROT_KNOWN: u32 = 0x1 | 0x2 | 0x4 | 0x8;
-    const PROT_GROWSDOWN: u32 = 0x0100_0000;
-    const PROT_GROWSUP: u32 = 0x0200_0000;
-
-    /// Whether mprotect takes `prot`, as `do_mprotect_pkey` checks it
-    /// before it changes anything.
-    fn valid_protection(prot: u32) -> bool {
-        let grows = prot & (PROT_GROWSDOWN | PROT_GROWSUP);
-        grows != PROT_GROWSDOWN | PROT_GROWSUP && prot & !(PROT_KNOWN | PROT_GROWSDOWN | PROT_GROWSUP) == 0
     }
 
     /// `mprotect(address, length, prot)` as the kernel enters it (see
@@ -202,14 +223,14 @@ mod system_calls {
     /// `EINVAL`; a length of 0) is not sent. An mprotect whose range has a
     /// hole fails after changing what is before the hole: it is sent, and
     /// user space changes the regions it knows in the whole range.
-    #[fentry(function = "__x64_sys_mprotect")]
+    #[fentry]
     pub fn mprotect_called(ctx: FEntryContext) -> i32 {
         protect_called(&ctx)
     }
 
     /// `pkey_mprotect(address, length, prot, key)`: mprotect with a
     /// protection key, where the kernel has them.
-    #[fentry(function = "__x64_sys_pkey_mprotect")]
+    #[fentry]
     pub fn pkey_mprotect_called(ctx: FEntryContext) -> i32 {
         protect_called(&ctx)
     }
@@ -223,7 +244,7 @@ mod system_calls {
         // As in `munmap_called`.
         let [address, length, prot] = Registers::at(ctx.arg(0)).system_call_arguments();
         let prot = prot as u32;
-        if address & PAGE_OFFSET_BITS != 0 || length == 0 || !valid_protection(prot) {
+        if super::refused_at_once(address, length, prot) {
             return 0;
         }
         let Some(flags) = traced_process() else { return 0 };

@@ -71,10 +71,6 @@ pub fn attach(ebpf: &mut Ebpf, btf: &Btf) -> Option<SeenBy> {
         log::debug!("munmap and mprotect probed in the C library: {MAPPING_UPROBES} is set");
         return None;
     }
-    if !cfg!(target_arch = "x86_64") {
-        log::debug!("munmap and mprotect probed in the C library: the kernel's programs know x86-64's only");
-        return None;
-    }
     let at_system_calls = if std::env::var_os(MAPPING_TRACEPOINT).is_some() {
         Err(format!("{MAPPING_TRACEPOINT} is set"))
     } else {
@@ -85,9 +81,21 @@ pub fn attach(ebpf: &mut Ebpf, btf: &Btf) -> Option<SeenBy> {
         Err(why) => why,
     };
     if std::env::var_os(MAPPING_TRACEPOINT).is_none() {
+        // The tracepoint's program tells the calls apart by x86-64's
+        // system call numbers: arm64's object has none to offer.
+        let instead = if cfg!(target_arch = "x86_64") {
+            format!(" ({MAPPING_TRACEPOINT}=1 would have the mmap_lock tracepoint see them, at a cost to every process)")
+        } else {
+            String::new()
+        };
         log::debug!(
-            "munmap and mprotect probed in the C library: not seen at their system calls: {why_not_system_calls} \
-             ({MAPPING_TRACEPOINT}=1 would have the mmap_lock tracepoint see them, at a cost to every process)"
+            "munmap and mprotect probed in the C library: not seen at their system calls: {why_not_system_calls}{instead}"
+        );
+        return None;
+    }
+    if !cfg!(target_arch = "x86_64") {
+        log::debug!(
+            "munmap and mprotect probed in the C library: the mmap_lock tracepoint's program knows x86-64's system calls only"
         );
         return None;
     }
@@ -165,9 +173,24 @@ fn attach_tracepoint(ebpf: &mut Ebpf, btf: &Btf) -> Result<(), ProgramError> {
     program.attach().map(drop)
 }
 
+/// The kernel's internal "operation not supported", which reaches user
+/// space from BPF's attach paths.
+const KERNEL_ENOTSUPP: i32 = 524;
+
 /// What the kernel said when it refused the program for `what`: the
 /// error, and the verifier's last line if it got that far.
 fn why_refused(what: &str, error: &ProgramError) -> String {
+    if let ProgramError::SyscallError(aya::sys::SyscallError { call, io_error }) = error {
+        // The kernel's own ENOTSUPP, which libc has no text for: arm64
+        // kernels before 6.4 cannot attach a trampoline to a kernel
+        // function (no ftrace direct calls).
+        let reason = if io_error.raw_os_error() == Some(KERNEL_ENOTSUPP) {
+            "not supported by this kernel (ENOTSUPP)".to_owned()
+        } else {
+            status::os_reason(io_error)
+        };
+        return format!("the kernel refused the program for {what}: {call}: {reason}");
+    }
     let ProgramError::LoadError { io_error, verifier_log } = error else {
         return format!("the kernel refused the program for {what}: {error}");
     };
