@@ -105,7 +105,7 @@ fn build_for(profile: Profile, machine: Arch, documented_by: Option<&Made>) -> R
     build.args(["build", "--package", "memleak", "--target", target]);
     if machine == Arch::Arm64 {
         // Rust's own linker: no arm64 C toolchain needed for a musl build.
-        build.env(crate::kernel_tests::linker_variable(target), "rust-lld");
+        build.env(crate::linker_variable(target), "rust-lld");
     }
     let profile_folder = match profile {
         Profile::Release => {

@@ -1,7 +1,6 @@
 //! Everything besides cargo itself: toolchain setup, the demo, the book
 //! and its examples, the privileged test run and the benchmark.
 
-mod arm64_tests;
 mod bench;
 mod dist;
 mod docs;
@@ -107,16 +106,17 @@ enum Task {
         #[arg(long, hide = true)]
         in_vm: bool,
     },
-    /// Run the end-to-end set in other kernels (Debian's 6.1, 6.12, 6.18,
-    /// and 5.10 for memleak's refusal), each booted with `vm`, as root;
-    /// `cargo xtask test` ends with it. With --arch arm64, the arm64 set,
-    /// cross-built, in Debian's arm64 6.1 under emulation.
+    /// Run the end-to-end set in other kernels, each booted with `vm`, as
+    /// root: Debian's 5.10, 6.1 and 6.12 on x86-64, and the arm64 set,
+    /// cross-built, in Debian's arm64 6.1 under emulation. `cargo xtask
+    /// test` ends with it.
     Kernels {
-        /// Only these kernels (a series such as 6.1, `newest`, or a .deb).
+        /// Only these kernels (a series such as 6.1, `newest`, or a .deb),
+        /// of --arch, x86-64 if not given.
         kernels: Vec<String>,
-        /// The kernels' architecture.
-        #[arg(long, value_enum, default_value_t = vm::Arch::Amd64)]
-        arch: vm::Arch,
+        /// Only this architecture's kernels.
+        #[arg(long, value_enum)]
+        arch: Option<vm::Arch>,
     },
     /// Boot another Linux kernel (a Debian package, or a series such as
     /// 5.10, 6.1, 6.12, newest) under qemu with this machine's / and run
@@ -156,17 +156,15 @@ fn main() -> Result<()> {
         Task::Docs { examples, check, fresh, names } => {
             docs::run(&docs::Options { examples, check, fresh, only: names })
         }
-        Task::Kernels { kernels, arch: vm::Arch::Arm64 } => {
+        Task::Kernels { kernels, arch } => {
             setup::run()?;
             require_root("the kernel tests")?;
-            arm64_tests::run_set(&kernels)
-        }
-        Task::Kernels { kernels, arch: vm::Arch::Amd64 } => {
-            setup::run()?;
-            require_root("the kernel tests")?;
-            install_missing_packages(&TEST_PACKAGES, "the tests")?;
-            run(cargo().args(["build", "--package", "memleak"]))?;
-            kernel_tests::run(&kernels)
+            let jobs = kernel_tests::jobs(&kernels, arch);
+            if jobs.iter().any(|job| job.arch == vm::Arch::Amd64) {
+                install_missing_packages(&TEST_PACKAGES, "the tests")?;
+                run(cargo().args(["build", "--package", "memleak"]))?;
+            }
+            kernel_tests::run(&jobs)
         }
         Task::Vm(args) => vm::run(&args),
     }
@@ -184,6 +182,11 @@ pub fn run(command: &mut Command) -> Result<()> {
         bail!("{command:?} failed with {status}");
     }
     Ok(())
+}
+
+/// Cargo's variable naming `target`'s linker.
+pub fn linker_variable(target: &str) -> String {
+    format!("CARGO_TARGET_{}_LINKER", target.to_uppercase().replace('-', "_"))
 }
 
 pub fn cargo() -> Command {
@@ -347,9 +350,10 @@ fn demo() -> Result<()> {
 /// systemd for systemd-analyze, and strace, which slows memleak's
 /// system calls down as a slow machine would. libc6-dbg names glibc's
 /// local functions (`start_thread`) in the stacks the tests check; Debian's
-/// arm64 cross compiler, with the arm64 glibc it brings, is what the unit
-/// tests build arm64 unwind tables and thread layouts from.
-const TEST_PACKAGES: [&str; 27] = [
+/// arm64 cross compilers, with the arm64 glibc they bring, are what the unit
+/// tests build arm64 unwind tables and thread layouts from, and what the
+/// arm64 set's test binaries and fixtures are built with.
+const TEST_PACKAGES: [&str; 28] = [
     "bpftool",
     "strace",
     "python3",
@@ -359,6 +363,7 @@ const TEST_PACKAGES: [&str; 27] = [
     "libc6-dev",
     "libc6-dbg",
     "gcc-aarch64-linux-gnu",
+    "g++-aarch64-linux-gnu",
     "musl-tools",
     "libjemalloc2",
     "libtcmalloc-minimal4",
@@ -400,28 +405,66 @@ fn install_python_tools() -> Result<()> {
 }
 
 fn test(test_args: &[String]) -> Result<()> {
+    let mut clock = Clock::start();
     setup::run()?;
     require_root("the end-to-end tests")?;
     install_missing_packages(&TEST_PACKAGES, "the tests")?;
+    // The other kernels after the host's tests, whose failures say more
+    // and sooner; a filter given asks for those tests alone. What their
+    // VMs boot is fetched meanwhile.
+    let kernel_jobs = if test_args.is_empty() { kernel_tests::jobs(&[], None) } else { Vec::new() };
+    let fetching = (!kernel_jobs.is_empty()).then(|| {
+        let jobs = kernel_jobs.clone();
+        std::thread::spawn(move || kernel_tests::fetch(&jobs))
+    });
     install_python_tools()?;
+    clock.lap("tools");
     // The end-to-end tests run the memleak binary this builds, and
     // tests/tests/dist.rs what a release ships, built here in debug.
     run(cargo().args(["build", "--package", "memleak"]))?;
     dist::build(dist::Profile::Test)?;
+    clock.lap("builds");
     lint()?;
+    clock.lap("clippy");
     // The book, whose links must hold, and the examples cheap and
     // deterministic enough to make again on every run: a checked-in one
     // that memleak no longer prints fails here.
     docs::run(&docs::Options { examples: false, check: false, fresh: false, only: Vec::new() })?;
     let checked: Vec<String> = docs::CHECKED_BY_TEST.iter().map(|name| (*name).to_owned()).collect();
     docs::examples_in_docs(&checked, true, false)?;
+    clock.lap("the book");
     run(cargo().args(["test", "--workspace", "--exclude", "memleak-ebpf", "--"]).args(test_args))?;
-    // The other kernels after the host's tests, whose failures say more
-    // and sooner; a filter given asks for those tests alone.
-    if test_args.is_empty() {
-        kernel_tests::run(&[])?;
+    clock.lap("the host's tests");
+    if let Some(fetching) = fetching {
+        fetching.join().map_err(|_| anyhow::anyhow!("fetching the kernels panicked"))??;
+        clock.lap("the rest of the kernels' fetch");
+        kernel_tests::run(&kernel_jobs)?;
+        clock.lap("the kernels");
     }
     Ok(())
+}
+
+/// Says on stderr how long each phase of `test` took, and the run so far:
+/// CI's whole run must stay within 30 minutes.
+struct Clock {
+    started: std::time::Instant,
+    lap: std::time::Instant,
+}
+
+impl Clock {
+    fn start() -> Self {
+        let now = std::time::Instant::now();
+        Self { started: now, lap: now }
+    }
+
+    fn lap(&mut self, phase: &str) {
+        eprintln!(
+            "xtask: test: {phase} took {:.0} s ({:.0} s in all)",
+            self.lap.elapsed().as_secs_f64(),
+            self.started.elapsed().as_secs_f64()
+        );
+        self.lap = std::time::Instant::now();
+    }
 }
 
 /// Clippy over every crate and target, the BPF crate's host build

@@ -393,6 +393,19 @@ pub fn install_host_tools(arch: Arch) -> Result<()> {
     crate::install_missing_packages(&packages, "the kernel VMs")
 }
 
+/// Fetches what a VM of `arch` boots besides its kernel, booting none:
+/// the host tools, busybox for the initramfs and, for arm64, its root.
+pub fn fetch_for(arch: Arch, verbosity: Verbosity) -> Result<()> {
+    install_host_tools(arch)?;
+    let _lock = lock_cache()?;
+    kernels::busybox(Arch::Amd64, verbosity)?;
+    kernels::busybox(arch, verbosity)?;
+    if arch == Arch::Arm64 {
+        arm64_root::build(verbosity)?;
+    }
+    Ok(())
+}
+
 /// Holds target/vm/ for this process until dropped, so runs at once do
 /// not fetch, unpack or make the same files together.
 fn lock_cache() -> Result<fs::File> {
