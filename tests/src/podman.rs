@@ -21,11 +21,16 @@ events_logger = "file"
 runtime = "runc"
 "#;
 
+/// A container's limits, within the hard limits root has here (no
+/// `CAP_SYS_RESOURCE`): podman's defaults are above them.
+const ULIMITS: [&str; 4] = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"];
+
 /// Podman with storage of its own, and one image in it: the leaker's
-/// root filesystem, imported. The image is removed when dropped.
+/// root filesystem, imported, or an image built. The image is removed
+/// when dropped.
 pub struct Podman {
     dir: TempDir,
-    /// The image holding the leaker at /app/leaker.
+    /// The image: with `with_image`, holding the leaker at /app/leaker.
     pub image: String,
 }
 
@@ -34,6 +39,25 @@ impl Podman {
     /// other tests', with `rootfs` imported as an image. Panics when
     /// podman cannot run here: a test needing it must not pass without it.
     pub fn with_image(tag: &str, rootfs: &Path) -> Self {
+        let podman = Self::new(tag);
+        let tarball = podman.dir.path().join("image.tar");
+        run(Command::new("tar").arg("-C").arg(rootfs).arg("-cf").arg(&tarball).arg("."));
+        run(podman.command().arg("import").arg(&tarball).arg(&podman.image).stdout(Stdio::null()));
+        podman
+    }
+
+    /// Its image built from `containerfile`, with `context` as the build's
+    /// directory: the `COPY`s of an image of scratch need no network.
+    pub fn with_built_image(tag: &str, containerfile: &Path, context: &Path) -> Self {
+        let podman = Self::new(tag);
+        let mut build = podman.command();
+        build.args(["build", "--quiet", "--network", "none", "--file"]).arg(containerfile);
+        run(build.args(["--tag", &podman.image]).arg(context).stdout(Stdio::null()));
+        podman
+    }
+
+    /// Private storage, no image in it yet; see `with_image`.
+    fn new(tag: &str) -> Self {
         let dir = TempDir::new(&format!("memleak-podman-{tag}"));
         let at = |name: &str| dir.path().join(name).display().to_string();
         fs::write(
@@ -55,7 +79,7 @@ impl Podman {
         )
         .expect("write containers.conf");
         let expected = format!("{} runc", at("storage"));
-        let image = format!("localhost/memleak-leaker:{tag}-{}", std::process::id());
+        let image = format!("localhost/memleak-test:{tag}-{}", std::process::id());
         let podman = Self { dir, image };
         let info = podman
             .command()
@@ -76,9 +100,6 @@ impl Podman {
                  `cargo xtask test` installs podman and runc"
             ),
         }
-        let tarball = podman.dir.path().join("image.tar");
-        run(Command::new("tar").arg("-C").arg(rootfs).arg("-cf").arg(&tarball).arg("."));
-        run(podman.command().arg("import").arg(&tarball).arg(&podman.image).stdout(Stdio::null()));
         podman
     }
 
@@ -106,8 +127,7 @@ impl Podman {
         command
             .args(["run", "-i", "--rm", "--name", name, "--network", "none", "--cidfile"])
             .arg(&id_file)
-            // Within the hard limits root has here (no CAP_SYS_RESOURCE).
-            .args(["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"])
+            .args(ULIMITS)
             .arg(&self.image)
             .arg("/app/leaker")
             .args(kind)
@@ -129,7 +149,8 @@ impl Podman {
         command
             .args(["run", "--detach", "--name", name, "--network", "none", "--cidfile"])
             .arg(&id_file)
-            .args(["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--volume"])
+            .args(ULIMITS)
+            .arg("--volume")
             .arg(format!("{}:/shared", shared.display()))
             .arg(&self.image)
             .arg("/app/leaker")
@@ -139,6 +160,14 @@ impl Podman {
         let container = Container { podman: self, name: name.to_owned(), id_file, leaker: None };
         run(&mut command);
         container
+    }
+
+    /// Runs the image's entry point with `args`, in a container removed
+    /// once it exits, and returns what it did.
+    pub fn run_image(&self, args: &[&str]) -> std::process::Output {
+        let mut command = self.command();
+        command.args(["run", "--rm", "--network", "none"]).args(ULIMITS).arg(&self.image).args(args);
+        command.output().unwrap_or_else(|error| panic!("run {command:?}: {error}"))
     }
 
     /// `podman ARGS`, to success.

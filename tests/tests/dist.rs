@@ -11,8 +11,8 @@ use std::{
 };
 
 use memleak_tests::{
-    marker_line, memleak_binary, run_ok, stacks_at, static_leaker, tempdir::TempDir, usage_at,
-    workspace_root, Memleak,
+    marker_line, memleak_binary, podman::Podman, run_ok, stacks_at, static_leaker, tempdir::TempDir,
+    usage_at, workspace_root, Memleak,
 };
 use serde_json::Value;
 
@@ -409,4 +409,19 @@ fn the_deb_installs_upgrades_and_removes_cleanly() {
     run_ok("dpkg", &["--purge", "memleak"]);
     assert!(!Path::new("/etc/memleak").exists(), "purged, /etc/memleak goes too");
     assert!(absent(&package_status()), "purged: {}", package_status());
+}
+
+// The DaemonSet's image
+
+/// contrib/k8s/Containerfile, built from what dist ships: memleak alone,
+/// run with the args it is given, as the daemon set gives it `serve ...`.
+#[test]
+fn the_daemon_sets_image_runs_memleak_with_the_args_it_is_given() {
+    let podman =
+        Podman::with_built_image("daemonset", &workspace_root().join("contrib/k8s/Containerfile"), &dist());
+    let in_image = podman.run_image(&["--version"]);
+    assert!(in_image.status.success(), "{}", text(&in_image.stderr));
+    let shipped = run(dist().join("memleak").to_str().unwrap(), &["--version"]);
+    assert_eq!(text(&in_image.stdout), text(&shipped.stdout));
+    assert!(text(&shipped.stdout).starts_with("memleak "), "{}", text(&shipped.stdout));
 }
