@@ -3,15 +3,15 @@
 //! and memleak run there, and assert the same exact bytes, frames and
 //! lines as on the host.
 //!
-//! Each x86-64 kernel runs its share of the set (see `amd64`): a C leak's bytes and `file:line`, a C++ -O2 stack without frame
-//! pointers to `main`, Python frames of a live python3, `serve` scraped,
-//! kernel mode, a cgroup followed, and threads preempted mid-walk (the
-//! kernels boot with `BOOT_ARGUMENTS`), and memleak's one-line refusal
-//! of a kernel without BTF. The arm64 set (see `arm64`), cross-built,
-//! is a job of the same matrix. Under emulation (no KVM
-//! for distribution kernels here) a test takes about 30 times its time on
-//! the host, so the set is small and the VMs run side by side, one per
-//! host CPU.
+//! Each x86-64 kernel runs its share of the set (see `amd64`): a C
+//! leak's bytes and `file:line`, a C++ -O2 stack without frame pointers
+//! to `main`, Python frames of a live python3, `serve` scraped, kernel
+//! mode, a cgroup followed, and threads preempted mid-walk, and memleak's
+//! one-line refusal of a kernel without BTF. The arm64 set (see `arm64`),
+//! cross-built, is a job of the same matrix. Under emulation (no KVM for
+//! distribution kernels here) a test takes about 30 times its time on the
+//! host, so the set is small and the VMs run side by side, one per host
+//! CPU.
 
 mod amd64;
 mod arm64;
@@ -45,8 +45,8 @@ impl Job {
 
 /// The matrix CI runs: `KERNELS`, and the arm64 set in Debian 12's arm64
 /// kernel, whose cloud images Graviton and Ampere nodes boot. Longest
-/// first, so that two lanes end about together (alone in a lane, beside
-/// another: 5.10 343 s, 6.12 252 s, 6.1 170 s, arm64 149 s).
+/// first, so that two lanes end about together (each in a lane beside
+/// another: 5.10 292 s, 6.12 148 s, 6.1 104 s, arm64 100 s).
 const MATRIX: [(vm::Arch, &str); 4] = [
     (vm::Arch::Amd64, "5.10"),
     (vm::Arch::Amd64, "6.12"),
@@ -90,7 +90,9 @@ pub fn fetch(jobs: &[Job]) -> Result<()> {
 
 /// Runs each job's set in its kernel, after building what the sets need,
 /// the VMs side by side as the machine's CPUs allow (see `Lanes`); fails
-/// naming each kernel where a case failed.
+/// naming each kernel where a case failed. Built before any VM starts:
+/// the arm64 cross build beside two VMs, tried, took a third of the
+/// host each, and cases of 5.10 waited past the tests' patience.
 pub fn run(jobs: &[Job]) -> Result<()> {
     let has = |arch| jobs.iter().any(|job| job.arch == arch);
     let binaries = if has(vm::Arch::Amd64) { test_binaries(None, &[])? } else { Vec::new() };
