@@ -18,7 +18,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-use super::cases::{run_case_line, test_binaries, version_of, Plan, KERNEL_TAKES_FENTRY, RUN_CASE};
+use super::cases::{
+    run_case_line, test_binaries, version_of, Plan, CROSS_TARGET_DIR, KERNEL_TAKES_FENTRY, RUN_CASE,
+};
 use crate::{cargo, linker_variable, root, run, vm};
 
 /// (test target, test name): the list.
@@ -152,9 +154,9 @@ pub fn install_rust_targets() -> Result<()> {
 /// the Rust target, so no aarch64 musl toolchain is needed.
 fn build_memleak() -> Result<PathBuf> {
     run(cargo()
-        .args(["build", "--package", "memleak", "--target", MEMLEAK_TARGET])
+        .args(["build", "--package", "memleak", "--target", MEMLEAK_TARGET, "--target-dir", CROSS_TARGET_DIR])
         .env(linker_variable(MEMLEAK_TARGET), "rust-lld"))?;
-    Ok(root().join("target").join(MEMLEAK_TARGET).join("debug/memleak"))
+    Ok(root().join(CROSS_TARGET_DIR).join(MEMLEAK_TARGET).join("debug/memleak"))
 }
 
 /// `FIXTURES`, into target/vm/arm64/fixtures, which it returns.

@@ -59,6 +59,7 @@ pub fn run_case_line(binaries: &[(String, PathBuf)], target: &str, name: &str) -
 #[derive(Deserialize)]
 struct Artifact {
     reason: String,
+    package_id: String,
     target: Option<Target>,
     executable: Option<PathBuf>,
 }
@@ -69,17 +70,30 @@ struct Target {
     kind: Vec<String>,
 }
 
+/// Where cross builds go, apart from the host's target/: beside the
+/// host's tests, which hold no lock while they run, a cross build takes
+/// none the host's builds wait for (it locks the host's directory too,
+/// for its build scripts). And its BPF object, built for another
+/// architecture, does not replace the host's in target/bpf.
+pub const CROSS_TARGET_DIR: &str = "target/cross";
+
 /// Builds the end-to-end test binaries, for the host or for `cross`
 /// (a Rust target and the linker for it), each of `only` or all, and
-/// returns (target, executable) for each.
+/// returns (target, executable) for each. The host's are those `cargo
+/// test --workspace` builds, with the features the workspace unifies: the
+/// host's suite built them already.
 pub fn test_binaries(cross: Option<(&str, &str)>, only: &[&str]) -> Result<Vec<(String, PathBuf)>> {
     let mut cargo = cargo();
-    cargo.args(["test", "--package", "memleak-tests", "--no-run", "--message-format=json"]);
+    cargo.args(["test", "--no-run", "--message-format=json"]);
     for target in only {
         cargo.args(["--test", target]);
     }
-    if let Some((target, linker)) = cross {
-        cargo.args(["--target", target]).env(linker_variable(target), linker);
+    match cross {
+        Some((target, linker)) => {
+            cargo.args(["--package", "memleak-tests", "--target", target, "--target-dir", CROSS_TARGET_DIR]);
+            cargo.env(linker_variable(target), linker);
+        }
+        None => _ = cargo.args(["--workspace", "--exclude", "memleak-ebpf"]),
     }
     let output = cargo.stderr(Stdio::inherit()).output().context("cannot run cargo test --no-run")?;
     if !output.status.success() {
@@ -88,8 +102,11 @@ pub fn test_binaries(cross: Option<(&str, &str)>, only: &[&str]) -> Result<Vec<(
     let mut binaries = Vec::new();
     for line in String::from_utf8_lossy(&output.stdout).lines() {
         let Ok(artifact) = serde_json::from_str::<Artifact>(line) else { continue };
+        if !artifact.package_id.contains("#memleak-tests@") || artifact.reason != "compiler-artifact" {
+            continue;
+        }
         if let (Some(target), Some(executable)) = (artifact.target, artifact.executable) {
-            if artifact.reason == "compiler-artifact" && target.kind == ["test"] {
+            if target.kind == ["test"] {
                 binaries.push((target.name, executable));
             }
         }

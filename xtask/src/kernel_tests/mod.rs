@@ -17,7 +17,11 @@ mod amd64;
 mod arm64;
 mod cases;
 
-use std::{fs, path::Path, time::Instant};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    time::Instant,
+};
 
 use anyhow::{bail, Context as _, Result};
 
@@ -46,12 +50,12 @@ impl Job {
 /// The matrix CI runs: `KERNELS`, and the arm64 set in Debian 12's arm64
 /// kernel, whose cloud images Graviton and Ampere nodes boot. Longest
 /// first, so that two lanes end about together (each in a lane beside
-/// another: 5.10 292 s, 6.12 148 s, 6.1 104 s, arm64 100 s).
+/// another, in CI: 5.10 TODO s, 6.12 TODO s, arm64 TODO s, 6.1 TODO s).
 const MATRIX: [(vm::Arch, &str); 4] = [
     (vm::Arch::Amd64, "5.10"),
     (vm::Arch::Amd64, "6.12"),
-    (vm::Arch::Amd64, "6.1"),
     (vm::Arch::Arm64, "6.1"),
+    (vm::Arch::Amd64, "6.1"),
 ];
 
 /// The jobs `cargo xtask kernels` runs: `kernels` of `arch` (amd64 when
@@ -88,15 +92,41 @@ pub fn fetch(jobs: &[Job]) -> Result<()> {
     Ok(())
 }
 
-/// Runs each job's set in its kernel, after building what the sets need,
-/// the VMs side by side as the machine's CPUs allow (see `Lanes`); fails
-/// naming each kernel where a case failed. Built before any VM starts:
-/// the arm64 cross build beside two VMs, tried, took a third of the
-/// host each, and cases of 5.10 waited past the tests' patience.
-pub fn run(jobs: &[Job]) -> Result<()> {
-    let has = |arch| jobs.iter().any(|job| job.arch == arch);
-    let binaries = if has(vm::Arch::Amd64) { test_binaries(None, &[])? } else { Vec::new() };
-    let arm64 = if has(vm::Arch::Arm64) { Some(arm64::prepare()?) } else { None };
+/// What the jobs' sets run, built: the host's test binaries for the x86
+/// kernels, and the arm64 set's cross build.
+pub struct Built {
+    pub amd64: Vec<(String, PathBuf)>,
+    pub arm64: Option<arm64::Built>,
+}
+
+/// Builds what `jobs` run (see `amd64_binaries` and `cross_build`).
+pub fn build(jobs: &[Job]) -> Result<Built> {
+    Ok(Built { amd64: amd64_binaries(jobs)?, arm64: cross_build(jobs)? })
+}
+
+/// The x86 kernels' test binaries: the host's, which its own suite built.
+pub fn amd64_binaries(jobs: &[Job]) -> Result<Vec<(String, PathBuf)>> {
+    if jobs.iter().any(|job| job.arch == vm::Arch::Amd64) {
+        test_binaries(None, &[])
+    } else {
+        Ok(Vec::new())
+    }
+}
+
+/// The arm64 set's cross build, if a job needs it: minutes of CPU. Never
+/// beside a VM: beside two VMs, tried, it took a third of the host, as
+/// each of them did, and cases of 5.10 waited past the tests' patience.
+/// `cargo xtask test` builds it beside the host's tests instead, at idle
+/// priority (see `crate::in_background`).
+pub fn cross_build(jobs: &[Job]) -> Result<Option<arm64::Built>> {
+    jobs.iter().any(|job| job.arch == vm::Arch::Arm64).then(arm64::prepare).transpose()
+}
+
+/// Runs each job's set in its kernel with what `build` made, the VMs side
+/// by side as the machine's CPUs allow (see `Lanes`); fails naming each
+/// kernel where a case failed.
+pub fn run(jobs: &[Job], built: &Built) -> Result<()> {
+    let Built { amd64, arm64 } = built;
     let dir = root().join("target/vm/kernel-tests");
     fs::create_dir_all(&dir)?;
     // One after the other: apt's downloads and unpacking share a cache.
@@ -117,7 +147,7 @@ pub fn run(jobs: &[Job]) -> Result<()> {
                 };
                 let results = dir.join(format!("{}.results", job.label()));
                 let plan = match job.arch {
-                    vm::Arch::Amd64 => amd64::plan(&binaries, &resolved, &results, lanes.count > 1),
+                    vm::Arch::Amd64 => amd64::plan(amd64, &resolved, &results, lanes.count > 1),
                     vm::Arch::Arm64 => arm64
                         .as_ref()
                         .context("the arm64 set was not built")
