@@ -204,7 +204,9 @@ pub enum WalkCount {
     /// Of those, the frames taken unchanged, each checked on the stack.
     FramesReused = 3,
     /// Stacks not walked because a run preempted mid-walk on the same CPU
-    /// held its memory: recorded under their process's lost stack.
+    /// held its memory: recorded under their process's lost stack. In
+    /// kernel mode, allocations made in an interrupt during memleak's own
+    /// program: left out (see memleak-ebpf's `probes::kernel`).
     CpuBusy = 4,
 }
 

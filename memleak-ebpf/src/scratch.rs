@@ -17,7 +17,7 @@
 //! its process's lost stack, counted. Kernel mode's programs cannot be
 //! preempted, only interrupted, by an allocation on the same thread: a
 //! run whose thread already holds a slot is such an interruption, and
-//! loses its stack too.
+//! is left out (see `probes::kernel`).
 //!
 //! The walks' own stack frames are safe only on the task's kernel stack:
 //! see `own_stack`.

@@ -103,19 +103,26 @@ fn record(ctx: &RawTracePointContext, address: u64, size: u64) {
     record_with_stack(ctx, key, size);
 }
 
-/// Records `key` with the current kernel stack, or its lost stack if an
-/// allocation in an interrupt came in the middle of another's program
-/// run, which holds the scratch (see `scratch`).
+/// Records `key` with the current kernel stack, the scratch held until it
+/// is stored: an allocation made in an interrupt on this CPU meanwhile
+/// finds it held, and is left out (see `scratch`).
+///
+/// Such an interrupt is mostly memleak's own doing: storing an entry can
+/// drain the BPF memory allocator's cache for memleak's maps, which
+/// queues an `irq_work` that refills it, at once, with kmalloc and the
+/// pages under it. Recorded, each refill would store an entry, and drain
+/// the cache again. The refills' own call sites are left out too (see
+/// `tunables::ignored_caller`), for a refill run later, outside any
+/// program; but the pages a refill takes have no call site, and Debian's
+/// arm64 6.12 filled the allocations map with a million refills in
+/// seconds, each nested in a program run, before this.
 #[cfg(not(feature = "legacy-kernels"))]
 fn record_with_stack(ctx: &RawTracePointContext, key: AllocationKey, size: u64) {
-    let stack_id = if scratch::hold().is_some() {
-        let stack_id = stack::current_kernel_stack_id(ctx);
-        scratch::release();
-        stack_id
-    } else {
-        stack::lost_stack(KERNEL_TGID)
-    };
-    record::store(key, size, stack_id);
+    if scratch::hold().is_none() {
+        return;
+    }
+    record::store(key, size, stack::current_kernel_stack_id(ctx));
+    scratch::release();
 }
 
 /// Kernels without `bpf_loop`: a program that took the kernel stack and
@@ -145,8 +152,8 @@ mod staged {
     /// of memleak's own maps, which kernels before 6.1 make with kmalloc
     /// inside the program that stores it, and which 5.10 does not keep
     /// from running the allocation programs again. Recorded, it would
-    /// allocate again, nested deeper each time: it is left out, as later
-    /// kernels leave out a program that fires inside itself.
+    /// allocate again, nested deeper each time: it is left out, as in
+    /// later kernels (see `record_with_stack` above).
     #[expect(clippy::inline_always, reason = "a tail call: see `record`")]
     #[inline(always)]
     pub(super) fn record_with_stack(ctx: &RawTracePointContext, key: AllocationKey, size: u64) {

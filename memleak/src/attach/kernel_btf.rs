@@ -7,7 +7,7 @@
 //! arguments a tracepoint passes, which tells kernels apart where one
 //! changed. aya keeps its BTF type walker private, and this walk is short.
 
-use std::path::Path;
+use std::{ops::Range, path::Path};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
@@ -286,13 +286,32 @@ fn find_member_offset(data: &[u8], structure: &str, member: &str) -> Result<Opti
     Ok(None)
 }
 
-/// The address range of kernel function `name`, from /proc/kallsyms: from
-/// its address to the next symbol's. Without a symbol of that name, that
-/// of the copy GCC made of it, specialized (`NAME.constprop.0`,
-/// `NAME.isra.0`, `NAME.part.0`): a kernel built so has the function under
-/// that name alone.
-pub fn function_range(kallsyms: &str, name: &str) -> Option<std::ops::Range<u64>> {
-    let mut addresses: Vec<(u64, &str)> = kallsyms
+/// The kernel code that refills the BPF memory allocator's caches, which
+/// memleak's own maps draw on, with kmalloc: `alloc_bulk`, and `__alloc`
+/// where the compiler kept it apart (Debian's arm64 6.12, and x86's
+/// 6.18), so that the range runs from one to the other. Both are
+/// kernel/bpf/memalloc.c's, whose functions lie together, and those
+/// between them free and allocate nothing; so the `__alloc` taken is the
+/// one within `MEMALLOC_TEXT` of `alloc_bulk`, not another file's.
+pub fn bpf_refill_range(kallsyms: &str) -> Option<Range<u64>> {
+    /// Twice the size of memalloc.c's code in any kernel seen.
+    const MEMALLOC_TEXT: u64 = 0x8000;
+    let symbols = symbols_by_address(kallsyms);
+    let bulk = function_ranges(&symbols, "alloc_bulk").into_iter().next()?;
+    let apart = function_ranges(&symbols, "__alloc")
+        .into_iter()
+        .filter(|single| single.start.abs_diff(bulk.start) < MEMALLOC_TEXT)
+        .min_by_key(|single| single.start.abs_diff(bulk.start));
+    Some(match apart {
+        Some(single) => single.start.min(bulk.start)..single.end.max(bulk.end),
+        None => bulk,
+    })
+}
+
+/// /proc/kallsyms' (address, name) pairs, sorted by address, those
+/// hidden (address 0) left out.
+fn symbols_by_address(kallsyms: &str) -> Vec<(u64, &str)> {
+    let mut symbols: Vec<(u64, &str)> = kallsyms
         .lines()
         .filter_map(|line| {
             let mut fields = line.split_whitespace();
@@ -302,19 +321,39 @@ pub fn function_range(kallsyms: &str, name: &str) -> Option<std::ops::Range<u64>
         })
         .filter(|(address, _)| *address != 0)
         .collect();
-    addresses.sort_unstable();
+    symbols.sort_unstable();
+    symbols
+}
+
+/// The address range of each kernel function named `name`, in address
+/// order: from its address to the next symbol's. Without a symbol of that
+/// name, those of the copies GCC made of it, specialized
+/// (`NAME.constprop.0`, `NAME.isra.0`, `NAME.part.0`): a kernel built so
+/// has the function under that name alone.
+fn function_ranges(symbols: &[(u64, &str)], name: &str) -> Vec<Range<u64>> {
     let clone_of = |symbol: &str| {
         symbol.strip_prefix(name).and_then(|rest| rest.strip_prefix('.')).is_some_and(|suffix| {
             ["constprop.", "isra.", "part."].iter().any(|kind| suffix.starts_with(kind))
         })
     };
-    let index = addresses
-        .iter()
-        .position(|(_, symbol)| *symbol == name)
-        .or_else(|| addresses.iter().position(|(_, symbol)| clone_of(symbol)))?;
-    let start = addresses[index].0;
-    let end = addresses[index..].iter().map(|(address, _)| *address).find(|&address| address > start)?;
-    Some(start..end)
+    let ranges_of = |matches: &dyn Fn(&str) -> bool| -> Vec<Range<u64>> {
+        symbols
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, symbol))| matches(symbol))
+            .filter_map(|(index, &(start, _))| {
+                let end =
+                    symbols[index..].iter().map(|&(address, _)| address).find(|&address| address > start)?;
+                Some(start..end)
+            })
+            .collect()
+    };
+    let exact = ranges_of(&|symbol| symbol == name);
+    if exact.is_empty() {
+        ranges_of(&clone_of)
+    } else {
+        exact
+    }
 }
 
 #[cfg(test)]
@@ -351,13 +390,28 @@ mod tests {
 
     #[test]
     fn a_function_ends_where_the_next_symbol_starts() {
+        let first = |kallsyms, name| function_ranges(&symbols_by_address(kallsyms), name).into_iter().next();
         let kallsyms =
             "ffffffff81000200 t second\nffffffff81000100 T first\nffffffff81000100 t first_alias\n";
-        assert_eq!(function_range(kallsyms, "first"), Some(0xffff_ffff_8100_0100..0xffff_ffff_8100_0200));
-        assert_eq!(function_range(kallsyms, "missing"), None);
+        assert_eq!(first(kallsyms, "first"), Some(0xffff_ffff_8100_0100..0xffff_ffff_8100_0200));
+        assert_eq!(first(kallsyms, "missing"), None);
         let cloned = "ffffffff81000300 t alloc_bulk.constprop.0\nffffffff81000400 t free_bulk\n\
                       ffffffff81000100 t alloc_bulk_other\n";
-        assert_eq!(function_range(cloned, "alloc_bulk"), Some(0xffff_ffff_8100_0300..0xffff_ffff_8100_0400));
-        assert_eq!(function_range(cloned, "alloc"), None, "another function, not a copy of it");
+        assert_eq!(first(cloned, "alloc_bulk"), Some(0xffff_ffff_8100_0300..0xffff_ffff_8100_0400));
+        assert_eq!(first(cloned, "alloc"), None, "another function, not a copy of it");
+    }
+
+    #[test]
+    fn the_refill_range_takes_in_the_nearby_alloc_kept_apart() {
+        // Debian's arm64 6.12: __alloc, then functions that free, then
+        // alloc_bulk; another file's __alloc far away.
+        let apart = "ffffdab8f3000000 t __alloc\n\
+                     ffffdab8f38d9370 t __alloc\nffffdab8f38d9438 t free_mem_alloc_no_barrier\n\
+                     ffffdab8f38da050 t alloc_bulk\nffffdab8f38da3a8 t bpf_mem_refill\n";
+        assert_eq!(bpf_refill_range(apart), Some(0xffff_dab8_f38d_9370..0xffff_dab8_f38d_a3a8));
+        // x86's 6.1, __alloc inlined: alloc_bulk alone.
+        let inlined = "ffffffff81000300 t alloc_bulk\nffffffff81000400 t free_bulk\n";
+        assert_eq!(bpf_refill_range(inlined), Some(0xffff_ffff_8100_0300..0xffff_ffff_8100_0400));
+        assert_eq!(bpf_refill_range("ffffffff81000300 t __alloc\n"), None);
     }
 }

@@ -306,10 +306,9 @@ impl Session {
         let btf = Path::new(kernel_btf::VMLINUX_BTF);
         let cache_size_offset = kernel_btf::member_offset(btf, "kmem_cache", "size")?;
         // Inserting into memleak's own maps makes the BPF memory allocator
-        // refill them with kmalloc, from alloc_bulk: counting those would
-        // feed on itself.
+        // refill them with kmalloc: counting those would feed on itself.
         let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
-        let ignored_callers = kernel_btf::function_range(&kallsyms, "alloc_bulk").unwrap_or_else(|| {
+        let ignored_callers = kernel_btf::bpf_refill_range(&kallsyms).unwrap_or_else(|| {
             log::warn!("alloc_bulk is not in /proc/kallsyms: memleak's own map refills may be counted");
             0..0
         });
