@@ -398,6 +398,43 @@ pub struct ServeArgs {
     /// each is two series per process in every scrape.
     #[arg(long, value_name = "K", default_value_t = 5, value_parser = clap::value_parser!(u16).range(..=100))]
     pub metrics_top_stacks: u16,
+
+    #[command(flatten)]
+    pub watching: Watching,
+}
+
+/// `memleak serve --watch`: trace only what grows.
+#[derive(Debug, clap::Args)]
+#[command(next_help_heading = "Watching")]
+pub struct Watching {
+    /// Watch the processes the selectors name (every process with none)
+    /// from the kernel's memory counters, with no probe, and trace only
+    /// those whose anonymous memory grows, for --trace-for each.
+    #[arg(long)]
+    pub watch: bool,
+
+    /// Time between looks at the processes' counters: 1s, 5s, 1m.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration, requires = "watch")]
+    pub watch_every: Duration,
+
+    /// The span a process's growth is judged over: its memory's floor
+    /// must rise through it, quarter after quarter.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration, requires = "watch")]
+    pub growth_window: Duration,
+
+    /// The least growth judged a leak, as SIZE/UNIT: 64KiB/s, 1MiB/min,
+    /// 100MiB/h.
+    #[arg(long, value_name = "RATE", default_value = "1MiB/min", value_parser = parse_rate, requires = "watch")]
+    pub min_growth: f64,
+
+    /// How long a process found growing is traced before it is let go,
+    /// its last report kept.
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = parse_duration, requires = "watch")]
+    pub trace_for: Duration,
+
+    /// Processes traced at once at most; others found growing wait.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..), requires = "watch")]
+    pub max_traced: u16,
 }
 
 #[derive(Debug, clap::Args)]
@@ -546,6 +583,36 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     match count.checked_mul(unit_seconds) {
         Some(seconds) if seconds <= MAX_INTERVAL_SECONDS => Ok(Duration::from_secs(seconds)),
         _ => Err(format!("`{text}` is longer than a year")),
+    }
+}
+
+/// A rate of growth in bytes per second, from SIZE/UNIT: `64KiB/s`,
+/// `1MiB/min`, `100MB/h`; SIZE a number with B, KiB, MiB or GiB (K, M
+/// and G, and KB, MB and GB, read as powers of 1,024 too).
+fn parse_rate(text: &str) -> Result<f64, String> {
+    let forms = || format!("`{text}` is not a rate: give SIZE/UNIT, as in 64KiB/s, 1MiB/min or 100MiB/h");
+    let (size, per) = text.split_once('/').ok_or_else(forms)?;
+    let seconds = match per {
+        "s" => 1.0,
+        "min" | "m" => 60.0,
+        "h" => 3600.0,
+        _ => return Err(forms()),
+    };
+    let split = size.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(size.len());
+    let (number, unit) = size.split_at(split);
+    let number: f64 = number.parse().map_err(|_| forms())?;
+    let unit_bytes = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(forms()),
+    };
+    let rate = number * unit_bytes / seconds;
+    if rate.is_finite() && rate > 0.0 {
+        Ok(rate)
+    } else {
+        Err(format!("`{text}`: the least growth must be more than nothing"))
     }
 }
 

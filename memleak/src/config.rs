@@ -62,6 +62,9 @@ pub struct ServeConfig {
     /// Where the node's root is (`--host-root`): the container runtimes'
     /// and the kubelet's files that name containers and pods are below.
     pub host_root: PathBuf,
+    /// --watch: the selectors name what is watched, and only what grows
+    /// is traced.
+    pub watch: Option<crate::watch::WatchSettings>,
 }
 
 /// A tracing run.
@@ -348,15 +351,38 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     check_filters(&args.probing)?;
     check_host_root(&args.host_root)?;
     let workload = workload_filter(&args)?;
-    if args.pid.is_empty()
+    let watching = &args.watching;
+    if !watching.watch
+        && args.pid.is_empty()
         && args.cgroup.is_empty()
         && args.exe.is_empty()
         && args.container.is_empty()
         && workload.is_none()
     {
         return Err("memleak serve needs something to follow: give --pid, --cgroup, --exe, --container, \
-                    --namespace, --pod or --container-name"
+                    --namespace, --pod or --container-name, or --watch to watch every process"
             .to_owned());
+    }
+    let watch = watching.watch.then(|| crate::watch::WatchSettings {
+        every: watching.watch_every,
+        rule: crate::watch::growth::GrowthRule {
+            window: watching.growth_window,
+            min_bytes_per_second: watching.min_growth,
+        },
+        trace_for: watching.trace_for,
+        max_traced: usize::from(watching.max_traced),
+    });
+    if let Some(watch) = &watch {
+        // Four quarters of two samples each at least.
+        if watch.rule.window < watch.every * 8 {
+            return Err(format!(
+                "--growth-window {:?} holds fewer than 8 looks every {:?}: give a longer window or a shorter --watch-every",
+                watch.rule.window, watch.every
+            ));
+        }
+        if watch.every.is_zero() || watch.trace_for.is_zero() {
+            return Err("--watch-every and --trace-for must be longer than nothing".to_owned());
+        }
     }
     if let Some(bad) = args.exe.iter().find(|name| name.is_empty() || name.contains('/')) {
         return Err(format!(
@@ -364,9 +390,13 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         ));
     }
     // Newcomers are probed one by one: the processes they fork are found
-    // at once, not at the next look.
-    let follows_newcomers =
-        !(args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty() && workload.is_none());
+    // at once, not at the next look. A watch traces the process found
+    // growing, not its children.
+    let follows_newcomers = watch.is_none()
+        && !(args.cgroup.is_empty()
+            && args.exe.is_empty()
+            && args.container.is_empty()
+            && workload.is_none());
     let selectors = args
         .pid
         .iter()
@@ -394,6 +424,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         token_file: args.token_file,
         metrics_top_stacks: usize::from(args.metrics_top_stacks),
         host_root: args.host_root,
+        watch,
     })
 }
 
@@ -538,7 +569,7 @@ mod tests {
             serve("serve").err().as_deref(),
             Some(
                 "memleak serve needs something to follow: give --pid, --cgroup, --exe, --container, \
-                 --namespace, --pod or --container-name"
+                 --namespace, --pod or --container-name, or --watch to watch every process"
             )
         );
     }

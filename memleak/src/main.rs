@@ -33,6 +33,7 @@ mod status;
 mod stop_signals;
 mod symbolize;
 mod unwind;
+mod watch;
 
 use std::process::ExitCode;
 

@@ -17,6 +17,7 @@ use crate::{
     process::container::{self, ContainerCgroup, ContainerError},
     session::{Selector, Session},
     status,
+    watch::Scope,
 };
 
 /// How often the containers followed are checked for.
@@ -84,7 +85,7 @@ impl FollowedContainers {
     /// follow those found again (or for the first time) from now on; the
     /// session takes their processes in at its next refresh. Nothing here
     /// ends the daemon: a container not found is looked for again.
-    pub fn look(&mut self, session: &mut Session) {
+    pub fn look(&mut self, follower: &mut dyn CgroupFollower) {
         for one in &mut self.watched {
             let gone = one.present && one.followed.as_ref().is_some_and(|followed| !followed.path.is_dir());
             if gone {
@@ -121,7 +122,7 @@ impl FollowedContainers {
                 }
             };
             let instead_of = one.followed.as_ref().map(|followed| followed.path.as_path());
-            match session.follow_cgroup(&found.path, instead_of) {
+            match follower.follow_cgroup(&found.path, instead_of) {
                 Ok(()) => {
                     one.say_following(&found);
                     one.followed = Some(found);
@@ -135,6 +136,25 @@ impl FollowedContainers {
                 }
             }
         }
+    }
+}
+
+/// What a container found is given to: the session, which traces its
+/// processes, or a watch (`serve --watch`), which watches them.
+pub trait CgroupFollower {
+    fn follow_cgroup(&mut self, path: &Path, instead_of: Option<&Path>) -> Result<(), String>;
+}
+
+impl CgroupFollower for Session {
+    fn follow_cgroup(&mut self, path: &Path, instead_of: Option<&Path>) -> Result<(), String> {
+        Session::follow_cgroup(self, path, instead_of).map_err(|error| error.to_string())
+    }
+}
+
+impl CgroupFollower for Scope {
+    fn follow_cgroup(&mut self, path: &Path, instead_of: Option<&Path>) -> Result<(), String> {
+        Scope::follow_cgroup(self, path, instead_of);
+        Ok(())
     }
 }
 

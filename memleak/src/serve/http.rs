@@ -51,7 +51,7 @@ const ACCEPT_BACKLOG: libc::c_int = 4096;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 const ENDPOINTS: &str =
-    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report and /healthz";
+    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report, /api/v1/watch and /healthz";
 
 /// The server thread; it ends once `stop` is sent `true`.
 pub struct Server {
@@ -231,6 +231,7 @@ enum Endpoint {
     Healthz,
     Metrics,
     Targets,
+    Watch,
     ServiceDiscovery,
     Report,
     /// Go's two paths of one profile, each showing its own sample type
@@ -245,6 +246,7 @@ impl Endpoint {
             "/healthz" => Endpoint::Healthz,
             "/metrics" => Endpoint::Metrics,
             "/api/v1/targets" => Endpoint::Targets,
+            "/api/v1/watch" => Endpoint::Watch,
             "/api/v1/sd" => Endpoint::ServiceDiscovery,
             "/api/v1/report" => Endpoint::Report,
             // Go serves the same profile at both, alloc_space first at
@@ -262,7 +264,11 @@ impl Endpoint {
             Endpoint::Report => ReportAsked::PARAMETERS,
             Endpoint::Pprof(_) => reports::PPROF_PARAMETERS,
             Endpoint::Metrics => &["pid"],
-            Endpoint::Page | Endpoint::Healthz | Endpoint::Targets | Endpoint::ServiceDiscovery => &[],
+            Endpoint::Page
+            | Endpoint::Healthz
+            | Endpoint::Targets
+            | Endpoint::Watch
+            | Endpoint::ServiceDiscovery => &[],
         }
     }
 }
@@ -324,6 +330,13 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
             }
         },
         Endpoint::Targets => targets(&*board.fresh().await),
+        Endpoint::Watch => match &board.latest().watch {
+            Some(watch) => json(watch.as_ref()),
+            None => plain(
+                StatusCode::NOT_FOUND,
+                format!("{path}: this memleak does not watch: start it with --watch\n"),
+            ),
+        },
         Endpoint::ServiceDiscovery => service_discovery(&board.latest(), &handlers.advertised),
         Endpoint::Pprof(_) | Endpoint::Report => match wanted(endpoint, &params) {
             Ok(wanted) => reports::answer(board, &handlers.windows, &params, wanted).await,
@@ -353,12 +366,17 @@ fn targets(published: &Published) -> Response<Full<Bytes>> {
         targets: published.targets.iter().map(Followed::summary).collect(),
         processes_not_followed: published.processes_not_followed,
     };
-    match serde_json::to_string(&list) {
+    json(&list)
+}
+
+/// `value` as a JSON body, on a line of its own.
+fn json(value: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    match serde_json::to_string(value) {
         Ok(mut body) => {
             body.push('\n');
             with_type(StatusCode::OK, "application/json", body)
         }
-        Err(error) => plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the list: {error}\n")),
+        Err(error) => plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the answer: {error}\n")),
     }
 }
 
@@ -373,25 +391,20 @@ struct DiscoveredTarget<'a> {
 /// process running: this daemon's address, with `__param_pid` (which a
 /// scraper sends as `?pid=`, so /metrics and the profiles answer for that
 /// process alone) and the process's labels. Processes that exited are
-/// not listed: nothing of them is left to scrape but their last report.
+/// not listed, nor those a watch let go: nothing of them is left to
+/// scrape but their last report.
 fn service_discovery(published: &Published, advertised: &str) -> Response<Full<Bytes>> {
     let list: Vec<DiscoveredTarget> = published
         .targets
         .iter()
-        .filter(|followed| !followed.exited)
+        .filter(|followed| followed.is_traced())
         .map(|followed| {
             let mut labels: BTreeMap<String, String> = followed.labels().into_iter().collect();
             labels.insert("__param_pid".to_owned(), followed.pid.to_string());
             DiscoveredTarget { targets: [advertised], labels }
         })
         .collect();
-    match serde_json::to_string(&list) {
-        Ok(mut body) => {
-            body.push('\n');
-            with_type(StatusCode::OK, "application/json", body)
-        }
-        Err(error) => plain(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write the list: {error}\n")),
-    }
+    json(&list)
 }
 
 #[cfg(test)]

@@ -15,7 +15,12 @@ use super::{
     state::{Followed, Published},
     top_stacks::{top_stacks, ShownStack},
 };
-use crate::{bpf::MapFill, model::Workload};
+use crate::{
+    bpf::MapFill,
+    model::Workload,
+    watch::{State, WatchView, WatchedProcess},
+};
+use std::path::Path;
 
 /// The exposition format's content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -202,7 +207,68 @@ pub fn render_for(published: &Published, only: Option<u32>) -> String {
          each is read again when a stack needs it.",
     );
     let _ = writeln!(out, "memleak_python_code_objects_let_go_total {}", published.python_code_let_go);
+    if let Some(watch) = &published.watch {
+        render_watch(&mut out, watch);
+    }
     out
+}
+
+/// With --watch: how many processes stand in each state, the windows of
+/// tracing begun, and each process not merely watched with its state,
+/// memory and growth. The merely watched are counted, not listed: a node
+/// runs a thousand of them, and cAdvisor has their memory already.
+fn render_watch(out: &mut String, watch: &WatchView) {
+    header(
+        out,
+        "memleak_watched_processes",
+        Kind::Gauge,
+        "Processes --watch looks at, by state: watched (counters only), suspected (growing, waiting for a \
+         tracing slot), traced, detached (traced, then let go), untraceable (growing, but no allocator memleak \
+         can probe).",
+    );
+    for state in State::NAMES {
+        let count = watch.processes.iter().filter(|process| process.state == state).count();
+        let _ = writeln!(out, "memleak_watched_processes{{state=\"{state}\"}} {count}");
+    }
+    header(out, "memleak_watch_windows_total", Kind::Counter, "Windows of tracing --watch began.");
+    let _ = writeln!(out, "memleak_watch_windows_total {}", watch.windows_total);
+    let singled_out: Vec<_> = watch.processes.iter().filter(|process| process.state != "watched").collect();
+    let series: [(&str, &str, fn(&WatchedProcess) -> Option<i128>); 3] = [
+        ("memleak_watch_state", "1 for each process --watch singled out, labelled with its state.", |_| {
+            Some(1)
+        }),
+        (
+            "memleak_watch_anon_bytes",
+            "Anonymous resident memory of each process --watch singled out, from /proc/PID/statm.",
+            |process| Some(i128::from(process.anon_bytes)),
+        ),
+        (
+            "memleak_watch_growth_bytes_per_second",
+            "Growth of each process --watch singled out, its anonymous memory's robust slope over \
+             --growth-window, as last judged.",
+            |process| process.growth_bytes_per_second.map(i128::from),
+        ),
+    ];
+    for (name, help, value) in series {
+        header(out, name, Kind::Gauge, help);
+        for process in &singled_out {
+            let Some(value) = value(process) else { continue };
+            let executable = Path::new(&process.program)
+                .file_name()
+                .map_or_else(|| process.program.clone(), |name| name.to_string_lossy().into_owned());
+            let state = if name == "memleak_watch_state" {
+                format!(",state=\"{}\"", process.state)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                out,
+                "{name}{{pid=\"{}\",exe=\"{}\"{state}}} {value}",
+                process.pid,
+                escape_label(&executable)
+            );
+        }
+    }
 }
 
 /// The largest stacks of each process; nothing, headers included, when

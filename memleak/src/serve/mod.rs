@@ -46,6 +46,7 @@ use crate::{
         PYTHON_PENDING_RETRY,
     },
     status,
+    watch::{Scope, Watcher},
 };
 use containers::FollowedContainers;
 use state::{Board, Followed, Growth, Published, Query};
@@ -90,6 +91,8 @@ pub enum ServeError {
     Token(String),
     #[error("{0}")]
     Advertise(String),
+    #[error("{0}")]
+    Watch(String),
 }
 
 /// Follows the processes and serves their reports until SIGINT or
@@ -106,7 +109,16 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     raise_descriptor_limit();
     let token = config.token_file.as_deref().map(Token::read).transpose().map_err(ServeError::Token)?;
     let (mut containers, found) = FollowedContainers::start(&config.containers)?;
-    let selectors: Vec<Selector> = config.selectors.iter().cloned().chain(found).collect();
+    let mut selectors: Vec<Selector> = config.selectors.iter().cloned().chain(found).collect();
+    // A watch traces nothing until a process grows: the selectors name
+    // what it watches, and the session is given the processes to trace.
+    let watcher = match config.watch {
+        Some(settings) => {
+            let scope = Scope::new(&std::mem::take(&mut selectors)).map_err(ServeError::Watch)?;
+            Some(Watcher::new(settings, scope))
+        }
+        None => None,
+    };
     Tracer::check_kernel()?;
     Tracer::check_privileges(Traced::Processes)?;
     let listener = TcpListener::bind(config.listen)
@@ -121,7 +133,8 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // Said with -v, as the one-shot runs say it.
     let _ = session.kernel_paths();
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
-    let mut collector = Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()));
+    let mut collector =
+        Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()), watcher);
     collector.sync(&session);
     // The processes are listed, and can be asked for, before their first
     // report.
@@ -195,10 +208,11 @@ fn advertised(advertise: Option<&str>, serving: std::net::SocketAddr) -> Result<
     Ok(address.to_string())
 }
 
-/// A process followed, and when it exited if it did.
+/// A process followed, and when it stopped being traced if it did: it
+/// exited, or a watch let it go.
 struct Entry {
     followed: Followed,
-    exited_at: Option<Instant>,
+    let_go_at: Option<Instant>,
 }
 
 impl Entry {
@@ -228,10 +242,17 @@ struct Collector {
     last_round: Option<Instant>,
     /// Names each newcomer's container and pod.
     resolver: Resolver,
+    /// With --watch: what is watched, and which processes to trace.
+    watcher: Option<Watcher>,
 }
 
 impl Collector {
-    fn new(retain: Duration, queries: tokio::sync::mpsc::Receiver<Query>, resolver: Resolver) -> Self {
+    fn new(
+        retain: Duration,
+        queries: tokio::sync::mpsc::Receiver<Query>,
+        resolver: Resolver,
+        watcher: Option<Watcher>,
+    ) -> Self {
         Self {
             followed: BTreeMap::new(),
             live: HashMap::new(),
@@ -241,6 +262,7 @@ impl Collector {
             last_error: None,
             last_round: None,
             resolver,
+            watcher,
         }
     }
 
@@ -252,6 +274,14 @@ impl Collector {
             let key = target.key();
             self.live.insert(target.pid, key);
             if let Some(entry) = self.followed.get_mut(&key) {
+                if entry.followed.detached {
+                    // Found growing again: a new window, counted afresh.
+                    entry.followed.detached = false;
+                    entry.let_go_at = None;
+                    entry.followed.report = None;
+                    entry.followed.growth = Growth::default();
+                    continue;
+                }
                 // Taken in after its execve, once its loader mapped its
                 // libraries (see `restart`).
                 if entry.followed.program != target.program {
@@ -263,7 +293,7 @@ impl Collector {
             status::say(&describe_newcomer(target));
             let workload = self.resolver.workload_of(target.pid);
             let followed = Followed::new(target.pid, target.program.clone(), workload);
-            self.followed.insert(key, Entry { followed, exited_at: None });
+            self.followed.insert(key, Entry { followed, let_go_at: None });
         }
     }
 
@@ -281,6 +311,9 @@ impl Collector {
         let mut refresh = tokio::time::interval(REFRESH);
         let mut container_look = tokio::time::interval(containers::LOOK);
         container_look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut watch_look =
+            tokio::time::interval(self.watcher.as_ref().map_or(REFRESH, |w| w.settings().every));
+        watch_look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut python_retry = tokio::time::interval(PYTHON_PENDING_RETRY);
         python_retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether a target may have an interpreter not initialised yet:
@@ -293,7 +326,14 @@ impl Collector {
                     continue;
                 }
                 _ = rounds.tick() => self.round(session, board, None),
-                _ = container_look.tick(), if containers.any() => containers.look(session),
+                _ = container_look.tick(), if containers.any() => match self.watcher.as_mut() {
+                    Some(watcher) => containers.look(watcher.scope_mut()),
+                    None => containers.look(session),
+                },
+                _ = watch_look.tick(), if self.watcher.is_some() => {
+                    python_pending = true;
+                    self.watch(session, board)?;
+                }
                 () = board.asked() => {
                     // A client asking again and again must not keep the
                     // collector busy: a round this recent is fresh enough.
@@ -389,13 +429,51 @@ impl Collector {
         Ok(())
     }
 
+    /// A look at every watched process: the windows ended are closed,
+    /// each with its last report, then the processes found growing are
+    /// traced, as many as --max-traced lets.
+    fn watch(&mut self, session: &mut Session, board: &Board) -> Result<(), ServeError> {
+        let now = Instant::now();
+        let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
+        let ended = watcher.windows_ended(now);
+        for pid in ended {
+            self.round_with(session, board, Some(pid), &LAST_REPORT);
+            session.stop_tracing(pid)?;
+            self.mark_detached(pid);
+            if let Some(watcher) = self.watcher.as_mut() {
+                watcher.detached(pid);
+            }
+            status::say(&format!("pid {pid}: its window ended; detached, its last report stays"));
+        }
+        let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
+        for pid in watcher.look(now) {
+            match session.trace_process(pid) {
+                Ok(()) => watcher.traced(pid, now),
+                Err(error) => watcher.untraceable(pid, &error.to_string()),
+            }
+        }
+        self.sync(session);
+        self.publish(board);
+        Ok(())
+    }
+
+    /// Process `pid`, let go at the end of its window, runs on: its last
+    /// report stays for --retain, or until it is traced again.
+    fn mark_detached(&mut self, pid: u32) {
+        let Some(key) = self.live.remove(&pid) else { return };
+        if let Some(entry) = self.followed.get_mut(&key) {
+            entry.followed.detached = true;
+            entry.let_go_at = Some(Instant::now());
+        }
+    }
+
     /// Process `pid` is no longer traced: its last report stays for
     /// --retain.
     fn mark_exited(&mut self, pid: u32) {
         let Some(key) = self.live.remove(&pid) else { return };
         if let Some(entry) = self.followed.get_mut(&key) {
             entry.followed.exited = true;
-            entry.exited_at = Some(Instant::now());
+            entry.let_go_at = Some(Instant::now());
         }
     }
 
@@ -406,7 +484,7 @@ impl Collector {
         let retain = self.retain;
         let before = self.followed.len();
         self.followed.retain(|key, entry| {
-            let expired = entry.exited_at.is_some_and(|exited| exited.elapsed() >= retain);
+            let expired = entry.let_go_at.is_some_and(|exited| exited.elapsed() >= retain);
             if expired {
                 log::debug!("forgetting pid {} ({}), exited {retain:?} ago", key.pid, entry.followed.program);
             }
@@ -474,6 +552,7 @@ impl Collector {
     fn publish(&self, board: &Board) {
         board.publish(Published {
             targets: self.followed.values().map(|entry| entry.followed.clone()).collect(),
+            watch: self.watcher.as_ref().map(|watcher| std::sync::Arc::new(watcher.view())),
             processes_not_followed: self.processes_not_followed,
             python_code_let_go: crate::python::code::let_go_past_budget(),
             ..Published::default()

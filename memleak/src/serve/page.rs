@@ -10,6 +10,7 @@ use super::state::{Followed, Published};
 use crate::{
     model::Workload,
     report::{printable, subject, text::frame_name, Report},
+    watch::{describe_rate, WatchView, WatchedProcess},
 };
 
 /// The page, from one round of reports.
@@ -18,8 +19,16 @@ pub fn render(published: &Published) -> String {
     let mut page = String::from(HEAD);
     // Writing to a String cannot fail.
     let _ = write!(page, "<title>{title}</title>\n{STYLE}<h1>{title}</h1>\n{WHAT}");
+    if let Some(watch) = &published.watch {
+        watch_section(&mut page, watch);
+    }
     if published.targets.is_empty() {
-        page.push_str("<p>No process is followed yet.</p>\n");
+        let none = if published.watch.is_some() {
+            "No process has been traced yet."
+        } else {
+            "No process is followed yet."
+        };
+        let _ = writeln!(page, "<p>{none}</p>");
     } else {
         page.push_str(TABLE_HEAD);
         for followed in &published.targets {
@@ -34,7 +43,11 @@ pub fn render(published: &Published) -> String {
 fn row(page: &mut String, followed: &Followed) {
     let pid = followed.pid;
     let report = followed.report.as_deref();
-    let state = if followed.exited { "exited" } else { "traced" };
+    let state = match (followed.exited, followed.detached) {
+        (true, _) => "exited",
+        (false, true) => "detached",
+        (false, false) => "traced",
+    };
     let (bytes, allocations, growth) = match report {
         Some(report) => (
             grouped(report.total_bytes),
@@ -71,6 +84,50 @@ fn row(page: &mut String, followed: &Followed) {
         container = escape(&container),
         culprit = escape(&culprit),
     );
+}
+
+/// With --watch: how many processes are watched, and those singled out
+/// (found growing, traced, let go, untraceable) with their memory and
+/// growth; their reports are in the table below.
+fn watch_section(page: &mut String, watch: &WatchView) {
+    let watched = watch.processes.iter().filter(|process| process.state == "watched").count();
+    let _ = writeln!(
+        page,
+        "<h2>Watched</h2>\n<p>{} processes watched from their counters, every {}s; a process whose anonymous \
+         memory grows {} or more over {}s is traced for {}s, {} at a time. {watched} show no growth.</p>",
+        watch.processes.len(),
+        watch.every_seconds,
+        escape(&describe_rate(watch.min_growth_bytes_per_second)),
+        watch.growth_window_seconds,
+        watch.trace_for_seconds,
+        watch.max_traced,
+    );
+    let singled_out: Vec<&WatchedProcess> =
+        watch.processes.iter().filter(|process| process.state != "watched").collect();
+    if singled_out.is_empty() {
+        return;
+    }
+    page.push_str(
+        "<table><thead><tr><th>pid</th><th>program</th><th>state</th><th>resident</th><th>anonymous</th>\
+         <th>growth</th><th>why untraced</th></tr></thead><tbody>\n",
+    );
+    for process in singled_out {
+        let growth =
+            process.growth_bytes_per_second.map_or_else(|| "-".to_owned(), |rate| describe_rate(rate as f64));
+        let _ = writeln!(
+            page,
+            "<tr><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td>\
+             <td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+            process.pid,
+            escape(&process.program),
+            process.state,
+            grouped(process.resident_bytes),
+            grouped(process.anon_bytes),
+            escape(&growth),
+            escape(process.untraceable.as_deref().unwrap_or("")),
+        );
+    }
+    page.push_str("</tbody></table>\n");
 }
 
 /// How the page names a workload: `namespace/pod/container` as far as

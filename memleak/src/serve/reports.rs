@@ -137,8 +137,8 @@ pub async fn answer(
 /// The profile of every process followed, as pprof: each sample labelled
 /// with its process's labels (`Followed::labels`), so that a scraper of
 /// the node (Pyroscope's, Parca's) gets a series per process from one
-/// scrape. Processes that exited are left out: they hold nothing now, and
-/// their last reports stay served by pid.
+/// scrape. Processes that exited or were let go are left out: nothing of
+/// them is traced now, and their last reports stay served by pid.
 async fn node_wide(
     board: &BoardReader,
     windows: &Arc<Windows>,
@@ -157,7 +157,7 @@ async fn node_wide(
     let labelled: Vec<Labelled> = reports
         .iter()
         .map(|report| {
-            let followed = published.named_by(report.pid).filter(|followed| !followed.exited);
+            let followed = published.named_by(report.pid).filter(|followed| followed.is_traced());
             // Taken in since the last round was published: what the
             // report itself says of it.
             let labels = followed.map_or_else(
@@ -265,7 +265,7 @@ async fn report(
         let reason = format!("pid {pid} is not followed: {TARGETS_URL} lists those that are");
         return Err(Refusal::new(StatusCode::NOT_FOUND, reason));
     };
-    if followed.exited {
+    if !followed.is_traced() {
         return last_report(followed, asked, window.is_some());
     }
     let workload = followed.workload.clone();
@@ -285,22 +285,31 @@ async fn report(
             Ok(report)
         }
         // It exited while the request waited: its last report, if kept.
-        None => match board.latest().named_by(pid).filter(|followed| followed.exited) {
+        None => match board.latest().named_by(pid).filter(|followed| !followed.is_traced()) {
             Some(exited) => last_report(exited, asked, window.is_some()),
             None => Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} is no longer traced"))),
         },
     }
 }
 
-/// An exited process's last report, cut as asked: all there is of it.
+/// The last report of a process no longer traced (exited, or let go at
+/// the end of its window), cut as asked: all there is of it.
 fn last_report(followed: &Followed, asked: ReportAsked, windowed: bool) -> Result<Report, Refusal> {
     let pid = followed.pid;
+    let (gone, before) = if followed.exited {
+        ("has exited", "exited")
+    } else {
+        ("was let go at the end of its window", "was let go")
+    };
     if windowed || asked.older_ms.is_some() {
-        let reason = format!("pid {pid} has exited: only its last report is kept, without ?seconds or older");
+        let reason = format!("pid {pid} {gone}: only its last report is kept, without ?seconds or older");
         return Err(Refusal::new(StatusCode::BAD_REQUEST, reason));
     }
     let Some(last) = followed.report.as_deref() else {
-        return Err(Refusal::new(StatusCode::NOT_FOUND, format!("pid {pid} exited before its first report")));
+        return Err(Refusal::new(
+            StatusCode::NOT_FOUND,
+            format!("pid {pid} {before} before its first report"),
+        ));
     };
     let mut last = last.clone();
     last.workload.clone_from(&followed.workload);

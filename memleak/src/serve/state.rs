@@ -8,7 +8,7 @@ use std::{cell::Cell, path::Path, sync::Arc, time::Duration};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-use crate::{bpf::MapFill, model::Workload, report::Report, session::ReportRequest};
+use crate::{bpf::MapFill, model::Workload, report::Report, session::ReportRequest, watch::WatchView};
 
 /// One round's view of every process followed, by pid.
 #[derive(Clone, Debug, Default)]
@@ -25,6 +25,8 @@ pub struct Published {
     /// Python code objects let go to keep memleak within its budgets
     /// (see `python::code::let_go_past_budget`).
     pub python_code_let_go: u64,
+    /// With --watch: every process watched, and where it stands.
+    pub watch: Option<Arc<WatchView>>,
 }
 
 impl Published {
@@ -45,6 +47,9 @@ pub struct Followed {
     pub program: String,
     /// It exited; its last report stays.
     pub exited: bool,
+    /// With --watch: its window of tracing ended and it was let go,
+    /// running on; its last report stays.
+    pub detached: bool,
     pub report: Option<Arc<Report>>,
     /// How its outstanding bytes moved over its reports.
     pub growth: Growth,
@@ -56,7 +61,15 @@ pub struct Followed {
 impl Followed {
     /// A process just taken in: no report yet.
     pub fn new(pid: u32, program: String, workload: Option<Workload>) -> Self {
-        Self { pid, program, exited: false, report: None, growth: Growth::default(), workload }
+        Self {
+            pid,
+            program,
+            exited: false,
+            detached: false,
+            report: None,
+            growth: Growth::default(),
+            workload,
+        }
     }
 
     /// Keeps `report` as the latest, and tracks the growth it shows. The
@@ -69,6 +82,11 @@ impl Followed {
             Some(_) => self.growth.after(new_memory),
         };
         self.report = Some(Arc::new(report));
+    }
+
+    /// Whether it is traced now: neither exited nor let go by a watch.
+    pub fn is_traced(&self) -> bool {
+        !self.exited && !self.detached
     }
 
     /// The executable's file name: the `exe` label and the list's name.
@@ -95,6 +113,7 @@ impl Followed {
             executable: self.executable(),
             program: &self.program,
             exited: self.exited,
+            detached: self.detached,
             workload: WorkloadLabels::of(self.workload.as_ref()),
             allocator: report.map(|report| report.allocator.as_str()),
             report_time_unix_ms: report.map(|report| report.time_unix_ms),
@@ -154,6 +173,8 @@ pub struct TargetSummary<'a> {
     pub executable: &'a str,
     pub program: &'a str,
     pub exited: bool,
+    /// With --watch: traced for a window, then let go.
+    pub detached: bool,
     #[serde(flatten)]
     pub workload: WorkloadLabels<'a>,
     pub allocator: Option<&'a str>,

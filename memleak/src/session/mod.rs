@@ -20,6 +20,7 @@ use memleak_common::{
 };
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
+pub(crate) use newcomers::runs_one_of;
 use targets::PythonFrames;
 pub use targets::{ReportRequest, Selector, Target, TargetSpec};
 
@@ -990,6 +991,32 @@ impl Session {
             tables.forget(pid);
         }
         Ok(())
+    }
+
+    /// `memleak serve --watch`: starts tracing process `pid`, found
+    /// growing, as if it had been named by pid (an execve keeps it traced)
+    /// until `stop_tracing`.
+    pub fn trace_process(&mut self, pid: u32) -> Result<(), SessionError> {
+        if self.targets.len() >= self.max_processes as usize {
+            return Err(SessionError::TooManyProcesses {
+                pids: self.targets.len() + 1,
+                max: self.max_processes,
+            });
+        }
+        if let Some(why) = left_out(&self.excluded, self.trace_events.is_some(), pid) {
+            return Err(SessionError::Excluded { pid, why });
+        }
+        let held = HeldProcess::hold(pid)?;
+        lifecycle::check_process(pid)?;
+        let (plan, space) = plan_process(pid, &self.allocator)?;
+        self.add_named(vec![(held, plan, space)])
+    }
+
+    /// Stops tracing process `pid`, which runs on: its probes are
+    /// detached, and what it left in the maps is forgotten.
+    pub fn stop_tracing(&mut self, pid: u32) -> Result<(), SessionError> {
+        self.named.remove(&pid);
+        self.remove_target(pid)
     }
 
     /// Starts process `pid`'s books afresh after its execve, its old

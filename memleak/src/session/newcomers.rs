@@ -458,7 +458,7 @@ impl Session {
 /// executable's file name, or by the name it was started under, as `ps`
 /// and `pgrep` show it. They differ for a program started through a
 /// symlink: Debian's redis-server is a link to redis-check-rdb.
-fn runs_one_of(pid: u32, names: &[String]) -> bool {
+pub(crate) fn runs_one_of(pid: u32, names: &[String]) -> bool {
     let executable = executable_name(pid);
     let started_as = command_name(pid);
     names.iter().any(|name| {

@@ -1,0 +1,165 @@
+//! `memleak serve --watch`: processes watched from their counters with no
+//! probe, and only the one whose memory grows traced, for a window, then
+//! let go with its report kept.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use memleak_tests::{
+    cgroups::TestCgroup,
+    fixture,
+    fixtures::marker_line,
+    http::{get, serve, stop},
+    memleak::{frame_functions, stacks_at},
+    uprobes::multi_links,
+    PATIENCE,
+};
+use serde_json::Value;
+
+/// Processes a test started, killed when it ends, failed or not.
+#[derive(Default)]
+struct Fleet(Vec<Child>);
+
+impl Fleet {
+    /// Starts `program` with `args` in `cgroup`; returns its pid.
+    fn start_in(&mut self, cgroup: &TestCgroup, program: &Path, args: &[&str]) -> u32 {
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| panic!("start {}: {error}", program.display()));
+        let pid = child.id();
+        self.0.push(child);
+        cgroup.join(pid);
+        pid
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A Python program that takes 50 MB, holds it a second, frees it and
+/// waits a second, again and again: an interpreter's sawtooth.
+const PYTHON_SAWTOOTH: &str = "import time\n\
+while True:\n    held = [b'x' * 5_000_000 for _ in range(10)]\n    time.sleep(1)\n    del held\n    time.sleep(1)\n";
+
+/// The states `/api/v1/watch` gives each pid.
+fn watch_states(port: u16) -> BTreeMap<u64, String> {
+    let response = get(port, "/api/v1/watch").unwrap_or_else(|error| panic!("GET /api/v1/watch: {error}"));
+    let watch: Value =
+        serde_json::from_str(&response.body).unwrap_or_else(|error| panic!("{error}: {response:#?}"));
+    watch["processes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no processes in {watch:#}"))
+        .iter()
+        .map(|process| (process["pid"].as_u64().unwrap(), process["state"].as_str().unwrap().to_owned()))
+        .collect()
+}
+
+#[test]
+fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
+    let growth = fixture("growth");
+    let parent = TestCgroup::new();
+    let cgroups: Vec<TestCgroup> = (0..10).map(|index| parent.child(&format!("service-{index}"))).collect();
+    let mut fleet = Fleet::default();
+    let mut bystanders = BTreeSet::new();
+    for (index, cgroup) in cgroups.iter().enumerate() {
+        bystanders.insert(fleet.start_in(cgroup, &growth, &["steady"]));
+        bystanders.insert(fleet.start_in(cgroup, &growth, &["churn"]));
+        // Half the sawtooths a C program's, half an interpreter's.
+        let sawtooth = if index < 5 {
+            fleet.start_in(cgroup, &growth, &["sawtooth"])
+        } else {
+            fleet.start_in(cgroup, Path::new("python3"), &["-c", PYTHON_SAWTOOTH])
+        };
+        bystanders.insert(sawtooth);
+    }
+    let leaker = u64::from(fleet.start_in(&cgroups[3], &growth, &["leak", "64"]));
+    let (memleak, port) = serve(&[
+        "--watch",
+        "--cgroup",
+        parent.arg(),
+        "--watch-every",
+        "1s",
+        "--growth-window",
+        "12s",
+        "--min-growth",
+        "16KiB/s",
+        "--trace-for",
+        "6s",
+    ]);
+    let memleak_pid = memleak.child.id();
+    // Every state each process went through, and every process memleak
+    // held a probe in, until the leaker has been traced and let go.
+    let mut states_seen: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    let mut probed = BTreeSet::new();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        for (pid, state) in watch_states(port) {
+            states_seen.entry(pid).or_default().insert(state);
+        }
+        probed.extend(multi_links(memleak_pid).iter().map(|link| u64::from(link.pid)));
+        let leaker_states = states_seen.get(&leaker).cloned().unwrap_or_default();
+        if leaker_states.contains("traced")
+            && watch_states(port).get(&leaker).map(String::as_str) == Some("detached")
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the leaker was not traced, then let go: {states_seen:?}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let watched: BTreeSet<u64> = states_seen.keys().copied().collect();
+    let missing: Vec<_> = bystanders.iter().filter(|pid| !watched.contains(&u64::from(**pid))).collect();
+    assert!(missing.is_empty(), "processes of the cgroups not watched: {missing:?} of {states_seen:?}");
+    let singled_out: Vec<_> = states_seen
+        .iter()
+        .filter(|(pid, states)| **pid != leaker && states.iter().any(|state| state != "watched"))
+        .collect();
+    assert!(singled_out.is_empty(), "steady, churning or sawtooth processes singled out: {singled_out:?}");
+    assert_eq!(probed, BTreeSet::from([leaker]), "the processes memleak placed uprobes in");
+    assert!(multi_links(memleak_pid).is_empty(), "uprobes left in place after the window");
+
+    // Let go, its last report stays, naming the leak's line.
+    let response = get(port, &format!("/api/v1/report?pid={leaker}&format=json"))
+        .unwrap_or_else(|error| panic!("GET the report: {error}"));
+    let report: Value =
+        serde_json::from_str(&response.body).unwrap_or_else(|error| panic!("{error}: {response:#?}"));
+    let line = marker_line("growth", "slow-leak");
+    let leaks = stacks_at(&report, "leak_slowly", line);
+    let [leak] = leaks.as_slice() else {
+        panic!("not one stack at leak_slowly (growth.c:{line}): {report:#}")
+    };
+    let (bytes, allocations) = (leak["bytes"].as_u64().unwrap(), leak["allocations"].as_u64().unwrap());
+    assert!(
+        allocations > 0 && bytes == allocations * 4096,
+        "{allocations} allocations of 4 KiB, {bytes} bytes"
+    );
+    assert!(frame_functions(leak).contains(&"leak"), "leak_slowly's caller: {leak:#}");
+    let targets = get(port, "/api/v1/targets").unwrap().body;
+    let list: Value = serde_json::from_str(&targets).unwrap();
+    let traced: Vec<(u64, bool)> = list["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|target| (target["pid"].as_u64().unwrap(), target["detached"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(traced, [(leaker, true)], "{list:#}");
+    let metrics = get(port, "/metrics").unwrap().body;
+    assert!(
+        metrics.lines().any(|line| line
+            == format!("memleak_watch_state{{pid=\"{leaker}\",exe=\"growth\",state=\"detached\"}} 1")),
+        "{metrics}"
+    );
+    stop(memleak);
+}
