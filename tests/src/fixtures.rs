@@ -75,6 +75,14 @@ pub fn static_leaker() -> PathBuf {
     compile("gcc", &["-g", "-O0", "-fno-omit-frame-pointer", "-pthread", "-static"], &source, "leaker-static")
 }
 
+/// Compiles tests/fixtures/NAME.c linked statically and stripped: no
+/// symbol names its allocator, and memleak cannot trace it. Built as
+/// NAME-static-stripped.
+pub fn static_stripped(name: &str) -> PathBuf {
+    let (source, compiler) = source_of(name);
+    compile(compiler, &["-O1", "-static", "-s"], &source, &format!("{name}-static-stripped"))
+}
+
 /// Builds the Go program in tests/fixtures/NAME with Debian's golang-go,
 /// into target/fixtures/NAME.
 pub fn go_program(name: &str) -> PathBuf {

@@ -12,7 +12,7 @@ use std::{
 use memleak_tests::{
     cgroups::TestCgroup,
     fixture,
-    fixtures::marker_line,
+    fixtures::{marker_line, static_stripped},
     http::{get, serve, stop},
     memleak::{frame_functions, stacks_at},
     uprobes::multi_links,
@@ -162,4 +162,75 @@ fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
         "{metrics}"
     );
     stop(memleak);
+}
+
+#[test]
+fn growers_past_max_traced_wait_and_one_that_cannot_be_traced_is_said_once_and_watched() {
+    let cgroup = TestCgroup::new();
+    let mut fleet = Fleet::default();
+    let growth = fixture("growth");
+    let first = u64::from(fleet.start_in(&cgroup, &growth, &["leak", "128"]));
+    let second = u64::from(fleet.start_in(&cgroup, &growth, &["leak", "64"]));
+    let untraceable = u64::from(fleet.start_in(&cgroup, &static_stripped("growth"), &["leak", "64"]));
+    let (mut memleak, port) = serve(&[
+        "--watch",
+        "--cgroup",
+        cgroup.arg(),
+        "--watch-every",
+        "1s",
+        "--growth-window",
+        "12s",
+        "--min-growth",
+        "16KiB/s",
+        "--trace-for",
+        "4s",
+        "--max-traced",
+        "1",
+    ]);
+    // Each round of states seen, until both leakers have been traced.
+    let mut rounds: Vec<BTreeMap<u64, String>> = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    let traced_once = |rounds: &[BTreeMap<u64, String>], pid: u64| {
+        rounds.iter().any(|states| states.get(&pid).is_some_and(|state| state == "traced"))
+    };
+    let said_untraceable = |rounds: &[BTreeMap<u64, String>]| {
+        rounds
+            .last()
+            .is_some_and(|states| states.get(&untraceable).is_some_and(|state| state == "untraceable"))
+    };
+    // The one that cannot be traced is found so when a slot is free.
+    while !(traced_once(&rounds, first) && traced_once(&rounds, second) && said_untraceable(&rounds)) {
+        assert!(
+            Instant::now() < deadline,
+            "not each grower traced in turn, or found untraceable: {rounds:?}"
+        );
+        rounds.push(watch_states(port));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    for states in &rounds {
+        let traced = states.values().filter(|state| *state == "traced").count();
+        assert!(traced <= 1, "more traced at once than --max-traced 1: {states:?}");
+    }
+    let one_waited = rounds.iter().any(|states| {
+        let pair = (states.get(&first).map(String::as_str), states.get(&second).map(String::as_str));
+        matches!(pair, (Some("traced"), Some("suspected")) | (Some("suspected"), Some("traced")))
+    });
+    assert!(one_waited, "no leaker waited, suspected, while the other was traced: {rounds:?}");
+    stop_and_read(&mut memleak);
+    let said: Vec<String> = memleak
+        .stderr
+        .rest()
+        .into_iter()
+        .filter(|line| line.starts_with(&format!("memleak: pid {untraceable} ")))
+        .collect();
+    assert_eq!(said.len(), 1, "the untraceable process said once: {said:?}");
+    assert!(said[0].contains("cannot be traced: no known allocator"), "{said:?}");
+}
+
+/// Ends the daemon with SIGTERM, which must end it with status 0; its
+/// stderr stays to be read.
+fn stop_and_read(memleak: &mut memleak_tests::Memleak) {
+    memleak.signal(libc::SIGTERM);
+    let status = memleak.child.wait().expect("wait for memleak");
+    assert!(status.success(), "SIGTERM: {status}");
 }
