@@ -375,6 +375,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR", default_value = "/")]
     pub host_root: PathBuf,
 
+    /// Where the evidence of OOM kills is kept, a file per kill under
+    /// DIR/oom, read again at start [default: /var/lib/memleak, or memory
+    /// only if it cannot be made].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
     #[command(flatten)]
     pub probing: Probing,
 
@@ -820,6 +826,27 @@ mod tests {
     fn refused(line: &str) -> String {
         let arguments = std::iter::once("memleak").chain(line.split_whitespace());
         describe_error(&Args::try_parse_from(arguments).expect_err(line))
+    }
+
+    #[test]
+    fn rates_of_growth_are_a_size_per_unit_of_time() {
+        assert_eq!(parse_rate("64KiB/s"), Ok(65536.0));
+        assert_eq!(parse_rate("1MiB/min"), Ok(1048576.0 / 60.0));
+        assert_eq!(parse_rate("3.6MB/h"), Ok(3.6 * 1048576.0 / 3600.0));
+        assert_eq!(parse_rate("512/s"), Ok(512.0));
+        for bad in ["64KiB", "64KiB/d", "KiB/s", "64XB/s", "0KiB/s"] {
+            assert!(parse_rate(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            refused("serve --watch --min-growth 1MiB"),
+            "invalid value `1MiB` for `--min-growth <RATE>`: `1MiB` is not a rate: give SIZE/UNIT, as in 64KiB/s, \
+             1MiB/min or 100MiB/h"
+        );
+        assert!(
+            refused("serve --pid 1 --trace-for 1m").contains("--watch"),
+            "{}",
+            refused("serve --pid 1 --trace-for 1m")
+        );
     }
 
     #[test]

@@ -62,6 +62,8 @@ pub struct ServeConfig {
     /// Where the node's root is (`--host-root`): the container runtimes'
     /// and the kubelet's files that name containers and pods are below.
     pub host_root: PathBuf,
+    /// --state-dir, if given: where OOM kills are kept.
+    pub state_dir: Option<PathBuf>,
     /// --watch: the selectors name what is watched, and only what grows
     /// is traced.
     pub watch: Option<crate::watch::WatchSettings>,
@@ -351,39 +353,13 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     check_filters(&args.probing)?;
     check_host_root(&args.host_root)?;
     let workload = workload_filter(&args)?;
-    let watching = &args.watching;
-    if !watching.watch
-        && args.pid.is_empty()
-        && args.cgroup.is_empty()
-        && args.exe.is_empty()
-        && args.container.is_empty()
-        && workload.is_none()
-    {
+    let selected = !args.pid.is_empty() || selected_beyond_pids(&args) || workload.is_some();
+    if !selected && !args.watching.watch {
         return Err("memleak serve needs something to follow: give --pid, --cgroup, --exe, --container, \
                     --namespace, --pod or --container-name, or --watch to watch every process"
             .to_owned());
     }
-    let watch = watching.watch.then(|| crate::watch::WatchSettings {
-        every: watching.watch_every,
-        rule: crate::watch::growth::GrowthRule {
-            window: watching.growth_window,
-            min_bytes_per_second: watching.min_growth,
-        },
-        trace_for: watching.trace_for,
-        max_traced: usize::from(watching.max_traced),
-    });
-    if let Some(watch) = &watch {
-        // Four quarters of two samples each at least.
-        if watch.rule.window < watch.every * 8 {
-            return Err(format!(
-                "--growth-window {:?} holds fewer than 8 looks every {:?}: give a longer window or a shorter --watch-every",
-                watch.rule.window, watch.every
-            ));
-        }
-        if watch.every.is_zero() || watch.trace_for.is_zero() {
-            return Err("--watch-every and --trace-for must be longer than nothing".to_owned());
-        }
-    }
+    let watch = watch_settings(&args.watching)?;
     if let Some(bad) = args.exe.iter().find(|name| name.is_empty() || name.contains('/')) {
         return Err(format!(
             "--exe `{bad}`: give an executable's file name, such as nginx, not a path (it matches any path)"
@@ -392,11 +368,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
     // Newcomers are probed one by one: the processes they fork are found
     // at once, not at the next look. A watch traces the process found
     // growing, not its children.
-    let follows_newcomers = watch.is_none()
-        && !(args.cgroup.is_empty()
-            && args.exe.is_empty()
-            && args.container.is_empty()
-            && workload.is_none());
+    let follows_newcomers = watch.is_none() && (selected_beyond_pids(&args) || workload.is_some());
     let selectors = args
         .pid
         .iter()
@@ -424,8 +396,43 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         token_file: args.token_file,
         metrics_top_stacks: usize::from(args.metrics_top_stacks),
         host_root: args.host_root,
+        state_dir: args.state_dir,
         watch,
     })
+}
+
+/// Whether --cgroup, --exe or --container select processes: those that
+/// start or join later too.
+fn selected_beyond_pids(args: &ServeArgs) -> bool {
+    !(args.cgroup.is_empty() && args.exe.is_empty() && args.container.is_empty())
+}
+
+/// --watch's settings, checked; `None` without --watch.
+fn watch_settings(watching: &crate::cli::Watching) -> Result<Option<crate::watch::WatchSettings>, String> {
+    if !watching.watch {
+        return Ok(None);
+    }
+    let watch = crate::watch::WatchSettings {
+        every: watching.watch_every,
+        rule: crate::watch::growth::GrowthRule {
+            window: watching.growth_window,
+            min_bytes_per_second: watching.min_growth,
+        },
+        trace_for: watching.trace_for,
+        max_traced: usize::from(watching.max_traced),
+    };
+    if watch.every.is_zero() || watch.trace_for.is_zero() {
+        return Err("--watch-every and --trace-for must be longer than nothing".to_owned());
+    }
+    // Four quarters of two samples each at least.
+    if watch.rule.window < watch.every * 8 {
+        return Err(format!(
+            "--growth-window {}s holds fewer than 8 looks every {}s: give a longer window or a shorter --watch-every",
+            watch.rule.window.as_secs(),
+            watch.every.as_secs()
+        ));
+    }
+    Ok(Some(watch))
 }
 
 /// The address --listen and --port name together. Both forms are taken:
@@ -547,6 +554,31 @@ mod tests {
             Run::Serve(config) => Ok(*config),
             _ => panic!("{line}: not serve"),
         }
+    }
+
+    #[test]
+    fn serve_watch_takes_every_process_by_default_and_checks_its_settings() {
+        let config = serve("serve --watch").unwrap_or_else(|error| panic!("{error}"));
+        let watch = config.watch.unwrap();
+        assert_eq!(config.selectors, Vec::new());
+        assert_eq!(
+            (watch.every, watch.rule.window, watch.trace_for),
+            (Duration::from_secs(5), Duration::from_mins(5), Duration::from_mins(2))
+        );
+        assert!((watch.rule.min_bytes_per_second - 1024.0 * 1024.0 / 60.0).abs() < 1e-9);
+        assert_eq!(watch.max_traced, 2);
+        assert!(!config.session.follow_forks, "a watch traces what grows, not its forks");
+        let config = serve(
+            "serve --watch --exe redis-server --min-growth 64KiB/s --growth-window 1m --watch-every 2s",
+        )
+        .unwrap_or_else(|error| panic!("{error}"));
+        let watch = config.watch.unwrap();
+        assert_eq!(config.selectors, vec![Selector::Exe("redis-server".to_owned())]);
+        assert_eq!((watch.rule.min_bytes_per_second, watch.every), (65536.0, Duration::from_secs(2)));
+        assert_eq!(
+            serve("serve --watch --growth-window 30s --watch-every 5s").err().as_deref(),
+            Some("--growth-window 30s holds fewer than 8 looks every 5s: give a longer window or a shorter --watch-every")
+        );
     }
 
     #[test]

@@ -22,17 +22,7 @@ impl TestCgroup {
     /// from /proc/self/mountinfo: a pure cgroup v2 machine mounts it at
     /// /sys/fs/cgroup, a hybrid one at /sys/fs/cgroup/unified.
     pub fn named(name: &str) -> Self {
-        let mounts = fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
-        let root = mounts
-            .lines()
-            .find_map(|line| {
-                let (fields, filesystem) = line.split_once(" - ")?;
-                filesystem
-                    .starts_with("cgroup2 ")
-                    .then(|| fields.split_whitespace().nth(4).map(PathBuf::from))?
-            })
-            .expect("a cgroup v2 hierarchy mounted");
-        let path = root.join(name);
+        let path = cgroup2_root().join(name);
         fs::create_dir_all(&path).expect("create a cgroup");
         Self(path)
     }
@@ -58,6 +48,18 @@ impl TestCgroup {
         fs::create_dir(&path).expect("create a child cgroup");
         Self(path)
     }
+}
+
+/// Where the cgroup v2 hierarchy is mounted.
+fn cgroup2_root() -> PathBuf {
+    let mounts = fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    mounts
+        .lines()
+        .find_map(|line| {
+            let (fields, filesystem) = line.split_once(" - ")?;
+            filesystem.starts_with("cgroup2 ").then(|| fields.split_whitespace().nth(4).map(PathBuf::from))?
+        })
+        .expect("a cgroup v2 hierarchy mounted")
 }
 
 impl Default for TestCgroup {
@@ -91,5 +93,49 @@ impl Drop for TestCgroup {
             }
         }
         let _ = fs::remove_dir(&self.0);
+    }
+}
+
+/// A memory cgroup of a test's own with a limit, whose processes the OOM
+/// killer kills past it: in the cgroup v2 hierarchy where it has the
+/// memory controller, else in cgroup v1's memory hierarchy (a hybrid
+/// machine's). Removed when dropped, once its processes are gone.
+pub struct MemoryLimit(PathBuf);
+
+impl MemoryLimit {
+    pub fn new(name: &str, bytes: u64) -> Self {
+        let root = cgroup2_root();
+        let controllers = fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+        if controllers.split_whitespace().any(|controller| controller == "memory") {
+            let path = root.join(name);
+            fs::create_dir_all(&path).expect("create a cgroup");
+            let _ = fs::write(root.join("cgroup.subtree_control"), "+memory");
+            fs::write(path.join("memory.max"), bytes.to_string()).expect("set memory.max");
+            let _ = fs::write(path.join("memory.swap.max"), "0");
+            return Self(path);
+        }
+        let path = Path::new("/sys/fs/cgroup/memory").join(name);
+        fs::create_dir_all(&path).expect("create a cgroup v1 memory cgroup");
+        fs::write(path.join("memory.limit_in_bytes"), bytes.to_string()).expect("set memory.limit_in_bytes");
+        // With swap, the limit would page out rather than kill.
+        let _ = fs::write(path.join("memory.memsw.limit_in_bytes"), bytes.to_string());
+        Self(path)
+    }
+
+    pub fn join(&self, pid: u32) {
+        fs::write(self.0.join("cgroup.procs"), pid.to_string())
+            .expect("move a process into the memory cgroup");
+    }
+}
+
+impl Drop for MemoryLimit {
+    fn drop(&mut self) {
+        // Its processes are killed by now, or are being.
+        for _ in 0..100 {
+            if fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 }

@@ -67,41 +67,32 @@ fn watch_states(port: u16) -> BTreeMap<u64, String> {
         .collect()
 }
 
-#[test]
-fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
+/// Starts, in each of `cgroups`, a process that holds its memory, one
+/// that allocates and frees all the time, and a sawtooth (a C program's
+/// in half of them, an interpreter's in the others); returns their pids.
+fn start_bystanders(fleet: &mut Fleet, cgroups: &[TestCgroup]) -> BTreeSet<u64> {
     let growth = fixture("growth");
-    let parent = TestCgroup::new();
-    let cgroups: Vec<TestCgroup> = (0..10).map(|index| parent.child(&format!("service-{index}"))).collect();
-    let mut fleet = Fleet::default();
     let mut bystanders = BTreeSet::new();
     for (index, cgroup) in cgroups.iter().enumerate() {
         bystanders.insert(fleet.start_in(cgroup, &growth, &["steady"]));
         bystanders.insert(fleet.start_in(cgroup, &growth, &["churn"]));
-        // Half the sawtooths a C program's, half an interpreter's.
-        let sawtooth = if index < 5 {
+        let sawtooth = if index < cgroups.len() / 2 {
             fleet.start_in(cgroup, &growth, &["sawtooth"])
         } else {
             fleet.start_in(cgroup, Path::new("python3"), &["-c", PYTHON_SAWTOOTH])
         };
         bystanders.insert(sawtooth);
     }
-    let leaker = u64::from(fleet.start_in(&cgroups[3], &growth, &["leak", "64"]));
-    let (memleak, port) = serve(&[
-        "--watch",
-        "--cgroup",
-        parent.arg(),
-        "--watch-every",
-        "1s",
-        "--growth-window",
-        "12s",
-        "--min-growth",
-        "16KiB/s",
-        "--trace-for",
-        "6s",
-    ]);
-    let memleak_pid = memleak.child.id();
-    // Every state each process went through, and every process memleak
-    // held a probe in, until the leaker has been traced and let go.
+    bystanders.into_iter().map(u64::from).collect()
+}
+
+/// Every state each process went through, and every process `memleak`
+/// held a probe in, until `leaker` has been traced and let go.
+fn states_until_let_go(
+    port: u16,
+    memleak_pid: u32,
+    leaker: u64,
+) -> (BTreeMap<u64, BTreeSet<String>>, BTreeSet<u64>) {
     let mut states_seen: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
     let mut probed = BTreeSet::new();
     let deadline = Instant::now() + PATIENCE;
@@ -110,27 +101,18 @@ fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
             states_seen.entry(pid).or_default().insert(state);
         }
         probed.extend(multi_links(memleak_pid).iter().map(|link| u64::from(link.pid)));
-        let leaker_states = states_seen.get(&leaker).cloned().unwrap_or_default();
-        if leaker_states.contains("traced")
-            && watch_states(port).get(&leaker).map(String::as_str) == Some("detached")
-        {
-            break;
+        let was_traced = states_seen.get(&leaker).is_some_and(|states| states.contains("traced"));
+        if was_traced && watch_states(port).get(&leaker).map(String::as_str) == Some("detached") {
+            return (states_seen, probed);
         }
         assert!(Instant::now() < deadline, "the leaker was not traced, then let go: {states_seen:?}");
         std::thread::sleep(Duration::from_millis(250));
     }
-    let watched: BTreeSet<u64> = states_seen.keys().copied().collect();
-    let missing: Vec<_> = bystanders.iter().filter(|pid| !watched.contains(&u64::from(**pid))).collect();
-    assert!(missing.is_empty(), "processes of the cgroups not watched: {missing:?} of {states_seen:?}");
-    let singled_out: Vec<_> = states_seen
-        .iter()
-        .filter(|(pid, states)| **pid != leaker && states.iter().any(|state| state != "watched"))
-        .collect();
-    assert!(singled_out.is_empty(), "steady, churning or sawtooth processes singled out: {singled_out:?}");
-    assert_eq!(probed, BTreeSet::from([leaker]), "the processes memleak placed uprobes in");
-    assert!(multi_links(memleak_pid).is_empty(), "uprobes left in place after the window");
+}
 
-    // Let go, its last report stays, naming the leak's line.
+/// The report `leaker` left when it was let go names the leak's line,
+/// with whole blocks of it.
+fn assert_report_names_the_leak(port: u16, leaker: u64) {
     let response = get(port, &format!("/api/v1/report?pid={leaker}&format=json"))
         .unwrap_or_else(|error| panic!("GET the report: {error}"));
     let report: Value =
@@ -146,8 +128,41 @@ fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
         "{allocations} allocations of 4 KiB, {bytes} bytes"
     );
     assert!(frame_functions(leak).contains(&"leak"), "leak_slowly's caller: {leak:#}");
-    let targets = get(port, "/api/v1/targets").unwrap().body;
-    let list: Value = serde_json::from_str(&targets).unwrap();
+}
+
+#[test]
+fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
+    let parent = TestCgroup::new();
+    let cgroups: Vec<TestCgroup> = (0..10).map(|index| parent.child(&format!("service-{index}"))).collect();
+    let mut fleet = Fleet::default();
+    let bystanders = start_bystanders(&mut fleet, &cgroups);
+    let leaker = u64::from(fleet.start_in(&cgroups[3], &fixture("growth"), &["leak", "64"]));
+    let (memleak, port) = serve(&[
+        "--watch",
+        "--cgroup",
+        parent.arg(),
+        "--watch-every",
+        "1s",
+        "--growth-window",
+        "12s",
+        "--min-growth",
+        "16KiB/s",
+        "--trace-for",
+        "6s",
+    ]);
+    let (states_seen, probed) = states_until_let_go(port, memleak.child.id(), leaker);
+    let missing: Vec<_> = bystanders.iter().filter(|pid| !states_seen.contains_key(pid)).collect();
+    assert!(missing.is_empty(), "processes of the cgroups not watched: {missing:?} of {states_seen:?}");
+    let singled_out: Vec<_> = states_seen
+        .iter()
+        .filter(|(pid, states)| **pid != leaker && states.iter().any(|state| state != "watched"))
+        .collect();
+    assert!(singled_out.is_empty(), "steady, churning or sawtooth processes singled out: {singled_out:?}");
+    assert_eq!(probed, BTreeSet::from([leaker]), "the processes memleak placed uprobes in");
+    assert!(multi_links(memleak.child.id()).is_empty(), "uprobes left in place after the window");
+    // Let go, its last report stays.
+    assert_report_names_the_leak(port, leaker);
+    let list: Value = serde_json::from_str(&get(port, "/api/v1/targets").unwrap().body).unwrap();
     let traced: Vec<(u64, bool)> = list["targets"]
         .as_array()
         .unwrap()
@@ -156,11 +171,8 @@ fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
         .collect();
     assert_eq!(traced, [(leaker, true)], "{list:#}");
     let metrics = get(port, "/metrics").unwrap().body;
-    assert!(
-        metrics.lines().any(|line| line
-            == format!("memleak_watch_state{{pid=\"{leaker}\",exe=\"growth\",state=\"detached\"}} 1")),
-        "{metrics}"
-    );
+    let detached = format!("memleak_watch_state{{pid=\"{leaker}\",exe=\"growth\",state=\"detached\"}} 1");
+    assert!(metrics.lines().any(|line| line == detached), "no `{detached}` in:\n{metrics}");
     stop(memleak);
 }
 

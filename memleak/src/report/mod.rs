@@ -266,6 +266,20 @@ impl<F: FnMut(u64) -> Arc<[Arc<Frame>]>> StackSource for F {
 }
 
 impl Report {
+    /// The stack holding the most bytes, and its culprit as a reader
+    /// looks for it: `make_session(int) (sessions.cpp:25)`.
+    pub fn largest_culprit(&self) -> Option<(&ReportStack, String)> {
+        let largest =
+            self.stacks.iter().filter(|stack| stack.allocations > 0).max_by_key(|stack| stack.bytes)?;
+        let culprit = largest.culprit.as_deref()?;
+        let file = culprit.file.as_deref().map(|file| file.rsplit('/').next().unwrap_or(file));
+        let named = match (file, culprit.line) {
+            (Some(file), Some(line)) => format!("{} ({file}:{line})", text::frame_name(culprit)),
+            _ => text::frame_name(culprit),
+        };
+        Some((largest, named))
+    }
+
     /// Sorts the snapshot's stacks, keeps the top N and attaches their
     /// frames: stacks cut off are never symbolized.
     pub fn build(

@@ -51,7 +51,7 @@ const ACCEPT_BACKLOG: libc::c_int = 4096;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 const ENDPOINTS: &str =
-    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report, /api/v1/watch and /healthz";
+    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report, /api/v1/watch, /api/v1/oom and /healthz";
 
 /// The server thread; it ends once `stop` is sent `true`.
 pub struct Server {
@@ -232,6 +232,7 @@ enum Endpoint {
     Metrics,
     Targets,
     Watch,
+    Oom,
     ServiceDiscovery,
     Report,
     /// Go's two paths of one profile, each showing its own sample type
@@ -247,6 +248,7 @@ impl Endpoint {
             "/metrics" => Endpoint::Metrics,
             "/api/v1/targets" => Endpoint::Targets,
             "/api/v1/watch" => Endpoint::Watch,
+            "/api/v1/oom" => Endpoint::Oom,
             "/api/v1/sd" => Endpoint::ServiceDiscovery,
             "/api/v1/report" => Endpoint::Report,
             // Go serves the same profile at both, alloc_space first at
@@ -268,6 +270,7 @@ impl Endpoint {
             | Endpoint::Healthz
             | Endpoint::Targets
             | Endpoint::Watch
+            | Endpoint::Oom
             | Endpoint::ServiceDiscovery => &[],
         }
     }
@@ -330,13 +333,8 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
             }
         },
         Endpoint::Targets => targets(&*board.fresh().await),
-        Endpoint::Watch => match &board.latest().watch {
-            Some(watch) => json(watch.as_ref()),
-            None => plain(
-                StatusCode::NOT_FOUND,
-                format!("{path}: this memleak does not watch: start it with --watch\n"),
-            ),
-        },
+        Endpoint::Oom => json(&OomList { kills: &board.latest().oom.kills }),
+        Endpoint::Watch => watch(&board.latest()),
         Endpoint::ServiceDiscovery => service_discovery(&board.latest(), &handlers.advertised),
         Endpoint::Pprof(_) | Endpoint::Report => match wanted(endpoint, &params) {
             Ok(wanted) => reports::answer(board, &handlers.windows, &params, wanted).await,
@@ -367,6 +365,24 @@ fn targets(published: &Published) -> Response<Full<Bytes>> {
         processes_not_followed: published.processes_not_followed,
     };
     json(&list)
+}
+
+/// `/api/v1/watch`: every process watched, and where it stands.
+fn watch(published: &Published) -> Response<Full<Bytes>> {
+    match &published.watch {
+        Some(watch) => json(watch.as_ref()),
+        None => plain(
+            StatusCode::NOT_FOUND,
+            "/api/v1/watch: this memleak does not watch: start it with --watch\n".to_owned(),
+        ),
+    }
+}
+
+/// `/api/v1/oom`'s body: each kill as the state directory keeps it.
+#[derive(serde::Serialize)]
+struct OomList<'a> {
+    /// Newest first.
+    kills: &'a [std::sync::Arc<serde_json::Value>],
 }
 
 /// `value` as a JSON body, on a line of its own.

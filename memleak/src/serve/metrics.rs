@@ -210,8 +210,24 @@ pub fn render_for(published: &Published, only: Option<u32>) -> String {
     if let Some(watch) = &published.watch {
         render_watch(&mut out, watch);
     }
+    header(
+        &mut out,
+        "memleak_oom_kills_total",
+        Kind::Counter,
+        "Processes followed or watched that the OOM killer killed since memleak started, by program, workload, \
+         whether memleak traced them, and the culprit of the stack holding the most in their last report \
+         (/api/v1/oom has the reports).",
+    );
+    for (labels, count) in &published.oom.counted {
+        let labels: Vec<String> =
+            labels.iter().map(|(name, value)| format!("{name}=\"{}\"", escape_label(value))).collect();
+        let _ = writeln!(out, "memleak_oom_kills_total{{{}}} {count}", labels.join(","));
+    }
     out
 }
+
+/// A series of each process --watch singled out: its name, help and value.
+type WatchSeries = (&'static str, &'static str, fn(&WatchedProcess) -> Option<i128>);
 
 /// With --watch: how many processes stand in each state, the windows of
 /// tracing begun, and each process not merely watched with its state,
@@ -233,7 +249,7 @@ fn render_watch(out: &mut String, watch: &WatchView) {
     header(out, "memleak_watch_windows_total", Kind::Counter, "Windows of tracing --watch began.");
     let _ = writeln!(out, "memleak_watch_windows_total {}", watch.windows_total);
     let singled_out: Vec<_> = watch.processes.iter().filter(|process| process.state != "watched").collect();
-    let series: [(&str, &str, fn(&WatchedProcess) -> Option<i128>); 3] = [
+    let series: [WatchSeries; 3] = [
         ("memleak_watch_state", "1 for each process --watch singled out, labelled with its state.", |_| {
             Some(1)
         }),
@@ -395,16 +411,58 @@ mod tests {
     }
 
     #[test]
+    fn a_watch_counts_every_state_and_lists_only_the_processes_it_singled_out() {
+        let process = |pid, state| WatchedProcess {
+            pid,
+            program: "/srv/app".to_owned(),
+            state,
+            resident_bytes: 8192,
+            anon_bytes: 4096,
+            growth_bytes_per_second: Some(65_536),
+            traced_until_unix_ms: None,
+            untraceable: None,
+        };
+        let watch = WatchView {
+            windows_total: 3,
+            processes: vec![process(1, "watched"), process(2, "watched"), process(3, "traced")],
+            ..WatchView::default()
+        };
+        let counted =
+            vec![(vec![("exe".to_owned(), "app".to_owned()), ("traced".to_owned(), "true".to_owned())], 2)];
+        let body = render(&Published {
+            watch: Some(std::sync::Arc::new(watch)),
+            oom: std::sync::Arc::new(crate::serve::state::OomView { kills: Vec::new(), counted }),
+            ..Published::default()
+        });
+        let series: Vec<&str> = body.lines().filter(|line| !line.starts_with('#')).collect();
+        for expected in [
+            "memleak_watched_processes{state=\"watched\"} 2",
+            "memleak_watched_processes{state=\"suspected\"} 0",
+            "memleak_watched_processes{state=\"traced\"} 1",
+            "memleak_watch_windows_total 3",
+            "memleak_watch_state{pid=\"3\",exe=\"app\",state=\"traced\"} 1",
+            "memleak_watch_anon_bytes{pid=\"3\",exe=\"app\"} 4096",
+            "memleak_watch_growth_bytes_per_second{pid=\"3\",exe=\"app\"} 65536",
+            "memleak_oom_kills_total{exe=\"app\",traced=\"true\"} 2",
+        ] {
+            assert!(series.contains(&expected), "no `{expected}` in:\n{body}");
+        }
+        assert!(!body.contains("pid=\"1\""), "a process merely watched has series:\n{body}");
+    }
+
+    #[test]
     fn each_process_has_a_series_of_each_metric_under_its_help_and_type() {
         let new = Followed::new(43, "new".to_owned(), None);
         let body = render(&published(vec![followed(42, "/usr/bin/leaker", 17_264), new], 0));
         let lines: Vec<&str> = body.lines().collect();
         assert_eq!(
             lines.len(),
-            PROCESS_METRICS.len() * 3 + 6,
-            "HELP, TYPE and one series each, the processes not followed and the code objects let go:\n{body}"
+            PROCESS_METRICS.len() * 3 + 8,
+            "HELP, TYPE and one series each, the processes not followed, the code objects let go, and no OOM \
+             kill:\n{body}"
         );
-        assert_eq!(lines.last(), Some(&"memleak_python_code_objects_let_go_total 0"));
+        assert!(lines.contains(&"memleak_python_code_objects_let_go_total 0"));
+        assert_eq!(lines.last(), Some(&"# TYPE memleak_oom_kills_total counter"));
         assert!(lines.contains(&"memleak_processes_not_followed_total 0"));
         assert_eq!(
             lines[0],

@@ -13,6 +13,7 @@ mod connections;
 mod containers;
 mod http;
 mod metrics;
+mod oom;
 mod page;
 mod query;
 mod reports;
@@ -39,6 +40,7 @@ use crate::{
         identity::ProcessKey,
         kubernetes::Resolver,
         lifecycle,
+        oom_kills::{OomKills, Victim},
     },
     report::options::SortKey,
     session::{
@@ -49,6 +51,7 @@ use crate::{
     watch::{Scope, Watcher},
 };
 use containers::FollowedContainers;
+use oom::{Evidence, HistoryPoint, OomStore};
 use state::{Board, Followed, Growth, Published, Query};
 use token::Token;
 
@@ -93,7 +96,17 @@ pub enum ServeError {
     Advertise(String),
     #[error("{0}")]
     Watch(String),
+    #[error("{0}")]
+    StateDir(String),
 }
+
+/// Where OOM kills are kept without --state-dir.
+const DEFAULT_STATE_DIR: &str = "/var/lib/memleak";
+
+/// How long an OOM kill the kernel logged waits for its victim's exit to
+/// be seen, or for a look of the watch: a kill of a process memleak does
+/// not follow is forgotten then.
+const VICTIM_KEPT: Duration = Duration::from_secs(30);
 
 /// Follows the processes and serves their reports until SIGINT or
 /// SIGTERM; then every probe is detached. SIGHUP is said, and changes
@@ -133,8 +146,18 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     // Said with -v, as the one-shot runs say it.
     let _ = session.kernel_paths();
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
+    let oom_store = match &config.state_dir {
+        Some(dir) => OomStore::open(dir, true),
+        None => OomStore::open(std::path::Path::new(DEFAULT_STATE_DIR), false),
+    }
+    .map_err(ServeError::StateDir)?;
+    let oom_kills = OomKills::open().unwrap_or_else(|error| {
+        status::say(&format!("OOM kills will not be seen: cannot read the kernel's log, /dev/kmsg: {error}"));
+        OomKills::none()
+    });
     let mut collector =
         Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()), watcher);
+    collector.oom = Some((oom_store, oom_kills));
     collector.sync(&session);
     // The processes are listed, and can be asked for, before their first
     // report.
@@ -244,6 +267,10 @@ struct Collector {
     resolver: Resolver,
     /// With --watch: what is watched, and which processes to trace.
     watcher: Option<Watcher>,
+    /// Where OOM kills are kept, and the kernel's log that tells of them.
+    oom: Option<(OomStore, OomKills)>,
+    /// Kills logged whose victims' ends are yet to be seen.
+    victims: HashMap<u32, (Victim, Instant)>,
 }
 
 impl Collector {
@@ -263,6 +290,8 @@ impl Collector {
             last_round: None,
             resolver,
             watcher,
+            oom: None,
+            victims: HashMap::new(),
         }
     }
 
@@ -379,8 +408,18 @@ impl Collector {
     ) -> Result<(), ServeError> {
         match event {
             SessionEvent::Exiting { pid, ack } => {
-                status::say(&format!("pid {pid} exited; its last report stays for {:?}", self.retain));
                 self.round_with(session, board, Some(pid), &LAST_REPORT);
+                self.take_oom_kills();
+                match self.victims.remove(&pid) {
+                    // Said with its culprit.
+                    Some((victim, _)) => self.keep_oom_evidence(&victim),
+                    None => {
+                        status::say(&format!(
+                            "pid {pid} exited; its last report stays for {:?}",
+                            self.retain
+                        ));
+                    }
+                }
                 drop(ack);
                 session.remove_exited_target(pid)?;
                 self.mark_exited(pid);
@@ -434,6 +473,24 @@ impl Collector {
     /// traced, as many as --max-traced lets.
     fn watch(&mut self, session: &mut Session, board: &Board) -> Result<(), ServeError> {
         let now = Instant::now();
+        // Before the look, which forgets the processes gone: a victim
+        // only watched is known by its history.
+        self.take_oom_kills();
+        let watched_victims: Vec<Victim> = self
+            .victims
+            .values()
+            .map(|(victim, _)| victim)
+            .filter(|victim| {
+                self.watcher.as_ref().is_some_and(|watcher| {
+                    watcher.history(victim.pid).is_some() && !watcher.is_traced(victim.pid)
+                })
+            })
+            .cloned()
+            .collect();
+        for victim in watched_victims {
+            self.victims.remove(&victim.pid);
+            self.keep_oom_evidence(&victim);
+        }
         let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
         let ended = watcher.windows_ended(now);
         for pid in ended {
@@ -455,6 +512,45 @@ impl Collector {
         self.sync(session);
         self.publish(board);
         Ok(())
+    }
+
+    /// Reads the OOM kills the kernel logged since the last read; those
+    /// whose victims were not seen to end in time are forgotten.
+    fn take_oom_kills(&mut self) {
+        let Some((_, kills)) = self.oom.as_mut() else { return };
+        let now = Instant::now();
+        for victim in kills.drain() {
+            log::debug!("the kernel logged an OOM kill of pid {} ({})", victim.pid, victim.command);
+            self.victims.insert(victim.pid, (victim, now));
+        }
+        self.victims.retain(|_, (_, logged)| now.duration_since(*logged) < VICTIM_KEPT);
+    }
+
+    /// Keeps the evidence of `victim`'s kill: its last report if it was
+    /// traced (taken as it exited), its memory's history if it was
+    /// watched.
+    fn keep_oom_evidence(&mut self, victim: &Victim) {
+        let followed =
+            self.live.get(&victim.pid).and_then(|key| self.followed.get(key)).map(|entry| &entry.followed);
+        let watched = self.watcher.as_ref().and_then(|watcher| watcher.history(victim.pid));
+        let program = followed
+            .map(|followed| followed.program.as_str())
+            .or(watched.as_ref().map(|history| history.program))
+            .unwrap_or(&victim.command);
+        let history = watched.as_ref().map_or_else(Vec::new, |history| {
+            history.points.iter().map(|&(unix_ms, anon_bytes)| HistoryPoint { unix_ms, anon_bytes }).collect()
+        });
+        let evidence = Evidence {
+            victim,
+            followed,
+            program,
+            workload: followed.and_then(|followed| followed.workload.as_ref()),
+            history,
+            growth: watched.and_then(|history| history.growth),
+        };
+        if let Some((store, _)) = self.oom.as_mut() {
+            store.keep(&evidence);
+        }
     }
 
     /// Process `pid`, let go at the end of its window, runs on: its last
@@ -553,6 +649,7 @@ impl Collector {
         board.publish(Published {
             targets: self.followed.values().map(|entry| entry.followed.clone()).collect(),
             watch: self.watcher.as_ref().map(|watcher| std::sync::Arc::new(watcher.view())),
+            oom: self.oom.as_ref().map(|(store, _)| std::sync::Arc::new(store.view())).unwrap_or_default(),
             processes_not_followed: self.processes_not_followed,
             python_code_let_go: crate::python::code::let_go_past_budget(),
             ..Published::default()

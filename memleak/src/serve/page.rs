@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use super::state::{Followed, Published};
 use crate::{
     model::Workload,
-    report::{printable, subject, text::frame_name, Report},
+    report::{printable, subject, Report},
     watch::{describe_rate, WatchView, WatchedProcess},
 };
 
@@ -19,6 +19,7 @@ pub fn render(published: &Published) -> String {
     let mut page = String::from(HEAD);
     // Writing to a String cannot fail.
     let _ = write!(page, "<title>{title}</title>\n{STYLE}<h1>{title}</h1>\n{WHAT}");
+    oom_section(&mut page, &published.oom.kills);
     if let Some(watch) = &published.watch {
         watch_section(&mut page, watch);
     }
@@ -61,7 +62,8 @@ fn row(page: &mut String, followed: &Followed) {
     let workload = followed.workload.as_ref();
     let container_id = workload.and_then(|workload| workload.container_id.as_deref()).unwrap_or_default();
     let container = workload.map_or_else(|| "-".to_owned(), container_named);
-    let culprit = report.and_then(largest_culprit).unwrap_or_else(|| String::from("-"));
+    let culprit =
+        report.and_then(Report::largest_culprit).map_or_else(|| String::from("-"), |(_, named)| named);
     let allocator = report.map_or("", |report| report.allocator.as_str());
     let allocator_file =
         std::path::Path::new(allocator).file_name().and_then(|name| name.to_str()).unwrap_or(allocator);
@@ -83,6 +85,34 @@ fn row(page: &mut String, followed: &Followed) {
         container_id = escape(container_id),
         container = escape(&container),
         culprit = escape(&culprit),
+    );
+}
+
+/// The OOM kills kept, newest first, each said in its line; the whole
+/// record at /api/v1/oom.
+fn oom_section(page: &mut String, kills: &[std::sync::Arc<serde_json::Value>]) {
+    if kills.is_empty() {
+        return;
+    }
+    page.push_str(
+        "<h2>OOM kills</h2>\n<table><thead><tr><th>killed</th><th>pid</th><th>program</th><th>culprit</th>\
+         <th>what memleak knew</th></tr></thead><tbody>\n",
+    );
+    for kill in kills {
+        let text = |field: &str| kill[field].as_str().unwrap_or("-").to_owned();
+        let killed = kill["killed_unix_ms"].as_u64().map_or_else(|| "-".to_owned(), crate::clock::local_time);
+        let _ = writeln!(
+            page,
+            "<tr><td>{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"culprit\">{}</td><td>{}</td></tr>",
+            escape(&killed),
+            kill["pid"].as_u64().unwrap_or_default(),
+            escape(&text("program")),
+            escape(&text("culprit")),
+            escape(&text("summary")),
+        );
+    }
+    page.push_str(
+        "</tbody></table>\n<p><a href=\"/api/v1/oom\">Every kill's last report and history</a></p>\n",
     );
 }
 
@@ -143,19 +173,6 @@ fn container_named(workload: &Workload) -> String {
     let id = workload.container_id.as_deref().unwrap_or("-");
     let id = id.rsplit("://").next().unwrap_or(id);
     id[..id.len().min(12)].to_owned()
-}
-
-/// `make_session(int) (sessions.cpp:25)`: the culprit of the stack holding
-/// the most, where the reader of the page would look first.
-fn largest_culprit(report: &Report) -> Option<String> {
-    let largest =
-        report.stacks.iter().filter(|stack| stack.allocations > 0).max_by_key(|stack| stack.bytes)?;
-    let culprit = largest.culprit.as_deref()?;
-    let file = culprit.file.as_deref().map(|file| file.rsplit('/').next().unwrap_or(file));
-    Some(match (file, culprit.line) {
-        (Some(file), Some(line)) => format!("{} ({file}:{line})", frame_name(culprit)),
-        _ => frame_name(culprit),
-    })
 }
 
 /// What the page is about, for its title and heading: the processes

@@ -27,6 +27,8 @@ pub struct Published {
     pub python_code_let_go: u64,
     /// With --watch: every process watched, and where it stands.
     pub watch: Option<Arc<WatchView>>,
+    /// The OOM kills of processes followed or watched.
+    pub oom: Arc<OomView>,
 }
 
 impl Published {
@@ -37,6 +39,15 @@ impl Published {
         let with_pid = || self.targets.iter().filter(move |followed| followed.pid == pid);
         with_pid().find(|followed| !followed.exited).or_else(|| with_pid().next_back())
     }
+}
+
+/// What /metrics and /api/v1/oom show of the OOM kills (`oom`).
+#[derive(Clone, Debug, Default)]
+pub struct OomView {
+    /// Newest first, as written to the state directory.
+    pub kills: Vec<Arc<serde_json::Value>>,
+    /// Kills seen since memleak started, by their labels.
+    pub counted: Vec<(Vec<(String, String)>, u64)>,
 }
 
 /// A process followed, and its latest report if one was taken.
@@ -206,7 +217,7 @@ pub struct WorkloadLabels<'a> {
 }
 
 impl<'a> WorkloadLabels<'a> {
-    fn of(workload: Option<&'a Workload>) -> Self {
+    pub fn of(workload: Option<&'a Workload>) -> Self {
         let Some(workload) = workload else { return Self::default() };
         Self {
             namespace: workload.namespace.as_deref(),

@@ -75,6 +75,11 @@ impl Samples {
         self.samples.clear();
     }
 
+    /// Every sample kept, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = (f64, u64)> + '_ {
+        self.samples.iter().copied()
+    }
+
     pub fn judge(&self, rule: &GrowthRule) -> Judgement {
         let (Some((first, _)), Some((last, _))) = (self.samples.front(), self.samples.back()) else {
             return Judgement::TooEarly;
@@ -105,6 +110,11 @@ impl Samples {
     fn floors(&self, first: f64, span: f64) -> [Option<u64>; QUARTERS] {
         let mut floors = [None; QUARTERS];
         for (at, bytes) in &self.samples {
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                reason = "a share of QUARTERS, 0 to 4, the sample being within the span"
+            )]
             let quarter = (((at - first) / span * QUARTERS as f64) as usize).min(QUARTERS - 1);
             let floor = &mut floors[quarter];
             *floor = Some(floor.map_or(*bytes, |lowest: u64| lowest.min(*bytes)));
@@ -134,6 +144,11 @@ impl Samples {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "the samples made up here are positive and far below 2^52"
+)]
 mod tests {
     use super::*;
 
@@ -141,7 +156,7 @@ mod tests {
 
     /// 16 KiB/s over 60 s, as the tests below sample it: once a second.
     fn rule() -> GrowthRule {
-        GrowthRule { window: Duration::from_secs(60), min_bytes_per_second: 16.0 * KIB }
+        GrowthRule { window: Duration::from_mins(1), min_bytes_per_second: 16.0 * KIB }
     }
 
     /// The judgement of 121 samples, one a second, each `bytes(second)`:

@@ -13,7 +13,7 @@ pub mod growth;
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use serde::Serialize;
@@ -112,7 +112,7 @@ impl Scope {
                 // Containers not running yet: `follow_cgroup` gives them.
                 Selector::CgroupToCome => {}
                 Selector::Workload(filter) => {
-                    scope.workloads = Some(kubernetes::Selection::new(filter.clone())?)
+                    scope.workloads = Some(kubernetes::Selection::new(filter.clone())?);
                 }
             }
         }
@@ -152,8 +152,10 @@ pub struct Watcher {
     settings: WatchSettings,
     scope: Scope,
     watched: HashMap<u32, Watched>,
-    /// The monotonic clock samples are timed on.
+    /// The monotonic clock samples are timed on, and when it started on
+    /// the wall clock (ms since 1970).
     started: Instant,
+    started_unix_ms: u64,
     page_size: u64,
     /// Windows of tracing begun since the start.
     windows: u64,
@@ -166,6 +168,7 @@ impl Watcher {
             scope,
             watched: HashMap::new(),
             started: Instant::now(),
+            started_unix_ms: crate::clock::wall_ms(),
             page_size: counters::page_size(),
             windows: 0,
         }
@@ -234,10 +237,31 @@ impl Watcher {
         })
     }
 
+    /// What the watch knows of process `pid`.
+    pub fn history(&self, pid: u32) -> Option<History<'_>> {
+        let watched = self.watched.get(&pid)?;
+        let points = watched
+            .samples
+            .iter()
+            .map(|(seconds, bytes)| {
+                let since_start =
+                    u64::try_from(Duration::from_secs_f64(seconds).as_millis()).unwrap_or(u64::MAX);
+                (self.started_unix_ms.saturating_add(since_start), bytes)
+            })
+            .collect();
+        Some(History { program: &watched.program, points, growth: watched.growth })
+    }
+
+    /// Whether process `pid` is traced now, by a window of the watch.
+    pub fn is_traced(&self, pid: u32) -> bool {
+        self.watched.get(&pid).is_some_and(|watched| matches!(watched.state, State::Traced { .. }))
+    }
+
     /// Process `pid` is traced from now on, for a window.
     pub fn traced(&mut self, pid: u32, now: Instant) {
         let Some(watched) = self.watched.get_mut(&pid) else { return };
-        let until_unix_ms = unix_ms(SystemTime::now() + self.settings.trace_for);
+        let trace_for_ms = u64::try_from(self.settings.trace_for.as_millis()).unwrap_or(u64::MAX);
+        let until_unix_ms = crate::clock::wall_ms().saturating_add(trace_for_ms);
         watched.state = State::Traced { until: now + self.settings.trace_for, until_unix_ms };
         self.windows += 1;
         status::say(&format!(
@@ -293,6 +317,10 @@ impl Watcher {
                 state: watched.state.name(),
                 resident_bytes: watched.resident.total,
                 anon_bytes: watched.resident.anon,
+                #[allow(
+                    clippy::cast_possible_truncation,
+                    reason = "a rate of bytes per second, far below 2^63"
+                )]
                 growth_bytes_per_second: watched.growth.map(|rate| rate.round() as i64),
                 traced_until_unix_ms: match watched.state {
                     State::Traced { until_unix_ms, .. } => Some(until_unix_ms),
@@ -334,6 +362,15 @@ impl Watched {
             (state, _) => state.clone(),
         };
     }
+}
+
+/// What the watch knows of a process.
+pub struct History<'a> {
+    pub program: &'a str,
+    /// Its anonymous memory over the latest window: (ms since 1970, bytes).
+    pub points: Vec<(u64, u64)>,
+    /// Its growth as last judged, in bytes per second.
+    pub growth: Option<f64>,
 }
 
 /// The watch as /api/v1/watch serves it.
@@ -381,10 +418,6 @@ pub fn describe_rate(bytes_per_second: f64) -> String {
     }
 }
 
-fn unix_ms(time: SystemTime) -> u64 {
-    time.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |since| since.as_millis() as u64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -392,7 +425,7 @@ mod tests {
     #[test]
     fn rates_read_as_a_person_says_them() {
         assert_eq!(describe_rate(65536.0), "64 KiB/s");
-        assert_eq!(describe_rate(1.5 * 1048576.0), "1.5 MiB/s");
+        assert_eq!(describe_rate(1.5 * 1_048_576.0), "1.5 MiB/s");
         assert_eq!(describe_rate(512.0), "30 KiB/min");
         assert_eq!(describe_rate(0.0), "0.0 B/min");
     }
