@@ -831,8 +831,8 @@ mod tests {
     #[test]
     fn rates_of_growth_are_a_size_per_unit_of_time() {
         assert_eq!(parse_rate("64KiB/s"), Ok(65536.0));
-        assert_eq!(parse_rate("1MiB/min"), Ok(1048576.0 / 60.0));
-        assert_eq!(parse_rate("3.6MB/h"), Ok(3.6 * 1048576.0 / 3600.0));
+        assert_eq!(parse_rate("1MiB/min"), Ok(1_048_576.0 / 60.0));
+        assert_eq!(parse_rate("3.6MB/h"), Ok(3.6 * 1_048_576.0 / 3600.0));
         assert_eq!(parse_rate("512/s"), Ok(512.0));
         for bad in ["64KiB", "64KiB/d", "KiB/s", "64XB/s", "0KiB/s"] {
             assert!(parse_rate(bad).is_err(), "{bad}");
