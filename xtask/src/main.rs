@@ -102,6 +102,10 @@ enum Task {
         /// malloc/free pair and per run from two workload sizes.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only", "kernels"])]
         overhead_only: bool,
+        /// Only `memleak serve --watch`'s own CPU at 0, 100 and 1,000
+        /// processes watched.
+        #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only", "kernels", "overhead_only"])]
+        watch_only: bool,
         /// Inside a kernel's VM: the part `--kernels` runs there.
         #[arg(long, hide = true)]
         in_vm: bool,
@@ -140,9 +144,11 @@ fn main() -> Result<()> {
             depth_only,
             mprotect_only,
             overhead_only,
+            watch_only,
             ..
         } => {
             let part = match (serve_only, save_only, python_only, depth_only, mprotect_only, overhead_only) {
+                _ if watch_only => bench::Part::Watch,
                 (true, ..) => bench::Part::Serve,
                 (_, true, ..) => bench::Part::Save,
                 (_, _, true, ..) => bench::Part::Python,

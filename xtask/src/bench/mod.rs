@@ -23,7 +23,8 @@
 //! outstanding; memleak's CPU and memory, and its BPF maps' memory. Last,
 //! `memleak serve`: one scrape of each endpoint at 10,000 stacks, and a
 //! soak of short-lived processes under `--exe`, the daemon's memory,
-//! descriptors and map entries taken at its start and end. And the time
+//! descriptors and map entries taken at its start and end; and `--watch`'s
+//! own CPU at 0, 100 and 1,000 processes watched. And the time
 //! one `--save` snapshot of 65,536 deep stacks takes (`--save-only` runs
 //! that alone).
 //! `--kernels` runs the workload's part in other kernels instead (see
@@ -55,6 +56,7 @@ mod stack_depth;
 mod stats;
 mod tracer;
 mod unwind_tables;
+mod watch;
 mod workload;
 
 use std::time::Duration;
@@ -134,6 +136,8 @@ pub enum Part {
     Mprotect,
     /// The workload's overhead table and its costs per pair and per run.
     Overhead,
+    /// `memleak serve --watch`'s own CPU.
+    Watch,
 }
 
 pub fn run(quick: bool, part: Part) -> Result<()> {
@@ -157,6 +161,10 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
     }
     if part == Part::Mprotect {
         return mprotect_section(&memleak, settings.runs);
+    }
+    if part == Part::Watch {
+        watch::print(&watch::measure(&memleak));
+        return Ok(());
     }
     let spread = build_fixture_with("spread", &["-O2"])?;
     if part == Part::Serve {
@@ -318,6 +326,8 @@ fn daemon(memleak: &std::path::Path, spread: &std::path::Path, soak: &serve::Soa
     fleet::print(&fleet::measure(memleak, &leaker));
     eprintln!("bench: memleak serve on a node, {} pods coming and going", soak.pods);
     fleet::print_churn(&fleet::measure_churn(memleak, &leaker, soak.pods));
+    eprintln!("bench: memleak serve --watch, its own CPU at 0, 100 and 1,000 processes");
+    watch::print(&watch::measure(memleak));
     Ok(())
 }
 

@@ -380,6 +380,11 @@ impl Daemon {
         Ok(daemon)
     }
 
+    /// The daemon's pid, to read its CPU.
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Polls `/api/v1/targets` until it holds `text`.
     fn wait_for(&self, text: &str) -> Result<()> {
         let deadline = Instant::now() + Duration::from_mins(1);
