@@ -272,14 +272,16 @@ fn render_watch(out: &mut String, watch: &WatchView) {
             let executable = Path::new(&process.program)
                 .file_name()
                 .map_or_else(|| process.program.clone(), |name| name.to_string_lossy().into_owned());
-            let state = if name == "memleak_watch_state" {
-                format!(",state=\"{}\"", process.state)
-            } else {
-                String::new()
-            };
+            let mut labels = String::new();
+            for (label, value) in process.workload.iter().flat_map(Workload::labels) {
+                let _ = write!(labels, ",{label}=\"{}\"", escape_label(value));
+            }
+            if name == "memleak_watch_state" {
+                let _ = write!(labels, ",state=\"{}\"", process.state);
+            }
             let _ = writeln!(
                 out,
-                "{name}{{pid=\"{}\",exe=\"{}\"{state}}} {value}",
+                "{name}{{pid=\"{}\",exe=\"{}\"{labels}}} {value}",
                 process.pid,
                 escape_label(&executable)
             );
@@ -421,6 +423,7 @@ mod tests {
             growth_bytes_per_second: Some(65_536),
             traced_until_unix_ms: None,
             untraceable: None,
+            workload: None,
         };
         let watch = WatchView {
             windows_total: 3,

@@ -509,6 +509,9 @@ impl Collector {
                 Err(error) => watcher.untraceable(pid, &error.to_string()),
             }
         }
+        for pid in watcher.unnamed() {
+            watcher.name(pid, self.resolver.workload_of(pid));
+        }
         self.sync(session);
         self.publish(board);
         Ok(())
@@ -544,7 +547,9 @@ impl Collector {
             victim,
             followed,
             program,
-            workload: followed.and_then(|followed| followed.workload.as_ref()),
+            workload: followed
+                .and_then(|followed| followed.workload.as_ref())
+                .or(watched.as_ref().and_then(|history| history.workload)),
             history,
             growth: watched.and_then(|history| history.growth),
         };

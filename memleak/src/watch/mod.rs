@@ -19,6 +19,7 @@ use std::{
 use serde::Serialize;
 
 use crate::{
+    model::Workload,
     process::{container, identity::ProcessKey, kubernetes, lifecycle},
     session::{runs_one_of, Selector},
     status,
@@ -78,6 +79,9 @@ struct Watched {
     /// Its growth, as last judged, in bytes per second.
     growth: Option<f64>,
     state: State,
+    /// Its container and pod, looked for once it is singled out.
+    workload: Option<Workload>,
+    named: bool,
 }
 
 /// Which processes are watched: those the selectors name, or every one.
@@ -234,6 +238,8 @@ impl Watcher {
             resident,
             growth: None,
             state: State::Watched,
+            workload: None,
+            named: false,
         })
     }
 
@@ -249,7 +255,31 @@ impl Watcher {
                 (self.started_unix_ms.saturating_add(since_start), bytes)
             })
             .collect();
-        Some(History { program: &watched.program, points, growth: watched.growth })
+        Some(History {
+            program: &watched.program,
+            points,
+            growth: watched.growth,
+            workload: watched.workload.as_ref(),
+        })
+    }
+
+    /// The processes singled out (not merely watched) whose container and
+    /// pod have not been looked for: a node's thousand processes are not
+    /// named, only those its series and OOM kills will show.
+    pub fn unnamed(&self) -> Vec<u32> {
+        self.watched
+            .iter()
+            .filter(|(_, watched)| watched.state != State::Watched && !watched.named)
+            .map(|(pid, _)| *pid)
+            .collect()
+    }
+
+    /// Names process `pid`'s container and pod (`None`: in none).
+    pub fn name(&mut self, pid: u32, workload: Option<Workload>) {
+        if let Some(watched) = self.watched.get_mut(&pid) {
+            watched.workload = workload;
+            watched.named = true;
+        }
     }
 
     /// Whether process `pid` is traced now, by a window of the watch.
@@ -330,6 +360,7 @@ impl Watcher {
                     State::Untraceable(why) => Some(why.clone()),
                     _ => None,
                 },
+                workload: watched.workload.clone(),
             })
             .collect();
         processes.sort_by_key(|process| process.pid);
@@ -371,6 +402,8 @@ pub struct History<'a> {
     pub points: Vec<(u64, u64)>,
     /// Its growth as last judged, in bytes per second.
     pub growth: Option<f64>,
+    /// Its container and pod, if it was singled out in one.
+    pub workload: Option<&'a Workload>,
 }
 
 /// The watch as /api/v1/watch serves it.
@@ -401,6 +434,9 @@ pub struct WatchedProcess {
     pub traced_until_unix_ms: Option<u64>,
     /// Why a process found growing cannot be traced.
     pub untraceable: Option<String>,
+    /// Its container and pod, for those singled out in one.
+    #[serde(skip)]
+    pub workload: Option<Workload>,
 }
 
 /// `64 KiB/s`, `1.5 MiB/min`: a rate as a person reads it.
