@@ -107,6 +107,9 @@ pub const PY_WALKING_MAP: &str = "PY_WALKING";
 /// Per-CPU [`WalkCounts`](crate::WalkCounts): how much of their stacks
 /// the table walks took from the last walk of their thread.
 pub const WALK_COUNTS_MAP: &str = "WALK_COUNTS";
+/// The processes the OOM killer picked, by tgid, with when (ns since
+/// boot): user space takes and removes them.
+pub const OOM_VICTIMS_MAP: &str = "OOM_VICTIMS";
 
 /// Load-time tunables: read-only globals in the BPF object, set by the
 /// loader (libbpf-tools' `const volatile` pattern).
@@ -335,6 +338,12 @@ pub mod programs {
     pub const PROCESS_EXEC: &str = "sched_process_exec";
     /// The `sched_process_fork` tracepoint: a followed process's child.
     pub const PROCESS_FORK: &str = "sched_process_fork";
+    /// The `mark_victim` tracepoint, the OOM killer's pick, as kernels
+    /// before 6.8 pass it (its pid) and as later ones do (its task); the
+    /// tracepoint both attach to is `OOM_VICTIM_TRACEPOINT`.
+    pub const OOM_VICTIM_BY_PID: &str = "oom_victim_by_pid";
+    pub const OOM_VICTIM_BY_TASK: &str = "oom_victim_by_task";
+    pub const OOM_VICTIM_TRACEPOINT: &str = "mark_victim";
     /// Uprobe on the dynamic loader's `_dl_debug_state`, for a process
     /// held at its execve whose allocator was not mapped yet: stops it
     /// again there (`MappingChange::LoaderReady`).

@@ -412,3 +412,8 @@ pub struct SearchBounds {
     pub found: u32,
     pub _padding: u32,
 }
+
+/// The processes the OOM killer picked, by tgid, with when (ns since
+/// boot); see `OOM_VICTIMS_MAP`. A kill is rare: 64 outlast any backlog.
+#[map]
+pub static OOM_VICTIMS: LruHashMap<u32, u64> = LruHashMap::with_max_entries(64, 0);

@@ -175,6 +175,7 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
         },
         // Known once the output is open: see `report_loop::run`.
         excluded: Vec::new(),
+        oom_kills: false,
     };
     Ok(TraceConfig {
         target,
@@ -384,6 +385,7 @@ fn resolve_serve(args: ServeArgs) -> Result<ServeConfig, String> {
         follow_forks: follows_newcomers,
         // memleak itself, known once it runs: see `serve::run`.
         excluded: Vec::new(),
+        oom_kills: true,
     };
     Ok(ServeConfig {
         selectors,

@@ -17,8 +17,8 @@ use memleak_common::{
     ExecHold, HeldCgroup, PendingCall, ProcessCounters, ProcessMappings, PyProcConfig, StackKey, StackSlot,
     StackTotals, WalkCounts, ALLOCATIONS_MAP, ALLOCATOR_CODE_MAP, ALLOCATOR_FUNCTIONS, CGROUP_FILTER_MAP,
     EVENTS_MAP, FOLLOWED_MAP, HELD_CGROUPS_MAP, KERNEL_STACK_RECORDER_MAP, KERNEL_STACK_STAGES,
-    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_HELD_CGROUPS, MAX_IGNORED_PROCESSES, PENDING_MAP,
-    PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP,
+    MAPPING_EVENTS_MAP, MAPPING_FUNCTIONS, MAX_HELD_CGROUPS, MAX_IGNORED_PROCESSES, OOM_VICTIMS_MAP,
+    PENDING_MAP, PROCESS_COUNTERS_MAP, PROCESS_MAPPINGS_MAP, PY_NEW_STACKS_MAP, PY_PROCS_MAP, PY_WALKING_MAP,
     REPLACEABLE_MAP, STACKS_MAP, STACK_IDS_MAP, STACK_TOTALS_MAP, TRACED_PROCESSES_MAP, UNWIND_RESCANS_MAP,
     UNWIND_ROWS_MAP, USER_STACK_RECORDER_MAP, USER_STACK_STAGES, WALK_COUNTS_MAP,
 };
@@ -834,6 +834,39 @@ impl Tracer {
                 detail: source.to_string(),
             }
         })
+    }
+
+    /// Attaches the OOM killer's tracepoint: each victim's tgid is noted
+    /// for `take_oom_victims`. `by_task`: the kernel passes the victim's
+    /// task (6.8 and later), whose tgid is read at
+    /// `TracerConfig::task_tgid_offset`, not its pid.
+    pub fn watch_oom_kills(&mut self, by_task: bool) -> Result<(), TracerError> {
+        let name = if by_task { programs::OOM_VICTIM_BY_TASK } else { programs::OOM_VICTIM_BY_PID };
+        let btf = self.kernel_btf()?;
+        let program = btf_tracepoint(&mut self.ebpf, name);
+        let loaded = program.and_then(|program| {
+            program
+                .load(programs::OOM_VICTIM_TRACEPOINT, &btf)
+                .and_then(|()| program.attach().map(drop))
+                .map_err(|error| TracerError::KernelFeature {
+                    feature: format!("the {} tracepoint", programs::OOM_VICTIM_TRACEPOINT),
+                    detail: error.to_string(),
+                })
+        });
+        self.btf = Some(btf);
+        loaded
+    }
+
+    /// The processes the OOM killer picked since the last call, by tgid.
+    pub fn take_oom_victims(&mut self) -> Vec<u32> {
+        let Ok(mut victims) = self.map_mut::<HashMap<&mut MapData, u32, u64>>(OOM_VICTIMS_MAP) else {
+            return Vec::new();
+        };
+        let picked: Vec<u32> = victims.keys().filter_map(Result::ok).collect();
+        for tgid in &picked {
+            let _ = victims.remove(tgid);
+        }
+        picked
     }
 
     /// Detaches the programs that stop processes (the exec tracepoint's

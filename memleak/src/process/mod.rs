@@ -19,7 +19,6 @@ pub mod kubernetes;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;
-pub mod oom_kills;
 
 pub use address_space::AddressSpace;
 pub use lifecycle::TargetEvent;

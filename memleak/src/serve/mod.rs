@@ -40,7 +40,6 @@ use crate::{
         identity::ProcessKey,
         kubernetes::Resolver,
         lifecycle,
-        oom_kills::{OomKills, Victim},
     },
     report::options::SortKey,
     session::{
@@ -103,9 +102,9 @@ pub enum ServeError {
 /// Where OOM kills are kept without --state-dir.
 const DEFAULT_STATE_DIR: &str = "/var/lib/memleak";
 
-/// How long an OOM kill the kernel logged waits for its victim's exit to
-/// be seen, or for a look of the watch: a kill of a process memleak does
-/// not follow is forgotten then.
+/// How long an OOM killer's victim waits for its exit to be seen, or for
+/// a look of the watch: a victim memleak does not follow is forgotten
+/// then.
 const VICTIM_KEPT: Duration = Duration::from_secs(30);
 
 /// Follows the processes and serves their reports until SIGINT or
@@ -151,13 +150,9 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
         None => OomStore::open(std::path::Path::new(DEFAULT_STATE_DIR), false),
     }
     .map_err(ServeError::StateDir)?;
-    let oom_kills = OomKills::open().unwrap_or_else(|error| {
-        status::say(&format!("OOM kills will not be seen: cannot read the kernel's log, /dev/kmsg: {error}"));
-        OomKills::none()
-    });
     let mut collector =
         Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()), watcher);
-    collector.oom = Some((oom_store, oom_kills));
+    collector.oom = Some(oom_store);
     collector.sync(&session);
     // The processes are listed, and can be asked for, before their first
     // report.
@@ -267,10 +262,11 @@ struct Collector {
     resolver: Resolver,
     /// With --watch: what is watched, and which processes to trace.
     watcher: Option<Watcher>,
-    /// Where OOM kills are kept, and the kernel's log that tells of them.
-    oom: Option<(OomStore, OomKills)>,
-    /// Kills logged whose victims' ends are yet to be seen.
-    victims: HashMap<u32, (Victim, Instant)>,
+    /// Where OOM kills are kept.
+    oom: Option<OomStore>,
+    /// The OOM killer's victims whose ends are yet to be seen, with when
+    /// they were picked.
+    victims: HashMap<u32, Instant>,
 }
 
 impl Collector {
@@ -409,10 +405,10 @@ impl Collector {
         match event {
             SessionEvent::Exiting { pid, ack } => {
                 self.round_with(session, board, Some(pid), &LAST_REPORT);
-                self.take_oom_kills();
+                self.take_oom_victims(session);
                 match self.victims.remove(&pid) {
                     // Said with its culprit.
-                    Some((victim, _)) => self.keep_oom_evidence(&victim),
+                    Some(_) => self.keep_oom_evidence(pid),
                     None => {
                         status::say(&format!(
                             "pid {pid} exited; its last report stays for {:?}",
@@ -475,21 +471,20 @@ impl Collector {
         let now = Instant::now();
         // Before the look, which forgets the processes gone: a victim
         // only watched is known by its history.
-        self.take_oom_kills();
-        let watched_victims: Vec<Victim> = self
+        self.take_oom_victims(session);
+        let watched_victims: Vec<u32> = self
             .victims
-            .values()
-            .map(|(victim, _)| victim)
-            .filter(|victim| {
-                self.watcher.as_ref().is_some_and(|watcher| {
-                    watcher.history(victim.pid).is_some() && !watcher.is_traced(victim.pid)
-                })
+            .keys()
+            .copied()
+            .filter(|&pid| {
+                self.watcher
+                    .as_ref()
+                    .is_some_and(|watcher| watcher.history(pid).is_some() && !watcher.is_traced(pid))
             })
-            .cloned()
             .collect();
-        for victim in watched_victims {
-            self.victims.remove(&victim.pid);
-            self.keep_oom_evidence(&victim);
+        for pid in watched_victims {
+            self.victims.remove(&pid);
+            self.keep_oom_evidence(pid);
         }
         let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
         let ended = watcher.windows_ended(now);
@@ -517,43 +512,42 @@ impl Collector {
         Ok(())
     }
 
-    /// Reads the OOM kills the kernel logged since the last read; those
-    /// whose victims were not seen to end in time are forgotten.
-    fn take_oom_kills(&mut self) {
-        let Some((_, kills)) = self.oom.as_mut() else { return };
+    /// Takes the OOM killer's victims picked since the last call; those
+    /// whose ends were not seen in time (not followed) are forgotten.
+    fn take_oom_victims(&mut self, session: &mut Session) {
         let now = Instant::now();
-        for victim in kills.drain() {
-            log::debug!("the kernel logged an OOM kill of pid {} ({})", victim.pid, victim.command);
-            self.victims.insert(victim.pid, (victim, now));
+        for pid in session.take_oom_victims() {
+            log::debug!("the OOM killer picked pid {pid}");
+            self.victims.insert(pid, now);
         }
-        self.victims.retain(|_, (_, logged)| now.duration_since(*logged) < VICTIM_KEPT);
+        self.victims.retain(|_, picked| now.duration_since(*picked) < VICTIM_KEPT);
     }
 
-    /// Keeps the evidence of `victim`'s kill: its last report if it was
-    /// traced (taken as it exited), its memory's history if it was
+    /// Keeps the evidence of the kill of process `pid`: its last report if
+    /// it was traced (taken as it exited), its memory's history if it was
     /// watched.
-    fn keep_oom_evidence(&mut self, victim: &Victim) {
+    fn keep_oom_evidence(&mut self, pid: u32) {
         let followed =
-            self.live.get(&victim.pid).and_then(|key| self.followed.get(key)).map(|entry| &entry.followed);
-        let watched = self.watcher.as_ref().and_then(|watcher| watcher.history(victim.pid));
+            self.live.get(&pid).and_then(|key| self.followed.get(key)).map(|entry| &entry.followed);
+        let watched = self.watcher.as_ref().and_then(|watcher| watcher.history(pid));
         let program = followed
-            .map(|followed| followed.program.as_str())
-            .or(watched.as_ref().map(|history| history.program))
-            .unwrap_or(&victim.command);
+            .map(|followed| followed.program.clone())
+            .or(watched.as_ref().map(|history| history.program.to_owned()))
+            .unwrap_or_else(|| format!("pid {pid}"));
         let history = watched.as_ref().map_or_else(Vec::new, |history| {
             history.points.iter().map(|&(unix_ms, anon_bytes)| HistoryPoint { unix_ms, anon_bytes }).collect()
         });
         let evidence = Evidence {
-            victim,
+            pid,
             followed,
-            program,
+            program: &program,
             workload: followed
                 .and_then(|followed| followed.workload.as_ref())
                 .or(watched.as_ref().and_then(|history| history.workload)),
             history,
             growth: watched.and_then(|history| history.growth),
         };
-        if let Some((store, _)) = self.oom.as_mut() {
+        if let Some(store) = self.oom.as_mut() {
             store.keep(&evidence);
         }
     }
@@ -654,7 +648,7 @@ impl Collector {
         board.publish(Published {
             targets: self.followed.values().map(|entry| entry.followed.clone()).collect(),
             watch: self.watcher.as_ref().map(|watcher| std::sync::Arc::new(watcher.view())),
-            oom: self.oom.as_ref().map(|(store, _)| std::sync::Arc::new(store.view())).unwrap_or_default(),
+            oom: self.oom.as_ref().map(|store| std::sync::Arc::new(store.view())).unwrap_or_default(),
             processes_not_followed: self.processes_not_followed,
             python_code_let_go: crate::python::code::let_go_past_budget(),
             ..Published::default()

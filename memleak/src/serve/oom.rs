@@ -17,7 +17,6 @@ use serde_json::Value;
 use super::state::{Followed, OomView, WorkloadLabels};
 use crate::{
     model::Workload,
-    process::oom_kills::Victim,
     report::{self, options::Format, Report},
     status,
     watch::describe_rate,
@@ -34,14 +33,12 @@ const KILLS_DIR: &str = "oom";
 struct Record<'a> {
     pid: u32,
     program: &'a str,
-    /// The command name the kernel gave in its log.
-    command: &'a str,
+    /// When memleak saw the kill.
     killed_unix_ms: u64,
     #[serde(flatten)]
     workload: WorkloadLabels<'a>,
-    /// The victim's anonymous resident memory when it was killed, as the
-    /// kernel logged it.
-    anon_rss_bytes: u64,
+    /// With --watch: its anonymous memory at the last look before the kill.
+    anon_bytes_last_seen: Option<u64>,
     /// Whether memleak traced it when it died: then `report` is its last.
     traced: bool,
     /// The function and line of the stack holding the most, if traced.
@@ -65,7 +62,7 @@ pub struct HistoryPoint {
 
 /// What is known of a victim when it dies.
 pub struct Evidence<'a> {
-    pub victim: &'a Victim,
+    pub pid: u32,
     pub followed: Option<&'a Followed>,
     pub program: &'a str,
     pub workload: Option<&'a Workload>,
@@ -113,18 +110,16 @@ impl OomStore {
     /// Keeps the evidence of a kill: written to the state directory,
     /// served, counted, and said in one line naming the culprit.
     pub fn keep(&mut self, evidence: &Evidence<'_>) {
-        let victim = evidence.victim;
         let report = evidence.followed.and_then(|followed| followed.report.as_deref());
         let culprit = report.and_then(Report::largest_culprit);
         let killed_unix_ms = crate::clock::wall_ms();
         let summary = summary(evidence, culprit.as_ref().map(|(stack, named)| (*stack, named.as_str())));
         let record = Record {
-            pid: victim.pid,
+            pid: evidence.pid,
             program: evidence.program,
-            command: &victim.command,
             killed_unix_ms,
             workload: WorkloadLabels::of(evidence.workload),
-            anon_rss_bytes: victim.anon_rss_bytes,
+            anon_bytes_last_seen: evidence.history.last().map(|point| point.anon_bytes),
             traced: report.is_some(),
             culprit: culprit.as_ref().map(|(_, named)| named.clone()),
             culprit_bytes: culprit.as_ref().map(|(stack, _)| stack.bytes),
@@ -135,7 +130,7 @@ impl OomStore {
         };
         let Ok(value) = serde_json::to_value(&record) else { return };
         let saved =
-            self.dir.as_ref().map(|dir| write(dir, &format!("{killed_unix_ms}-{}", victim.pid), &value));
+            self.dir.as_ref().map(|dir| write(dir, &format!("{killed_unix_ms}-{}", evidence.pid), &value));
         let saved = match saved {
             Some(Ok(path)) => format!("; saved in {}", path.display()),
             Some(Err(error)) => format!("; cannot save it: {error}"),
@@ -151,7 +146,10 @@ impl OomStore {
                 .map(|(name, value)| (name.to_owned(), value.to_owned())),
         );
         labels.push(("traced".to_owned(), report.is_some().to_string()));
-        labels.push(("culprit".to_owned(), culprit.map(|(_, named)| named).unwrap_or_default()));
+        // An empty label is no label to Prometheus: none without a culprit.
+        if let Some((_, named)) = culprit {
+            labels.push(("culprit".to_owned(), named));
+        }
         *self.counted.entry(labels).or_default() += 1;
         self.kills.push(Arc::new(value));
         if self.kills.len() > KEPT {
@@ -167,17 +165,11 @@ impl OomStore {
     }
 }
 
-/// `pid 42 (growth) was killed by the OOM killer with 48 MiB of anonymous
-/// memory; the stack holding the most: leak_slowly (growth.c:31), 40 MiB
-/// in 10,240 allocations`.
+/// `pid 42 (growth) was killed by the OOM killer; the stack holding the
+/// most: leak_slowly (growth.c:31), 40.0 MiB in 10240 allocations`.
 fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)>) -> String {
-    let victim = evidence.victim;
-    let killed = format!(
-        "pid {} ({}) was killed by the OOM killer with {} of anonymous memory",
-        victim.pid,
-        executable(evidence.program),
-        describe_bytes(victim.anon_rss_bytes)
-    );
+    let killed =
+        format!("pid {} ({}) was killed by the OOM killer", evidence.pid, executable(evidence.program));
     match (evidence.followed.and_then(|followed| followed.report.as_ref()), culprit) {
         (Some(_), Some((stack, named))) => format!(
             "{killed}; the stack holding the most: {named}, {} in {} allocations",
@@ -186,12 +178,19 @@ fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)
         ),
         (Some(_), None) => format!("{killed}; its last report holds no allocation"),
         (None, _) => {
+            let held = evidence
+                .history
+                .last()
+                .map(|point| {
+                    format!(" with {} of anonymous memory at the last look", describe_bytes(point.anon_bytes))
+                })
+                .unwrap_or_default();
             let growth = evidence
                 .growth
                 .filter(|rate| *rate > 0.0)
                 .map(|rate| format!(", growing {}", describe_rate(rate)))
                 .unwrap_or_default();
-            format!("{killed}; it was watched{growth}, not traced: no stack is known")
+            format!("{killed}{held}; it was watched{growth}, not traced: no stack is known")
         }
     }
 }
@@ -267,10 +266,6 @@ fn read_kills(dir: &Path) -> Vec<Arc<Value>> {
 mod tests {
     use super::*;
 
-    fn victim(pid: u32) -> Victim {
-        Victim { pid, command: "growth".to_owned(), anon_rss_bytes: 48 << 20 }
-    }
-
     fn temporary_dir(tag: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("memleak-oom-test-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
@@ -281,9 +276,9 @@ mod tests {
     fn a_kill_kept_is_read_again_by_the_next_run_and_a_stray_file_is_left_alone() {
         let dir = temporary_dir("reread");
         let mut store = OomStore::open(&dir, true).unwrap();
-        let history = vec![HistoryPoint { unix_ms: 1000, anon_bytes: 4096 }];
+        let history = vec![HistoryPoint { unix_ms: 1000, anon_bytes: 48 << 20 }];
         let evidence = Evidence {
-            victim: &victim(42),
+            pid: 42,
             followed: None,
             program: "/srv/growth",
             workload: None,
@@ -300,10 +295,13 @@ mod tests {
         assert_eq!((kill["pid"].as_u64(), kill["traced"].as_bool()), (Some(42), Some(false)));
         assert_eq!(
             kill["summary"],
-            "pid 42 (growth) was killed by the OOM killer with 48.0 MiB of anonymous memory; it was watched, \
-             growing 64 KiB/s, not traced: no stack is known"
+            "pid 42 (growth) was killed by the OOM killer with 48.0 MiB of anonymous memory at the last look; it was \
+             watched, growing 64 KiB/s, not traced: no stack is known"
         );
-        assert_eq!(kill["history"][0]["anon_bytes"], 4096);
+        assert_eq!(
+            (kill["history"][0]["anon_bytes"].as_u64(), kill["anon_bytes_last_seen"].as_u64()),
+            (Some(48 << 20), Some(48 << 20))
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 

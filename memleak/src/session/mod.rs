@@ -105,6 +105,8 @@ pub struct SessionConfig {
     /// Trace the processes the targets fork, and theirs (-c by default,
     /// -p with --follow-forks).
     pub follow_forks: bool,
+    /// Note the OOM killer's victims, for `take_oom_victims` (serve).
+    pub oom_kills: bool,
 }
 
 /// Whether `memleak serve` will give the session cgroups not there yet
@@ -419,6 +421,7 @@ impl Session {
         }
         let mut tracer = Tracer::load(&tracer_config)?;
         tracer.watch_processes()?;
+        watch_oom_kills(&mut tracer, config);
         let mut session = Self::new(tracer, config)?;
         session.add_named(planned)?;
         session.cgroup2_root = if cgroups.is_empty() && cgroups_to_come == CgroupsToCome::No {
@@ -1012,6 +1015,12 @@ impl Session {
         self.add_named(vec![(held, plan, space)])
     }
 
+    /// The processes the OOM killer picked since the last call, by tgid;
+    /// none unless the session was started with `oom_kills`.
+    pub fn take_oom_victims(&mut self) -> Vec<u32> {
+        self.tracer.take_oom_victims()
+    }
+
     /// Stops tracing process `pid`, which runs on: its probes are
     /// detached, and what it left in the maps is forgotten.
     pub fn stop_tracing(&mut self, pid: u32) -> Result<(), SessionError> {
@@ -1273,11 +1282,32 @@ fn plan_named(
     Ok(planned)
 }
 
+/// With `oom_kills`, has `tracer` note the OOM killer's victims, with
+/// the program that reads the tracepoint as the kernel passes it; a
+/// kernel where that fails is said once, and no kill is seen.
+fn watch_oom_kills(tracer: &mut Tracer, config: &SessionConfig) {
+    if !config.oom_kills {
+        return;
+    }
+    let btf = Path::new(kernel_btf::VMLINUX_BTF);
+    let watched = match kernel_btf::tracepoint_arguments(btf, memleak_common::programs::OOM_VICTIM_TRACEPOINT)
+    {
+        // mark_victim(int pid) before 6.8; (struct task_struct *, uid_t) after.
+        Ok(Some(arguments)) => tracer.watch_oom_kills(arguments > 1).map_err(|error| error.to_string()),
+        Ok(None) => Err("the kernel has no mark_victim tracepoint".to_owned()),
+        Err(error) => Err(error.to_string()),
+    };
+    if let Err(why) = watched {
+        crate::status::say(&format!("OOM kills will not be seen: {why}"));
+    }
+}
+
 /// The tracer's settings for processes (-p, -c): with fork following, the
 /// kernel's layout of a task, to tell its new processes from new threads.
 fn process_tracer_config(config: &SessionConfig) -> Result<TracerConfig, SessionError> {
     let mut tracer_config = TracerConfig::new(config.tracer.clone());
-    if config.follow_forks {
+    // The OOM killer's victim comes as its task from Linux 6.8.
+    if config.follow_forks || config.oom_kills {
         let btf = Path::new(kernel_btf::VMLINUX_BTF);
         tracer_config.task_tgid_offset = kernel_btf::member_offset(btf, "task_struct", "tgid")?;
     }
