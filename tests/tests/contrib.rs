@@ -151,6 +151,8 @@ fn the_daemon_set_has_the_host_pids_the_capabilities_measured_and_read_only_host
         container["args"].as_array().unwrap().iter().map(|arg| arg.as_str().unwrap()).collect();
     assert_eq!(args[0], "serve");
     assert!(args.contains(&"--host-root=/host"), "{args:?}");
+    assert!(args.contains(&"--watch"), "the node watched, what grows traced: {args:?}");
+    assert!(args.contains(&"--state-dir=/var/lib/memleak"), "{args:?}");
     assert!(args.contains(&"--token-file=/etc/memleak/token"), "{args:?}");
     // The binary takes them: with --help last, clap checks every flag
     // before it and starts nothing.
@@ -174,14 +176,16 @@ fn the_daemon_set_has_the_host_pids_the_capabilities_measured_and_read_only_host
     check_volumes(pod);
 }
 
-/// Every host path is mounted read-only under /host, each one listed, and
-/// the token's Secret where --token-file reads it.
+/// Every host path is mounted read-only under /host, each one listed, but
+/// the state directory, writable where --state-dir names it; and the
+/// token's Secret where --token-file reads it.
 fn check_volumes(pod: &Value) {
     let container = &pod["containers"][0];
     let volumes = pod["volumes"].as_array().unwrap();
     let mounts = container["volumeMounts"].as_array().unwrap();
     let mut host_paths = Vec::new();
-    for volume in volumes.iter().filter(|volume| volume["hostPath"].is_object()) {
+    for volume in volumes.iter().filter(|volume| volume["hostPath"].is_object() && volume["name"] != "state")
+    {
         let path = volume["hostPath"]["path"].as_str().unwrap();
         let mount =
             mounts.iter().find(|mount| mount["name"] == volume["name"]).expect("each host path mounted");
@@ -192,6 +196,13 @@ fn check_volumes(pod: &Value) {
     assert_eq!(
         host_paths,
         ["/sys/fs/cgroup", "/run/containerd", "/run/containers", "/var/log/pods", "/var/log/containers"]
+    );
+    let state = volumes.iter().find(|volume| volume["name"] == "state").expect("the state directory");
+    assert_eq!(state["hostPath"]["path"], "/var/lib/memleak");
+    let state_mount = mounts.iter().find(|mount| mount["name"] == "state").unwrap();
+    assert_eq!(
+        (&state_mount["mountPath"], &state_mount["readOnly"]),
+        (&Value::from("/var/lib/memleak"), &Value::Null)
     );
     let token = volumes.iter().find(|volume| volume["secret"].is_object()).expect("the token's Secret");
     let token_mount = mounts.iter().find(|mount| mount["name"] == token["name"]).unwrap();

@@ -58,6 +58,7 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "promtool", check: Check::Exact, make: promtool },
     Example { name: "serve-exe", check: Check::Exact, make: serve_exe },
     Example { name: "serve-podman", check: Check::Exact, make: serve_podman },
+    Example { name: "serve-watch", check: Check::Numbers, make: serve_watch },
     Example { name: "privileges", check: Check::Exact, make: privileges },
 ];
 
@@ -881,6 +882,152 @@ fn serve_exe(workshop: &mut Workshop) -> Result<Made> {
     daemon.signal(libc::SIGTERM);
     daemon.finish()?;
     Ok(Made::text(&transcript))
+}
+
+/// `serve --watch` on four processes of the growth fixture: one leaking
+/// 64 KiB/s, one holding its memory, a garbage collector's sawtooth, and
+/// one leaking 4 MiB/s in a memory cgroup of 96 MiB, which the OOM killer
+/// kills while it is traced. Only the two leakers are traced.
+fn serve_watch(workshop: &mut Workshop) -> Result<Made> {
+    let growth = workshop.fixture("growth")?;
+    let mut transcript = Transcript::default();
+    let mut processes = Vec::new();
+    for args in [["leak", "64"].as_slice(), &["steady"], &["sawtooth"]] {
+        processes.push(Run::spawn(workshop.command(&growth).args(args).stdin(std::process::Stdio::null()))?);
+        transcript.command(&format!("./growth {} &", args.join(" ")));
+    }
+    let leaker = processes[0].pid();
+    let limited = MemoryLimit::new("memleak-readme-oom", 96 << 20)?;
+    let mut victim = Run::spawn(
+        workshop
+            .command("sh")
+            .args([
+                "-c",
+                &format!("echo $$ > {}/cgroup.procs && exec ./growth leak 4096", limited.path.display()),
+            ])
+            .stdin(std::process::Stdio::null()),
+    )?;
+    transcript.command(&limited.typed);
+    transcript.command(&format!(
+        "sudo sh -c 'echo $$ > {}/cgroup.procs && exec ./growth leak 4096' &",
+        limited.path.display()
+    ));
+    let port = port_or_free(9943)?;
+    let port_text = port.to_string();
+    let state = workshop.dir().join("state");
+    let _ = std::fs::remove_dir_all(&state);
+    let mut args = WATCH_ARGS.to_vec();
+    if port != 9943 {
+        args.extend_from_slice(&["--port", &port_text]);
+    }
+    let mut daemon = memleak_running(workshop, &args)?;
+    daemon.wait_for("the OOM kill", |line| line.contains("was killed by the OOM killer"))?;
+    daemon.wait_for("the leaker let go", |line| {
+        line.starts_with(&format!("memleak: pid {leaker}: its window ended"))
+    })?;
+    victim.finish()?;
+    transcript.command(&typed(&args)).lines(&daemon.seen);
+    watch_endpoints(workshop, &format!("127.0.0.1:{port}"), leaker, &mut transcript)?;
+    daemon.signal(libc::SIGTERM);
+    daemon.finish()?;
+    for mut process in processes {
+        process.signal(libc::SIGKILL);
+        process.finish()?;
+    }
+    Ok(Made::text(&transcript))
+}
+
+/// The watch's example: a watch of every process of the growth fixture,
+/// a look a second, and windows of 20 s.
+const WATCH_ARGS: [&str; 14] = [
+    "serve",
+    "--watch",
+    "--exe",
+    "growth",
+    "--watch-every",
+    "1s",
+    "--growth-window",
+    "12s",
+    "--min-growth",
+    "16KiB/s",
+    "--trace-for",
+    "20s",
+    "--state-dir",
+    "state",
+];
+
+/// What the watch's daemon at `address` serves once `leaker` was let go
+/// and the OOM killer's victim is gone.
+fn watch_endpoints(
+    workshop: &Workshop,
+    address: &str,
+    leaker: u32,
+    transcript: &mut Transcript,
+) -> Result<()> {
+    let metrics = curl(&[&format!("{address}/metrics")])?;
+    let watch_lines =
+        metrics.lines().filter(|line| line.starts_with("memleak_watch") || line.starts_with("memleak_oom"));
+    transcript
+        .command(&format!("curl -s {address}/metrics | grep -E '^memleak_(watch|oom)'"))
+        .lines(watch_lines);
+    let report_url = format!("{address}/api/v1/report?pid={leaker}");
+    transcript
+        .command(&format!("curl -s '{report_url}'     # its last report, as it was let go"))
+        .lines(curl(&[&report_url])?.lines());
+    let kills = workshop.dir().join("oom.json");
+    std::fs::write(&kills, curl(&[&format!("{address}/api/v1/oom")])?)?;
+    let filter = ".kills[] | {pid, program, culprit, culprit_bytes, summary}";
+    require("jq")?;
+    let picked = lines_of(std::process::Command::new("jq").arg(filter).arg(&kills))?;
+    transcript.command(&format!("curl -s {address}/api/v1/oom | jq '{filter}'")).lines(&picked);
+    Ok(())
+}
+
+/// A memory cgroup of the example's own with a limit: in the cgroup v2
+/// hierarchy where it has the memory controller, else in cgroup v1's
+/// memory hierarchy; removed when dropped. `typed` makes it in a shell.
+struct MemoryLimit {
+    path: std::path::PathBuf,
+    typed: String,
+}
+
+impl MemoryLimit {
+    fn new(name: &str, bytes: u64) -> Result<Self> {
+        let v2 = Path::new("/sys/fs/cgroup");
+        let v2_memory = std::fs::read_to_string(v2.join("cgroup.controllers"))
+            .is_ok_and(|controllers| controllers.split_whitespace().any(|controller| controller == "memory"));
+        let (path, file) = if v2_memory {
+            (v2.join(name), "memory.max")
+        } else {
+            (Path::new("/sys/fs/cgroup/memory").join(name), "memory.limit_in_bytes")
+        };
+        let _ = std::fs::remove_dir(&path);
+        std::fs::create_dir(&path).with_context(|| format!("cannot make {}", path.display()))?;
+        std::fs::write(path.join(file), bytes.to_string())?;
+        // Without swap, the limit kills rather than pages out.
+        let swap = if v2_memory { "memory.swap.max" } else { "memory.memsw.limit_in_bytes" };
+        let _ = std::fs::write(path.join(swap), if v2_memory { "0".to_owned() } else { bytes.to_string() });
+        let (path_shown, mib) = (path.display(), bytes >> 20);
+        let typed = if v2_memory {
+            format!("sudo mkdir {path_shown} && echo {mib}M | sudo tee {path_shown}/{file} && echo 0 | sudo tee {path_shown}/{swap}")
+        } else {
+            format!(
+                "sudo mkdir {path_shown} && echo {mib}M | sudo tee {path_shown}/{file} {path_shown}/{swap}"
+            )
+        };
+        Ok(Self { path, typed })
+    }
+}
+
+impl Drop for MemoryLimit {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
 }
 
 /// `--container NAME` on a real podman container (runc, cgroups made by
