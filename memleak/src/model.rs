@@ -117,6 +117,23 @@ pub enum MappingKind {
     FileMapping,
 }
 
+/// A process's resident memory by what holds it, in bytes, from its
+/// smaps (`process::resident`).
+#[allow(clippy::struct_field_names, reason = "each is a number of bytes; the names are the JSON's")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResidentMemory {
+    pub resident_bytes: u64,
+    /// Anonymous memory: the heap, stacks and private mappings.
+    pub anon_bytes: u64,
+    /// Of it, the heap and glibc's arenas, where blocks freed stay until
+    /// the allocator gives them back.
+    pub heap_bytes: u64,
+    /// Of it, the main thread's stack and those of the other threads.
+    pub thread_stack_bytes: u64,
+    /// The pages of files mapped, shared memory included: the page cache's.
+    pub file_bytes: u64,
+}
+
 /// Bytes of the mmap regions a report does not show by default.
 #[allow(clippy::struct_field_names, reason = "each is a number of bytes; the names are the JSON's")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,6 +19,7 @@ pub mod kubernetes;
 pub mod lifecycle;
 pub mod link_map;
 pub mod maps;
+pub mod resident;
 
 pub use address_space::AddressSpace;
 pub use lifecycle::TargetEvent;

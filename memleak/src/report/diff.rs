@@ -414,6 +414,7 @@ pub(crate) mod tests {
             hidden_mappings: crate::model::HiddenMappings::default(),
             modules: Vec::new(),
             missing_symbols: Vec::new(),
+            memory: crate::report::memory::MemoryAccount::default(),
         }
     }
 

@@ -15,6 +15,7 @@ pub mod culprit;
 pub mod diff;
 pub mod folded;
 pub mod json;
+pub mod memory;
 pub mod options;
 pub mod pprof;
 pub mod saved;
@@ -124,6 +125,9 @@ pub struct Report {
     /// file and line, and where those would come from.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub missing_symbols: Vec<MissingSymbols>,
+    /// The process's resident memory beside the blocks tracked.
+    #[serde(flatten)]
+    pub memory: memory::MemoryAccount,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -344,6 +348,7 @@ impl Report {
             hidden_mappings: snapshot.hidden,
             modules: Vec::new(),
             missing_symbols: Vec::new(),
+            memory: memory::MemoryAccount::default(),
         };
         report.name_stacks(context.skips);
         report

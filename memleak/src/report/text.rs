@@ -8,7 +8,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{culprit, diff::Diff, printable, subject, CgroupTotal, Report};
+use super::{culprit, diff::Diff, memory, printable, subject, CgroupTotal, Report};
 use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
@@ -220,6 +220,7 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
             report.total_replacing.bytes, report.total_replacing.allocations
         )?;
     }
+    write_resident(report, out)?;
     let health = &report.health;
     // Every call is seen; with -s only some allocations are recorded,
     // while every free is looked up. Say which figure counts what.
@@ -240,6 +241,27 @@ fn write_totals(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         health.stacks_lost,
     )?;
     write_unrecorded_frees(report, out)
+}
+
+/// The process's resident memory by what holds it, and when its growth
+/// is not the blocks memleak tracks, why it is not a leak memleak sees.
+fn write_resident(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<()> {
+    let Some(resident) = &report.memory.resident else { return Ok(()) };
+    writeln!(
+        out,
+        "Resident: {}: {} anonymous (the heap and arenas {}, thread stacks {}), {} of files",
+        memory::size(resident.resident_bytes),
+        memory::size(resident.anon_bytes),
+        memory::size(resident.heap_bytes),
+        memory::size(resident.thread_stack_bytes),
+        memory::size(resident.file_bytes),
+    )?;
+    if let Some(verdict) = &report.memory.not_a_leak {
+        let mut verdict = verdict.clone();
+        verdict.replace_range(..1, &verdict[..1].to_uppercase());
+        writeln!(out, "{verdict}")?;
+    }
+    Ok(())
 }
 
 /// The frees of blocks memleak never saw allocated, if there were any,

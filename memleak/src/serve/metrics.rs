@@ -53,6 +53,16 @@ fn of_report(followed: &Followed, figure: fn(&crate::report::Report) -> u64) -> 
     followed.report.as_deref().map_or(0, |report| i128::from(figure(report)))
 }
 
+/// A figure of a process's resident memory as of its latest report (0
+/// without one).
+fn of_resident(followed: &Followed, figure: fn(&crate::model::ResidentMemory) -> u64) -> i128 {
+    followed
+        .report
+        .as_deref()
+        .and_then(|report| report.memory.resident.as_ref())
+        .map_or(0, |resident| i128::from(figure(resident)))
+}
+
 const PROCESS_METRICS: &[Metric] = &[
     Metric {
         name: "memleak_outstanding_bytes",
@@ -87,6 +97,37 @@ const PROCESS_METRICS: &[Metric] = &[
         help: "Reports in a row, the latest included, in which new memory (see memleak_outstanding_growth_bytes) \
                grew; 0 after one in which it did not.",
         value: |followed| i128::from(followed.growth.growing_reports),
+    },
+    Metric {
+        name: "memleak_resident_bytes",
+        kind: Kind::Gauge,
+        help: "Resident memory of the process, from /proc/PID/smaps, as of the latest report.",
+        value: |followed| of_resident(followed, |resident| resident.resident_bytes),
+    },
+    Metric {
+        name: "memleak_resident_anon_bytes",
+        kind: Kind::Gauge,
+        help: "Of memleak_resident_bytes, anonymous memory: the heap, stacks and private mappings.",
+        value: |followed| of_resident(followed, |resident| resident.anon_bytes),
+    },
+    Metric {
+        name: "memleak_resident_heap_bytes",
+        kind: Kind::Gauge,
+        help: "Of memleak_resident_anon_bytes, the heap and glibc's arenas, where freed blocks stay until the \
+               allocator gives them back: growing while memleak_outstanding_bytes does not is not a leak.",
+        value: |followed| of_resident(followed, |resident| resident.heap_bytes),
+    },
+    Metric {
+        name: "memleak_resident_thread_stack_bytes",
+        kind: Kind::Gauge,
+        help: "Of memleak_resident_anon_bytes, the threads' stacks.",
+        value: |followed| of_resident(followed, |resident| resident.thread_stack_bytes),
+    },
+    Metric {
+        name: "memleak_resident_file_bytes",
+        kind: Kind::Gauge,
+        help: "Of memleak_resident_bytes, the pages of files mapped (shared memory included).",
+        value: |followed| of_resident(followed, |resident| resident.file_bytes),
     },
     Metric {
         name: "memleak_allocations_total",

@@ -491,11 +491,12 @@ impl Collector {
         for pid in ended {
             self.round_with(session, board, Some(pid), &LAST_REPORT);
             session.stop_tracing(pid)?;
+            let held = self.window_summary(pid);
             self.mark_detached(pid);
             if let Some(watcher) = self.watcher.as_mut() {
                 watcher.detached(pid);
             }
-            status::say(&format!("pid {pid}: its window ended; detached, its last report stays"));
+            status::say(&format!("pid {pid}: its window ended; detached, its last report stays{held}"));
         }
         let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
         for pid in watcher.look(now) {
@@ -550,6 +551,20 @@ impl Collector {
         if let Some(store) = self.oom.as_mut() {
             store.keep(&evidence);
         }
+    }
+
+    /// `: 1.2 MiB in 318 allocations, the most at leak_slowly (growth.c:31)`:
+    /// what process `pid`'s latest report holds, said as its window ends.
+    fn window_summary(&self, pid: u32) -> String {
+        let report = self.live.get(&pid).and_then(|key| self.followed.get(key)?.followed.report.clone());
+        let Some(report) = report else { return String::new() };
+        let culprit =
+            report.largest_culprit().map(|(_, named)| format!(", the most at {named}")).unwrap_or_default();
+        format!(
+            ": {} in {} allocations{culprit}",
+            crate::report::memory::size(report.total_bytes),
+            report.total_allocations
+        )
     }
 
     /// Process `pid`, let go at the end of its window, runs on: its last

@@ -173,7 +173,7 @@ fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)
     match (evidence.followed.and_then(|followed| followed.report.as_ref()), culprit) {
         (Some(_), Some((stack, named))) => format!(
             "{killed}; the stack holding the most: {named}, {} in {} allocations",
-            describe_bytes(stack.bytes),
+            report::memory::size(stack.bytes),
             stack.allocations
         ),
         (Some(_), None) => format!("{killed}; its last report holds no allocation"),
@@ -182,7 +182,10 @@ fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)
                 .history
                 .last()
                 .map(|point| {
-                    format!(" with {} of anonymous memory at the last look", describe_bytes(point.anon_bytes))
+                    format!(
+                        " with {} of anonymous memory at the last look",
+                        report::memory::size(point.anon_bytes)
+                    )
                 })
                 .unwrap_or_default();
             let growth = evidence
@@ -192,18 +195,6 @@ fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)
                 .unwrap_or_default();
             format!("{killed}{held}; it was watched{growth}, not traced: no stack is known")
         }
-    }
-}
-
-fn describe_bytes(bytes: u64) -> String {
-    let (value, unit) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
-        .into_iter()
-        .find(|(_, size)| bytes >= *size)
-        .map_or((bytes as f64, "B"), |(unit, size)| (bytes as f64 / size as f64, unit));
-    if unit == "B" {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {unit}")
     }
 }
 

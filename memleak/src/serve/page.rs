@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use super::state::{Followed, Published};
 use crate::{
     model::Workload,
-    report::{printable, subject, Report},
+    report::{memory, printable, subject, Report},
     watch::{describe_rate, WatchView, WatchedProcess},
 };
 
@@ -64,6 +64,13 @@ fn row(page: &mut String, followed: &Followed) {
     let container = workload.map_or_else(|| "-".to_owned(), container_named);
     let culprit =
         report.and_then(Report::largest_culprit).map_or_else(|| String::from("-"), |(_, named)| named);
+    let resident = report.and_then(|report| report.memory.resident).map_or_else(
+        || "-".to_owned(),
+        |resident| {
+            format!("{} ({})", memory::size(resident.resident_bytes), memory::size(resident.anon_bytes))
+        },
+    );
+    let not_a_leak = report.and_then(|report| report.memory.not_a_leak.as_deref()).unwrap_or_default();
     let allocator = report.map_or("", |report| report.allocator.as_str());
     let allocator_file =
         std::path::Path::new(allocator).file_name().and_then(|name| name.to_str()).unwrap_or(allocator);
@@ -73,6 +80,7 @@ fn row(page: &mut String, followed: &Followed) {
         "<tr><td class=\"num\">{pid}</td><td title=\"{program}\">{exe}</td>\
          <td title=\"{container_id}\">{container}</td><td>{state}</td>\
          <td class=\"num\">{bytes}</td><td class=\"num\">{growth}</td><td class=\"num\">{allocations}</td>\
+         <td class=\"num\" title=\"{not_a_leak}\">{resident}</td>\
          <td class=\"culprit\">{culprit}</td><td title=\"{allocator}\">{allocator_file}</td>\
          <td class=\"links\"><a href=\"/api/v1/report?pid={pid}&amp;format=svg\">flame graph</a> \
          <a href=\"/api/v1/report?pid={pid}\">text</a> \
@@ -85,6 +93,8 @@ fn row(page: &mut String, followed: &Followed) {
         container_id = escape(container_id),
         container = escape(&container),
         culprit = escape(&culprit),
+        not_a_leak = escape(not_a_leak),
+        resident = escape(&resident),
     );
 }
 
@@ -283,7 +293,8 @@ const WHAT: &str =
 
 const TABLE_HEAD: &str = "<table>\n<thead><tr><th class=\"num\">pid</th><th>program</th><th>container</th><th>state</th>\
 <th class=\"num\">outstanding bytes</th><th class=\"num\" title=\"since its first report; in a row, the reports that grew\">growth</th>\
-<th class=\"num\">allocations</th><th title=\"the first frame of the program's own code in the stack holding the most\">culprit</th>\
+<th class=\"num\">allocations</th><th class=\"num\" title=\"resident memory, and of it anonymous, from /proc/PID/smaps; \
+a verdict on hover when it grew and the blocks tracked do not explain it\">resident (anonymous)</th><th title=\"the first frame of the program's own code in the stack holding the most\">culprit</th>\
 <th>allocator</th><th>reports</th></tr></thead>\n<tbody>\n";
 
 const FOOT: &str = r#"<footer>Also: <a href="/metrics">/metrics</a> for Prometheus, <a href="/api/v1/targets">/api/v1/targets</a> as JSON.</footer>

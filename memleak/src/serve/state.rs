@@ -136,6 +136,11 @@ impl Followed {
             frees: report.map_or(0, |report| report.health.frees),
             allocations_not_tracked: report.map_or(0, |report| report.health.allocations_not_tracked),
             stacks_lost: report.map_or(0, |report| report.health.stacks_lost),
+            resident_bytes: report
+                .and_then(|report| report.memory.resident)
+                .map(|resident| resident.resident_bytes),
+            anon_bytes: report.and_then(|report| report.memory.resident).map(|resident| resident.anon_bytes),
+            not_a_leak: report.and_then(|report| report.memory.not_a_leak.as_deref()),
         }
     }
 }
@@ -201,6 +206,13 @@ pub struct TargetSummary<'a> {
     pub frees: u64,
     pub allocations_not_tracked: u64,
     pub stacks_lost: u64,
+    /// The process's resident memory, and of it anonymous, as of its
+    /// latest report.
+    pub resident_bytes: Option<u64>,
+    pub anon_bytes: Option<u64>,
+    /// When its memory grew and the blocks memleak tracks do not explain
+    /// it: why it is not a leak memleak sees.
+    pub not_a_leak: Option<&'a str>,
 }
 
 /// A process's workload labels in `/api/v1/targets`: each key always

@@ -15,10 +15,12 @@ use crate::{
         trend::TrendTracker,
         CollectOptions,
     },
-    model::{Frame, MappingKind, ModuleMapping, Truncation, Unwinding},
+    model::{Frame, MappingKind, ModuleMapping, ResidentMemory, Truncation, Unwinding},
     process::{container, identity::ProcessKey, kubernetes, lifecycle, AddressSpace},
     python::{code::CodeCache, frames::PythonStacks, PythonRuntime},
-    report::{culprit::SkipRules, options::SortKey, Report, ReportContext, StackSource},
+    report::{
+        culprit::SkipRules, memory::ResidentGrowth, options::SortKey, Report, ReportContext, StackSource,
+    },
     symbolize::{
         self,
         call_paths::{CallPaths, Met},
@@ -123,6 +125,9 @@ pub struct Target {
     pub planned_before_loading: bool,
     /// Where its Python frames stand (--python).
     pub(super) python: PythonFrames,
+    /// Its resident memory and the bytes tracked at its first report of
+    /// the series, and when (ms since 1970): what growth is counted from.
+    first_resident: Option<(ResidentMemory, u64, u64)>,
 }
 
 /// Where a target's Python frames stand (--python).
@@ -177,6 +182,7 @@ impl Target {
             found_at_exec: false,
             planned_before_loading: false,
             python: PythonFrames::Unknown,
+            first_resident: None,
         }
     }
 
@@ -213,6 +219,7 @@ impl Target {
             found_at_exec: false,
             planned_before_loading: false,
             python: PythonFrames::Unknown,
+            first_resident: None,
         }
     }
 
@@ -316,6 +323,7 @@ impl Target {
         if options.modules {
             report.modules = modules_of(&report, &self.space);
         }
+        self.account_resident(&mut report, request.in_series);
         let space = &self.space;
         report.missing_symbols = missing::missing_symbols(
             report.stacks.iter().flat_map(|stack| &stack.frames).map(|frame| &**frame),
@@ -325,6 +333,33 @@ impl Target {
             &report.program,
         );
         report
+    }
+
+    /// Puts the process's resident memory in `report`, and how it moved
+    /// since its first report of the series (a report in the series
+    /// before it is the first). Not for the kernel.
+    fn account_resident(&mut self, report: &mut Report, in_series: bool) {
+        if self.is_kernel() {
+            return;
+        }
+        let Some(resident) = crate::process::resident::read(self.pid) else { return };
+        // CPython's arenas hold its small objects, which only
+        // --python-allocator tracks: their growth is not memory the
+        // allocator keeps.
+        let tracked = report.total_bytes.saturating_add(report.hidden_mappings.python_arena_bytes);
+        match self.first_resident {
+            Some((first, first_tracked, first_ms)) => {
+                let seconds = report.time_unix_ms.saturating_sub(first_ms) / 1000;
+                let growth = ResidentGrowth::between((&first, first_tracked), (&resident, tracked), seconds);
+                report.memory.not_a_leak = growth.not_a_leak(&report.allocator);
+                report.memory.resident_growth = Some(growth);
+            }
+            None if in_series => {
+                self.first_resident = Some((resident, tracked, report.time_unix_ms));
+            }
+            None => {}
+        }
+        report.memory.resident = Some(resident);
     }
 }
 

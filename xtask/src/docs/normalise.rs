@@ -60,6 +60,14 @@ static MASKS: LazyLock<Vec<(Regex, &'static str)>> = LazyLock::new(|| {
         // between, meets another walk there. The walks and their frames
         // are the same each run.
         (r#""(reusing_walks|frames_reused)":\d+"#, r#""$1":N"#),
+        // A process's resident memory: its libraries' pages in the page
+        // cache, its heap's as the allocator laid it out this run.
+        (r"(?m)^Resident: .*$", "Resident: MEMORY"),
+        (r#""resident":\{[^}]*\}"#, r#""resident":{MEMORY}"#),
+        (r#""resident_growth":\{[^}]*\}"#, r#""resident_growth":{GROWTH}"#),
+        (r#""(resident_bytes|anon_bytes)":\d+"#, r#""$1":N"#),
+        (r"(?m)^(memleak_resident_[a-z_]+\{[^}]*\}) \d+$", "$1 N"),
+        (r"\d+(\.\d+)? [KMG]?i?B \(\d+(\.\d+)? [KMG]?i?B\)", "SIZE (SIZE)"),
         // The kernel --stats' started record names: the machine's.
         (r#""release":"[^"]*""#, r#""release":"RELEASE""#),
         // Whether `serve --exe` met a newcomer at its execve, or first in

@@ -308,6 +308,7 @@ impl ReportFields {
             hidden_mappings: required(self.hidden_mappings, "hidden_mappings")?,
             modules: self.modules,
             missing_symbols: self.missing_symbols,
+            memory: crate::report::memory::MemoryAccount::default(),
         };
         Ok(Body { report, stack_frames })
     }
