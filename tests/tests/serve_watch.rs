@@ -54,6 +54,24 @@ impl Drop for Fleet {
 const PYTHON_SAWTOOTH: &str = "import time\n\
 while True:\n    held = [b'x' * 5_000_000 for _ in range(10)]\n    time.sleep(1)\n    del held\n    time.sleep(1)\n";
 
+/// `memleak serve --watch` on the processes of `cgroup`, judging quickly:
+/// a look a second, over 12 s, at 16 KiB/s or more; then `more`.
+fn serve_watching(cgroup: &TestCgroup, more: &[&str]) -> (memleak_tests::Memleak, u16) {
+    let mut args = vec![
+        "--watch",
+        "--cgroup",
+        cgroup.arg(),
+        "--watch-every",
+        "1s",
+        "--growth-window",
+        "12s",
+        "--min-growth",
+        "16KiB/s",
+    ];
+    args.extend_from_slice(more);
+    serve(&args)
+}
+
 /// The states `/api/v1/watch` gives each pid.
 fn watch_states(port: u16) -> BTreeMap<u64, String> {
     let response = get(port, "/api/v1/watch").unwrap_or_else(|error| panic!("GET /api/v1/watch: {error}"));
@@ -137,19 +155,7 @@ fn of_thirty_processes_in_ten_cgroups_only_the_slow_leaker_is_traced() {
     let mut fleet = Fleet::default();
     let bystanders = start_bystanders(&mut fleet, &cgroups);
     let leaker = u64::from(fleet.start_in(&cgroups[3], &fixture("growth"), &["leak", "64"]));
-    let (memleak, port) = serve(&[
-        "--watch",
-        "--cgroup",
-        parent.arg(),
-        "--watch-every",
-        "1s",
-        "--growth-window",
-        "12s",
-        "--min-growth",
-        "16KiB/s",
-        "--trace-for",
-        "6s",
-    ]);
+    let (memleak, port) = serve_watching(&parent, &["--trace-for", "6s"]);
     let (states_seen, probed) = states_until_let_go(port, memleak.child.id(), leaker);
     let missing: Vec<_> = bystanders.iter().filter(|pid| !states_seen.contains_key(pid)).collect();
     assert!(missing.is_empty(), "processes of the cgroups not watched: {missing:?} of {states_seen:?}");
@@ -184,21 +190,7 @@ fn growers_past_max_traced_wait_and_one_that_cannot_be_traced_is_said_once_and_w
     let first = u64::from(fleet.start_in(&cgroup, &growth, &["leak", "128"]));
     let second = u64::from(fleet.start_in(&cgroup, &growth, &["leak", "64"]));
     let untraceable = u64::from(fleet.start_in(&cgroup, &static_stripped("growth"), &["leak", "64"]));
-    let (mut memleak, port) = serve(&[
-        "--watch",
-        "--cgroup",
-        cgroup.arg(),
-        "--watch-every",
-        "1s",
-        "--growth-window",
-        "12s",
-        "--min-growth",
-        "16KiB/s",
-        "--trace-for",
-        "4s",
-        "--max-traced",
-        "1",
-    ]);
+    let (mut memleak, port) = serve_watching(&cgroup, &["--trace-for", "4s", "--max-traced", "1"]);
     // Each round of states seen, until both leakers have been traced.
     let mut rounds: Vec<BTreeMap<u64, String>> = Vec::new();
     let deadline = Instant::now() + PATIENCE;

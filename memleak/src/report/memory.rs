@@ -99,7 +99,7 @@ impl ResidentGrowth {
         let (bytes, place) = places.into_iter().max_by_key(|(bytes, _)| *bytes)?;
         let allocator = Allocator::of(allocator);
         Some(format!(
-            "not a leak memleak sees: anonymous memory grew {} in {} s, the blocks it tracks {}; most of it {} ({}): {}",
+            "mostly not a leak: anonymous memory grew {} in {} s, the blocks memleak tracks {}; most of it {} ({}): {}",
             signed(self.anon_bytes),
             self.seconds,
             signed(self.tracked_bytes),
@@ -221,7 +221,7 @@ mod tests {
         let said = growth.not_a_leak("/usr/lib/x86_64-linux-gnu/libc.so.6").expect("a verdict");
         assert_eq!(
             said,
-            "not a leak memleak sees: anonymous memory grew +80.0 MiB in 30 s, the blocks it tracks +640 B; most of \
+            "mostly not a leak: anonymous memory grew +80.0 MiB in 30 s, the blocks memleak tracks +640 B; most of \
              it in the heap and the allocator's arenas, in blocks freed that it keeps (+79.0 MiB): fragmentation, \
              or free memory glibc keeps; malloc_trim(0) gives it back, MALLOC_ARENA_MAX=2 bounds the arenas of \
              many threads, and MALLOC_TRIM_THRESHOLD_ how much it keeps"

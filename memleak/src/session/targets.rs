@@ -349,7 +349,7 @@ impl Target {
         let tracked = report.total_bytes.saturating_add(report.hidden_mappings.python_arena_bytes);
         match self.first_resident {
             Some((first, first_tracked, first_ms)) => {
-                let seconds = report.time_unix_ms.saturating_sub(first_ms) / 1000;
+                let seconds = (report.time_unix_ms.saturating_sub(first_ms) + 500) / 1000;
                 let growth = ResidentGrowth::between((&first, first_tracked), (&resident, tracked), seconds);
                 report.memory.not_a_leak = growth.not_a_leak(&report.allocator);
                 report.memory.resident_growth = Some(growth);

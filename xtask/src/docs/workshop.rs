@@ -396,9 +396,11 @@ pub fn reports(lines: &[String]) -> Vec<Vec<String>> {
 
 /// A line of a text report after its header.
 fn is_report_line(line: &str) -> bool {
-    const STARTS: [&str; 9] = [
+    const STARTS: [&str; 11] = [
         "Outstanding: ",
         "Of those, ",
+        "Resident: ",
+        "Mostly not a leak: ",
         "Seen: ",
         "Not shown: ",
         "Truncated stacks: ",
