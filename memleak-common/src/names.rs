@@ -344,6 +344,10 @@ pub mod programs {
     pub const OOM_VICTIM_BY_PID: &str = "oom_victim_by_pid";
     pub const OOM_VICTIM_BY_TASK: &str = "oom_victim_by_task";
     pub const OOM_VICTIM_TRACEPOINT: &str = "mark_victim";
+    /// Empty uprobe and uretprobe programs, which price a probe's trap:
+    /// attached to a function of memleak's own, for memleak alone.
+    pub const CALIBRATION_ENTRY: &str = "calibration_entry";
+    pub const CALIBRATION_RETURN: &str = "calibration_return";
     /// Uprobe on the dynamic loader's `_dl_debug_state`, for a process
     /// held at its execve whose allocator was not mapped yet: stops it
     /// again there (`MappingChange::LoaderReady`).

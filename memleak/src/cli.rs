@@ -438,6 +438,12 @@ pub struct Watching {
     #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = parse_duration, requires = "watch")]
     pub trace_for: Duration,
 
+    /// What the traced processes may pay for memleak's probes together, as
+    /// a share of one CPU (0.1: a tenth), as memleak estimates it: past
+    /// it, the costliest window ends early, and no other begins.
+    #[arg(long, value_name = "SHARE", default_value = "0.1", value_parser = parse_share, requires = "watch")]
+    pub max_overhead: f64,
+
     /// Processes traced at once at most; others found growing wait.
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..), requires = "watch")]
     pub max_traced: u16,
@@ -589,6 +595,14 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     match count.checked_mul(unit_seconds) {
         Some(seconds) if seconds <= MAX_INTERVAL_SECONDS => Ok(Duration::from_secs(seconds)),
         _ => Err(format!("`{text}` is longer than a year")),
+    }
+}
+
+/// A share of a CPU: more than 0, and at most the CPUs a machine may have.
+fn parse_share(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(share) if share > 0.0 && share <= 4096.0 => Ok(share),
+        _ => Err(format!("`{text}` is not a share of a CPU: give a number above 0, as 0.1 for a tenth")),
     }
 }
 

@@ -422,6 +422,7 @@ fn watch_settings(watching: &crate::cli::Watching) -> Result<Option<crate::watch
         },
         trace_for: watching.trace_for,
         max_traced: usize::from(watching.max_traced),
+        max_overhead: watching.max_overhead,
     };
     if watch.every.is_zero() || watch.trace_for.is_zero() {
         return Err("--watch-every and --trace-for must be longer than nothing".to_owned());

@@ -238,3 +238,26 @@ fn stop_and_read(memleak: &mut memleak_tests::Memleak) {
     let status = memleak.child.wait().expect("wait for memleak");
     assert!(status.success(), "SIGTERM: {status}");
 }
+
+#[test]
+fn a_window_that_costs_more_than_max_overhead_ends_early_and_its_cost_is_exported() {
+    let cgroup = TestCgroup::new();
+    let mut fleet = Fleet::default();
+    // 20,000 malloc/free pairs a second beside its leak: a few percent of
+    // a CPU in traps alone, past a budget of 1%.
+    let busy = u64::from(fleet.start_in(&cgroup, &fixture("growth"), &["busy-leak", "64"]));
+    let (mut memleak, port) = serve_watching(&cgroup, &["--trace-for", "10m", "--max-overhead", "0.01"]);
+    let said = memleak.stderr.wait_for("the window cut short", |line| {
+        line.starts_with(&format!("memleak: pid {busy}: its probes cost"))
+    });
+    assert!(said.contains("over --max-overhead 1.0%: its window ends early; detached"), "{said}");
+    let metrics = get(port, "/metrics").unwrap().body;
+    let prefix = format!("memleak_overhead_seconds_total{{pid=\"{busy}\",exe=\"growth\"}} ");
+    let cost: f64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(&prefix)?.parse().ok())
+        .unwrap_or_else(|| panic!("no `{prefix}` in:\n{metrics}"));
+    assert!(cost > 0.0, "{cost}");
+    assert_eq!(watch_states(port).get(&busy).map(String::as_str), Some("detached"));
+    stop(memleak);
+}

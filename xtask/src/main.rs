@@ -103,7 +103,8 @@ enum Task {
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only", "kernels"])]
         overhead_only: bool,
         /// Only `memleak serve --watch`'s own CPU at 0, 100 and 1,000
-        /// processes watched.
+        /// processes watched, and memleak's estimate of its probes' cost
+        /// against the cost measured.
         #[arg(long, conflicts_with_all = ["serve_only", "save_only", "python_only", "depth_only", "mprotect_only", "kernels", "overhead_only"])]
         watch_only: bool,
         /// Inside a kernel's VM: the part `--kernels` runs there.

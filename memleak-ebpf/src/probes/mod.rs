@@ -4,6 +4,7 @@
 //! its arguments and hands over to `calls`, `record` and `stack`.
 
 mod alloc;
+mod calibration;
 mod exec;
 mod fork;
 mod free;

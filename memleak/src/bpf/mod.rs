@@ -13,6 +13,7 @@ pub mod kernel_features;
 pub mod map_costs;
 pub mod mapping_calls_in_kernel;
 pub mod multi_uprobes;
+pub mod overhead;
 pub mod privileges;
 pub mod rings;
 pub mod tracer;

@@ -210,6 +210,11 @@ impl MultiUprobePrograms {
         Ok(Self { programs, _btf: btf })
     }
 
+    /// Every program loaded, by name.
+    pub fn programs(&self) -> impl Iterator<Item = (&'static str, &OwnedFd)> {
+        self.programs.iter().map(|(name, fd)| (*name, fd))
+    }
+
     pub fn program(&self, name: &'static str) -> Option<&OwnedFd> {
         self.programs.get(name)
     }

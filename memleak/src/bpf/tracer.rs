@@ -204,7 +204,7 @@ pub struct Tracer {
     pub(super) ebpf: Ebpf,
     /// The uprobe programs, when loaded for multi-uprobe links; `None`:
     /// aya loaded them in `ebpf` for one perf-event uprobe per site.
-    multi: Option<MultiUprobePrograms>,
+    pub(super) multi: Option<MultiUprobePrograms>,
     /// How the programs loop, which decided the object loaded.
     loops: Loops,
     /// How long loading took, the kernel's verifier most of it.

@@ -226,6 +226,7 @@ pub fn render_for(published: &Published, only: Option<u32>) -> String {
                 writeln!(out, "{}{{{}}} {}", metric.name, process_labels(followed), (metric.value)(followed));
         }
     }
+    render_overhead(&mut out, &reported);
     render_stacks(&mut out, &reported, published.metrics_top_stacks);
     if only.is_some() {
         return out;
@@ -326,6 +327,24 @@ fn render_watch(out: &mut String, watch: &WatchView) {
                 process.pid,
                 escape_label(&executable)
             );
+        }
+    }
+}
+
+/// What memleak's probes cost each process, where it could price them.
+fn render_overhead(out: &mut String, reported: &[&Followed]) {
+    header(
+        out,
+        "memleak_overhead_seconds_total",
+        Kind::Counter,
+        "CPU time memleak's probes cost the process since they were placed, estimated: each allocation call \
+         traps at its entry and return, each free at its entry, priced on this machine at start, and each runs a \
+         program, priced by the kernel's count of their run time.",
+    );
+    for followed in reported {
+        if let Some(seconds) = followed.overhead_seconds {
+            let _ =
+                writeln!(out, "memleak_overhead_seconds_total{{{}}} {seconds:.6}", process_labels(followed));
         }
     }
 }
@@ -501,8 +520,8 @@ mod tests {
         let lines: Vec<&str> = body.lines().collect();
         assert_eq!(
             lines.len(),
-            PROCESS_METRICS.len() * 3 + 8,
-            "HELP, TYPE and one series each, the processes not followed, the code objects let go, and no OOM \
+            PROCESS_METRICS.len() * 3 + 10,
+            "HELP, TYPE and one series each, the overhead's header, the processes not followed, the code objects let go, and no OOM \
              kill:\n{body}"
         );
         assert!(lines.contains(&"memleak_python_code_objects_let_go_total 0"));

@@ -31,7 +31,10 @@ use std::{
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::{
-    bpf::{Traced, Tracer, TracerError},
+    bpf::{
+        overhead::{self, Pricing},
+        Traced, Tracer, TracerError,
+    },
     collect::CollectOptions,
     config::ServeConfig,
     process::{
@@ -144,6 +147,12 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
     // Said with -v, as the one-shot runs say it.
     let _ = session.kernel_paths();
+    // Kept open for the daemon's life: the kernel counts the programs'
+    // run time while it is.
+    let _counting = overhead::count_run_time()
+        .map_err(|error| status::say(&format!("the probes' BPF time will not be counted: {error}")))
+        .ok();
+    let pricing = price(&mut session);
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
     let oom_store = match &config.state_dir {
         Some(dir) => OomStore::open(dir, true),
@@ -153,6 +162,7 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let mut collector =
         Collector::new(config.retain, queries, Resolver::new(config.host_root.clone()), watcher);
     collector.oom = Some(oom_store);
+    collector.pricing = pricing;
     collector.sync(&session);
     // The processes are listed, and can be asked for, before their first
     // report.
@@ -176,6 +186,25 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     drop(session);
     server.stop();
     ended
+}
+
+/// Prices a probe's trap on this machine, said with -v; a machine where
+/// that fails is said once, and no cost is estimated.
+fn price(session: &mut Session) -> Option<Pricing> {
+    match session.price_traps() {
+        Ok(trap) => {
+            log::debug!(
+                "a probe's trap costs a call {:.0} ns at its entry, {:.0} ns at its return",
+                trap.entry_ns,
+                trap.return_ns
+            );
+            Some(Pricing { trap, bpf_ns_per_run: None })
+        }
+        Err(error) => {
+            status::say(&format!("the probes' cost will not be estimated: {error}"));
+            None
+        }
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard one: each
@@ -267,6 +296,12 @@ struct Collector {
     /// The OOM killer's victims whose ends are yet to be seen, with when
     /// they were picked.
     victims: HashMap<u32, Instant>,
+    /// What a probe hit costs, if it could be priced.
+    pricing: Option<Pricing>,
+    /// With --watch: each traced process's estimated cost as of its
+    /// latest report (ms since 1970, seconds), and the rate it paid
+    /// between its two latest reports (CPUs).
+    costs_seen: HashMap<u32, (u64, f64, f64)>,
 }
 
 impl Collector {
@@ -288,6 +323,8 @@ impl Collector {
             watcher,
             oom: None,
             victims: HashMap::new(),
+            pricing: None,
+            costs_seen: HashMap::new(),
         }
     }
 
@@ -487,19 +524,13 @@ impl Collector {
             self.keep_oom_evidence(pid);
         }
         let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
-        let ended = watcher.windows_ended(now);
-        for pid in ended {
-            self.round_with(session, board, Some(pid), &LAST_REPORT);
-            session.stop_tracing(pid)?;
-            let held = self.window_summary(pid);
-            self.mark_detached(pid);
-            if let Some(watcher) = self.watcher.as_mut() {
-                watcher.detached(pid);
-            }
-            status::say(&format!("pid {pid}: its window ended; detached, its last report stays{held}"));
+        for pid in watcher.windows_ended(now) {
+            self.end_window(session, board, pid, "its window ended")?;
         }
+        let within_budget = self.keep_to_budget(session, board)?;
         let Some(watcher) = self.watcher.as_mut() else { return Ok(()) };
-        for pid in watcher.look(now) {
+        let suspects = watcher.look(now);
+        for pid in suspects.into_iter().filter(|_| within_budget) {
             match session.trace_process(pid) {
                 Ok(()) => watcher.traced(pid, now),
                 Err(error) => watcher.untraceable(pid, &error.to_string()),
@@ -511,6 +542,72 @@ impl Collector {
         self.sync(session);
         self.publish(board);
         Ok(())
+    }
+
+    /// Closes process `pid`'s window (`why`): its last report is taken, its
+    /// probes detached, and it is watched again.
+    fn end_window(
+        &mut self,
+        session: &mut Session,
+        board: &Board,
+        pid: u32,
+        why: &str,
+    ) -> Result<(), ServeError> {
+        self.round_with(session, board, Some(pid), &LAST_REPORT);
+        session.stop_tracing(pid)?;
+        let held = self.window_summary(pid);
+        self.mark_detached(pid);
+        self.costs_seen.remove(&pid);
+        if let Some(watcher) = self.watcher.as_mut() {
+            watcher.detached(pid);
+        }
+        status::say(&format!("pid {pid}: {why}; detached, its last report stays{held}"));
+        Ok(())
+    }
+
+    /// Keeps what the processes traced pay for the probes under
+    /// --max-overhead: past it, the costliest window ends now. Returns
+    /// whether new windows may begin (the budget is not spent).
+    fn keep_to_budget(&mut self, session: &mut Session, board: &Board) -> Result<bool, ServeError> {
+        let Some(watcher) = self.watcher.as_ref() else { return Ok(true) };
+        let max = watcher.settings().max_overhead;
+        let mut rates = Vec::new();
+        for pid in watcher.traced_pids() {
+            let followed =
+                self.live.get(&pid).and_then(|key| self.followed.get(key)).map(|entry| &entry.followed);
+            let Some((cost, at)) = followed.and_then(|followed| {
+                Some((followed.overhead_seconds?, followed.report.as_ref()?.time_unix_ms))
+            }) else {
+                continue;
+            };
+            let rate = match self.costs_seen.get(&pid) {
+                Some(&(then, before, _)) if at > then => {
+                    (cost - before).max(0.0) / ((at - then) as f64 / 1e3)
+                }
+                Some(&(_, _, rate)) => rate,
+                None => 0.0,
+            };
+            if self.costs_seen.get(&pid).is_none_or(|&(then, _, _)| at > then) {
+                self.costs_seen.insert(pid, (at, cost, rate));
+            }
+            rates.push((pid, rate));
+        }
+        let total: f64 = rates.iter().map(|(_, rate)| rate).sum();
+        if total <= max {
+            return Ok(true);
+        }
+        let Some(&(costliest, rate)) = rates.iter().max_by(|one, other| one.1.total_cmp(&other.1)) else {
+            return Ok(true);
+        };
+        let why = format!(
+            "its probes cost about {:.1}% of a CPU, and all traced {:.1}%, over --max-overhead {:.1}%: its window \
+             ends early",
+            rate * 100.0,
+            total * 100.0,
+            max * 100.0
+        );
+        self.end_window(session, board, costliest, &why)?;
+        Ok(false)
     }
 
     /// Takes the OOM killer's victims picked since the last call; those
@@ -636,6 +733,12 @@ impl Collector {
         if only.is_none() {
             self.last_round = Some(Instant::now());
         }
+        if let Some(pricing) = self.pricing.as_mut() {
+            let (ns, runs) = session.uprobe_run_time();
+            if runs > 0 {
+                pricing.bpf_ns_per_run = Some(ns as f64 / runs as f64);
+            }
+        }
         match session.collect(only, request) {
             Ok(reports) => {
                 self.last_error = None;
@@ -644,6 +747,8 @@ impl Collector {
                     let Some(key) = self.live.get(&report.pid) else { continue };
                     if let Some(entry) = self.followed.get_mut(key) {
                         entry.followed.program.clone_from(&report.program);
+                        entry.followed.overhead_seconds =
+                            self.pricing.map(|pricing| pricing.seconds(&report.health));
                         entry.followed.take_report(report);
                     }
                 }

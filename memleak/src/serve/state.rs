@@ -67,6 +67,9 @@ pub struct Followed {
     /// The container and pod it runs in, when its cgroup is named as a
     /// container runtime or the kubelet names them.
     pub workload: Option<Workload>,
+    /// What memleak's probes cost it so far, in seconds, as estimated
+    /// (`bpf::overhead`); `None` where memleak could not price them.
+    pub overhead_seconds: Option<f64>,
 }
 
 impl Followed {
@@ -80,6 +83,7 @@ impl Followed {
             report: None,
             growth: Growth::default(),
             workload,
+            overhead_seconds: None,
         }
     }
 
@@ -141,6 +145,7 @@ impl Followed {
                 .map(|resident| resident.resident_bytes),
             anon_bytes: report.and_then(|report| report.memory.resident).map(|resident| resident.anon_bytes),
             not_a_leak: report.and_then(|report| report.memory.not_a_leak.as_deref()),
+            overhead_seconds: self.overhead_seconds,
         }
     }
 }
@@ -213,6 +218,8 @@ pub struct TargetSummary<'a> {
     /// When its memory grew and the blocks memleak tracks do not explain
     /// it: why it is not a leak memleak sees.
     pub not_a_leak: Option<&'a str>,
+    /// What memleak's probes cost it so far, in seconds, as estimated.
+    pub overhead_seconds: Option<f64>,
 }
 
 /// A process's workload labels in `/api/v1/targets`: each key always

@@ -1015,6 +1015,17 @@ impl Session {
         self.add_named(vec![(held, plan, space)])
     }
 
+    /// What a probe's trap costs on this machine (`bpf::overhead`).
+    pub fn price_traps(&mut self) -> Result<crate::bpf::overhead::TrapCost, SessionError> {
+        Ok(self.tracer.price_traps()?)
+    }
+
+    /// The kernel's count of run time and runs of the uprobe programs:
+    /// (ns, runs).
+    pub fn uprobe_run_time(&self) -> (u64, u64) {
+        self.tracer.uprobe_run_time()
+    }
+
     /// The processes the OOM killer picked since the last call, by tgid;
     /// none unless the session was started with `oom_kills`.
     pub fn take_oom_victims(&mut self) -> Vec<u32> {

@@ -531,6 +531,19 @@ mod tests {
             start("sleep", &[("LD_BIND_NOW", "1")]),
             start("tail", &[]),
         ];
+        // Once each has run its program: a key taken before its execve
+        // would be the test's own (which failed a run on a busy machine).
+        let programs = ["sleep", "sleep", "sleep", "tail"];
+        for (process, program) in processes.iter().zip(programs) {
+            let exe = format!("/proc/{}/exe", process.id());
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !std::fs::read_link(&exe)
+                .is_ok_and(|path| path.file_name().is_some_and(|name| name == program))
+            {
+                assert!(std::time::Instant::now() < deadline, "{program} never ran");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
         let keys: Vec<Option<ProgramKey>> =
             processes.iter().map(|process| ProgramKey::of(process.id())).collect();
         for process in &mut processes {

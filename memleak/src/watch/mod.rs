@@ -36,6 +36,9 @@ pub struct WatchSettings {
     pub trace_for: Duration,
     /// Processes traced at once at most (--max-traced).
     pub max_traced: usize,
+    /// What the processes traced may pay for the probes together, in
+    /// CPUs (--max-overhead).
+    pub max_overhead: f64,
 }
 
 /// Where a watched process stands.
@@ -312,6 +315,15 @@ impl Watcher {
             describe_rate(watched.growth.unwrap_or_default())
         ));
         watched.state = State::Untraceable(why.to_owned());
+    }
+
+    /// The processes traced now, by a window of the watch.
+    pub fn traced_pids(&self) -> Vec<u32> {
+        self.watched
+            .iter()
+            .filter(|(_, watched)| matches!(watched.state, State::Traced { .. }))
+            .map(|(pid, _)| *pid)
+            .collect()
     }
 
     /// The processes whose window has ended by `now`.

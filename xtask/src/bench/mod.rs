@@ -164,6 +164,7 @@ pub fn run(quick: bool, part: Part) -> Result<()> {
     }
     if part == Part::Watch {
         watch::print(&watch::measure(&memleak));
+        watch::print_estimate(&watch::measure_estimate(&memleak));
         return Ok(());
     }
     let spread = build_fixture_with("spread", &["-O2"])?;
@@ -328,6 +329,8 @@ fn daemon(memleak: &std::path::Path, spread: &std::path::Path, soak: &serve::Soa
     fleet::print_churn(&fleet::measure_churn(memleak, &leaker, soak.pods));
     eprintln!("bench: memleak serve --watch, its own CPU at 0, 100 and 1,000 processes");
     watch::print(&watch::measure(memleak));
+    eprintln!("bench: memleak's estimate of its probes' cost, against the cost measured");
+    watch::print_estimate(&watch::measure_estimate(memleak));
     Ok(())
 }
 
