@@ -138,31 +138,49 @@ impl Tracer {
     /// the calibration's probes are gone when this returns.
     pub fn price_traps(&mut self) -> Result<TrapCost, TracerError> {
         let failed = |detail: String| TracerError::KernelFeature {
-            feature: "a probe on memleak itself".to_owned(),
+            feature: "a probe on memleak's own code, to price the probes".to_owned(),
             detail,
         };
         let exe = std::env::current_exe().map_err(|error| failed(error.to_string()))?;
         let offset = site_offset().map_err(failed)?;
         let own = NonZeroU32::new(std::process::id()).ok_or_else(|| failed("pid 0".to_owned()))?;
         let bare = time_a_call();
-        let mut attached = Vec::new();
         let mut timed = Vec::new();
-        for name in [programs::CALIBRATION_ENTRY, programs::CALIBRATION_RETURN] {
-            let probe = calibration_probe(&mut self.ebpf, name)?;
-            probe.load().map_err(|source| TracerError::Verifier { program: name, source })?;
-            let point =
-                UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: None };
-            probe
-                .attach(point, &exe, UProbeScope::OneProcess(own))
-                .map_err(|error| failed(error.to_string()))?;
-            attached.push(name);
-            timed.push(time_a_call());
-        }
-        for name in attached {
-            if let Ok(probe) = calibration_probe(&mut self.ebpf, name) {
-                // Unloading detaches it.
-                let _ = probe.unload();
+        if let Some(multi) = &self.multi {
+            // As memleak's own probes are attached: multi-uprobe links,
+            // which CAP_BPF and CAP_PERFMON may make.
+            let path = super::multi_uprobes::c_path(&exe).map_err(|error| failed(error.to_string()))?;
+            let mut links = Vec::new();
+            for (name, on_return) in
+                [(programs::CALIBRATION_ENTRY, false), (programs::CALIBRATION_RETURN, true)]
+            {
+                let program = multi.program(name).ok_or(TracerError::Missing(name))?;
+                let link =
+                    super::multi_uprobes::link(program, &path, &[offset], &[], Some(own.get()), on_return)
+                        .map_err(|error| failed(error.to_string()))?;
+                links.push(link);
+                timed.push(time_a_call());
             }
+            // Closing the links detaches the probes.
+            drop(links);
+        } else {
+            let mut attached = Vec::new();
+            for name in [programs::CALIBRATION_ENTRY, programs::CALIBRATION_RETURN] {
+                let probe = calibration_probe(&mut self.ebpf, name)?;
+                probe.load().map_err(|source| TracerError::Verifier { program: name, source })?;
+                let point = UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(offset),
+                    cookie: None,
+                };
+                let attachment = probe.attach(point, &exe, UProbeScope::OneProcess(own));
+                attached.push(name);
+                if let Err(error) = attachment {
+                    unload(&mut self.ebpf, &attached);
+                    return Err(failed(error.to_string()));
+                }
+                timed.push(time_a_call());
+            }
+            unload(&mut self.ebpf, &attached);
         }
         let (with_entry, with_both) = (timed[0], timed[1]);
         Ok(TrapCost { entry_ns: (with_entry - bare).max(0.0), return_ns: (with_both - with_entry).max(0.0) })
@@ -188,6 +206,15 @@ impl Tracer {
     }
 }
 
+/// Unloads the calibration programs `names`, which detaches them.
+fn unload(ebpf: &mut aya::Ebpf, names: &[&'static str]) {
+    for name in names {
+        if let Ok(probe) = calibration_probe(ebpf, name) {
+            let _ = probe.unload();
+        }
+    }
+}
+
 fn calibration_probe<'a>(ebpf: &'a mut aya::Ebpf, name: &'static str) -> Result<&'a mut UProbe, TracerError> {
     ebpf.program_mut(name)
         .and_then(|program| <&mut UProbe>::try_from(program).ok())
@@ -207,7 +234,14 @@ fn run_time_of(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
 /// descriptor returned lives. The count is the kernel's, for every
 /// program: it adds two clock reads to each run while it is on.
 pub fn count_run_time() -> Result<OwnedFd, String> {
-    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|error| error.to_string())
+    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|error| {
+        if error.io_error.raw_os_error() == Some(libc::EPERM) {
+            "the kernel's count of it (BPF_ENABLE_STATS) takes CAP_SYS_ADMIN; the estimate counts the traps alone"
+                .to_owned()
+        } else {
+            format!("BPF_ENABLE_STATS: {}", crate::status::os_reason(&error.io_error))
+        }
+    })
 }
 
 #[cfg(test)]

@@ -249,6 +249,11 @@ fn uprobe_programs(loops: Loops) -> Vec<&'static str> {
     let allocator = ALLOCATOR_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program()]);
     let mapping = MAPPING_FUNCTIONS.iter().flat_map(|f| [Some(f.entry_program), f.return_program]);
     let mut programs: Vec<&'static str> = vec![programs::RECORD_WITH_USER_STACK];
+    // Loaded with the others where they are attached by multi-uprobe
+    // links, as those are (see `overhead`).
+    if loops == Loops::BpfLoop {
+        programs.extend([programs::CALIBRATION_ENTRY, programs::CALIBRATION_RETURN]);
+    }
     let legacy = (loops == Loops::Bounded).then_some(programs::ENTRY_OF_FUNCTION).into_iter().flatten();
     let legacy = legacy.chain((loops == Loops::Bounded).then_some(programs::MPROTECT_PAST_CALL));
     let stages = USER_STACK_STAGES.into_iter().skip(1).filter(|_| loops == Loops::Bounded);
