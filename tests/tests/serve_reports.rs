@@ -159,9 +159,14 @@ fn headless_chromium_shows_the_followed_process_on_the_page() {
     );
     // The culprit of the largest stack: leak_realloc's 5000 bytes.
     let culprit = format!("leak_realloc (leaker.c:{})", memleak_tests::marker_line("leaker", "realloc"));
+    // Its allocations, then its resident memory (and of it anonymous).
+    assert!(dom.contains("</td><td class=\"num\">15</td><td class=\"num\" title=\""), "{dom}");
     assert!(
         dom.contains(&format!(
-            "</td><td class=\"num\">15</td><td class=\"culprit\">{culprit}</td>\
+            " MiB)</td><td class=\"culprit\">{culprit}</td>\
+             <td title=\"/usr/lib/x86_64-linux-gnu/libc.so.6\">libc.so.6</td>"
+        )) || dom.contains(&format!(
+            " KiB)</td><td class=\"culprit\">{culprit}</td>\
              <td title=\"/usr/lib/x86_64-linux-gnu/libc.so.6\">libc.so.6</td>"
         )),
         "{dom}"
