@@ -28,3 +28,15 @@ pub fn os_reason(error: &std::io::Error) -> String {
         None => text,
     }
 }
+
+/// Bytes as a person reads them: `1.5 GiB`, `16.0 MiB`, `512 bytes`.
+pub fn readable_bytes(bytes: u64) -> String {
+    const UNITS: [(&str, u32); 4] = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
+    for (unit, shift) in UNITS {
+        if bytes >= 1 << shift {
+            let tenths = (u128::from(bytes) * 10 + (1 << (shift - 1))) >> shift;
+            return format!("{}.{} {unit}", tenths / 10, tenths % 10);
+        }
+    }
+    format!("{bytes} bytes")
+}

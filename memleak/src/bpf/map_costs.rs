@@ -101,18 +101,6 @@ fn round_up_8(size: usize) -> u64 {
     (size as u64).div_ceil(8) * 8
 }
 
-/// Bytes as a person reads them: `1.5 GiB`, `16.0 MiB`, `512 bytes`.
-pub fn readable_bytes(bytes: u64) -> String {
-    const UNITS: [(&str, u32); 4] = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
-    for (unit, shift) in UNITS {
-        if bytes >= 1 << shift {
-            let tenths = (u128::from(bytes) * 10 + (1 << (shift - 1))) >> shift;
-            return format!("{}.{} {unit}", tenths / 10, tenths % 10);
-        }
-    }
-    format!("{bytes} bytes")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,14 +137,14 @@ mod tests {
         assert_eq!(cost.entries, (1 << 27) - 1 + 1024);
         // Past a power of two: the bucket array doubles, to 4 GiB.
         assert_eq!(cost.at_start, 4 << 30);
-        assert_eq!(readable_bytes(cost.at_start), "4.0 GiB");
+        assert_eq!(crate::status::readable_bytes(cost.at_start), "4.0 GiB");
         assert_eq!(cost_of("COUNTERS", &huge), None);
     }
 
     #[test]
     fn bytes_read_as_a_person_would() {
-        assert_eq!(readable_bytes(512), "512 bytes");
-        assert_eq!(readable_bytes(1536), "1.5 KiB");
-        assert_eq!(readable_bytes(16 << 20), "16.0 MiB");
+        assert_eq!(crate::status::readable_bytes(512), "512 bytes");
+        assert_eq!(crate::status::readable_bytes(1536), "1.5 KiB");
+        assert_eq!(crate::status::readable_bytes(16 << 20), "16.0 MiB");
     }
 }

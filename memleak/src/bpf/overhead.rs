@@ -6,8 +6,9 @@
 //! function of memleak's own, for memleak alone, and the function is
 //! called in a loop with none, with the entry probe, and with both; what
 //! the calls cost more is the kernel's trap. The programs' own time is
-//! the kernel's count (`BPF_ENABLE_STATS`, which memleak turns on for as
-//! long as it runs, if it may), per run, over memleak's uprobe programs.
+//! the kernel's count (`BPF_ENABLE_STATS`, which memleak's daemon turns
+//! on while it traces a process, if it may), per run, over memleak's
+//! uprobe programs.
 //! A process's probe hits are its calls memleak counted: so its estimate
 //! is hits times those prices.
 

@@ -74,8 +74,8 @@ pub enum TracerError {
          up to {} when full; lower {}",
         status::os_reason(source),
         cost.entries,
-        map_costs::readable_bytes(cost.at_start),
-        map_costs::readable_bytes(cost.when_full),
+        status::readable_bytes(cost.at_start),
+        status::readable_bytes(cost.when_full),
         cost.flag
     )]
     MapRefused { map: String, cost: MapCost, source: std::io::Error },

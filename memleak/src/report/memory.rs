@@ -178,21 +178,10 @@ impl Place {
     }
 }
 
-/// `+79.5 MiB`, `-1.0 MiB`, `+640 B`.
+/// `+79.5 MiB`, `-1.0 MiB`, `+640 bytes`.
 fn signed(bytes: i64) -> String {
     let sign = if bytes < 0 { "-" } else { "+" };
-    format!("{sign}{}", size(bytes.unsigned_abs()))
-}
-
-/// `79.5 MiB`, `640 B`: a size as a person reads it.
-pub fn size(bytes: u64) -> String {
-    let unit = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
-        .into_iter()
-        .find(|(_, size)| bytes >= *size);
-    match unit {
-        Some((unit, size)) => format!("{:.1} {unit}", bytes as f64 / size as f64),
-        None => format!("{bytes} B"),
-    }
+    format!("{sign}{}", crate::status::readable_bytes(bytes.unsigned_abs()))
 }
 
 #[cfg(test)]
@@ -221,7 +210,7 @@ mod tests {
         let said = growth.not_a_leak("/usr/lib/x86_64-linux-gnu/libc.so.6").expect("a verdict");
         assert_eq!(
             said,
-            "mostly not a leak: anonymous memory grew +80.0 MiB in 30 s, the blocks memleak tracks +640 B; most of \
+            "mostly not a leak: anonymous memory grew +80.0 MiB in 30 s, the blocks memleak tracks +640 bytes; most of \
              it in the heap and the allocator's arenas, in blocks freed that it keeps (+79.0 MiB): fragmentation, \
              or free memory glibc keeps; malloc_trim(0) gives it back, MALLOC_ARENA_MAX=2 bounds the arenas of \
              many threads, and MALLOC_TRIM_THRESHOLD_ how much it keeps"

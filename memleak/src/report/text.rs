@@ -8,10 +8,11 @@ use std::{
     sync::Arc,
 };
 
-use super::{culprit, diff::Diff, memory, printable, subject, CgroupTotal, Report};
+use super::{culprit, diff::Diff, printable, subject, CgroupTotal, Report};
 use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
+    status,
     symbolize::missing::Lacking,
 };
 
@@ -250,11 +251,11 @@ fn write_resident(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Resul
     writeln!(
         out,
         "Resident: {}: {} anonymous (the heap and arenas {}, thread stacks {}), {} of files",
-        memory::size(resident.resident_bytes),
-        memory::size(resident.anon_bytes),
-        memory::size(resident.heap_bytes),
-        memory::size(resident.thread_stack_bytes),
-        memory::size(resident.file_bytes),
+        status::readable_bytes(resident.resident_bytes),
+        status::readable_bytes(resident.anon_bytes),
+        status::readable_bytes(resident.heap_bytes),
+        status::readable_bytes(resident.thread_stack_bytes),
+        status::readable_bytes(resident.file_bytes),
     )?;
     if let Some(verdict) = &report.memory.not_a_leak {
         let mut verdict = verdict.clone();

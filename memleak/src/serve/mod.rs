@@ -147,11 +147,6 @@ pub async fn run(config: &ServeConfig) -> Result<(), ServeError> {
     let mut session = Session::start(&TargetSpec::Selected(selectors), &session_config)?;
     // Said with -v, as the one-shot runs say it.
     let _ = session.kernel_paths();
-    // Kept open for the daemon's life: the kernel counts the programs'
-    // run time while it is.
-    let _counting = overhead::count_run_time()
-        .map_err(|error| status::say(&format!("the probes' BPF time will not be counted: {error}")))
-        .ok();
     let pricing = price(&mut session);
     let (board, reader, queries) = Board::new(config.metrics_top_stacks);
     let oom_store = match &config.state_dir {
@@ -298,6 +293,11 @@ struct Collector {
     victims: HashMap<u32, Instant>,
     /// What a probe hit costs, if it could be priced.
     pricing: Option<Pricing>,
+    /// The kernel's count of BPF run time, on while a process is traced:
+    /// it adds two clock reads to every run of every BPF program on the
+    /// machine, which a watch tracing nothing must not cost. `Err`: it
+    /// could not be turned on, as said once.
+    run_time_count: Result<Option<std::os::fd::OwnedFd>, ()>,
     /// With --watch: each traced process's estimated cost as of its
     /// latest report (ms since 1970, seconds), and the rate it paid
     /// between its two latest reports (CPUs).
@@ -324,6 +324,7 @@ impl Collector {
             oom: None,
             victims: HashMap::new(),
             pricing: None,
+            run_time_count: Ok(None),
             costs_seen: HashMap::new(),
         }
     }
@@ -424,6 +425,7 @@ impl Collector {
             // A process left out (by --max-processes) is found by a
             // refresh or an event that adds nobody: the count is published
             // as it changes, not with the next newcomer.
+            self.count_run_time_while_traced(session);
             if session.processes_not_followed() != self.processes_not_followed {
                 self.processes_not_followed = session.processes_not_followed();
                 self.publish(board);
@@ -544,6 +546,23 @@ impl Collector {
         Ok(())
     }
 
+    /// Turns the kernel's count of BPF run time on while the session traces
+    /// a process, and off when it traces none.
+    fn count_run_time_while_traced(&mut self, session: &Session) {
+        let traced = !session.targets().is_empty();
+        match &mut self.run_time_count {
+            Ok(count @ None) if traced && self.pricing.is_some() => match overhead::count_run_time() {
+                Ok(fd) => *count = Some(fd),
+                Err(error) => {
+                    status::say(&format!("the probes' BPF time will not be counted: {error}"));
+                    self.run_time_count = Err(());
+                }
+            },
+            Ok(count @ Some(_)) if !traced => *count = None,
+            _ => {}
+        }
+    }
+
     /// Closes process `pid`'s window (`why`): its last report is taken, its
     /// probes detached, and it is watched again.
     fn end_window(
@@ -659,7 +678,7 @@ impl Collector {
             report.largest_culprit().map(|(_, named)| format!(", the most at {named}")).unwrap_or_default();
         format!(
             ": {} in {} allocations{culprit}",
-            crate::report::memory::size(report.total_bytes),
+            status::readable_bytes(report.total_bytes),
             report.total_allocations
         )
     }

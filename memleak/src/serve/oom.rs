@@ -173,7 +173,7 @@ fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)
     match (evidence.followed.and_then(|followed| followed.report.as_ref()), culprit) {
         (Some(_), Some((stack, named))) => format!(
             "{killed}; the stack holding the most: {named}, {} in {} allocations",
-            report::memory::size(stack.bytes),
+            status::readable_bytes(stack.bytes),
             stack.allocations
         ),
         (Some(_), None) => format!("{killed}; its last report holds no allocation"),
@@ -184,7 +184,7 @@ fn summary(evidence: &Evidence<'_>, culprit: Option<(&report::ReportStack, &str)
                 .map(|point| {
                     format!(
                         " with {} of anonymous memory at the last look",
-                        report::memory::size(point.anon_bytes)
+                        status::readable_bytes(point.anon_bytes)
                     )
                 })
                 .unwrap_or_default();
@@ -287,7 +287,7 @@ mod tests {
         assert_eq!(
             kill["summary"],
             "pid 42 (growth) was killed by the OOM killer with 48.0 MiB of anonymous memory at the last look; it was \
-             watched, growing 64 KiB/s, not traced: no stack is known"
+             watched, growing 64.0 KiB/s, not traced: no stack is known"
         );
         assert_eq!(
             (kill["history"][0]["anon_bytes"].as_u64(), kill["anon_bytes_last_seen"].as_u64()),

@@ -9,7 +9,8 @@ use std::fmt::Write as _;
 use super::state::{Followed, Published};
 use crate::{
     model::Workload,
-    report::{memory, printable, subject, Report},
+    report::{printable, subject, Report},
+    status,
     watch::{describe_rate, WatchView, WatchedProcess},
 };
 
@@ -67,7 +68,11 @@ fn row(page: &mut String, followed: &Followed) {
     let resident = report.and_then(|report| report.memory.resident).map_or_else(
         || "-".to_owned(),
         |resident| {
-            format!("{} ({})", memory::size(resident.resident_bytes), memory::size(resident.anon_bytes))
+            format!(
+                "{} ({})",
+                status::readable_bytes(resident.resident_bytes),
+                status::readable_bytes(resident.anon_bytes)
+            )
         },
     );
     let not_a_leak = report.and_then(|report| report.memory.not_a_leak.as_deref()).unwrap_or_default();

@@ -451,19 +451,17 @@ pub struct WatchedProcess {
     pub workload: Option<Workload>,
 }
 
-/// `64 KiB/s`, `1.5 MiB/min`: a rate as a person reads it.
+/// `64.0 KiB/s`, `30.0 KiB/min`: a rate as a person reads it, a minute's
+/// worth below a KiB a second.
 pub fn describe_rate(bytes_per_second: f64) -> String {
     let (per, seconds) = if bytes_per_second >= 1024.0 { ("s", 1.0) } else { ("min", 60.0) };
-    let bytes = bytes_per_second * seconds;
-    let (value, unit) = [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
-        .into_iter()
-        .find(|(_, size)| bytes >= *size as f64)
-        .map_or((bytes, "B"), |(unit, size)| (bytes / size as f64, unit));
-    if value >= 10.0 {
-        format!("{value:.0} {unit}/{per}")
-    } else {
-        format!("{value:.1} {unit}/{per}")
-    }
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a rate of bytes, not negative, far below 2^64"
+    )]
+    let bytes = (bytes_per_second.max(0.0) * seconds).round() as u64;
+    format!("{}/{per}", status::readable_bytes(bytes))
 }
 
 #[cfg(test)]
@@ -472,9 +470,9 @@ mod tests {
 
     #[test]
     fn rates_read_as_a_person_says_them() {
-        assert_eq!(describe_rate(65536.0), "64 KiB/s");
+        assert_eq!(describe_rate(65536.0), "64.0 KiB/s");
         assert_eq!(describe_rate(1.5 * 1_048_576.0), "1.5 MiB/s");
-        assert_eq!(describe_rate(512.0), "30 KiB/min");
-        assert_eq!(describe_rate(0.0), "0.0 B/min");
+        assert_eq!(describe_rate(512.0), "30.0 KiB/min");
+        assert_eq!(describe_rate(0.0), "0 bytes/min");
     }
 }
