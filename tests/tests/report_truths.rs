@@ -359,19 +359,22 @@ const NGINX_REQUESTS: u64 = 50;
 #[test]
 fn nginx_started_with_c_is_followed_into_its_worker() {
     let dir = memleak_tests::tempdir::TempDir::new("memleak-nginx");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // A unix socket in the test's own directory: a TCP port picked free here could be
+    // taken by another test before nginx binds it.
+    let socket = dir.path().join("nginx.sock");
     let temp = |name: &str| format!("{name}_temp_path {}/{name};", dir.path().display());
     let config = format!(
         "worker_processes 1; pid {root}/nginx.pid; error_log {root}/error.log;\n\
          events {{ worker_connections 64; }}\n\
          http {{ access_log off; {} {} {} {} {}\n\
-         server {{ listen 127.0.0.1:{port}; location / {{ return 200 \"hello\\n\"; }} }} }}\n",
+         server {{ listen unix:{socket}; location / {{ return 200 \"hello\\n\"; }} }} }}\n",
         temp("client_body"),
         temp("proxy"),
         temp("fastcgi"),
         temp("uwsgi"),
         temp("scgi"),
-        root = dir.path().display()
+        root = dir.path().display(),
+        socket = socket.display()
     );
     std::fs::write(dir.path().join("nginx.conf"), config).unwrap();
     let command = format!("/usr/sbin/nginx -p {0} -c {0}/nginx.conf", dir.path().display());
@@ -383,7 +386,7 @@ fn nginx_started_with_c_is_followed_into_its_worker() {
     assert_eq!(parent, master, "the worker is the master's child");
     assert_ne!(first, master);
     for _ in 0..NGINX_REQUESTS {
-        let mut connection = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut connection = std::os::unix::net::UnixStream::connect(&socket).unwrap();
         std::io::Write::write_all(&mut connection, b"GET / HTTP/1.0\r\n\r\n").unwrap();
         let mut answer = String::new();
         std::io::Read::read_to_string(&mut connection, &mut answer).unwrap();
