@@ -30,30 +30,8 @@ pub struct Args {
     #[command(subcommand)]
     pub action: Option<Action>,
 
-    /// Trace these running processes (-p 12,34 or -p 12 -p 34); each gets
-    /// reports of its own.
-    #[arg(short, long, value_name = "PID", value_delimiter = ',', conflicts_with = "command")]
-    pub pid: Vec<u32>,
-
-    /// Trace every process of this cgroup v2 directory, including those
-    /// that join it later: a report per process, then a total.
-    #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command"])]
-    pub cgroup: Option<PathBuf>,
-
-    /// Run this command (with its arguments, split like a shell would) and
-    /// trace it from its first instruction, with the processes it forks.
-    #[arg(short, long, value_name = "\"CMD ARGS\"")]
-    pub command: Option<String>,
-
-    /// With -p: also trace the processes each one forks from now on (and
-    /// theirs), each with reports of its own.
-    #[arg(long, conflicts_with = "no_follow_forks")]
-    pub follow_forks: bool,
-
-    /// With -c: trace only the command's own process, not the processes it
-    /// forks (which are followed by default).
-    #[arg(long)]
-    pub no_follow_forks: bool,
+    #[command(flatten)]
+    pub target: Targets,
 
     /// Seconds between reports.
     #[arg(value_name = "INTERVAL", default_value = "5", value_parser = parse_interval)]
@@ -285,6 +263,35 @@ pub struct Culprits {
     pub no_default_skips: bool,
 }
 
+/// The processes traced: for a trace and for `memleak top` alike.
+#[derive(Debug, clap::Args)]
+pub struct Targets {
+    /// Trace these running processes (-p 12,34 or -p 12 -p 34); each gets
+    /// reports of its own.
+    #[arg(short, long, value_name = "PID", value_delimiter = ',', conflicts_with = "command")]
+    pub pid: Vec<u32>,
+
+    /// Trace every process of this cgroup v2 directory, including those
+    /// that join it later: a report per process, then a total.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["pid", "command"])]
+    pub cgroup: Option<PathBuf>,
+
+    /// Run this command (with its arguments, split like a shell would) and
+    /// trace it from its first instruction, with the processes it forks.
+    #[arg(short, long, value_name = "\"CMD ARGS\"")]
+    pub command: Option<String>,
+
+    /// With -p: also trace the processes each one forks from now on (and
+    /// theirs), each with reports of its own.
+    #[arg(long, conflicts_with = "no_follow_forks")]
+    pub follow_forks: bool,
+
+    /// With -c: trace only the command's own process, not the processes it
+    /// forks (which are followed by default).
+    #[arg(long)]
+    pub no_follow_forks: bool,
+}
+
 /// What memleak does instead of tracing to stdout: work on snapshots
 /// saved with --save (no root, no process needed), or serve reports.
 #[derive(Debug, Subcommand)]
@@ -297,7 +304,61 @@ pub enum Action {
     /// Run as a daemon: follow processes and serve their latest reports
     /// over HTTP, for Prometheus and curl.
     Serve(Box<ServeArgs>),
+    /// A live view in the terminal: the stacks that hold the most memory
+    /// and how each grows, updated every interval; of processes traced
+    /// here, or of a `memleak serve` daemon's (--connect).
+    Top(Box<TopArgs>),
 }
+
+/// `memleak top`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = TOP_KEYS)]
+pub struct TopArgs {
+    #[command(flatten)]
+    pub target: Targets,
+
+    /// Show the processes a running `memleak serve` follows, at its URL
+    /// (http://HOST:PORT), instead of tracing here; with -p, those
+    /// processes only.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["command", "cgroup", "follow_forks", "no_follow_forks"])]
+    pub connect: Option<String>,
+
+    /// With --connect: the daemon's bearer token, this file's first line.
+    #[arg(long, value_name = "FILE", requires = "connect")]
+    pub token_file: Option<PathBuf>,
+
+    /// Seconds between updates.
+    #[arg(value_name = "INTERVAL", default_value = "2", value_parser = parse_interval)]
+    pub interval: Duration,
+
+    /// The order the table starts in (a key switches it).
+    #[arg(long, value_enum, default_value_t = SortKey::Growth)]
+    pub sort: SortKey,
+
+    /// Where `s` saves the process shown whole, for `memleak report` and
+    /// `memleak diff`: numbered after FILE (memleak.1.snap, memleak.2.snap...),
+    /// never over a file that exists.
+    #[arg(long, value_name = "FILE", default_value = "memleak.snap")]
+    pub save: PathBuf,
+
+    #[command(flatten)]
+    pub probing: Probing,
+
+    #[command(flatten)]
+    pub culprits: Culprits,
+}
+
+/// The keys, for `memleak top --help`.
+const TOP_KEYS: &str = "\
+Keys:
+  Up/Down, PgUp/PgDn  select a stack         Enter  its frames, or fold them
+  o  order by bytes, growth or count         f      plumbing frames shown or folded
+  /  filter by function, file or object      Esc    clear the filter
+  p  pause or go on                          Tab    the next process, or all together
+  s  save the process shown (--save)         d      diff against the last save, or leave it
+  q, Ctrl-C  quit
+
+Without a terminal on stdout, memleak top prints the plain reports.";
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {

@@ -4,6 +4,7 @@
 //! clap cannot express is made here, so nothing below `main` sees `Args`.
 
 use std::{
+    io::IsTerminal as _,
     net::SocketAddr,
     num::NonZeroU64,
     path::{Path, PathBuf},
@@ -16,7 +17,7 @@ use crate::{
     bpf::TracerSettings,
     cli::{
         Action, Args, Culprits, DiffArgs, ListenAddress, Probing, PythonFrames, Rendering as RenderingArgs,
-        ReportArgs, ServeArgs, Unwind, DEFAULT_SERVE_PORT,
+        ReportArgs, ServeArgs, Targets, TopArgs, Unwind, DEFAULT_SERVE_PORT,
     },
     collect::CollectOptions,
     model::Unwinding,
@@ -24,7 +25,7 @@ use crate::{
     process::kubernetes::WorkloadFilter,
     report::{
         culprit::SkipRules,
-        options::{DiffOrder, Format, Rendering, ReportOptions},
+        options::{DiffOrder, Format, Rendering, ReportOptions, SortKey, Weight},
     },
     session::{ReportRequest, Selector, SessionConfig, TargetSpec},
 };
@@ -38,6 +39,30 @@ pub enum Run {
     Diff(DiffConfig),
     /// `memleak serve`: follow processes and serve their reports.
     Serve(Box<ServeConfig>),
+    /// `memleak top` on a terminal: the live view.
+    Top(Box<TopConfig>),
+}
+
+/// `memleak top`.
+pub struct TopConfig {
+    pub source: TopSource,
+    /// Time between updates.
+    pub interval: Duration,
+    /// The order the table starts in.
+    pub sort: SortKey,
+    /// Where `s` saves snapshots, numbered after it.
+    pub save: PathBuf,
+    /// What each stack's culprit is looked for past, and which frames
+    /// are plumbing.
+    pub skips: Arc<SkipRules>,
+}
+
+/// Where `memleak top` takes its reports from.
+pub enum TopSource {
+    /// A session of its own.
+    Trace { target: TargetSpec, session: SessionConfig },
+    /// A `memleak serve` daemon; with pids, those of its processes only.
+    Daemon { url: String, token_file: Option<PathBuf>, pids: Vec<u32> },
 }
 
 /// `memleak serve --pid PID... --cgroup PATH... --exe NAME... --container ID...`.
@@ -139,7 +164,55 @@ pub fn resolve(args: Args) -> Result<Run, String> {
         Some(Action::Report(report)) => resolve_report(report).map(Run::Report),
         Some(Action::Diff(diff)) => resolve_diff(diff).map(Run::Diff),
         Some(Action::Serve(serve)) => resolve_serve(*serve).map(|config| Run::Serve(Box::new(config))),
+        Some(Action::Top(top)) => resolve_top(*top, std::io::stdout().is_terminal()),
         None => resolve_trace(args).map(|config| Run::Trace(Box::new(config))),
+    }
+}
+
+/// `memleak top`, on a terminal; the plain text reports of the same
+/// processes otherwise, as a pipe or a file wants them.
+fn resolve_top(args: TopArgs, terminal: bool) -> Result<Run, String> {
+    check_filters(&args.probing)?;
+    let skips = Arc::new(skip_rules(&args.culprits)?);
+    let source = match args.connect {
+        Some(url) => TopSource::Daemon { url, token_file: args.token_file, pids: args.target.pid.clone() },
+        None => {
+            let target = process_target(&args.target)?.ok_or(
+                "memleak top needs processes: give -p PID, -c \"CMD ARGS\", --cgroup PATH or --connect URL",
+            )?;
+            let session = session_config(&target, &args.target, &args.probing, &args.culprits, false)?;
+            if !terminal {
+                return Ok(Run::Trace(Box::new(plain_top(target, session, &args))));
+            }
+            TopSource::Trace { target, session }
+        }
+    };
+    if !terminal {
+        return Err("memleak top --connect needs a terminal: the daemon's /api/v1/report?pid=PID gives its plain reports".to_owned());
+    }
+    Ok(Run::Top(Box::new(TopConfig {
+        source,
+        interval: args.interval,
+        sort: args.sort,
+        save: args.save,
+        skips,
+    })))
+}
+
+/// What `memleak top` without a terminal runs: a trace with text reports
+/// of the ten largest stacks, as `memleak` itself prints them.
+fn plain_top(target: TargetSpec, session: SessionConfig, args: &TopArgs) -> TraceConfig {
+    let rendering = Rendering { format: Format::Text, weight: Weight::Bytes, full_stacks: false };
+    TraceConfig {
+        target,
+        session,
+        interval: args.interval,
+        count: None,
+        collect: CollectOptions::NONE,
+        shown: ReportOptions { top: 10, sort: args.sort, show_allocs: false },
+        output: OutputConfig { path: None, force: false, rendering },
+        save: None,
+        stats: None,
     }
 }
 
@@ -162,21 +235,7 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
         all_mmaps: args.all_mmaps,
         born_since_ns: None,
     };
-    let session = SessionConfig {
-        tracer: tracer_settings(&args.probing, args.trace),
-        allocator: allocator_choice(&args.probing),
-        skips: Arc::new(skip_rules(&args.culprits)?),
-        follow_forks: match &target {
-            TargetSpec::Command(_) => !args.no_follow_forks,
-            // A cgroup's processes are probed one by one: the processes
-            // they fork are found at once, not at the next look.
-            TargetSpec::Cgroup(_) => true,
-            _ => args.follow_forks,
-        },
-        // Known once the output is open: see `report_loop::run`.
-        excluded: Vec::new(),
-        oom_kills: false,
-    };
+    let session = session_config(&target, &args.target, &args.probing, &args.culprits, args.trace)?;
     Ok(TraceConfig {
         target,
         session,
@@ -193,12 +252,7 @@ fn resolve_trace(args: Args) -> Result<TraceConfig, String> {
 /// The one target the flags name: without -p, -c or --cgroup, memleak
 /// traces the kernel's allocations, as bcc's memleak does.
 fn target_of(args: &Args) -> Result<TargetSpec, String> {
-    let target = match (&args.command, &args.cgroup, args.pid.is_empty()) {
-        (Some(command), _, _) => TargetSpec::Command(command.clone()),
-        (None, Some(cgroup), _) => TargetSpec::Cgroup(cgroup.clone()),
-        (None, None, false) => TargetSpec::Pids(args.pid.clone()),
-        (None, None, true) => TargetSpec::Kernel { percpu: args.percpu },
-    };
+    let target = process_target(&args.target)?.unwrap_or(TargetSpec::Kernel { percpu: args.percpu });
     if args.percpu && !matches!(target, TargetSpec::Kernel { .. }) {
         return Err("--percpu is for kernel tracing: leave out -p and -c".to_owned());
     }
@@ -213,18 +267,56 @@ fn target_of(args: &Args) -> Result<TargetSpec, String> {
             return Err(format!("{flag} needs a process: give -p PID or -c \"CMD ARGS\""));
         }
     }
-    if args.follow_forks && !matches!(target, TargetSpec::Pids(_)) {
+    Ok(target)
+}
+
+/// The processes -p, -c or --cgroup name, if any, with --follow-forks
+/// and --no-follow-forks checked against them.
+fn process_target(targets: &Targets) -> Result<Option<TargetSpec>, String> {
+    let target = match (&targets.command, &targets.cgroup, targets.pid.is_empty()) {
+        (Some(command), _, _) => Some(TargetSpec::Command(command.clone())),
+        (None, Some(cgroup), _) => Some(TargetSpec::Cgroup(cgroup.clone())),
+        (None, None, false) => Some(TargetSpec::Pids(targets.pid.clone())),
+        (None, None, true) => None,
+    };
+    if targets.follow_forks && !matches!(target, Some(TargetSpec::Pids(_))) {
         return Err(
             "--follow-forks is for -p (-c follows forks already, and --cgroup its newcomers)".to_owned()
         );
     }
-    if args.no_follow_forks && !matches!(target, TargetSpec::Command(_)) {
+    if targets.no_follow_forks && !matches!(target, Some(TargetSpec::Command(_))) {
         return Err("--no-follow-forks is for -c: -p follows no forks unless given --follow-forks".to_owned());
     }
-    if let TargetSpec::Pids(pids) = &target {
+    if let Some(TargetSpec::Pids(pids)) = &target {
         check_unique(pids)?;
     }
     Ok(target)
+}
+
+/// What a session tracing `target` is started with; `trace_events`:
+/// --trace.
+fn session_config(
+    target: &TargetSpec,
+    targets: &Targets,
+    probing: &Probing,
+    culprits: &Culprits,
+    trace_events: bool,
+) -> Result<SessionConfig, String> {
+    Ok(SessionConfig {
+        tracer: tracer_settings(probing, trace_events),
+        allocator: allocator_choice(probing),
+        skips: Arc::new(skip_rules(culprits)?),
+        follow_forks: match target {
+            TargetSpec::Command(_) => !targets.no_follow_forks,
+            // A cgroup's processes are probed one by one: the processes
+            // they fork are found at once, not at the next look.
+            TargetSpec::Cgroup(_) => true,
+            _ => targets.follow_forks,
+        },
+        // Known once the output is open: see `report_loop::run`.
+        excluded: Vec::new(),
+        oom_kills: false,
+    })
 }
 
 /// The built-in table of frames passed over, unless --no-default-skips,

@@ -6,7 +6,7 @@
 //! reads its maps; `collect` turns them into snapshots; `symbolize` names
 //! the frames; `report` and `output` write the reports. `session` holds a
 //! run's state; `report_loop` drives it for the command line, `serve` for
-//! the HTTP daemon.
+//! the HTTP daemon, `top` for the live view.
 //!
 //! Exit codes: 0 when the run ended as asked (a closed stdout included),
 //! 2 on any error, which is one line on stderr.
@@ -32,6 +32,7 @@ mod stats;
 mod status;
 mod stop_signals;
 mod symbolize;
+mod top;
 mod unwind;
 mod watch;
 
@@ -79,6 +80,7 @@ fn main() -> ExitCode {
             offline::diff(&config).map_err(anyhow::Error::from)
         }
         Ok(Run::Serve(config)) => serve(&config),
+        Ok(Run::Top(config)) => top(&config),
         Err(message) => Err(anyhow::Error::msg(message)),
     };
     match result {
@@ -111,6 +113,14 @@ fn trace(config: &config::TraceConfig) -> anyhow::Result<()> {
         .build()
         .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
     Ok(runtime.block_on(report_loop::run(config))?)
+}
+
+fn top(config: &config::TopConfig) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
+    Ok(runtime.block_on(top::run(config))?)
 }
 
 fn serve(config: &config::ServeConfig) -> anyhow::Result<()> {

@@ -13,6 +13,7 @@
 //! - `bpf_maps`: what memleak's BPF maps hold, seen by bpftool;
 //! - `cgroups`: cgroup v2 directories of a test's own;
 //! - `uprobes`: memleak's uprobe links, and the breakpoints they place.
+//! - `tmux`: a terminal for `memleak top`, driven and read.
 
 pub mod bpf_maps;
 pub mod cgroups;
@@ -25,6 +26,7 @@ pub mod podman;
 pub mod prometheus;
 pub mod redis;
 pub mod rootfs;
+pub mod tmux;
 pub mod uprobes;
 
 pub use consumers::{go_pprof, svg_titles};

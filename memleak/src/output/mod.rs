@@ -466,6 +466,24 @@ impl NumberedFiles {
     }
 }
 
+/// The first of `heap.1.snap`, `heap.2.snap`... (for `heap.snap`) past
+/// every one that exists: where `memleak top` saves, never over a file
+/// an earlier run left.
+pub fn next_numbered(path: &Path) -> PathBuf {
+    let (stem, extension) = split_extension(path);
+    let taken = fs::read_dir(directory_of(path))
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let name = entry.file_name().into_string().ok()?;
+            name.strip_prefix(&format!("{stem}."))?.strip_suffix(&extension)?.parse::<u32>().ok()
+        })
+        .max()
+        .unwrap_or(0);
+    path.with_file_name(format!("{stem}.{}{extension}", taken + 1))
+}
+
 /// `leak.pb.gz` -> (`leak`, `.pb.gz`); `heap.snap` -> (`heap`, `.snap`).
 fn split_extension(path: &Path) -> (String, String) {
     let name = path.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default();

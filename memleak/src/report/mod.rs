@@ -14,6 +14,7 @@
 pub mod culprit;
 pub mod diff;
 pub mod folded;
+pub mod history;
 pub mod json;
 pub mod memory;
 pub mod options;

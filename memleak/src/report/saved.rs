@@ -217,8 +217,8 @@ impl Saved {
         self.stack_frames.get(stack).map_or(&[], |frames| &frames[..])
     }
 
-    /// A report held whole, in this form; no limit applies.
-    #[cfg(test)]
+    /// A report held whole, in this form; no limit applies. What `memleak
+    /// top` diffs a snapshot against.
     pub fn from_report(mut report: Report) -> Self {
         let mut interner = visit::Interner::default();
         let stack_frames = report

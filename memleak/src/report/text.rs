@@ -97,18 +97,27 @@ fn write_culprit(
     }
 }
 
-/// A stack's frames, one per line, or what became of them. A run of two
-/// or more frames that `plumbing` marks is one line that says how many
-/// and whose they are; `plumbing` may be shorter than `frames` (empty:
-/// every frame).
+/// A stack's frames, one per line, or what became of them (`frame_lines`).
 fn write_frames<F: Borrow<Frame>>(
     stack_lost: bool,
     frames: &[F],
     plumbing: &[bool],
     out: &mut (impl Write + ?Sized),
 ) -> io::Result<()> {
+    for line in frame_lines(stack_lost, frames, plumbing) {
+        writeln!(out, "\t\t{line}")?;
+    }
+    Ok(())
+}
+
+/// A stack's frames, a line each, or what became of them. A run of two
+/// or more frames that `plumbing` marks is one line that says how many
+/// and whose they are; `plumbing` may be shorter than `frames` (empty:
+/// every frame). Also what `memleak top` shows of a stack opened.
+pub fn frame_lines<F: Borrow<Frame>>(stack_lost: bool, frames: &[F], plumbing: &[bool]) -> Vec<String> {
+    let mut lines = Vec::new();
     if stack_lost {
-        writeln!(out, "\t\t[stack lost: raise --max-stacks]")?;
+        lines.push("[stack lost: raise --max-stacks]".to_owned());
     }
     let is_plumbing = |i: usize| plumbing.get(i).copied().unwrap_or(false);
     let mut i = 0;
@@ -116,20 +125,20 @@ fn write_frames<F: Borrow<Frame>>(
         let run = (i..frames.len()).take_while(|&j| is_plumbing(j)).count();
         if run >= 2 {
             let run_frames = frames[i..i + run].iter().map(Borrow::borrow);
-            writeln!(out, "\t\t... {run} frames of {}", whose(run_frames))?;
+            lines.push(format!("... {run} frames of {}", whose(run_frames)));
             i += run;
         } else {
-            writeln!(out, "\t\t{}", describe(frames[i].borrow()))?;
+            lines.push(describe(frames[i].borrow()));
             i += 1;
         }
     }
-    Ok(())
+    lines
 }
 
 /// The plumbing flags `write_frames` folds by: none with --full-stacks,
 /// nor in a stack without a culprit, whose every frame is plumbing (an
 /// allocation the runtime makes for itself): folded, it would say nothing.
-fn folded(full_stacks: bool, has_culprit: bool, plumbing: &[bool]) -> &[bool] {
+pub fn folded(full_stacks: bool, has_culprit: bool, plumbing: &[bool]) -> &[bool] {
     if full_stacks || !has_culprit {
         &[]
     } else {

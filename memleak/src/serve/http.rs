@@ -29,7 +29,7 @@ use hyper::{
 use hyper_util::{rt::TokioIo, server::graceful::GracefulShutdown};
 use tokio::sync::watch;
 
-use crate::report::pprof::View;
+use crate::report::{history::History, pprof::View, Report};
 
 use super::{
     connections::{self, Admitted, Busy, Connections, Deadlines},
@@ -51,7 +51,7 @@ const ACCEPT_BACKLOG: libc::c_int = 4096;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 const ENDPOINTS: &str =
-    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report, /api/v1/watch, /api/v1/oom and /healthz";
+    "/, /metrics, /debug/pprof/heap, /debug/pprof/allocs, /api/v1/targets, /api/v1/sd, /api/v1/report, /api/v1/history, /api/v1/watch, /api/v1/oom and /healthz";
 
 /// The server thread; it ends once `stop` is sent `true`.
 pub struct Server {
@@ -235,6 +235,7 @@ enum Endpoint {
     Oom,
     ServiceDiscovery,
     Report,
+    History,
     /// Go's two paths of one profile, each showing its own sample type
     /// first; allocs is where Pyroscope's and Parca's scrapers look.
     Pprof(View),
@@ -251,6 +252,7 @@ impl Endpoint {
             "/api/v1/oom" => Endpoint::Oom,
             "/api/v1/sd" => Endpoint::ServiceDiscovery,
             "/api/v1/report" => Endpoint::Report,
+            "/api/v1/history" => Endpoint::History,
             // Go serves the same profile at both, alloc_space first at
             // allocs; allocs is where Pyroscope's and Parca's scrapers
             // look for memory.
@@ -265,7 +267,7 @@ impl Endpoint {
         match self {
             Endpoint::Report => ReportAsked::PARAMETERS,
             Endpoint::Pprof(_) => reports::PPROF_PARAMETERS,
-            Endpoint::Metrics => &["pid"],
+            Endpoint::Metrics | Endpoint::History => &["pid"],
             Endpoint::Page
             | Endpoint::Healthz
             | Endpoint::Targets
@@ -336,6 +338,7 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
         Endpoint::Oom => json(&OomList { kills: &board.latest().oom.kills }),
         Endpoint::Watch => watch(&board.latest()),
         Endpoint::ServiceDiscovery => service_discovery(&board.latest(), &handlers.advertised),
+        Endpoint::History => history(&board.latest(), &params),
         Endpoint::Pprof(_) | Endpoint::Report => match wanted(endpoint, &params) {
             Ok(wanted) => reports::answer(board, &handlers.windows, &params, wanted).await,
             Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
@@ -365,6 +368,40 @@ fn targets(published: &Published) -> Response<Full<Bytes>> {
         processes_not_followed: published.processes_not_followed,
     };
     json(&list)
+}
+
+/// `/api/v1/history`'s body.
+#[derive(serde::Serialize)]
+struct PastOf<'a> {
+    pid: u32,
+    /// Its latest round's report; none before its first round.
+    report: Option<&'a Report>,
+    history: &'a History,
+}
+
+/// `/api/v1/history?pid=PID`: the process's latest round and the series
+/// of its recent ones, what `memleak top --connect` draws.
+fn history(published: &Published, params: &Params) -> Response<Full<Bytes>> {
+    let pid = match params.pid_if_given() {
+        Ok(Some(pid)) => pid,
+        Ok(None) => {
+            return plain(
+                StatusCode::BAD_REQUEST,
+                "/api/v1/history: which process? add ?pid=PID; /api/v1/targets lists those followed\n"
+                    .to_owned(),
+            )
+        }
+        Err(reason) => return plain(StatusCode::BAD_REQUEST, format!("/api/v1/history: {reason}\n")),
+    };
+    match published.named_by(pid) {
+        Some(followed) => {
+            json(&PastOf { pid, report: followed.report.as_deref(), history: &followed.history })
+        }
+        None => plain(
+            StatusCode::NOT_FOUND,
+            format!("pid {pid} is not followed: /api/v1/targets lists those that are\n"),
+        ),
+    }
 }
 
 /// `/api/v1/watch`: every process watched, and where it stands.

@@ -19,7 +19,7 @@ mod query;
 mod reports;
 mod response;
 mod state;
-mod token;
+pub mod token;
 mod top_stacks;
 
 use std::{

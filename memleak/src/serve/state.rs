@@ -8,7 +8,13 @@ use std::{cell::Cell, path::Path, sync::Arc, time::Duration};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 
-use crate::{bpf::MapFill, model::Workload, report::Report, session::ReportRequest, watch::WatchView};
+use crate::{
+    bpf::MapFill,
+    model::Workload,
+    report::{history::History, Report},
+    session::ReportRequest,
+    watch::WatchView,
+};
 
 /// One round's view of every process followed, by pid.
 #[derive(Clone, Debug, Default)]
@@ -62,6 +68,9 @@ pub struct Followed {
     /// running on; its last report stays.
     pub detached: bool,
     pub report: Option<Arc<Report>>,
+    /// Its recent rounds as series (`/api/v1/history`), shared with the
+    /// rounds published before: copied only when a round adds to it.
+    pub history: Arc<History>,
     /// How its outstanding bytes moved over its reports.
     pub growth: Growth,
     /// The container and pod it runs in, when its cgroup is named as a
@@ -81,6 +90,7 @@ impl Followed {
             exited: false,
             detached: false,
             report: None,
+            history: Arc::default(),
             growth: Growth::default(),
             workload,
             overhead_seconds: None,
@@ -96,6 +106,7 @@ impl Followed {
             None => Growth::from_first(new_memory),
             Some(_) => self.growth.after(new_memory),
         };
+        Arc::make_mut(&mut self.history).record(&report);
         self.report = Some(Arc::new(report));
     }
 

@@ -49,6 +49,12 @@ impl Token {
         Ok(Self { secret: secret.to_vec() })
     }
 
+    /// The `Authorization` header's value that carries it, for a client
+    /// (`memleak top --connect`).
+    pub fn header(&self) -> String {
+        format!("Bearer {}", String::from_utf8_lossy(&self.secret))
+    }
+
     /// Whether an `Authorization` header's value carries the token. The
     /// comparison takes as long whatever bytes differ, so that timing the
     /// answers cannot find the token byte by byte.

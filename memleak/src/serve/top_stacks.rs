@@ -5,13 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::{
-    report::{text::frame_name, Report, ReportStack},
-    symbolize::stable_id,
-};
-
-/// The id of a stack whose frames could not be stored.
-pub const LOST_STACK_ID: &str = "lost";
+use crate::report::{history, text::frame_name, Report, ReportStack};
 
 /// What the `frame` label says of a stack without any named frame.
 const NO_NAMED_FRAME: &str = "[unknown]";
@@ -53,7 +47,7 @@ pub fn top_stacks(report: &Report, top: usize) -> Vec<ShownStack> {
     }
     let mut by_id: BTreeMap<String, ShownStack> = BTreeMap::new();
     for stack in report.stacks.iter().filter(|stack| stack.allocations > 0) {
-        let id = stable_id(stack);
+        let id = history::stack_key(stack);
         let shown = by_id.entry(id.clone()).or_insert_with(|| ShownStack {
             id,
             frame: frame_label(stack),
@@ -72,14 +66,6 @@ pub fn top_stacks(report: &Report, top: usize) -> Vec<ShownStack> {
     });
     shown.truncate(top);
     shown
-}
-
-/// The stack's id (`symbolize::stable_id`), or `lost`.
-pub fn stable_id(stack: &ReportStack) -> String {
-    if stack.stack_lost {
-        return LOST_STACK_ID.to_owned();
-    }
-    stack.stable_id.clone().unwrap_or_else(|| stable_id::stable_id(&stack.frames))
 }
 
 /// The stack's culprit (`report::culprit`), or its first named frame
@@ -170,8 +156,10 @@ mod tests {
     #[test]
     fn a_lost_stack_is_shown_as_lost() {
         let report = sample_report(10);
-        let lost =
-            top_stacks(&report, 10).into_iter().find(|s| s.id == LOST_STACK_ID).expect("the lost stack");
+        let lost = top_stacks(&report, 10)
+            .into_iter()
+            .find(|s| s.id == history::LOST_STACK_KEY)
+            .expect("the lost stack");
         assert_eq!((lost.frame.as_str(), lost.bytes), ("[stack lost]", 64));
     }
 }
