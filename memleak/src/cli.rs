@@ -331,7 +331,8 @@ pub struct TopArgs {
     #[arg(value_name = "INTERVAL", default_value = "2", value_parser = parse_interval)]
     pub interval: Duration,
 
-    /// The order the table starts in (a key switches it).
+    /// The order the table starts in: growth is over the last round (`o`
+    /// switches it).
     #[arg(long, value_enum, default_value_t = SortKey::Growth)]
     pub sort: SortKey,
 

@@ -174,18 +174,17 @@ pub fn resolve(args: Args) -> Result<Run, String> {
 fn resolve_top(args: TopArgs, terminal: bool) -> Result<Run, String> {
     check_filters(&args.probing)?;
     let skips = Arc::new(skip_rules(&args.culprits)?);
-    let source = match args.connect {
-        Some(url) => TopSource::Daemon { url, token_file: args.token_file, pids: args.target.pid.clone() },
-        None => {
-            let target = process_target(&args.target)?.ok_or(
-                "memleak top needs processes: give -p PID, -c \"CMD ARGS\", --cgroup PATH or --connect URL",
-            )?;
-            let session = session_config(&target, &args.target, &args.probing, &args.culprits, false)?;
-            if !terminal {
-                return Ok(Run::Trace(Box::new(plain_top(target, session, &args))));
-            }
-            TopSource::Trace { target, session }
+    let source = if let Some(url) = args.connect {
+        TopSource::Daemon { url, token_file: args.token_file, pids: args.target.pid.clone() }
+    } else {
+        let target = process_target(&args.target)?.ok_or(
+            "memleak top needs processes: give -p PID, -c \"CMD ARGS\", --cgroup PATH or --connect URL",
+        )?;
+        let session = session_config(&target, &args.target, &args.probing, &args.culprits, false)?;
+        if !terminal {
+            return Ok(Run::Trace(Box::new(plain_top(target, session, &args))));
         }
+        TopSource::Trace { target, session }
     };
     if !terminal {
         return Err("memleak top --connect needs a terminal: the daemon's /api/v1/report?pid=PID gives its plain reports".to_owned());

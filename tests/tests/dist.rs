@@ -206,7 +206,10 @@ fn man_pages_render_without_warnings() {
     let man = dist().join("man");
     let mut pages: Vec<String> = walk(&man);
     pages.sort();
-    assert_eq!(pages, ["memleak-diff.1", "memleak-report.1", "memleak-serve.1", "memleak.1"]);
+    assert_eq!(
+        pages,
+        ["memleak-diff.1", "memleak-report.1", "memleak-serve.1", "memleak-top.1", "memleak.1"]
+    );
     for page in &pages {
         let output = Command::new("man")
             .args(["--warnings", "-l"])
@@ -363,7 +366,7 @@ fn the_deb_installs_upgrades_and_removes_cleanly() {
 
     let version = text(&run_ok("/usr/bin/memleak", &["--version"]).stdout);
     assert_eq!(version, text(&run_ok(&dist().join("memleak").display().to_string(), &["--version"]).stdout));
-    for page in ["memleak", "memleak-serve", "memleak-report", "memleak-diff"] {
+    for page in ["memleak", "memleak-serve", "memleak-report", "memleak-diff", "memleak-top"] {
         let output = Command::new("man").args(["--warnings", page]).env("MANWIDTH", "80").output().unwrap();
         assert!(output.status.success() && output.stderr.is_empty(), "man {page}: {}", text(&output.stderr));
         assert!(text(&output.stdout).contains(&format!("{page}(1)")), "man {page}");

@@ -362,8 +362,9 @@ fn demo() -> Result<()> {
 /// local functions (`start_thread`) in the stacks the tests check; Debian's
 /// arm64 cross compilers, with the arm64 glibc they bring, are what the unit
 /// tests build arm64 unwind tables and thread layouts from, and what the
-/// arm64 set's test binaries and fixtures are built with.
-const TEST_PACKAGES: [&str; 28] = [
+/// arm64 set's test binaries and fixtures are built with. tmux is the
+/// terminal `memleak top` is driven and read in.
+const TEST_PACKAGES: [&str; 29] = [
     "bpftool",
     "strace",
     "python3",
@@ -392,6 +393,7 @@ const TEST_PACKAGES: [&str; 28] = [
     "binutils",
     "man-db",
     "systemd",
+    "tmux",
 ];
 
 /// Where the tests find kubernetes-validate, which checks contrib/k8s

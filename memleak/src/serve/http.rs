@@ -313,27 +313,7 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
         Endpoint::Page => {
             with_type(StatusCode::OK, "text/html; charset=utf-8", page::render(&*board.fresh().await))
         }
-        Endpoint::Metrics => match params.pid_if_given() {
-            Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
-            Ok(only) => {
-                // A process's targets (one per process, from /api/v1/sd)
-                // read the latest round, at most --interval old: each
-                // asking for a round of every process would have the
-                // collector take one as often as it may.
-                let published = if only.is_some() { board.latest() } else { board.fresh().await };
-                match only.filter(|&pid| published.named_by(pid).is_none()) {
-                    Some(pid) => plain(
-                        StatusCode::NOT_FOUND,
-                        format!("pid {pid} is not followed: /api/v1/targets lists those that are\n"),
-                    ),
-                    None => with_type(
-                        StatusCode::OK,
-                        metrics::CONTENT_TYPE,
-                        metrics::render_for(&published, only),
-                    ),
-                }
-            }
-        },
+        Endpoint::Metrics => metrics_answer(board, &params).await,
         Endpoint::Targets => targets(&*board.fresh().await),
         Endpoint::Oom => json(&OomList { kills: &board.latest().oom.kills }),
         Endpoint::Watch => watch(&board.latest()),
@@ -344,6 +324,29 @@ async fn answer(request: Request<Incoming>, handlers: Handlers) -> Result<Respon
             Err(reason) => plain(StatusCode::BAD_REQUEST, format!("{path}: {reason}\n")),
         },
     })
+}
+
+/// `/metrics`, of every process or (`?pid=`) of one.
+async fn metrics_answer(board: &BoardReader, params: &Params) -> Response<Full<Bytes>> {
+    match params.pid_if_given() {
+        Err(reason) => plain(StatusCode::BAD_REQUEST, format!("/metrics: {reason}\n")),
+        Ok(only) => {
+            // A process's targets (one per process, from /api/v1/sd)
+            // read the latest round, at most --interval old: each
+            // asking for a round of every process would have the
+            // collector take one as often as it may.
+            let published = if only.is_some() { board.latest() } else { board.fresh().await };
+            match only.filter(|&pid| published.named_by(pid).is_none()) {
+                Some(pid) => plain(
+                    StatusCode::NOT_FOUND,
+                    format!("pid {pid} is not followed: /api/v1/targets lists those that are\n"),
+                ),
+                None => {
+                    with_type(StatusCode::OK, metrics::CONTENT_TYPE, metrics::render_for(&published, only))
+                }
+            }
+        }
+    }
 }
 
 /// What a request to a report's or a profile's endpoint wants.

@@ -5,7 +5,7 @@
 //! marked with `>` and reverse video, and with `NO_COLOR` set no colour
 //! is used at all.
 
-use std::time::Duration;
+use std::{fmt::Write as _, time::Duration};
 
 use ratatui::{
     layout::Rect,
@@ -38,8 +38,8 @@ pub struct Heading {
     pub colour: bool,
 }
 
-/// Rows the table has on a screen `height` lines high: what PgUp and
-/// PgDn move by.
+/// Rows the table has on a screen `height` lines high: what Page Up and
+/// Page Down move by.
 pub fn table_height(view: &View, height: u16) -> usize {
     usize::from(height).saturating_sub(header_lines(view) + 2)
 }
@@ -126,14 +126,14 @@ fn totals(view: &View) -> String {
         shown.iter().filter_map(|process| process.history.last_total_change()).reduce(|a, b| a + b);
     let mut line = format!("outstanding {} in {allocations} allocations", readable_bytes(bytes));
     if let Some(change) = change {
-        line.push_str(&format!(", {} over the last round", signed_bytes(change)));
+        let _ = write!(line, ", {} over the last round", signed_bytes(change));
     }
     let resident: Option<u64> = shown
         .iter()
         .map(|process| process.report.memory.resident.as_ref().map(|resident| resident.resident_bytes))
         .sum();
     if let Some(resident) = resident {
-        line.push_str(&format!(" · resident {}", readable_bytes(resident)));
+        let _ = write!(line, " · resident {}", readable_bytes(resident));
     }
     line
 }
@@ -156,7 +156,7 @@ fn health(view: &View) -> String {
     );
     let overhead: Option<f64> = shown.iter().map(|process| process.overhead_seconds).sum();
     if let Some(seconds) = overhead {
-        line.push_str(&format!(" · probes cost {:.1} ms", seconds * 1e3));
+        let _ = write!(line, " · probes cost {:.1} ms", seconds * 1e3);
     }
     line
 }
@@ -188,7 +188,7 @@ fn mode(view: &View) -> String {
         _ => format!("order: {order}"),
     };
     if !view.filter.is_empty() {
-        line.push_str(&format!(" · filter: {}", view.filter));
+        let _ = write!(line, " · filter: {}", view.filter);
     }
     if view.full_stacks {
         line.push_str(" · every frame");
@@ -197,7 +197,7 @@ fn mode(view: &View) -> String {
         line.push_str(" · PAUSED (p goes on)");
     }
     if let Some(save) = &view.last_save {
-        line.push_str(&format!(" · saved {}", save.path.display()));
+        let _ = write!(line, " · saved {}", save.path.display());
     }
     line
 }
@@ -327,7 +327,7 @@ pub fn sparkline(series: &[u64]) -> String {
             let level = if most == least {
                 usize::from(most > 0) * 3
             } else {
-                ((value - least) as u128 * 7 / (most - least) as u128) as usize
+                usize::try_from(u128::from(value - least) * 7 / u128::from(most - least)).unwrap_or(7)
             };
             SPARK_LEVELS[level]
         })

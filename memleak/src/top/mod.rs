@@ -18,7 +18,7 @@ use std::path::Path;
 
 use crossterm::event::Event;
 use hyper::StatusCode;
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use self::{
     daemon::Daemon,
@@ -67,8 +67,12 @@ pub enum Happened {
 
 /// Where the reports come from.
 enum Source {
-    Local(Local),
-    Daemon { daemon: Daemon, rounds: tokio::time::Interval },
+    /// Boxed: a session is large beside a daemon's address.
+    Local(Box<Local>),
+    Daemon {
+        daemon: Daemon,
+        rounds: tokio::time::Interval,
+    },
 }
 
 impl Source {
@@ -93,58 +97,93 @@ impl Source {
 /// Shows the view until `q`, Ctrl-C, SIGTERM or SIGHUP, or until every
 /// process traced exited, whose last reports are then printed as text.
 pub async fn run(config: &TopConfig) -> Result<(), TopError> {
-    let mut terminate = signal(SignalKind::terminate()).map_err(TopError::Signals)?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(TopError::Signals)?;
-    let mut hangup = signal(SignalKind::hangup()).map_err(TopError::Signals)?;
+    let mut stops = Stops::new().map_err(TopError::Signals)?;
     let mut view = View::new(config.sort, config.skips.clone());
     // A daemon out of reach, or one that refuses the token, is said in a
     // line before the screen is taken.
-    let mut source = match &config.source {
+    let daemon = match &config.source {
         TopSource::Daemon { url, token_file, pids } => {
             let daemon = Daemon::new(url, token_file.as_deref(), pids.clone())?;
             view.take(daemon.round(&config.skips).await?);
-            let mut rounds =
-                tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
-            rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            Some(Source::Daemon { daemon, rounds })
+            Some(daemon)
         }
         TopSource::Trace { .. } => None,
     };
     let heading = Heading {
-        source: match (&config.source, &source) {
-            (TopSource::Trace { target, .. }, _) => Local::describe(target),
-            (_, Some(Source::Daemon { daemon, .. })) => daemon.describe(),
-            (TopSource::Daemon { url, .. }, _) => url.clone(),
+        source: match (&config.source, &daemon) {
+            (_, Some(daemon)) => daemon.describe(),
+            (TopSource::Trace { target, .. }, None) => Local::describe(target),
+            (TopSource::Daemon { url, .. }, None) => url.clone(),
         },
         interval: config.interval,
         colour: std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty()),
     };
     let mut screen = Screen::take().map_err(TopError::Terminal)?;
-    let mut source = match source.take() {
-        Some(source) => source,
-        None => {
-            let TopSource::Trace { target, session } = &config.source else {
-                unreachable!("a daemon's source is made above")
-            };
+    let mut source = match (daemon, &config.source) {
+        (Some(daemon), _) => {
+            let mut rounds =
+                tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
+            rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            Source::Daemon { daemon, rounds }
+        }
+        (None, TopSource::Trace { target, session }) => {
             // Attaching takes seconds in a large program: said meanwhile.
-            view.status = "attaching...".to_owned();
+            "attaching...".clone_into(&mut view.status);
             redraw(&mut screen, &view, &heading)?;
             let local = Local::start(target, session, config.interval)?;
             view.status.clear();
-            Source::Local(local)
+            Source::Local(Box::new(local))
         }
+        (None, TopSource::Daemon { .. }) => unreachable!("a daemon is connected to above"),
     };
-    let ended = loop {
-        redraw(&mut screen, &view, &heading)?;
+    let ended = show(config, &mut screen, &mut source, &mut view, &heading, &mut stops).await?;
+    drop(screen);
+    if let Some(why) = ended {
+        print_last_reports(&view);
+        crate::status::say(&format!("{why}; its last report is above"));
+    }
+    Ok(())
+}
+
+/// The signals that end the view: in raw mode Ctrl-C is a key, but
+/// `kill -INT` is not.
+struct Stops {
+    terminate: Signal,
+    interrupt: Signal,
+    hangup: Signal,
+}
+
+impl Stops {
+    fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+            hangup: signal(SignalKind::hangup())?,
+        })
+    }
+}
+
+/// The view, drawn after each key, line and round, until it is left
+/// (`None`) or every process traced exited (why).
+async fn show(
+    config: &TopConfig,
+    screen: &mut Screen,
+    source: &mut Source,
+    view: &mut View,
+    heading: &Heading,
+    stops: &mut Stops,
+) -> Result<Option<String>, TopError> {
+    loop {
+        redraw(screen, view, heading)?;
         let happened = tokio::select! {
             Some(event) = screen.events.recv() => {
                 let Event::Key(key) = event else { continue };
                 let rows = view.rows().len();
-                let page = draw::table_height(&view, screen.terminal.size().map_or(24, |size| size.height));
+                let page = draw::table_height(view, screen.terminal.size().map_or(24, |size| size.height));
                 match view.key(key, rows, page.max(1)) {
                     Asked::Nothing => {}
-                    Asked::Quit => break None,
-                    Asked::Save(pid) => view.status = save(&mut source, pid, &config.save, &mut view).await,
+                    Asked::Quit => return Ok(None),
+                    Asked::Save(pid) => view.status = save(source, pid, &config.save, view).await,
                 }
                 continue;
             }
@@ -153,16 +192,16 @@ pub async fn run(config: &TopConfig) -> Result<(), TopError> {
                 continue;
             }
             happened = source.next(&config.skips) => happened,
-            _ = terminate.recv() => break None,
-            _ = interrupt.recv() => break None,
-            _ = hangup.recv() => break None,
+            _ = stops.terminate.recv() => return Ok(None),
+            _ = stops.interrupt.recv() => return Ok(None),
+            _ = stops.hangup.recv() => return Ok(None),
         };
         match happened {
             Ok(Happened::Round(updates)) => view.take(updates),
             Ok(Happened::Said(said)) => view.status = said,
             Ok(Happened::Ended(updates, why)) => {
                 view.take(updates);
-                break Some(why);
+                return Ok(Some(why));
             }
             // A daemon restarting, or a moment out of reach: the view
             // stays, and the next round tries again.
@@ -171,13 +210,7 @@ pub async fn run(config: &TopConfig) -> Result<(), TopError> {
             }
             Err(error) => return Err(error),
         }
-    };
-    drop(screen);
-    if let Some(why) = ended {
-        print_last_reports(&view);
-        crate::status::say(&format!("{why}; its last report is above"));
     }
-    Ok(())
 }
 
 fn redraw(screen: &mut Screen, view: &View, heading: &Heading) -> Result<(), TopError> {

@@ -160,19 +160,18 @@ impl View {
     pub fn take(&mut self, updates: Vec<Update>) {
         for update in updates {
             let report = Arc::new(update.report);
-            let process = match self.processes.iter().position(|process| process.pid == report.pid) {
-                Some(index) => &mut self.processes[index],
-                None => {
-                    self.processes.push(Process {
-                        pid: report.pid,
-                        report: Arc::clone(&report),
-                        history: History::default(),
-                        exited: false,
-                        overhead_seconds: None,
-                    });
-                    self.processes.last_mut().expect("just pushed")
-                }
-            };
+            let known = self.processes.iter().position(|process| process.pid == report.pid);
+            let index = known.unwrap_or_else(|| {
+                self.processes.push(Process {
+                    pid: report.pid,
+                    report: Arc::clone(&report),
+                    history: History::default(),
+                    exited: false,
+                    overhead_seconds: None,
+                });
+                self.processes.len() - 1
+            });
+            let process = &mut self.processes[index];
             match update.history {
                 Some(history) => process.history = history,
                 None => process.history.record(&report),
@@ -245,20 +244,8 @@ impl View {
         if key.modifiers.contains(KeyModifiers::CONTROL) && key.code == KeyCode::Char('c') {
             return Asked::Quit;
         }
-        if let Some(typed) = self.typing.as_mut() {
-            match key.code {
-                KeyCode::Enter => {
-                    self.filter = typed.trim().to_lowercase();
-                    self.typing = None;
-                    self.selected = 0;
-                }
-                KeyCode::Esc => self.typing = None,
-                KeyCode::Backspace => {
-                    typed.pop();
-                }
-                KeyCode::Char(character) => typed.push(character),
-                _ => {}
-            }
+        if self.typing.is_some() {
+            self.type_filter(key.code);
             return Asked::Nothing;
         }
         let last = rows.saturating_sub(1);
@@ -294,12 +281,30 @@ impl View {
             KeyCode::Tab | KeyCode::BackTab => self.next_process(key.code == KeyCode::BackTab),
             KeyCode::Char('s') => match self.process() {
                 Some(process) => return Asked::Save(process.pid),
-                None => self.status = "s saves one process: Tab to it first".to_owned(),
+                None => "s saves one process: Tab to it first".clone_into(&mut self.status),
             },
             KeyCode::Char('d') => self.toggle_diff(),
             _ => {}
         }
         Asked::Nothing
+    }
+
+    /// A key while the filter is typed, after `/`.
+    fn type_filter(&mut self, key: KeyCode) {
+        let Some(typed) = self.typing.as_mut() else { return };
+        match key {
+            KeyCode::Enter => {
+                self.filter = typed.trim().to_lowercase();
+                self.typing = None;
+                self.selected = 0;
+            }
+            KeyCode::Esc => self.typing = None,
+            KeyCode::Backspace => {
+                typed.pop();
+            }
+            KeyCode::Char(character) => typed.push(character),
+            _ => {}
+        }
     }
 
     fn select(&mut self, row: usize) {
@@ -336,7 +341,7 @@ impl View {
             return;
         }
         let Some(save) = &self.last_save else {
-            self.status = "d diffs against the last snapshot saved: press s first".to_owned();
+            "d diffs against the last snapshot saved: press s first".clone_into(&mut self.status);
             return;
         };
         let (path, base_pid) = (save.path.display().to_string(), save.snapshot.report().pid);
@@ -465,4 +470,102 @@ fn mentions(row: &Row, filter: &str) -> bool {
     let has =
         |text: &Option<String>| text.as_deref().is_some_and(|text| text.to_lowercase().contains(filter));
     row.frames.iter().any(|frame| has(&frame.function) || has(&frame.file) || has(&frame.module))
+}
+
+#[cfg(test)]
+mod tests {
+    use crossterm::event::KeyEvent;
+
+    use super::*;
+    use crate::report::tests::sample_report;
+
+    /// The sample report of `pid` at `time`, its fibonacci stack holding
+    /// `bytes`.
+    fn round(pid: u32, time_unix_ms: u64, bytes: u64) -> Update {
+        let mut report = sample_report(usize::MAX);
+        report.pid = pid;
+        report.time_unix_ms = time_unix_ms;
+        let fibonacci =
+            report.stacks.iter_mut().find(|stack| stack.bytes == 24_576).expect("the large stack");
+        fibonacci.bytes = bytes;
+        Update { report, exited: false, overhead_seconds: None, history: None }
+    }
+
+    fn press(view: &mut View, code: KeyCode) -> Asked {
+        let rows = view.rows().len();
+        view.key(KeyEvent::from(code), rows, 10)
+    }
+
+    fn fibonacci(view: &View) -> Row {
+        view.rows().into_iter().find(|row| row.culprit == "fibonacci").expect("the fibonacci row")
+    }
+
+    #[test]
+    fn processes_are_shown_together_then_each_in_turn() {
+        let mut view = View::new(SortKey::Growth, Arc::new(SkipRules::default()));
+        view.take(vec![round(1, 1_000, 1_000), round(2, 1_000, 5_000)]);
+        view.take(vec![round(1, 2_000, 3_000), round(2, 2_000, 5_000)]);
+        assert_eq!(view.shown, Shown::All);
+        let together = fibonacci(&view);
+        assert_eq!(
+            (together.bytes, together.growth, together.series),
+            (8_000, Some(2_000), vec![6_000, 8_000])
+        );
+        assert_eq!(view.rows()[0].culprit, "fibonacci", "the one that grew comes first");
+        press(&mut view, KeyCode::Tab);
+        assert_eq!(view.shown, Shown::One(0));
+        assert_eq!(fibonacci(&view).growth, Some(2_000));
+        press(&mut view, KeyCode::Tab);
+        assert_eq!((view.shown, fibonacci(&view).growth), (Shown::One(1), Some(0)));
+        press(&mut view, KeyCode::Tab);
+        assert_eq!(view.shown, Shown::All);
+        press(&mut view, KeyCode::BackTab);
+        assert_eq!(view.shown, Shown::One(1));
+        assert_eq!(press(&mut view, KeyCode::Char('s')), Asked::Save(2));
+    }
+
+    #[test]
+    fn keys_order_filter_open_and_pause() {
+        let mut view = View::new(SortKey::Growth, Arc::new(SkipRules::default()));
+        view.take(vec![round(1, 1_000, 1_000)]);
+        press(&mut view, KeyCode::Char('o'));
+        assert_eq!(view.sort, SortKey::Size);
+        press(&mut view, KeyCode::Char('o'));
+        assert_eq!(view.sort, SortKey::Count);
+        press(&mut view, KeyCode::Char('o'));
+        assert_eq!(view.sort, SortKey::Growth);
+
+        press(&mut view, KeyCode::Char('/'));
+        for character in "FIB".chars() {
+            press(&mut view, KeyCode::Char(character));
+        }
+        assert_eq!(press(&mut view, KeyCode::Char('q')), Asked::Nothing, "q is typed into the filter");
+        press(&mut view, KeyCode::Backspace);
+        press(&mut view, KeyCode::Enter);
+        assert_eq!(view.filter, "fib");
+        let culprits: Vec<String> = view.rows().into_iter().map(|row| row.culprit).collect();
+        assert_eq!(culprits, ["fibonacci"]);
+        press(&mut view, KeyCode::Esc);
+        assert!(view.rows().len() > 1);
+
+        press(&mut view, KeyCode::Down);
+        assert_eq!(view.selected, 1);
+        press(&mut view, KeyCode::Enter);
+        assert!(view.opened);
+        press(&mut view, KeyCode::Up);
+        assert!(!view.opened, "another row selected is closed");
+
+        press(&mut view, KeyCode::Char('p'));
+        view.take(vec![round(1, 2_000, 9_000)]);
+        assert_eq!(fibonacci(&view).bytes, 1_000, "paused");
+        press(&mut view, KeyCode::Char('p'));
+        assert_eq!(
+            (fibonacci(&view).bytes, fibonacci(&view).growth),
+            (9_000, Some(8_000)),
+            "the round taken meanwhile"
+        );
+        assert_eq!(press(&mut view, KeyCode::Char('d')), Asked::Nothing);
+        assert!(!view.diffing, "nothing saved yet: {}", view.status);
+        assert_eq!(press(&mut view, KeyCode::Char('q')), Asked::Quit);
+    }
 }

@@ -60,6 +60,7 @@ pub const EXAMPLES: &[Example] = &[
     Example { name: "serve-podman", check: Check::Exact, make: serve_podman },
     Example { name: "serve-watch", check: Check::Numbers, make: serve_watch },
     Example { name: "resident", check: Check::Numbers, make: resident },
+    Example { name: "top", check: Check::Outline, make: top },
     Example { name: "privileges", check: Check::Exact, make: privileges },
 ];
 
@@ -1322,6 +1323,71 @@ fn wrapped_stacks(member: &str) -> Result<String> {
     }
     lines.extend((!line.is_empty()).then(|| line.join(",")));
     Ok(format!("\"stacks\":[{{{}}}]", lines.join(&format!(",\n{indent}"))))
+}
+
+/// `memleak top` in a terminal of 80x24 (tmux's): the stack that grows
+/// first, beside the larger cache that holds still; then opened.
+fn top(workshop: &mut Workshop) -> Result<Made> {
+    require("tmux")?;
+    workshop.fixture("growth")?;
+    let socket = format!("memleak-readme-top-{}", std::process::id());
+    let tmux = |args: &[&str]| lines_of(std::process::Command::new("tmux").args(["-L", &socket]).args(args));
+    let typed_command = "sudo memleak top -c './growth cache-leak 64' 1";
+    let command = format!(
+        "cd '{}' && exec '{}' top -c './growth cache-leak 64' 1",
+        workshop.dir().display(),
+        workshop.memleak_path().display()
+    );
+    tmux(&["new-session", "-d", "-x", "80", "-y", "24", &command])?;
+    let shown = (|| {
+        // Six rounds: the sparkline has a past.
+        let screen = screen_once(&tmux, "six rounds of the leak", |screen| {
+            let sparkline = |line: &str| line.matches(['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█']).count();
+            screen
+                .lines()
+                .any(|line| line.starts_with('>') && line.contains("leak_slowly") && sparkline(line) >= 6)
+                && screen.contains("fill_cache")
+        })?;
+        tmux(&["send-keys", "Enter"])?;
+        let opened = screen_once(&tmux, "the leak's frames", |screen| {
+            screen.lines().any(|line| line.starts_with("      main+0x"))
+        })?;
+        tmux(&["send-keys", "q"])?;
+        Ok::<_, anyhow::Error>((screen, opened))
+    })();
+    let _ = tmux(&["kill-server"]);
+    let (screen, opened) = shown?;
+    let mut transcript = Transcript::default();
+    // The rows below the table are blank on a screen this high.
+    let drawn = |screen: &str| -> Vec<String> {
+        screen.lines().map(str::trim_end).filter(|line| !line.is_empty()).map(str::to_owned).collect()
+    };
+    transcript.command(typed_command).lines(drawn(&screen));
+    transcript.line("").line("(Enter: the selected stack, opened)").line("");
+    transcript.lines(drawn(&opened));
+    Ok(Made::text(&transcript))
+}
+
+/// tmux's screen once `wanted` holds for it, and it holds still: the
+/// same in two captures a fifth of a second apart, not caught mid-draw.
+fn screen_once(
+    tmux: &dyn Fn(&[&str]) -> Result<Vec<String>>,
+    what: &str,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<String> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_mins(1);
+    let mut last = String::new();
+    loop {
+        let screen = tmux(&["capture-pane", "-p"])?.join("\n");
+        if wanted(&screen) && screen == last {
+            return Ok(screen);
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("no screen with {what} after a minute; the last:\n{screen}");
+        }
+        last = screen;
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 #[cfg(test)]
