@@ -107,26 +107,23 @@ fn init_logging(verbose: bool) {
         .init();
 }
 
-fn trace(config: &config::TraceConfig) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
+/// The runtime a command runs on: one thread, as the session is not
+/// `Send`.
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
-    Ok(runtime.block_on(report_loop::run(config))?)
+        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))
+}
+
+fn trace(config: &config::TraceConfig) -> anyhow::Result<()> {
+    Ok(runtime()?.block_on(report_loop::run(config))?)
 }
 
 fn top(config: &config::TopConfig) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
-    Ok(runtime.block_on(top::run(config))?)
+    Ok(runtime()?.block_on(top::run(config))?)
 }
 
 fn serve(config: &config::ServeConfig) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|error| anyhow::anyhow!("cannot start the runtime: {error}"))?;
-    Ok(runtime.block_on(serve::run(config))?)
+    Ok(runtime()?.block_on(serve::run(config))?)
 }

@@ -78,6 +78,11 @@ impl History {
         self.stacks.get(key)
     }
 
+    /// The same, as a list of its own (empty for a stack not seen).
+    pub fn series_of(&self, key: &str) -> Vec<u64> {
+        self.series(key).map(|series| series.iter().copied().collect()).unwrap_or_default()
+    }
+
     /// How much the stack's outstanding bytes changed over the last
     /// round; `None` before a second round.
     pub fn last_change(&self, key: &str) -> Option<i64> {

@@ -223,10 +223,7 @@ impl View {
                     bytes: stack.new_bytes,
                     allocations: stack.new_allocations,
                     growth: Some(stack.delta_bytes),
-                    series: history
-                        .and_then(|history| history.series(&key))
-                        .map(|s| s.iter().copied().collect())
-                        .unwrap_or_default(),
+                    series: history.map(|history| history.series_of(&key)).unwrap_or_default(),
                     frames: stack.frames.clone(),
                     plumbing: stack.plumbing.clone(),
                     stack_lost: stack.stack_lost,
@@ -397,11 +394,7 @@ fn process_rows(process: &Process) -> Vec<Row> {
                 bytes: stack.bytes,
                 allocations: stack.allocations,
                 growth: process.history.last_change(&key),
-                series: process
-                    .history
-                    .series(&key)
-                    .map(|series| series.iter().copied().collect())
-                    .unwrap_or_default(),
+                series: process.history.series_of(&key),
                 frames: stack.frames.clone(),
                 plumbing: stack.plumbing.clone(),
                 stack_lost: stack.stack_lost,
