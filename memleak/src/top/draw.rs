@@ -8,7 +8,6 @@
 use std::{fmt::Write as _, time::Duration};
 
 use ratatui::{
-    layout::Rect,
     style::{Color, Modifier, Style},
     text::{Line, Span},
     widgets::Paragraph,
@@ -25,9 +24,8 @@ use crate::{
 const SPARK_ROUNDS: usize = 12;
 const SPARK_LEVELS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
 
-/// The key help, shown when there is nothing else to say.
-const KEYS: &str =
-    "q quit  Enter frames  o order  / filter  p pause  s save  d diff  f plumbing  Tab process";
+/// The key help, shown when there is nothing else to say: 80 columns.
+const KEYS: &str = "q quit  Enter open  o order  / filter  p pause  s save  d diff  f full  Tab next";
 
 /// What the header says of where the reports come from.
 pub struct Heading {
@@ -69,7 +67,7 @@ pub fn draw(frame: &mut Frame<'_>, view: &View, heading: &Heading) {
         lines.push(Line::default());
     }
     lines.push(Line::from(bottom_line(view)).style(Style::new().add_modifier(Modifier::REVERSED)));
-    frame.render_widget(Paragraph::new(lines), Rect { height: area.height, ..area });
+    frame.render_widget(Paragraph::new(lines), area);
 }
 
 fn header(view: &View, heading: &Heading) -> Vec<Line<'static>> {
@@ -267,9 +265,6 @@ fn bottom_line(view: &View) -> String {
     if let Some(typed) = &view.typing {
         return format!("filter (function, file or object; Enter applies, Esc cancels): {typed}_");
     }
-    if let Some(ended) = &view.ended {
-        return format!("{ended}; q quits");
-    }
     if view.status.is_empty() {
         KEYS.to_owned()
     } else {
@@ -355,6 +350,50 @@ mod tests {
         assert_eq!(fit_culprit("fill", place, 25), "fill (...cache/fill.c:41)");
         assert_eq!(fit_culprit("a_long_function_name", place, 25), "a_long_function_name (fil");
         assert_eq!(fit_culprit("fill", None, 3), "fil");
+    }
+
+    /// The screen of a view of the sample report in a terminal this
+    /// large, a line each.
+    fn screen(width: u16, height: u16) -> Vec<String> {
+        let mut view =
+            View::new(SortKey::Size, std::sync::Arc::new(crate::report::culprit::SkipRules::default()));
+        let report = crate::report::tests::sample_report(usize::MAX);
+        view.take(vec![super::super::view::Update {
+            report,
+            exited: false,
+            overhead_seconds: None,
+            history: None,
+        }]);
+        let heading =
+            Heading { source: "-p 4242".to_owned(), interval: Duration::from_secs(2), colour: false };
+        let mut terminal = ratatui::Terminal::new(ratatui::backend::TestBackend::new(width, height)).unwrap();
+        terminal.draw(|frame| draw(frame, &view, &heading)).unwrap();
+        let buffer = terminal.backend().buffer().clone();
+        (0..height)
+            .map(|y| {
+                (0..width)
+                    .map(|x| buffer[(x, y)].symbol().to_owned())
+                    .collect::<String>()
+                    .trim_end()
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_screen_fits_80_by_24_and_smaller_terminals_without_panicking() {
+        let lines = screen(80, 24);
+        assert!(
+            lines[0].starts_with("memleak top · -p 4242 · pid 4242 leaker · libc.so.6 · every 2s"),
+            "{lines:#?}"
+        );
+        assert_eq!(lines[1], "outstanding 24.3 KiB in 7 allocations");
+        assert!(lines[5].starts_with(">   24.0 KiB        3          -"), "{lines:#?}");
+        assert!(lines[5].ends_with("fibonacci (/src/leaker.c:9)"), "{lines:#?}");
+        assert_eq!(lines[23], KEYS);
+        for (width, height) in [(20, 5), (1, 1), (200, 3)] {
+            assert_eq!(screen(width, height).len(), usize::from(height));
+        }
     }
 
     #[test]

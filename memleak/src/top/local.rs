@@ -33,7 +33,8 @@ impl Local {
         Tracer::check_kernel()?;
         Tracer::check_privileges(Traced::Processes)?;
         let session = Session::start(target, config)?;
-        let delayed = |period| {
+        // A tick missed (a long round) is taken late, not twice.
+        let every = |period| {
             let mut clock = tokio::time::interval(period);
             clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             clock
@@ -41,9 +42,9 @@ impl Local {
         Ok(Self {
             session,
             // The first round at once: the view is not empty for an interval.
-            rounds: delayed(interval),
-            refresh: delayed(REFRESH),
-            python_retry: delayed(PYTHON_PENDING_RETRY),
+            rounds: every(interval),
+            refresh: every(REFRESH),
+            python_retry: every(PYTHON_PENDING_RETRY),
             python_pending: true,
         })
     }

@@ -187,7 +187,11 @@ async fn show(
                 }
                 continue;
             }
-            Some(line) = screen.lines.recv() => {
+            Some(mut line) = screen.lines.recv() => {
+                // A chatty command: its lines drawn a batch at a time.
+                while let Ok(later) = screen.lines.try_recv() {
+                    line = later;
+                }
                 view.status = line;
                 continue;
             }

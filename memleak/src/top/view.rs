@@ -109,8 +109,6 @@ pub struct View {
     pub diff: Option<Diff>,
     /// The last thing said: memleak's own lines, a save, an error.
     pub status: String,
-    /// Why there is nothing more to come (every process exited).
-    pub ended: Option<String>,
     skips: Arc<SkipRules>,
 }
 
@@ -130,7 +128,6 @@ impl View {
             diffing: false,
             diff: None,
             status: String::new(),
-            ended: None,
             skips,
         }
     }
