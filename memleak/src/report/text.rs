@@ -13,7 +13,7 @@ use crate::{
     clock,
     model::{Frame, MappingKind, Trend, Unwinding},
     status,
-    symbolize::missing::Lacking,
+    symbolize::missing::{Lacking, MissingSymbols},
 };
 
 /// Writes `report`; runs of plumbing frames folded unless `full_stacks`.
@@ -334,13 +334,19 @@ fn write_health(report: &Report, out: &mut (impl Write + ?Sized)) -> io::Result<
         writeln!(out, "{} allocations without a stack: raise --max-stacks", health.stacks_lost)?;
     }
     for missing in &report.missing_symbols {
-        let lacking = match missing.lacking {
-            Lacking::Names => "No symbols for",
-            Lacking::Lines => "No file:line for",
-        };
-        writeln!(out, "{lacking} {}: {}", printable(&missing.module), printable(&missing.advice))?;
+        writeln!(out, "{}", describe_missing(missing))?;
     }
     Ok(())
+}
+
+/// `No symbols for MODULE: ADVICE`, or `No file:line for` one: what would
+/// name a report's frames better. Also `memleak top`'s.
+pub fn describe_missing(missing: &MissingSymbols) -> String {
+    let lacking = match missing.lacking {
+        Lacking::Names => "No symbols for",
+        Lacking::Lines => "No file:line for",
+    };
+    format!("{lacking} {}: {}", printable(&missing.module), printable(&missing.advice))
 }
 
 /// What grew and what shrank between two snapshots, growth first; runs of

@@ -43,7 +43,18 @@ pub fn table_height(view: &View, height: u16) -> usize {
 }
 
 fn header_lines(view: &View) -> usize {
-    4 + usize::from(view.processes().len() > 1)
+    4 + usize::from(view.processes().len() > 1) + usize::from(missing_symbols(view).is_some())
+}
+
+/// What would name the frames shown better, of the process shown: the
+/// first object lacking symbols or lines, as the reports say it.
+fn missing_symbols(view: &View) -> Option<String> {
+    let missing = &view.process()?.report.missing_symbols;
+    let first = text::describe_missing(missing.first()?);
+    Some(match missing.len() {
+        1 => first,
+        more => format!("{first} (and {} more objects: see the reports)", more - 1),
+    })
 }
 
 pub fn draw(frame: &mut Frame<'_>, view: &View, heading: &Heading) {
@@ -92,6 +103,9 @@ fn header(view: &View, heading: &Heading) -> Vec<Line<'static>> {
         lines.push(Line::from(tabs(view)));
     }
     lines.push(Line::from(mode(view)));
+    if let Some(missing) = missing_symbols(view) {
+        lines.push(Line::from(missing));
+    }
     lines
 }
 
