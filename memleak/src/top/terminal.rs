@@ -39,7 +39,10 @@ struct Taken {
 
 /// The view's terminal, until dropped.
 pub struct Screen {
-    pub terminal: Terminal<CrosstermBackend<File>>,
+    /// Buffered: a frame goes out in one write at its end, so that a
+    /// terminal never shows half of one (a busy machine can stop memleak
+    /// between two of a frame's hundreds of small writes).
+    pub terminal: Terminal<CrosstermBackend<io::BufWriter<File>>>,
     /// Keys and resizes.
     pub events: mpsc::UnboundedReceiver<Event>,
     /// Lines written to stdout or stderr meanwhile.
@@ -64,7 +67,9 @@ impl Screen {
         }
         terminal::enable_raw_mode().inspect_err(|_| give_back())?;
         execute!(screen_tty, EnterAlternateScreen, Hide).inspect_err(|_| give_back())?;
-        let terminal = Terminal::new(CrosstermBackend::new(screen_tty)).inspect_err(|_| give_back())?;
+        let terminal =
+            Terminal::new(CrosstermBackend::new(io::BufWriter::with_capacity(1 << 16, screen_tty)))
+                .inspect_err(|_| give_back())?;
         Ok(Self { terminal, events: read_events(), lines })
     }
 }
