@@ -40,6 +40,18 @@ fn growth_of(row: &str) -> &str {
     row.trim_start_matches('>').split_whitespace().nth(3).unwrap_or("")
 }
 
+/// A script that runs `memleak top` on the growth fixture's cache-leak in
+/// `directory`, keeping `stty -a` before and after, and its status.
+fn top_of_cache_leak(directory: &std::path::Path) -> String {
+    format!(
+        "cd {dir} && stty -a > before && {memleak} top -c \"{growth} cache-leak 64\" 1; echo $? > status; \
+         stty -a > after; sleep 600",
+        dir = quoted(directory),
+        memleak = quoted(&memleak_binary()),
+        growth = fixture("growth").display(),
+    )
+}
+
 /// `path` quoted for the shell: a test's directory has parentheses.
 fn quoted(path: &std::path::Path) -> String {
     format!("'{}'", path.display())
@@ -56,15 +68,7 @@ fn assert_cache_row(screen: &str) {
 #[test]
 fn the_live_view_finds_the_leak_opens_filters_saves_diffs_and_gives_the_terminal_back() {
     let directory = TempDir::new("memleak-top");
-    let growth = fixture("growth");
-    let script = format!(
-        "cd {dir} && stty -a > before && {memleak} top -c \"{growth} cache-leak 64\" 1; echo $? > status; \
-         stty -a > after; sleep 600",
-        dir = quoted(directory.path()),
-        memleak = quoted(&memleak_binary()),
-        growth = growth.display(),
-    );
-    let tmux = Tmux::start("live", WIDTH, HEIGHT, &script);
+    let tmux = Tmux::start("live", WIDTH, HEIGHT, &top_of_cache_leak(directory.path()));
     let leak_line = marker_line("growth", "slow-leak");
     // By growth, the leak comes first once it has grown over a round;
     // the cache holds more, and still.
